@@ -1,0 +1,106 @@
+"""The `dsv4` command line: `diagnose` (the main job), `generate`, `make-tiny`, `gate`.
+
+Arguments are parsed strictly: unknown arguments, abbreviations and stray positionals (such as a
+`TEST_LAYERS=10` typed after the command) are errors, never swallowed. `TEST_LAYERS` is read from the
+environment only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPT = "What is the capital of France?"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} is not >= 1")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (exposed for tests)."""
+    p = argparse.ArgumentParser(prog="dsv4", allow_abbrev=False,
+                                description="DeepSeek-V4 inference people can trust.",
+                                epilog="Environment: DSV4_CKPT (default checkpoint directory), "
+                                       "TEST_LAYERS (load only the first N main layers).")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("diagnose", allow_abbrev=False,
+                       help="run both decisive tests (prompt format, final norm) and print the report")
+    d.add_argument("--ckpt", type=Path, default=None,
+                   help="checkpoint directory (default: $DSV4_CKPT, else a tiny checkpoint built on the fly)")
+    d.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
+    d.add_argument("--decode-steps", type=_positive_int, default=2, help="decode steps after prefill (>= 1)")
+    d.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
+    d.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    think = d.add_mutually_exclusive_group()
+    think.add_argument("--thinking", dest="thinking", action="store_true", default=True)
+    think.add_argument("--no-thinking", dest="thinking", action="store_false")
+
+    g = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one user prompt")
+    g.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
+    g.add_argument("--prompt", required=True, help="user prompt text")
+    g.add_argument("--max-tokens", type=_positive_int, default=64)
+    g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    g.add_argument("--device", default="cpu")
+    think = g.add_mutually_exclusive_group()
+    think.add_argument("--thinking", dest="thinking", action="store_true", default=True)
+    think.add_argument("--no-thinking", dest="thinking", action="store_false")
+
+    t = sub.add_parser("make-tiny", allow_abbrev=False,
+                       help="write a tiny random DeepSeek-V4 checkpoint in the official on-disk layout")
+    t.add_argument("out_dir", type=Path)
+    t.add_argument("--variant", choices=("fp8", "bf16"), default="fp8")
+    t.add_argument("--seed", type=int, default=0)
+
+    gt = sub.add_parser("gate", allow_abbrev=False,
+                        help="merge gate: block protected changes without a green hard-stop run")
+    gt.add_argument("--base", required=True, help="git ref the change is compared against")
+    gt.add_argument("--report", type=Path, default=None,
+                    help="pytest-json-report file of a hard-stop run (default: run the hard-stop tests now)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dsv4` console script; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    if args.command == "diagnose":
+        from dsv4.diagnose import run_diagnose
+        return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
+                            json_path=args.json, thinking=args.thinking, device=args.device)
+    if args.command == "generate":
+        from dsv4.generate import run_generate
+        return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,
+                            temperature=args.temperature, thinking=args.thinking, seed=args.seed,
+                            device=args.device)
+    if args.command == "make-tiny":
+        from dsv4.tiny import make_tiny
+        out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
+        print(f"wrote tiny DeepSeek-V4 checkpoint ({args.variant}) to {out}")
+        return 0
+    if args.command == "gate":
+        from dsv4.gate import run_gate
+        return run_gate(base=args.base, report=args.report)
+    raise AssertionError(args.command)  # argparse enforces the choices
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""DeepSeek-V4 architecture configuration (`ModelArgs`) and the runtime env knob `TEST_LAYERS`.
+
+Field names are the official inference config names (`inference/config.json`, reference spec §1.2); the
+HF-style `config.json` shipped at a checkpoint's root is folded into them by `ModelArgs.from_hf_config`
+(spec §1.1, §1.3). Runtime settings (device, dtype, backend, max length) are not architecture and live in
+the model's constructor / decode state, never here.
+
+Dimension legend used by every docstring in dsv4 (one place, STYLE §5):
+    b   batch                      s   sequence (tokens in this call)      t   absolute token position
+    hc  mHC streams (hc_mult = 4)  d   model width (`dim`)                 h   attention heads (`n_heads`)
+    hd  head_dim (512)             rd  rope_head_dim (64)                  nd  hd - rd (448)
+    E   routed experts             k   activated experts per token         V   vocab_size
+    w   compressed entry index     r   compress ratio (0 / 4 / 128)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV"]
+
+TEST_LAYERS_ENV = "TEST_LAYERS"
+_SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+_RATIOS = (0, 4, 128)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Frozen DeepSeek-V4 architecture (official `ModelArgs` field names; spec §1).
+
+    Raises:
+        ValueError: from `__post_init__`, naming the field, its value and what was expected, for any
+            inconsistent value (e.g. `head_dim` not a multiple of 2, `n_heads % o_groups != 0`,
+            `compress_ratios` shorter than `n_layers` or holding a ratio other than 0/4/128).
+    """
+
+    vocab_size: int = 129280
+    dim: int = 4096
+    moe_inter_dim: int = 2048
+    n_layers: int = 43
+    n_hash_layers: int = 3
+    n_mtp_layers: int = 1
+    n_heads: int = 64
+    # MoE
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    n_activated_experts: int = 6
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    # attention
+    q_lora_rank: int = 1024
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = field(default_factory=lambda: (0, 0) + (4, 128) * 20 + (4, 0))
+    # RoPE / YaRN (YaRN applies to ratio>0 layers only, never an mscale: spec §5)
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_seq_len: int = 65536
+    beta_fast: int = 32
+    beta_slow: int = 1
+    # lightning indexer
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # mHC
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    # on-disk quantization: dtype "fp8" (128x128 e4m3 + ue8m0) or "bf16"; expert_dtype "fp4" | "fp8" | "bf16"
+    dtype: str = "fp8"
+    scale_fmt: str | None = "ue8m0"
+    expert_dtype: str = "fp4"
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(f"ModelArgs.{name}={getattr(self, name)!r}: expected {expected}")
+
+        for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
+                     "n_activated_experts", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
+                     "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
+                     "hc_mult", "hc_sinkhorn_iters", "original_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise bad(name, "a positive integer")
+        for name in ("n_hash_layers", "n_mtp_layers", "n_shared_experts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(name, "a non-negative integer")
+        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            raise bad("rope_head_dim", f"an even number <= head_dim ({self.head_dim})")
+        if self.index_head_dim % 2 or self.rope_head_dim > self.index_head_dim:
+            raise bad("index_head_dim", f"an even number >= rope_head_dim ({self.rope_head_dim})")
+        if self.index_head_dim & (self.index_head_dim - 1):
+            raise bad("index_head_dim", "a power of two (the indexer applies a Walsh-Hadamard rotation)")
+        if self.n_heads % self.o_groups:
+            raise bad("o_groups", f"a divisor of n_heads ({self.n_heads})")
+        if self.n_activated_experts > self.n_routed_experts:
+            raise bad("n_activated_experts", f"<= n_routed_experts ({self.n_routed_experts})")
+        if self.n_hash_layers > self.n_layers:
+            raise bad("n_hash_layers", f"<= n_layers ({self.n_layers})")
+        if len(self.compress_ratios) < self.n_layers:
+            raise bad("compress_ratios", f"at least n_layers={self.n_layers} entries "
+                      "(main layers, then one per MTP block)")
+        for i, r in enumerate(self.compress_ratios):
+            if r not in _RATIOS:
+                raise ValueError(f"ModelArgs.compress_ratios[{i}]={r}: expected one of {_RATIOS}")
+        if self.score_func not in _SCORE_FUNCS:
+            raise bad("score_func", f"one of {_SCORE_FUNCS}")
+        if self.dtype not in ("fp8", "bf16"):
+            raise bad("dtype", "'fp8' or 'bf16'")
+        if self.expert_dtype not in ("fp4", "fp8", "bf16"):
+            raise bad("expert_dtype", "'fp4', 'fp8' or 'bf16'")
+        if self.dtype == "fp8" and self.scale_fmt != "ue8m0":
+            raise bad("scale_fmt", "'ue8m0' for an fp8 checkpoint")
+        for name in ("rope_theta", "compress_rope_theta", "rope_factor", "route_scale"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise bad(name, "a finite positive number")
+        for name in ("hc_eps", "norm_eps", "swiglu_limit"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise bad(name, "a finite non-negative number")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def nope_head_dim(self) -> int:
+        """`head_dim - rope_head_dim` (448 for the released models)."""
+        return self.head_dim - self.rope_head_dim
+
+    def ratio(self, layer_id: int) -> int:
+        """Compress ratio of main layer `layer_id` (0 = sliding window only, 4 = CSA, 128 = HCA)."""
+        return self.compress_ratios[layer_id]
+
+    def with_layers(self, n_layers: int) -> "ModelArgs":
+        """Copy keeping only the first `n_layers` main layers (ratios of later layers are dropped, the MTP
+        block's ratio is kept last). Raises ValueError if n_layers is not in 1..self.n_layers."""
+        if not (isinstance(n_layers, int) and 1 <= n_layers <= self.n_layers):
+            raise ValueError(f"n_layers={n_layers!r}: expected an integer in 1..{self.n_layers}")
+        mtp = self.compress_ratios[self.n_layers:]
+        return dataclasses.replace(self, n_layers=n_layers,
+                                   n_hash_layers=min(self.n_hash_layers, n_layers),
+                                   compress_ratios=self.compress_ratios[:n_layers] + mtp)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "ModelArgs":
+        """Build from an HF-style `config.json` (file, checkpoint directory, or parsed dict); spec §1.1.
+
+        Raises:
+            FileNotFoundError: the path has no config.json.
+            ValueError: a required key is missing, has the wrong type, or a value is unsupported (the message
+                names the file and key); `num_key_value_heads != 1`; `rope_scaling` not YaRN.
+        """
+        src = "<dict>"
+        if isinstance(path_or_dict, dict):
+            cfg = path_or_dict
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.is_file():
+                raise FileNotFoundError(f"{p}: no config.json (expected an HF-style DeepSeek-V4 config)")
+            src = str(p)
+            try:
+                cfg = json.loads(p.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{src}: not valid JSON ({e})") from None
+
+        def get(key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
+            if key not in cfg:
+                if default is ...:
+                    raise ValueError(f"{src}: missing key {key!r}")
+                return default
+            v = cfg[key]
+            if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
+                raise ValueError(f"{src}: key {key!r}={v!r} has type {type(v).__name__}, expected {typ}")
+            return v
+
+        mt = cfg.get("model_type")
+        if mt is not None and mt != "deepseek_v4":
+            raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
+        if get("num_key_value_heads", int, 1) != 1:
+            raise ValueError(f"{src}: num_key_value_heads={cfg['num_key_value_heads']}, expected 1 (shared K=V)")
+        num = (int, float)
+        rs = get("rope_scaling", dict, None)
+        if rs is None:
+            rp = cfg.get("rope_parameters") or {}
+            rs = rp.get("compress") if isinstance(rp, dict) else None
+        if rs is None:
+            raise ValueError(f"{src}: missing key 'rope_scaling' (YaRN parameters for compressed layers)")
+        rtype = rs.get("type", rs.get("rope_type"))
+        if rtype != "yarn":
+            raise ValueError(f"{src}: rope_scaling.type={rtype!r}, expected 'yarn'")
+        for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
+            if k not in rs:
+                raise ValueError(f"{src}: missing key 'rope_scaling.{k}'")
+        q = cfg.get("quantization_config")
+        if q is None:
+            dtype, scale_fmt = "bf16", None
+        else:
+            if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+                raise ValueError(f"{src}: quantization_config={q!r}, expected quant_method 'fp8', fmt 'e4m3'")
+            if list(q.get("weight_block_size", [128, 128])) != [128, 128]:
+                raise ValueError(f"{src}: quantization_config.weight_block_size="
+                                 f"{q.get('weight_block_size')!r}, expected [128, 128]")
+            dtype, scale_fmt = "fp8", q.get("scale_fmt", "ue8m0")
+        expert_dtype = cfg.get("expert_dtype", (q or {}).get("expert_dtype"))
+        if expert_dtype is None:
+            # Initial Flash revision [F0] lacks the key but its experts are FP4 on disk (spec §1.1).
+            expert_dtype = "fp4" if dtype == "fp8" else "bf16"
+        n_layers = get("num_hidden_layers", int)
+        ratios = get("compress_ratios", list)
+        return cls(
+            vocab_size=get("vocab_size", int),
+            dim=get("hidden_size", int),
+            moe_inter_dim=get("moe_intermediate_size", int),
+            n_layers=n_layers,
+            n_hash_layers=get("num_hash_layers", int, 0),
+            n_mtp_layers=get("num_nextn_predict_layers", int, 0),
+            n_heads=get("num_attention_heads", int),
+            n_routed_experts=get("n_routed_experts", int),
+            n_shared_experts=get("n_shared_experts", int, 1),
+            n_activated_experts=get("num_experts_per_tok", int),
+            score_func=get("scoring_func", str, "sqrtsoftplus"),
+            route_scale=float(get("routed_scaling_factor", num, 1.0)),
+            swiglu_limit=float(get("swiglu_limit", num, 0.0)),
+            q_lora_rank=get("q_lora_rank", int),
+            head_dim=get("head_dim", int),
+            rope_head_dim=get("qk_rope_head_dim", int),
+            o_groups=get("o_groups", int),
+            o_lora_rank=get("o_lora_rank", int),
+            window_size=get("sliding_window", int),
+            compress_ratios=tuple(ratios),
+            rope_theta=float(get("rope_theta", num)),
+            compress_rope_theta=float(get("compress_rope_theta", num)),
+            rope_factor=float(rs["factor"]),
+            original_seq_len=int(rs["original_max_position_embeddings"]),
+            beta_fast=int(rs["beta_fast"]),
+            beta_slow=int(rs["beta_slow"]),
+            index_n_heads=get("index_n_heads", int),
+            index_head_dim=get("index_head_dim", int),
+            index_topk=get("index_topk", int),
+            hc_mult=get("hc_mult", int),
+            hc_sinkhorn_iters=get("hc_sinkhorn_iters", int),
+            hc_eps=float(get("hc_eps", num)),
+            norm_eps=float(get("rms_norm_eps", num)),
+            dtype=dtype,
+            scale_fmt=scale_fmt,
+            expert_dtype=expert_dtype,
+            bos_token_id=get("bos_token_id", int, 0),
+            eos_token_id=get("eos_token_id", int, 1),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture."""
+        cfg: dict[str, Any] = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+            "vocab_size": self.vocab_size, "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim,
+            "num_hidden_layers": self.n_layers, "num_hash_layers": self.n_hash_layers,
+            "num_nextn_predict_layers": self.n_mtp_layers, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": 1, "n_routed_experts": self.n_routed_experts,
+            "n_shared_experts": self.n_shared_experts, "num_experts_per_tok": self.n_activated_experts,
+            "scoring_func": self.score_func, "routed_scaling_factor": self.route_scale,
+            "norm_topk_prob": True, "topk_method": "noaux_tc", "swiglu_limit": self.swiglu_limit,
+            "q_lora_rank": self.q_lora_rank, "head_dim": self.head_dim, "qk_rope_head_dim": self.rope_head_dim,
+            "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank, "sliding_window": self.window_size,
+            "compress_ratios": list(self.compress_ratios), "rope_theta": self.rope_theta,
+            "compress_rope_theta": self.compress_rope_theta,
+            "rope_scaling": {"type": "yarn", "factor": self.rope_factor,
+                             "original_max_position_embeddings": self.original_seq_len,
+                             "beta_fast": self.beta_fast, "beta_slow": self.beta_slow},
+            "max_position_embeddings": 1048576, "index_n_heads": self.index_n_heads,
+            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk, "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps, "rms_norm_eps": self.norm_eps,
+            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16", "attention_bias": False, "hidden_act": "silu",
+            "expert_dtype": self.expert_dtype,
+        }
+        if self.dtype == "fp8":
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "scale_fmt": self.scale_fmt, "weight_block_size": [128, 128]}
+        return cfg
+
+
+def layers_from_env(n_layers: int, environ: dict[str, str] | None = None) -> int:
+    """Number of main layers to load/run, from the `TEST_LAYERS` environment variable (never a CLI arg).
+
+    Returns `n_layers` when the variable is unset or empty.
+
+    Raises:
+        ValueError: `TEST_LAYERS` is not an integer, or not in 1..n_layers (the message quotes the value).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(TEST_LAYERS_ENV, "").strip()
+    if raw == "":
+        return n_layers
+    try:
+        n = int(raw, 10)
+    except ValueError:
+        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers}") from None
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers} "
+                         f"(the checkpoint has {n_layers} main layers)")
+    return n
