@@ -1,0 +1,336 @@
+"""The hard-stop merge gate behind `dsv4 gate --base REF [--report FILE]` (issue 5, item 5).
+
+A change that touches a protected path (`[tool.dsv4.gate] protected` in pyproject.toml: the kernels, the
+model, mHC and attention code) is allowed only with a green run of the `hardstop` tests for the commit
+being merged. Without `--report` the gate runs them itself::
+
+    TRITON_INTERPRET=1 python -m pytest -m hardstop tests/unit -q -p no:cacheprovider \\
+        --json-report --json-report-file=<tmp>
+
+and reads the report that the root conftest.py extends with `hardstop` and `git_commit`.
+
+What counts as changed: `git diff --no-renames --name-only BASE...HEAD` (the change since the merge base,
+both sides of a rename) plus the working tree's uncommitted and untracked, non-ignored files. A report
+vouches for a commit, not for a working tree, so uncommitted changes under a protected path block.
+
+Protected patterns: the union of pyproject.toml's list in the working tree and at BASE, so a change cannot
+unprotect a path in the same change that edits it. Glob semantics per path segment: `*`, `?`, `[...]` never
+cross `/`; a whole segment `**` matches zero or more segments (`kernels/**` is everything under kernels/).
+
+It fails closed: a missing, unreadable or non-JSON report, one without the hard-stop summary, with no
+hard-stop test, with a hard-stop test that did not pass (failed, errored, skipped, xfailed), with collection
+errors, from a run that stopped early, or made for another commit blocks the change.
+
+Exit statuses of `run_gate`: 0 allowed, 3 blocked, 2 usage or git error (unknown ref, not a repository,
+pyproject without the protected list).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.text import Text
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser under its PyPI name
+    import tomli as tomllib
+
+EXIT_ALLOWED = 0
+EXIT_USAGE = 2
+EXIT_BLOCKED = 3
+HARD_STOP_RULE = "no kernel, mHC or residual change is authorized until these pass"
+PYTEST_ARGS = ("-m", "hardstop", "tests/unit", "-q", "-p", "no:cacheprovider")
+
+
+class GateError(Exception):
+    """Usage or git error (exit status 2): unknown ref, not a repository, bad pyproject."""
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """The gate's verdict.
+
+    allowed: whether the change may merge. reason: one sentence saying why. protected_changes: changed
+    paths matching a protected pattern. failing_tests: hard-stop node ids that did not pass, with their
+    outcome in parentheses. report_commit / head_commit: the commit the report was made for and HEAD
+    (None when not looked at).
+    """
+
+    allowed: bool
+    reason: str
+    protected_changes: list[str] = field(default_factory=list)
+    failing_tests: list[str] = field(default_factory=list)
+    report_commit: str | None = None
+    head_commit: str | None = None
+
+
+def _git_run(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise GateError(f"could not run git {' '.join(args)} in {repo}: {e}") from None
+
+
+def _git(repo: Path, *args: str) -> str:
+    out = _git_run(repo, *args)
+    if out.returncode != 0:
+        raise GateError(f"git {' '.join(args)} failed in {repo}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The top directory of the git work tree holding `start` (default: the current directory).
+
+    Raises GateError when `start` is not inside a git work tree.
+    """
+    start = Path.cwd() if start is None else Path(start)
+    return Path(_git(start, "rev-parse", "--show-toplevel").strip())
+
+
+def resolve_commit(repo: Path, ref: str) -> str:
+    """The full commit id `ref` names in `repo`. Raises GateError naming `ref` when it names no commit."""
+    out = _git_run(repo, "rev-parse", "--verify", "--quiet", "--end-of-options", f"{ref}^{{commit}}")
+    if out.returncode != 0 or not out.stdout.strip():
+        raise GateError(f"base ref {ref!r} names no commit in {repo} "
+                        "(fetch it first, e.g. git fetch origin, and use origin/<branch>)")
+    return out.stdout.strip()
+
+
+def dirty_files(repo: Path) -> list[str]:
+    """Repository-relative paths with uncommitted changes (staged or not) or untracked and not ignored.
+
+    Both sides of a staged rename are listed.
+    """
+    out = _git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=all")
+    entries = out.split("\0")
+    files: list[str] = []
+    i = 0
+    while i < len(entries):
+        entry = entries[i]
+        i += 1
+        if not entry:
+            continue
+        status, path = entry[:2], entry[3:]
+        files.append(path)
+        if "R" in status or "C" in status:  # -z: the source path follows as its own entry
+            files.append(entries[i])
+            i += 1
+    return sorted(set(files))
+
+
+def changed_files(base: str, repo: Path | None = None) -> list[str]:
+    """Paths changed since the merge base of `base` and HEAD, plus uncommitted and untracked files.
+
+    Committed part: `git diff --no-renames --name-only base...HEAD` (a rename counts as its old and new
+    path). Raises GateError naming `base` when it names no commit, or when it shares no history with HEAD.
+    """
+    repo = repo_root(repo)
+    resolve_commit(repo, base)
+    committed = _git(repo, "diff", "--no-renames", "--name-only", "-z", f"{base}...HEAD", "--").split("\0")
+    return sorted({p for p in committed if p} | set(dirty_files(repo)))
+
+
+def _patterns_from_toml(text: str, where: str) -> list[str]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise GateError(f"{where}: not valid TOML: {e}") from None
+    pats = data.get("tool", {}).get("dsv4", {}).get("gate", {}).get("protected")
+    if not isinstance(pats, list) or not pats:
+        raise GateError(f"{where}: [tool.dsv4.gate] protected must be a non-empty list of path patterns, "
+                        f"got {pats!r}")
+    for p in pats:
+        if not isinstance(p, str) or not p or p.startswith(("/", "./")) or "\\" in p:
+            raise GateError(f"{where}: [tool.dsv4.gate] protected entry {p!r} is not a repository-relative "
+                            "pattern (expected e.g. 'kernels/**' or 'dsv4/model.py')")
+    return list(pats)
+
+
+def protected_patterns(repo: Path | None = None, base: str | None = None) -> list[str]:
+    """The protected path patterns from `repo`/pyproject.toml, `[tool.dsv4.gate] protected`.
+
+    With `base`, the union with the list in pyproject.toml at that commit (when the file and the section
+    exist there), so a change cannot drop a protection it relies on. Raises GateError naming the file and
+    key when the working tree's list is missing, empty or malformed.
+    """
+    repo = repo_root(repo)
+    path = repo / "pyproject.toml"
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise GateError(f"{path}: cannot read the protected path list: {e}") from None
+    pats = _patterns_from_toml(text, str(path))
+    if base is not None:
+        shown = _git_run(repo, "show", f"{resolve_commit(repo, base)}:pyproject.toml")
+        if shown.returncode == 0 and "[tool.dsv4.gate]" in shown.stdout:
+            pats += [p for p in _patterns_from_toml(shown.stdout, f"{base}:pyproject.toml") if p not in pats]
+    return pats
+
+
+def _match_segments(pat: list[str], path: list[str]) -> bool:
+    if not pat:
+        return not path
+    if pat[0] == "**":
+        return any(_match_segments(pat[1:], path[k:]) for k in range(len(path) + 1))
+    return bool(path) and fnmatchcase(path[0], pat[0]) and _match_segments(pat[1:], path[1:])
+
+
+def match_protected(files: list[str], patterns: list[str]) -> list[str]:
+    """The `files` (repository-relative, `/`-separated) matching any of `patterns`, in input order.
+
+    Glob semantics per segment (`*`, `?`, `[...]` stay inside one segment; `**` as a whole segment matches
+    zero or more segments); case-sensitive.
+    """
+    pats = [p.split("/") for p in patterns]
+    return [f for f in files if any(_match_segments(p, f.split("/")) for p in pats)]
+
+
+def load_report(path: Path) -> dict:
+    """Parse a pytest-json-report file. Raises ValueError saying why it is missing, unreadable or not JSON."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"report {path} is missing or unreadable: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"report {path} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"report {path} is not a pytest-json-report object (top level is {type(data).__name__})")
+    return data
+
+
+def judge_report(report: dict, head_commit: str) -> tuple[str | None, list[str]]:
+    """Check a pytest-json-report dict as a green hard-stop run for `head_commit`.
+
+    Returns (problem, failing_tests): problem is None when the run is green, else a sentence saying why
+    not; failing_tests are hard-stop node ids that did not pass, each with its outcome in parentheses.
+    """
+    hs = report.get("hardstop")
+    if not isinstance(hs, dict) or not isinstance(hs.get("tests"), list) or not isinstance(hs.get("failed"), list):
+        return ("the report has no hard-stop summary (run pytest from the repository root, whose conftest.py "
+                "adds it, with --json-report)"), []
+    commit = report.get("git_commit")
+    if not isinstance(commit, str) or not commit:
+        return "the report names no git commit (it was not made inside the repository)", []
+    if commit != head_commit:
+        return f"the report is stale: it was made for commit {commit}, HEAD is {head_commit}", []
+    if not hs["tests"]:
+        return "no hard-stop test ran in the reported run", []
+    outcomes = {t.get("nodeid"): t.get("outcome") for t in report.get("tests", []) if isinstance(t, dict)}
+    failing = [f"{n} (failed)" for n in hs["failed"]]
+    failing += [f"{n} ({outcomes.get(n, 'no result in report')})" for n in hs["tests"]
+                if n not in hs["failed"] and outcomes.get(n) != "passed"]
+    if failing:
+        return f"{len(failing)} hard-stop test(s) did not pass", failing
+    if hs.get("passed") is not True:
+        return "the report's hard-stop summary does not say passed", []
+    broken = [c.get("nodeid") for c in report.get("collectors", []) if isinstance(c, dict) and c.get("outcome") == "failed"]
+    if broken:
+        return f"collection errors in {', '.join(map(str, broken))}: hard-stop tests there never ran", []
+    exitcode = report.get("exitcode")
+    if exitcode not in (0, 1):
+        return f"the reported pytest run ended with exit status {exitcode} (interrupted or unusable)", []
+    s = report.get("summary", {})
+    if isinstance(s, dict) and isinstance(s.get("collected"), int):
+        ran, selected = s.get("total", 0), s["collected"] - s.get("deselected", 0)
+        if ran < selected:
+            return f"the reported run stopped early: {ran} of {selected} selected tests ran", []
+    return None, []
+
+
+def run_hardstop_tests(repo: Path, report_file: Path) -> int:
+    """Run the hard-stop unit tests in `repo` (output streams to the terminal), writing a JSON report to
+    `report_file`; returns pytest's exit status."""
+    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "--json-report", f"--json-report-file={report_file}"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 {' '.join(cmd[1:])}", markup=False)
+    sys.stdout.flush()
+    return subprocess.run(cmd, cwd=repo, env=env).returncode
+
+
+def evaluate(base: str, report: Path | None = None, repo: Path | None = None,
+             runner=run_hardstop_tests) -> GateDecision:
+    """Decide whether the change from `base` to HEAD (plus the working tree) may merge.
+
+    `report`: a pytest-json-report file of a hard-stop run; None runs the tests via `runner(repo, file)`
+    (only when a protected path changed). Raises GateError on usage or git errors.
+    """
+    repo = repo_root(repo)
+    changed = changed_files(base, repo)
+    patterns = protected_patterns(repo, base)
+    protected = match_protected(changed, patterns)
+    if not protected:
+        return GateDecision(True, f"no protected path changed since {base} ({len(changed)} file(s) changed)")
+    head = resolve_commit(repo, "HEAD")
+    dirty = match_protected(dirty_files(repo), patterns)
+    if dirty:
+        return GateDecision(False, "protected files have uncommitted changes (a hard-stop report vouches for "
+                                   f"a commit, not a working tree): {', '.join(dirty)}", protected, [], None, head)
+    with tempfile.TemporaryDirectory(prefix="dsv4-gate-") as tmp:
+        if report is None:
+            report = Path(tmp) / "hardstop.json"
+            status = runner(repo, report)
+            if not report.exists():
+                return GateDecision(False, f"the hard-stop run (pytest exit status {status}) wrote no report",
+                                    protected, [], None, head)
+        try:
+            data = load_report(report)
+        except ValueError as e:
+            return GateDecision(False, str(e), protected, [], None, head)
+    problem, failing = judge_report(data, head)
+    commit = data.get("git_commit") if isinstance(data.get("git_commit"), str) else None
+    if problem:
+        return GateDecision(False, problem, protected, failing, commit, head)
+    n = len(data["hardstop"]["tests"])
+    return GateDecision(True, f"green hard-stop run for HEAD {head[:12]} ({n} test(s) passed)",
+                        protected, [], commit, head)
+
+
+def _console(stderr: bool = False) -> Console:
+    # CI logs are not terminals: rich would wrap at 80 columns and split test ids; use 160 unless told.
+    stream = sys.stderr if stderr else sys.stdout
+    wide = None if stream.isatty() or "COLUMNS" in os.environ else 160
+    return Console(stderr=stderr, highlight=False, width=wide, soft_wrap=False)
+
+
+def render(decision: GateDecision, console: Console | None = None) -> None:
+    """Print the decision: a green ALLOWED line, or a red BLOCKED panel naming the tests and the rule."""
+    console = console or _console()
+    if decision.allowed:
+        console.print(Text(f"dsv4 gate: ALLOWED: {decision.reason}", style="bold green"))
+        return
+    body = Text()
+    body.append(f"{decision.reason}.\n", style="bold")
+    if decision.failing_tests:
+        body.append("Failing hard-stop tests:\n")
+        for t in decision.failing_tests:
+            body.append(f"  {t}\n", style="bold red")
+    body.append("Protected paths changed:\n")
+    for p in decision.protected_changes:
+        body.append(f"  {p}\n")
+    if decision.head_commit:
+        body.append(f"HEAD {decision.head_commit}, report commit {decision.report_commit}\n")
+    body.append(f"Rule: {HARD_STOP_RULE}.", style="bold red")
+    console.print(Panel(body, title="BLOCKED by dsv4 gate: HARD STOP", border_style="bold red"))
+
+
+def run_gate(base: str, report: Path | None) -> int:
+    """`dsv4 gate`: evaluate, print, and return the exit status (0 allowed, 3 blocked, 2 usage/git error)."""
+    try:
+        decision = evaluate(base, report)
+    except GateError as e:
+        _console(stderr=True).print(Text(f"dsv4 gate: error: {e}", style="bold red"))
+        return EXIT_USAGE
+    render(decision)
+    return EXIT_ALLOWED if decision.allowed else EXIT_BLOCKED
