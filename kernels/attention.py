@@ -1,0 +1,291 @@
+"""Sparse attention with a per-head sink over a gathered index set (spec §5), shared K=V (MQA, one KV head).
+
+Reading order (STYLE §1): `sparse_attn_ref` (plain torch, the executable spec), the `@triton.jit` kernels, the
+launcher `sparse_attn`.
+
+Dimension legend: b batch, s queries per sequence, h heads (64 Flash / 128 Pro), hd head dim (512),
+n rows of the KV tensor, k index slots per query (window 128 + compressed entries).
+
+Maths for query t, head h, selected slot set J = {j : idx[b, t, j] != -1} (spec §5 "Attention sink"):
+    s_j = scale * (q[b,t,h] . kv[b, idx_j]),   m = max_j s_j,
+    o[b,t,h] = sum_J e^(s_j - m) kv[b, idx_j] / (sum_J e^(s_j - m) + e^(sink_h - m)).
+Both implementations take the max over {s_j} ∪ {sink_h} instead of {s_j}: the quotient is mathematically
+identical and nothing overflows. Documented edge cases:
+  * a query whose slots are all -1 gets o = 0 exactly (only the sink, whose value vector is zero);
+  * a duplicated index is two keys: it enters numerator and denominator twice (as the official kernel does;
+    callers never duplicate, spec §5 "nothing is deduplicated" refers to window vs compressed rows, which are
+    distinct rows of kv).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference stays importable without triton; the launcher raises.
+    triton = None
+    tl = None
+
+_LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_inputs(q, kv, attn_sink, idx, softmax_scale, where: str) -> None:
+    """Shared shape/dtype/value checks; raise ValueError naming the argument, the value and the expectation."""
+    for name, t in (("q", q), ("kv", kv), ("attn_sink", attn_sink), ("idx", idx)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"{where}: q must be [b, s, h, hd], got shape {tuple(q.shape)}")
+    b, s, h, hd = q.shape
+    if kv.dim() != 3 or kv.shape[0] != b or kv.shape[2] != hd:
+        raise ValueError(f"{where}: kv must be [b={b}, n, hd={hd}], got shape {tuple(kv.shape)}")
+    if q.dtype not in _FLOAT_DTYPES or kv.dtype != q.dtype:
+        raise ValueError(f"{where}: q and kv must share a dtype in {_FLOAT_DTYPES}, got q {q.dtype}, kv {kv.dtype}")
+    if attn_sink.shape != (h,) or attn_sink.dtype != torch.float32:
+        raise ValueError(f"{where}: attn_sink must be float32 [h={h}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+    if idx.dim() != 3 or idx.shape[:2] != (b, s) or idx.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{where}: idx must be int32/int64 [b={b}, s={s}, k], got {idx.dtype} {tuple(idx.shape)}")
+    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"{where}: softmax_scale must be a finite positive float, got {softmax_scale!r}")
+    devices = {t.device for t in (q, kv, attn_sink, idx)}
+    if len(devices) != 1:
+        raise ValueError(f"{where}: q, kv, attn_sink, idx must be on one device, got {sorted(map(str, devices))}")
+
+
+def _check_index_range(idx: torch.Tensor, n: int, where: str) -> None:
+    """Indices must be -1 (empty) or in [0, n). One device sync; the launcher lets a caller skip it."""
+    if idx.numel() == 0:
+        return
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < -1 or hi >= n:
+        raise ValueError(f"{where}: idx values must be -1 (empty) or in [0, n={n}), got min {lo} max {hi}")
+
+
+def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                    softmax_scale: float) -> torch.Tensor:
+    """Reference sparse attention with sink (spec §5), fp32 maths, output in q.dtype.
+
+    Args:
+        q: [b, s, h, hd] bfloat16 or float32 queries.
+        kv: [b, n, hd] same dtype; shared key and value rows (window ring / raw tokens, then compressed entries).
+        attn_sink: [h] float32 per-head sink logit (value vector zero).
+        idx: [b, s, k] int32/int64 rows of kv per query; -1 = empty slot.
+        softmax_scale: positive float (the model uses hd**-0.5 = 512**-0.5).
+    Returns:
+        o: [b, s, h, hd] in q.dtype. All-empty rows give exactly 0; duplicated indices count twice.
+    Raises:
+        ValueError: wrong rank/shape/dtype/device, a non-positive scale, or an index outside {-1} ∪ [0, n).
+    """
+    _check_inputs(q, kv, attn_sink, idx, softmax_scale, "sparse_attn_ref")
+    _check_index_range(idx, kv.shape[1], "sparse_attn_ref")
+    b, s, h, hd = q.shape
+    valid = idx >= 0                                                           # [b, s, k]
+    safe = idx.clamp(min=0).long()
+    rows = torch.gather(kv.float(), 1, safe.reshape(b, -1, 1).expand(-1, -1, hd)).reshape(b, s, -1, hd)
+    logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * softmax_scale  # [b, s, h, k]
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    sink = attn_sink.float().view(1, 1, h, 1)
+    m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink) if logits.shape[-1] else sink.expand(b, s, h, 1)
+    p = torch.exp(logits - m)                                                  # exp(-inf) = 0 for empty slots
+    denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - m)
+    o = torch.einsum("bshk,bskd->bshd", p, rows) / denom
+    return o.to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, DOT: tl.constexpr):
+        """a @ b with fp32 accumulation. DOT 0: native (bf16 tensor cores); 1: fp32 inputs, exact ("ieee", no
+        tf32); 2: bf16 inputs upcast to fp32 first: only under TRITON_INTERPRET=1, whose create_dot multiplies the
+        raw uint16 storage of bf16 (triton 3.9); bf16 x bf16 products are exact in fp32, so the result is the same
+        maths as DOT 0."""
+        if DOT == 0:
+            return tl.dot(a, b)
+        elif DOT == 1:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
+    def _sparse_attn_kernel(Q, KV, SINK, IDX, O, PACC, PML,
+                            S, H, K, CHUNK, NSPLIT,
+                            sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
+                            qk_scale,
+                            HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLIT: tl.constexpr, DOT: tl.constexpr):
+        """One program: one query (b, t), BLOCK_H heads, index slots [sp*CHUNK, (sp+1)*CHUNK).
+
+        Online softmax in the log2 domain, m initialised to the sink so no -inf - -inf appears. SPLIT=False
+        writes o; SPLIT=True writes the unnormalised partial (acc, m, l) for `_sparse_attn_combine`.
+        """
+        pid_bs = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        sp = tl.program_id(2)
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, HD)
+        q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + d[None, :], mask=hmask[:, None], other=0.0)
+        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        m = sink
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+        start = sp * CHUNK
+        end = tl.minimum(start + CHUNK, K)
+        for j0 in range(start, end, BLOCK_N):
+            offs = j0 + tl.arange(0, BLOCK_N)
+            ix = tl.load(IDX + b * sib + t * sis + offs, mask=offs < end, other=-1).to(tl.int64)
+            valid = ix >= 0
+            rows = tl.load(KV + b * skb + ix[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            sc = _dot(q, tl.trans(rows), DOT)
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            pv = _dot(p.to(rows.dtype), rows, DOT)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        if SPLIT:
+            base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
+            tl.store(PACC + (base + heads[:, None]) * HD + d[None, :], acc, mask=hmask[:, None])
+            tl.store(PML + (base + heads) * 2, m, mask=hmask)
+            tl.store(PML + (base + heads) * 2 + 1, l, mask=hmask)
+        else:
+            o = acc / (l + tl.exp2(sink - m))[:, None]
+            tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+                     mask=hmask[:, None])
+
+    @triton.jit
+    def _sparse_attn_combine(SINK, O, PACC, PML, S, H, NSPLIT, sob, sos, soh,
+                             HD: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Merge NSPLIT partials of one query and BLOCK_H heads, add the sink, write o."""
+        pid_bs = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, HD)
+        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        mm = sink
+        ll = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+        for sp in range(0, NSPLIT):
+            base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
+            m_i = tl.load(PML + (base + heads) * 2, mask=hmask, other=0.0)
+            l_i = tl.load(PML + (base + heads) * 2 + 1, mask=hmask, other=0.0)
+            a_i = tl.load(PACC + (base + heads[:, None]) * HD + d[None, :], mask=hmask[:, None], other=0.0)
+            m_new = tl.maximum(mm, m_i)
+            alpha = tl.exp2(mm - m_new)
+            beta = tl.exp2(m_i - m_new)
+            ll = ll * alpha + l_i * beta
+            acc = acc * alpha[:, None] + a_i * beta[:, None]
+            mm = m_new
+        o = acc / (ll + tl.exp2(sink - mm))[:, None]
+        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+                 mask=hmask[:, None])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_launch_device(tensors: dict, where: str) -> None:
+    """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) that are contiguous."""
+    if triton is None:
+        raise RuntimeError(f"{where}: triton is not installed; use the *_ref function or install dsv4[triton]")
+    for name, t in tensors.items():
+        if not (t.is_cuda or _interpreting()):
+            raise ValueError(f"{where}: {name} is on {t.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: {name} must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    """`_dot` mode for operands of `dtype`: 1 for fp32 (exact), 2 for bf16 under the interpreter, else 0."""
+    if dtype == torch.float32:
+        return 1
+    return 2 if _interpreting() else 0
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: any small count exercises both code paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                softmax_scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
+                block_h: int | None = None, block_n: int = 32, num_warps: int = 4,
+                check_idx: bool = True) -> torch.Tensor:
+    """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
+
+    Prefill (s > 1) and decode (s == 1) share one kernel: a program owns one query and `block_h` heads, so the
+    gathered KV tile is loaded once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU
+    (decode), the k slots are split over `num_splits` programs (flash-decoding) and a second kernel merges the
+    partials and adds the sink.
+
+    Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
+        out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
+        num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
+        block_h: heads per program (default 16; a power of two >= 16 for tensor cores); block_n: slots per tile.
+        check_idx: verify idx ∈ {-1} ∪ [0, n) (one device sync). Out-of-range indices with check_idx=False
+            read out of bounds; only pass False when the caller built idx itself (benchmarks, CUDA graphs).
+    Returns: o [b, s, h, hd] in q.dtype (fp32 accumulation; bf16 inputs multiply P in bf16, as official).
+    Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
+    """
+    where = "kernels.attention.sparse_attn"
+    _check_inputs(q, kv, attn_sink, idx, softmax_scale, where)
+    _check_launch_device({"q": q, "kv": kv, "attn_sink": attn_sink, "idx": idx}, where)
+    b, s, h, hd = q.shape
+    n, k = kv.shape[1], idx.shape[2]
+    if hd < 16 or hd & (hd - 1):
+        raise ValueError(f"{where}: head dim hd must be a power of two >= 16, got {hd}")
+    if check_idx:
+        _check_index_range(idx, n, where)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise ValueError(f"{where}: out must be contiguous {q.dtype} {tuple(q.shape)} on {q.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    block_h = block_h or 16
+    for name, v, lo in (("block_h", block_h, 16), ("block_n", block_n, 16)):
+        if v < lo or v & (v - 1):
+            raise ValueError(f"{where}: {name} must be a power of two >= {lo}, got {v}")
+    if b * s == 0 or h == 0:
+        return out
+    n_hblk = triton.cdiv(h, block_h)
+    programs = b * s * n_hblk
+    n_tiles = max(1, triton.cdiv(k, block_n))
+    if num_splits is None:
+        num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"{where}: num_splits must be an int >= 1, got {num_splits!r}")
+    chunk = triton.cdiv(n_tiles, num_splits) * block_n
+    num_splits = max(1, triton.cdiv(k, chunk))
+    split = num_splits > 1
+    pacc = pml = out  # unused placeholders when not splitting
+    if split:
+        pacc = torch.empty((b * s, num_splits, h, hd), dtype=torch.float32, device=q.device)
+        pml = torch.empty((b * s, num_splits, h, 2), dtype=torch.float32, device=q.device)
+    _sparse_attn_kernel[(b * s, n_hblk, num_splits)](
+        q, kv, attn_sink, idx, out, pacc, pml, s, h, k, chunk, num_splits,
+        q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
+        HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
+        num_warps=num_warps)
+    if split:
+        _sparse_attn_combine[(b * s, n_hblk)](attn_sink, out, pacc, pml, s, h, num_splits,
+                                              out.stride(0), out.stride(1), out.stride(2),
+                                              HD=hd, BLOCK_H=block_h, num_warps=num_warps)
+    return out
