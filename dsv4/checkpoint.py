@@ -156,3 +156,249 @@ def expected_tensors(args: ModelArgs, n_layers: int | None = None, include_mtp: 
 def inventory_bytes(inv: Inventory) -> int:
     """Total data bytes of an inventory (what `model.safetensors.index.json` calls `total_size`)."""
     return sum(math.prod(shape) * DTYPE_BYTES[dt] for shape, dt in inv.values())
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Parse and check one safetensors header: name -> (dtype string, shape).
+
+    Raises CheckpointError naming the file for: a file shorter than its header, invalid JSON, an unknown dtype,
+    a tensor whose byte range does not match its shape, data that ends before the header says (truncated) or
+    trailing bytes after it.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated: {size} bytes, expected at least an 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise CheckpointError(f"{path}: truncated: header declares {n} header bytes, file holds {size - 8}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_len, end_max, last = size - 8 - n, 0, None
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, info in header.items():
+        try:
+            dt, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r}") from None
+        if dt not in DTYPE_BYTES:
+            raise CheckpointError(f"{path}: tensor {name}: unknown safetensors dtype {dt!r}")
+        if end - begin != math.prod(shape) * DTYPE_BYTES[dt] or begin < 0:
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {begin}..{end} do not hold shape "
+                                  f"{list(shape)} of {dt} ({math.prod(shape) * DTYPE_BYTES[dt]} bytes)")
+        if end > end_max:
+            end_max, last = end, name
+        out[name] = (dt, shape)
+    if end_max > data_len:
+        raise CheckpointError(f"{path}: truncated: tensor {last} ends at data byte {end_max}, but the file holds "
+                              f"only {data_len} data bytes ({size} bytes in all)")
+    if end_max < data_len:
+        raise CheckpointError(f"{path}: {data_len - end_max} unexpected trailing bytes after the last tensor")
+    return out
+
+
+class Checkpoint:
+    """A DeepSeek-V4 checkpoint directory, memory-mapped through `safetensors.safe_open`.
+
+    Opening reads `config.json` (`.args`), the index (or the single `model.safetensors`) and every shard's
+    header, and checks that they agree; tensor data is read only by `get` / `get_quantized`.
+
+    Raises (from the constructor):
+        FileNotFoundError: no config.json, or neither an index nor `model.safetensors`.
+        CheckpointError: the index names a shard that does not exist; the index and a shard disagree about a
+            tensor (missing from its shard, or a shard holding a tensor the index does not list); a truncated
+            or malformed shard; `total_size` different from the sum of the tensors' bytes.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"{self.path}: not a checkpoint directory")
+        self.args: ModelArgs = ModelArgs.from_hf_config(self.path)
+        self._meta: dict[str, tuple[Path, str, tuple[int, ...]]] = {}
+        self._handles: dict[Path, object] = {}
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self._open_index(index)
+        elif (self.path / SINGLE_FILE).is_file():
+            f = self.path / SINGLE_FILE
+            self.shards = [f]
+            for name, (dt, shape) in _read_header(f).items():
+                self._meta[name] = (f, dt, shape)
+        else:
+            raise FileNotFoundError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+
+    def _open_index(self, index: Path) -> None:
+        try:
+            doc = json.loads(index.read_text())
+            weight_map = doc["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({e!r})") from None
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, []).append(name)
+        self.shards = []
+        for shard, names in sorted(by_shard.items()):
+            f = self.path / shard
+            if not f.is_file():
+                raise CheckpointError(f"{index}: weight_map maps {len(names)} tensors (e.g. {names[0]}) to shard "
+                                      f"{shard}, but {f} does not exist")
+            self.shards.append(f)
+            header = _read_header(f)
+            for name in names:
+                if name not in header:
+                    raise CheckpointError(f"{index}: maps tensor {name} to {shard}, but {f} does not hold it")
+                self._meta[name] = (f, *header[name])
+            stray = sorted(set(header) - set(names))
+            if stray:
+                raise CheckpointError(f"{f}: holds {len(stray)} tensors that {INDEX_FILE} does not map to this "
+                                      f"shard (e.g. {stray[0]})")
+        total = (doc.get("metadata") or {}).get("total_size")
+        actual = sum(math.prod(s) * DTYPE_BYTES[dt] for _, dt, s in self._meta.values())
+        if total is not None and int(total) != actual:
+            raise CheckpointError(f"{index}: metadata.total_size={total}, but the shards' tensors hold {actual} bytes")
+
+    # ------------------------------------------------------------------ metadata
+    def keys(self) -> list[str]:
+        """All tensor names in the checkpoint, sorted."""
+        return sorted(self._meta)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._meta
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def info(self, name: str) -> tuple[tuple[int, ...], str, Path]:
+        """(shape, safetensors dtype string, shard file) of `name`, from the headers. KeyError if absent."""
+        if name not in self._meta:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        f, dt, shape = self._meta[name]
+        return shape, dt, f
+
+    def validate(self, full: Inventory, required: set[str] | None = None) -> None:
+        """Check the headers against an inventory: no tensor outside `full`, every present tensor of `full` has
+        its shape and dtype, every name in `required` (default: all of `full`) is present.
+
+        Raises CheckpointError naming the tensor, its file (or the checkpoint) and the expected shape/dtype.
+        """
+        stray = sorted(set(self._meta) - set(full))
+        if stray:
+            f = self._meta[stray[0]][0]
+            raise CheckpointError(f"{f}: unexpected tensor {stray[0]} (not in the official inventory for this "
+                                  f"config.json; {len(stray)} unexpected in all)")
+        for name, (f, dt, shape) in self._meta.items():
+            want_shape, want_dt = full[name]
+            if dt != want_dt:
+                hint = " (ue8m0 exponent bytes; reading them as numbers corrupts every weight)" \
+                    if name.endswith(".scale") else ""
+                raise CheckpointError(f"{f}: tensor {name} has dtype {dt}, expected {want_dt}{hint}")
+            if shape != want_shape:
+                raise CheckpointError(f"{f}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
+        missing = sorted((set(full) if required is None else required) - set(self._meta))
+        if missing:
+            raise CheckpointError(f"{self.path}: missing tensor {missing[0]} (expected shape "
+                                  f"{list(full[missing[0]][0])} {full[missing[0]][1]}; {len(missing)} missing in all)")
+
+    # ------------------------------------------------------------------ data
+    def _raw(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        f = self.info(name)[2]
+        if f not in self._handles:
+            from safetensors import safe_open
+            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        return self._handles[f].get_tensor(name).to(device)
+
+    def _scale_of(self, name: str) -> str:
+        scale = name.removesuffix(".weight") + ".scale"
+        shape, dt, f = self.info(name)
+        if not name.endswith(".weight") or scale not in self._meta:
+            raise CheckpointError(f"{f}: quantized tensor {name} ({dt} {list(shape)}) has no {scale} "
+                                  f"(expected an F8_E8M0 scale beside it)")
+        sdt, sf = self._meta[scale][1], self._meta[scale][0]
+        if sdt != "F8_E8M0":
+            raise CheckpointError(f"{sf}: tensor {scale} has dtype {sdt}, expected F8_E8M0 (ue8m0 exponent "
+                                  f"bytes; reading them as numbers corrupts every weight)")
+        return scale
+
+    def get_quantized(self, name: str, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The on-disk (weight, scale) of a quantized weight, untouched, for kernels.
+
+        FP8: (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/128), ceil(in/128)]);
+        FP4: (int8 [out, in/2] two e2m1 codes per byte, low nibble first, float8_e8m0fnu [out, in/32]).
+        Raises KeyError (absent) / CheckpointError (no `.scale`, or a scale that is not F8_E8M0).
+        """
+        scale = self._scale_of(name)
+        return self._raw(name, device), self._raw(scale, device)
+
+    def get(self, name: str, *, dtype: torch.dtype = torch.float32, dequantize: bool = True,
+            device: str | torch.device = "cpu") -> torch.Tensor:
+        """One tensor by official name.
+
+        `dequantize=False`: the raw on-disk tensor. Otherwise: FP8 (F8_E4M3 + `.scale`) and FP4 (I8 + `.scale`)
+        weights dequantized exactly (spec §2) then cast to `dtype`; a `.scale` itself decoded to 2^(e-127);
+        BF16/F32 cast to `dtype`; I64 (`tid2eid`) returned as int64 whatever `dtype` is. Dequantization runs
+        on `device`.
+
+        Raises KeyError (absent), CheckpointError (missing/mis-typed/mis-shaped scale, unsupported dtype).
+        """
+        shape, dt, f = self.info(name)
+        if not dequantize:
+            return self._raw(name, device)
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype={dtype}: expected a floating dtype for dequantized weights")
+        try:
+            if dt in ("F8_E4M3", "I8"):
+                w, s = self.get_quantized(name, device)
+                deq = quant.fp8_block_dequant if dt == "F8_E4M3" else quant.fp4_dequant
+                return deq(w, s, out_dtype=dtype)
+            if dt == "F8_E8M0":
+                return quant.e8m0_to_float(self._raw(name, device)).to(dtype)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{f}: tensor {name}: {e}") from None
+        if dt in ("BF16", "F32"):
+            return self._raw(name, device).to(dtype)
+        if dt == "I64":
+            return self._raw(name, device)
+        raise CheckpointError(f"{f}: tensor {name} has dtype {dt}, expected one of F8_E4M3, I8, F8_E8M0, BF16, "
+                              f"F32, I64")
+
+
+def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mtp: bool = False,
+                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    progress: bool = True) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Open, validate and load a checkpoint as a dequantized official-name state dict.
+
+    Validation covers the whole checkpoint's headers against `expected_tensors(args, include_mtp=True)` (no
+    unexpected tensor, every shape and dtype right) and requires every tensor that is loaded. Loaded: the
+    globals (`embed`, `head`, `norm`, `hc_head_*`), main layers `< n_layers` (default all; callers pass
+    `dsv4.config.layers_from_env(...)`), and `mtp.*` only with `include_mtp`. No `.scale` entries are
+    returned: FP8/FP4 weights come dequantized. Every floating tensor is returned as `dtype` (so the F32
+    parameters hc_*, attn_sink, ape, gate.bias stay float32 when dtype is float32 and are cast to `dtype`
+    otherwise); `tid2eid` stays int64.
+
+    Returns: (`args.with_layers(n_layers)` if n_layers is given else `args`, {name: tensor on `device`}).
+    Raises: ValueError (n_layers outside 1..args.n_layers), FileNotFoundError, CheckpointError (see
+        `Checkpoint`, `Checkpoint.validate`, `Checkpoint.get`).
+    """
+    ck = Checkpoint(path)
+    args = ck.args
+    out_args = args if n_layers is None else args.with_layers(n_layers)
+    want = expected_tensors(args, n_layers, include_mtp)
+    ck.validate(expected_tensors(args, include_mtp=True), required=set(want))
+    names = sorted((n for n in want if not n.endswith(".scale")), key=lambda n: (str(ck.info(n)[2]), n))
+    if progress and len({ck.info(n)[2] for n in names}) > 1:
+        from rich.progress import track
+        names_iter = track(names, description=f"loading {len(names)} tensors from {ck.path.name}")
+    else:
+        names_iter = names
+    sd = {n: ck.get(n, dtype=dtype, device=device) for n in names_iter}
+    return out_args, dict(sorted(sd.items()))

