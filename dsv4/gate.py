@@ -254,7 +254,8 @@ def run_hardstop_tests(repo: Path, report_file: Path) -> int:
     `report_file`; returns pytest's exit status."""
     cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "--json-report", f"--json-report-file={report_file}"]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 {' '.join(cmd[1:])}", markup=False)
+    _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 python {' '.join(cmd[1:])}", markup=False,
+                     soft_wrap=True)
     sys.stdout.flush()
     return subprocess.run(cmd, cwd=repo, env=env).returncode
 
@@ -320,9 +321,10 @@ def render(decision: GateDecision, console: Console | None = None) -> None:
     for p in decision.protected_changes:
         body.append(f"  {p}\n")
     if decision.head_commit:
-        body.append(f"HEAD {decision.head_commit}, report commit {decision.report_commit}\n")
+        body.append(f"HEAD {decision.head_commit}")
+        body.append(f", report made for {decision.report_commit}\n" if decision.report_commit else "\n")
     body.append(f"Rule: {HARD_STOP_RULE}.", style="bold red")
-    console.print(Panel(body, title="BLOCKED by dsv4 gate: HARD STOP", border_style="bold red"))
+    console.print(Panel(body, title="BLOCKED by dsv4 gate: HARD STOP", border_style="bold red", expand=False))
 
 
 def run_gate(base: str, report: Path | None) -> int:
