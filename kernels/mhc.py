@@ -1,0 +1,387 @@
+"""mHC (manifold-constrained hyper-connections): `hc_pre`, `hc_post`, `hc_head` and their torch references.
+
+Spec: `dsv4_reference_spec.md` §4 (per-block pre/post, Sinkhorn) and §9 (hc_head), pitfalls §14.1–3.
+Reading order (STYLE §1): the plain-torch `*_ref` functions (the executable spec, CPU-importable, called by the
+reference model as THE mHC maths), then the `@triton.jit` kernels, then the launchers.
+
+Dimension legend: T tokens (the model flattens [b, s] to T), hc residual streams (4 in DeepSeek-V4),
+D model width, K = hc·D flattened stream-major width (index j·D + c), M = (2+hc)·hc mixes per token.
+All inputs are exactly 3-D `[T, hc, D]`; callers flatten leading dims themselves.
+
+Kernel plan (pre and head): a split-K mix kernel computes, per token block and K-slice, the partial projections
+`fn @ X` (tensor cores in tf32x3, ≈fp32 accuracy) and the partial sum of squares into an fp32 workspace; a finish
+kernel (grid tokens × D-blocks) sums the partials in a fixed order (deterministic), applies the RMS scale,
+sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
+pre/head site; H is read twice (the second read walks tokens in reverse so the tail still in L2 is reused).
+`hc_post` is one single-pass launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_H_DTYPES = (torch.bfloat16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation shared by references and launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def _fail(op: str, name: str, value, expected: str) -> None:
+    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
+
+
+def _check(op: str, name: str, t, shape: tuple, dtype) -> None:
+    """Type, shape and dtype of one tensor argument."""
+    if not isinstance(t, torch.Tensor):
+        _fail(op, name, type(t).__name__, "a torch.Tensor")
+    if tuple(t.shape) != tuple(shape):
+        _fail(op, name, f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
+    if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        _fail(op, name, f"dtype {t.dtype}", f"dtype {dtype}")
+
+
+def _check_layout(op: str, named: dict) -> None:
+    """Launchers only, after all shape/dtype checks: contiguous, on a Triton device, all on the first one's device."""
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    first = next(iter(named.values())).device
+    for name, t in named.items():
+        if not t.is_contiguous():
+            _fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
+        if not (t.is_cuda or (interp and t.device.type == "cpu")):
+            _fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
+        if t.device != first:
+            _fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
+
+
+def _check_stack(op: str, H) -> tuple[int, int, int]:
+    if not isinstance(H, torch.Tensor) or H.dim() != 3:
+        _fail(op, "H", f"shape {tuple(getattr(H, 'shape', ()))}", "exactly 3-D [T, hc, D]")
+    if H.dtype not in _H_DTYPES:
+        _fail(op, "H", f"dtype {H.dtype}", "torch.bfloat16 or torch.float32")
+    T, hc, D = H.shape
+    if hc < 1 or D < 1:
+        _fail(op, "H", f"shape {tuple(H.shape)}", "hc >= 1 and D >= 1")
+    return T, hc, D
+
+
+def _check_mix_args(op, H, fn, base, scale, head, strict, **eps) -> tuple[int, int, int]:
+    """Checks for pre (`head=False`: fn [(2+hc)·hc, hc·D], scale [3]) or head (fn [hc, hc·D], scale [1])."""
+    T, hc, D = _check_stack(op, H)
+    n_mix, n_scale = (hc, 1) if head else ((2 + hc) * hc, 3)
+    _check(op, "fn", fn, (n_mix, hc * D), torch.float32)
+    _check(op, "base", base, (n_mix,), torch.float32)
+    _check(op, "scale", scale, (n_scale,), torch.float32)
+    for name, v in eps.items():
+        if name == "sinkhorn_iters":
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(op, name, repr(v), "an int >= 1")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+            _fail(op, name, repr(v), "a float >= 0")
+    if strict:
+        _check_layout(op, {"H": H, "fn": fn, "base": base, "scale": scale})
+    return T, hc, D
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References (plain torch, fp32 maths): the executable spec
+# ---------------------------------------------------------------------------------------------------------
+
+def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn projection of comb logits (spec §4 step 4, pitfall §14.2).
+
+    logits `[T, hc, hc]` fp32 (row j = source stream, column k = output stream). `C = softmax(logits, -1) + eps`,
+    column-normalise `C[j,k] /= Σ_j C[j,k] + eps`, then `iters-1` × (row-normalise, column-normalise): the last
+    step is a column step, so columns sum to ≈1. Returns `[T, hc, hc]` fp32. Raises ValueError on a non-fp32 or
+    non-3-D input or iters < 1.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[1] != logits.shape[2]:
+        _fail("sinkhorn_ref", "logits", f"shape {tuple(getattr(logits, 'shape', ()))}", "[T, hc, hc]")
+    if logits.dtype != torch.float32:
+        _fail("sinkhorn_ref", "logits", f"dtype {logits.dtype}", "torch.float32")
+    if not isinstance(iters, int) or iters < 1:
+        _fail("sinkhorn_ref", "iters", repr(iters), "an int >= 1")
+    c = logits.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+def _mixes_ref(H: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """`m = (fn @ X) · rsqrt(mean(X²) + norm_eps)`, X = H flattened stream-major in fp32 → `[T, n_mix]` fp32."""
+    X = H.reshape(H.shape[0], -1).float()
+    return (X @ fn.t()) * torch.rsqrt(X.square().mean(-1, keepdim=True) + norm_eps)
+
+
+def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+               sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """mHC pre-mix of one block site (spec §4 steps 1–5).
+
+    H `[T, hc, D]` bf16|fp32 residual streams; fn `[(2+hc)·hc, hc·D]` fp32; base `[(2+hc)·hc]` fp32;
+    scale `[3]` fp32 (pre, post, comb). Returns `(x, post, comb)`:
+    x `[T, D]` H.dtype = Σ_j pre_j·H_j in fp32, rounded once, with pre = sigmoid(m·scale0 + base) + hc_eps;
+    post `[T, hc]` fp32 = 2·sigmoid(m·scale1 + base) (no eps);
+    comb `[T, hc, hc]` fp32 = sinkhorn_ref(m·scale2 + base, sinkhorn_iters, hc_eps), comb[t, j, k] mixes source
+    stream j into output stream k (columns sum to ≈1). Raises ValueError naming a bad argument.
+    """
+    T, hc, D = _check_mix_args("hc_pre_ref", H, fn, base, scale, False, False,
+                               sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    m = _mixes_ref(H, fn, norm_eps)
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(T, hc, hc)
+    comb = sinkhorn_ref(logits, sinkhorn_iters, hc_eps)
+    x = (pre.unsqueeze(-1) * H.float()).sum(1).to(H.dtype)
+    return x, post, comb
+
+
+def hc_post_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mHC expand + mix (spec §4 step 7, pitfall §14.1): `H_new[t,k] = post[t,k]·a[t] + Σ_j comb[t,j,k]·H[t,j]`.
+
+    a `[T, D]` H.dtype (sub-block output); H `[T, hc, D]` bf16|fp32; post `[T, hc]` fp32; comb `[T, hc, hc]` fp32.
+    fp32 maths, one rounding. Returns H_new `[T, hc, D]` H.dtype. Raises ValueError naming a bad argument.
+    """
+    T, hc, D = _check_stack("hc_post_ref", H)
+    _check("hc_post_ref", "a", a, (T, D), H.dtype)
+    _check("hc_post_ref", "post", post, (T, hc), torch.float32)
+    _check("hc_post_ref", "comb", comb, (T, hc, hc), torch.float32)
+    mixed = torch.einsum("tjk,tjd->tkd", comb, H.float())
+    return (post.unsqueeze(-1) * a.float().unsqueeze(1) + mixed).to(H.dtype)
+
+
+def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+                hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final stream collapse (spec §9): `y = Σ_j pre_j·H_j`, pre = sigmoid(m·scale + base) + hc_eps (no 2, no Sinkhorn).
+
+    H `[T, hc, D]` bf16|fp32; fn `[hc, hc·D]` fp32; base `[hc]` fp32; scale `[1]` fp32. Returns y `[T, D]` H.dtype
+    (fp32 sum, one rounding). Raises ValueError naming a bad argument.
+    """
+    T, hc, D = _check_mix_args("hc_head_ref", H, fn, base, scale, True, False, hc_eps=hc_eps, norm_eps=norm_eps)
+    pre = torch.sigmoid(_mixes_ref(H, fn, norm_eps) * scale[0] + base) + hc_eps
+    return (pre.unsqueeze(-1) * H.float()).sum(1).to(H.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
+                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over one K-slice → mix[split, t, :], ss[split, t]."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_MIX
+    row = offs_t.to(tl.int64) * K
+    k_lo = pid_s * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    acc = tl.zeros([BT, NP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < k_hi
+        x = tl.load(h_ptr + row[:, None] + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision="tf32x3")
+        ss += tl.sum(x * x, axis=1)
+    out_row = (pid_s * T + offs_t).to(tl.int64)
+    tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
+    tl.store(ss_ptr + out_row, ss, mask=mask_t)
+
+
+@triton.jit
+def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                      T, D, S, iters, hc_eps, norm_eps, inv_k,
+                      HC: tl.constexpr, NP: tl.constexpr, IS_HEAD: tl.constexpr, BT: tl.constexpr,
+                      BD: tl.constexpr):
+    """Sum split partials, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD), collapse one D-block of H."""
+    pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
+    pid_d = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    j = tl.arange(0, HC)
+    m_pre = tl.zeros([BT, HC], dtype=tl.float32)
+    m_post = tl.zeros([BT, HC], dtype=tl.float32)
+    m_comb = tl.zeros([BT, HC, HC], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for s in range(S):
+        r = (s * T + offs_t).to(tl.int64)
+        p = mix_ptr + r * NP
+        m_pre += tl.load(p[:, None] + j[None, :], mask=mask_t[:, None], other=0.0)
+        if not IS_HEAD:
+            m_post += tl.load(p[:, None] + HC + j[None, :], mask=mask_t[:, None], other=0.0)
+            m_comb += tl.load(p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :],
+                              mask=mask_t[:, None, None], other=0.0)
+        ss += tl.load(ss_ptr + r, mask=mask_t, other=0.0)
+    rs = 1.0 / tl.sqrt_rn(ss * inv_k + norm_eps)
+    pre = tl.sigmoid(m_pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :]) + hc_eps
+    if not IS_HEAD:
+        if pid_d == 0:
+            post = 2.0 * tl.sigmoid(m_post * rs[:, None] * tl.load(scale_ptr + 1)
+                                    + tl.load(base_ptr + HC + j)[None, :])
+            tl.store(post_ptr + offs_t[:, None].to(tl.int64) * HC + j[None, :], post, mask=mask_t[:, None])
+            c = (m_comb * rs[:, None, None] * tl.load(scale_ptr + 2)
+                 + tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])[None, :, :])
+            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
+            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            for _ in range(iters - 1):
+                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+                c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+            tl.store(comb_ptr + offs_t[:, None, None].to(tl.int64) * (HC * HC) + j[None, :, None] * HC
+                     + j[None, None, :], c, mask=mask_t[:, None, None])
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    hrow = offs_t.to(tl.int64) * (HC * D)
+    hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
+                 mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+    x = tl.sum(pre[:, :, None] * hv, axis=1)
+    tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x.to(x_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
+                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """out[t, k, d] = post[t, k]·a[t, d] + Σ_j comb[t, j, k]·H[t, j, d] (fp32), one pass over a and H."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_d < D)[None, :]
+    j = tl.arange(0, HC)
+    t64 = offs_t.to(tl.int64)
+    a = tl.load(a_ptr + t64[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    hrow = t64 * (HC * D)
+    hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
+                 mask=mask[:, None, :], other=0.0).to(tl.float32)
+    for k in tl.static_range(HC):
+        pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
+        ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None], other=0.0)
+        y = pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)
+        tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers (same signatures and results as the references; optional `out=` lets tests poison outputs)
+# ---------------------------------------------------------------------------------------------------------
+
+def _check_hc(op: str, hc: int) -> None:
+    if hc & (hc - 1):
+        _fail(op, "H", f"hc={hc}", "a power-of-two stream count (tl.arange needs it; DeepSeek-V4 uses 4)")
+
+
+def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    _check(op, name, out, shape, dtype)
+    _check_layout(op, {"H": like, name: out})
+    return out
+
+
+def _mix_launch(H: torch.Tensor, fn: torch.Tensor, n_mix: int, np_: int):
+    """Split-K partial projections; returns (mix [S, T, NP], ss [S, T], S)."""
+    T, hc, D = H.shape
+    K = hc * D
+    BT = 64 if T >= 1024 else 16
+    BK = 64
+    n_tb, n_kb = triton.cdiv(T, BT), triton.cdiv(K, BK)
+    if H.is_cuda:
+        target = 2 * torch.cuda.get_device_properties(H.device).multi_processor_count
+    else:
+        target = 8  # interpreter: small, but enough to exercise the split-K path at test widths
+    per_split = triton.cdiv(n_kb, max(1, min(n_kb, triton.cdiv(target, n_tb)))) * BK
+    S = triton.cdiv(K, per_split)
+    mix = torch.empty((S, T, np_), dtype=torch.float32, device=H.device)
+    ss = torch.empty((S, T), dtype=torch.float32, device=H.device)
+    _hc_mix_kernel[(n_tb, S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK, num_warps=4)
+    return mix, ss, S
+
+
+def _finish_launch(H, mix, ss, S, base, scale, x, post, comb, iters, hc_eps, norm_eps, np_, is_head):
+    T, hc, D = H.shape
+    BT, BD = 2, min(1024, triton.next_power_of_2(D))
+    dummy = x  # post/comb pointers are unused when IS_HEAD
+    _hc_finish_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        H, mix, ss, base, scale, x, dummy if post is None else post, dummy if comb is None else comb,
+        T, D, S, iters, float(hc_eps), float(norm_eps), 1.0 / (hc * D),
+        HC=hc, NP=np_, IS_HEAD=is_head, BT=BT, BD=BD, num_warps=4)
+
+
+def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None):
+    """Triton `hc_pre_ref` (spec §4): same arguments, shapes, dtypes and results; two launches.
+
+    H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1), hc a power of two; fn, base, scale as
+    in `hc_pre_ref`, fp32 contiguous on H's device. `out=(x, post, comb)` optionally supplies the outputs
+    (checked like inputs). Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
+    Raises ValueError naming the argument and the bad value; never falls back to the reference.
+    """
+    T, hc, D = _check_mix_args("hc_pre", H, fn, base, scale, False, True,
+                               sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_hc("hc_pre", hc)
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
+        _fail("hc_pre", "out", type(out).__name__, "a tuple (x, post, comb)")
+    ox, op, oc = out if out is not None else (None, None, None)
+    x = _out("hc_pre", "out[0] (x)", ox, (T, D), H.dtype, H)
+    post = _out("hc_pre", "out[1] (post)", op, (T, hc), torch.float32, H)
+    comb = _out("hc_pre", "out[2] (comb)", oc, (T, hc, hc), torch.float32, H)
+    if T == 0:
+        return x, post, comb
+    np_ = max(16, triton.next_power_of_2((2 + hc) * hc))
+    mix, ss, S = _mix_launch(H, fn, (2 + hc) * hc, np_)
+    _finish_launch(H, mix, ss, S, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, np_, False)
+    return x, post, comb
+
+
+def hc_post(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, out=None) -> torch.Tensor:
+    """Triton `hc_post_ref` (spec §4 step 7): `H_new[t,k] = post[t,k]·a[t] + Σ_j comb[t,j,k]·H[t,j]`, one launch.
+
+    a `[T, D]` H.dtype; H `[T, hc, D]` bf16|fp32; post `[T, hc]` fp32; comb `[T, hc, hc]` fp32; all contiguous
+    on one CUDA device (CPU under TRITON_INTERPRET=1). `out` optionally supplies H_new `[T, hc, D]` H.dtype
+    (must not alias H). Returns H_new. Raises ValueError naming the argument and the bad value.
+    """
+    T, hc, D = _check_stack("hc_post", H)
+    _check_hc("hc_post", hc)
+    _check("hc_post", "a", a, (T, D), H.dtype)
+    _check("hc_post", "post", post, (T, hc), torch.float32)
+    _check("hc_post", "comb", comb, (T, hc, hc), torch.float32)
+    _check_layout("hc_post", {"H": H, "a": a, "post": post, "comb": comb})
+    y = _out("hc_post", "out", out, (T, hc, D), H.dtype, H)
+    if out is not None and out.data_ptr() == H.data_ptr():
+        _fail("hc_post", "out", "H itself", "a separate buffer (program blocks read all streams of H)")
+    if T == 0:
+        return y
+    BT, BD = (1 if T < 4 else 4), min(512, triton.next_power_of_2(D))
+    _hc_post_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](a, H, post, comb, y, T, D, HC=hc, BT=BT, BD=BD,
+                                                              num_warps=4)
+    return y
+
+
+def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+            hc_eps: float, norm_eps: float, out=None) -> torch.Tensor:
+    """Triton `hc_head_ref` (spec §9): same arguments and result; two launches.
+
+    H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
+    scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. Returns y. Raises ValueError naming the
+    argument and the bad value.
+    """
+    T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_hc("hc_head", hc)
+    y = _out("hc_head", "out", out, (T, D), H.dtype, H)
+    if T == 0:
+        return y
+    np_ = max(16, triton.next_power_of_2(hc))
+    mix, ss, S = _mix_launch(H, fn, hc, np_)
+    _finish_launch(H, mix, ss, S, base, scale, y, None, None, 1, hc_eps, norm_eps, np_, True)
+    return y

@@ -1,0 +1,224 @@
+"""mHC references against a float64 hand computation, and the Triton launchers against the references.
+
+Reference checks run anywhere. Triton checks run under TRITON_INTERPRET=1 on CPU (CI sets it for the whole unit
+run) or on CUDA when present; otherwise they skip with the reason. Small shapes only (the interpreter is slow);
+tests/gpu covers the real sizes.
+
+Tolerances per output:
+    x, H_new, y (bf16):  rtol 1.6e-2 atol 1e-2 (dsv4.testing bf16): both sides round one fp32 value once; a
+                         different summation order can move it across a rounding boundary (1 ulp = 2^-8 rel).
+    post, comb (fp32):   rtol 1e-5 atol 1e-5: same fp32 formulas; the projection differs only by summation order
+                         and tf32x3 (≈2^-21 rel per product); sigmoid (slope ≤ 1/4, ×2 for post) and Sinkhorn do
+                         not amplify it, and both outputs are bounded in (0, 2).
+    reference vs fp64:   fp32 table (rtol 1e-5 atol 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close
+from kernels.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref, sinkhorn_ref
+
+HC, ITERS, EPS = 4, 20, 1e-6
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
+needs_triton = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+
+
+def make_pre(T: int, D: int, dtype=torch.bfloat16, device="cpu", head: bool = False):
+    """Fresh non-zero inputs: H ~ N(0,1); fn ~ N(0, 1/K) so m·scale ~ O(1); base, scale non-zero."""
+    K, n = HC * D, (HC if head else (2 + HC) * HC)
+    H = torch.randn(T, HC, D, device=device).to(dtype)
+    fn = torch.randn(n, K, device=device) / math.sqrt(K)
+    base = torch.randn(n, device=device) * 0.5
+    scale = torch.rand(1 if head else 3, device=device) + 0.5
+    return H, fn, base, scale
+
+
+# ---- float64 hand computation (loops, spec §4/§9 written out) -------------------------------------------
+
+def sinkhorn_hand(c0: list[list[float]], iters: int, eps: float) -> list[list[float]]:
+    n = len(c0)
+    c = []
+    for row in c0:
+        mx = max(row)
+        e = [math.exp(v - mx) for v in row]
+        c.append([v / sum(e) + eps for v in e])
+
+    def col(c):
+        s = [sum(c[j][k] for j in range(n)) for k in range(n)]
+        return [[c[j][k] / (s[k] + eps) for k in range(n)] for j in range(n)]
+
+    c = col(c)
+    for _ in range(iters - 1):
+        c = [[v / (sum(row) + eps) for v in row] for row in c]
+        c = col(c)
+    return c
+
+
+def pre_hand(H, fn, base, scale, iters, eps):
+    """Per token: X flattened stream-major, m = (fn·X)·rsqrt(mean X² + eps), split, sigmoids, Sinkhorn, collapse."""
+    xs, posts, combs = [], [], []
+    for t in range(H.shape[0]):
+        X = H[t].double().reshape(-1)
+        r = 1.0 / math.sqrt(float((X * X).sum()) / X.numel() + eps)
+        m = [float(fn[i].double() @ X) * r for i in range(fn.shape[0])]
+        pre = [1 / (1 + math.exp(-(m[j] * scale[0].item() + base[j].item()))) + eps for j in range(HC)]
+        posts.append([2 / (1 + math.exp(-(m[HC + k] * scale[1].item() + base[HC + k].item()))) for k in range(HC)])
+        c0 = [[m[2 * HC + HC * j + k] * scale[2].item() + base[2 * HC + HC * j + k].item() for k in range(HC)]
+              for j in range(HC)]
+        combs.append(sinkhorn_hand(c0, iters, eps))
+        xs.append(sum(pre[j] * H[t, j].double() for j in range(HC)))
+    return torch.stack(xs), torch.tensor(posts, dtype=torch.float64), torch.tensor(combs, dtype=torch.float64)
+
+
+def check_sinkhorn(comb: torch.Tensor, logits: torch.Tensor, iters: int) -> None:
+    """Columns sum to ≈1 and the matrix equals the fp64 hand Sinkhorn (which ends on a column step).
+
+    A column step leaves column sums S/(S+eps) = 1 - eps/S for a pre-step column mass S; with logits of spread ~3
+    S can be ~1e-3, hence atol 1e-3 on the sums; the elementwise fp64 comparison is the tight check.
+    """
+    assert_close(comb.sum(1), torch.ones_like(comb.sum(1)), "comb column sums", rtol=0, atol=1e-3)
+    hand = torch.tensor([sinkhorn_hand(l.tolist(), iters, EPS) for l in logits.double()], dtype=torch.float64)
+    assert_close(comb, hand, "comb vs fp64 hand Sinkhorn", dtype=torch.float32)
+
+
+@pytest.mark.hardstop
+def test_pre_ref_matches_fp64_hand(seed):
+    H, fn, base, scale = make_pre(3, 8, dtype=torch.float32)
+    x, post, comb = hc_pre_ref(H, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    hx, hpost, hcomb = pre_hand(H, fn, base, scale, ITERS, EPS)
+    assert x.dtype == torch.float32 and post.dtype == torch.float32 and comb.dtype == torch.float32
+    assert_close(x, hx, "x", dtype=torch.float32)
+    assert_close(post, hpost, "post", dtype=torch.float32)
+    assert_close(comb, hcomb, "comb", dtype=torch.float32)
+    assert_close(comb.sum(2), torch.ones(3, HC, dtype=torch.float64), "comb row sums", atol=1e-3, rtol=0)
+    xb, _, _ = hc_pre_ref(H.bfloat16(), fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    assert xb.dtype == torch.bfloat16
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_sinkhorn_ends_on_column_step(seed, iters):
+    logits = torch.randn(4, HC, HC) * 3  # spread: 3 iterations are far from converged
+    check_sinkhorn(sinkhorn_ref(logits, iters, EPS), logits, iters)
+    # negative case: a mutant that ends on a row step must fail the same check
+    mutant = sinkhorn_ref(logits, iters, EPS)
+    mutant = mutant / (mutant.sum(-1, keepdim=True) + EPS)
+    if iters < 20:  # at 20 iterations rows and columns have both converged past fp32 resolution
+        with pytest.raises(AssertionError):
+            check_sinkhorn(mutant, logits, iters)
+
+
+@pytest.mark.hardstop
+def test_post_ref_orientation_on_asymmetric_comb(seed):
+    T, D = 2, 5
+    H = torch.randn(T, HC, D)
+    a = torch.randn(T, D)
+    post = torch.rand(T, HC) * 2
+    comb = torch.rand(T, HC, HC)
+    assert not torch.allclose(comb, comb.transpose(1, 2))
+    out = hc_post_ref(a, H, post, comb)
+    hand = torch.zeros(T, HC, D, dtype=torch.float64)
+    for t in range(T):
+        for k in range(HC):  # output stream k gathers sources j through column k
+            hand[t, k] = post[t, k].double() * a[t].double()
+            for j in range(HC):
+                hand[t, k] += comb[t, j, k].double() * H[t, j].double()
+    assert_close(out, hand, "H_new")
+    # negative case: mixing with comb itself instead of its transpose must fail the same check
+    wrong = post.unsqueeze(-1) * a.unsqueeze(1) + torch.einsum("tkj,tjd->tkd", comb, H)
+    with pytest.raises(AssertionError):
+        assert_close(wrong, hand, "H_new (C·H mutant)")
+
+
+def test_head_ref_matches_fp64_hand(seed):
+    H, fn, base, scale = make_pre(3, 8, dtype=torch.float32, head=True)
+    y = hc_head_ref(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS)
+    Xf = H.double().reshape(3, -1)
+    r = torch.rsqrt((Xf * Xf).mean(-1, keepdim=True) + EPS)
+    pre = torch.sigmoid((Xf @ fn.double().t()) * r * scale.double() + base.double()) + EPS
+    assert_close(y, (pre.unsqueeze(-1) * H.double()).sum(1), "y", dtype=torch.float32)
+
+
+# ---- Triton (interpreter on CPU, or CUDA) vs reference --------------------------------------------------
+
+SHAPES = [(1, 64), (3, 96), (5, 64), (67, 64)]
+
+
+@needs_triton
+@pytest.mark.parametrize("T,D", SHAPES, ids=[f"T{t}-D{d}" for t, d in SHAPES])
+def test_hc_pre_triton(seed, T, D):
+    H, fn, base, scale = make_pre(T, D, device=DEV)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    out = (torch.full((T, D), float("nan"), dtype=H.dtype, device=DEV),
+           torch.full((T, HC), float("nan"), device=DEV), torch.full((T, HC, HC), float("nan"), device=DEV))
+    x, post, comb = hc_pre(H, fn, base, scale, out=out, **kw)
+    rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, **kw)
+    assert x.data_ptr() == out[0].data_ptr()
+    assert_close(x, rx, "x")
+    assert_close(post, rpost, "post")
+    assert_close(comb, rcomb, "comb")
+
+
+@needs_triton
+@pytest.mark.parametrize("T,D", SHAPES, ids=[f"T{t}-D{d}" for t, d in SHAPES])
+def test_hc_head_triton(seed, T, D):
+    H, fn, base, scale = make_pre(T, D, device=DEV, head=True)
+    y = hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS,
+                out=torch.full((T, D), float("nan"), dtype=H.dtype, device=DEV))
+    assert_close(y, hc_head_ref(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS), "y")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T,D", SHAPES, ids=[f"T{t}-D{d}" for t, d in SHAPES])
+def test_hc_post_triton(seed, T, D, dtype):
+    H = torch.randn(T, HC, D, device=DEV).to(dtype)
+    a = torch.randn(T, D, device=DEV).to(dtype)
+    post = torch.rand(T, HC, device=DEV) * 2
+    comb = torch.rand(T, HC, HC, device=DEV)
+    y = hc_post(a, H, post, comb, out=torch.full((T, HC, D), float("nan"), dtype=dtype, device=DEV))
+    assert_close(y, hc_post_ref(a, H, post, comb), "H_new")
+
+
+@needs_triton
+def test_hc_pre_triton_fp32_streams(seed):
+    H, fn, base, scale = make_pre(3, 96, dtype=torch.float32, device=DEV)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    for name, got, want in zip(("x", "post", "comb"), hc_pre(H, fn, base, scale, **kw),
+                               hc_pre_ref(H, fn, base, scale, **kw)):
+        assert_close(got, want, name)
+
+
+# ---- launcher argument checks (raise before any launch) -------------------------------------------------
+
+def test_launchers_name_the_bad_value():
+    H, fn, base, scale = make_pre(2, 16)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    cases = [
+        (lambda: hc_pre(H, fn.double(), base, scale, **kw), "fn is dtype torch.float64"),
+        (lambda: hc_pre(H.unsqueeze(0), fn, base, scale, **kw), "exactly 3-D"),
+        (lambda: hc_pre(H.transpose(0, 1).contiguous().transpose(0, 1), fn, base, scale, **kw), "non-contiguous"),
+        (lambda: hc_pre(H, fn, base, scale[:2], **kw), "scale is shape (2,)"),
+        (lambda: hc_pre(H, fn, base, scale, sinkhorn_iters=0, hc_eps=EPS, norm_eps=EPS), "sinkhorn_iters is 0"),
+        (lambda: hc_pre(H.half(), fn, base, scale, **kw), "H is dtype torch.float16"),
+        (lambda: hc_post(torch.zeros(2, 16), H, torch.zeros(2, 4), torch.zeros(2, 4, 4)),
+         "a is dtype torch.float32"),
+        (lambda: hc_post(H[:, 0].contiguous(), H, torch.zeros(2, 3), torch.zeros(2, 4, 4)), "post is shape (2, 3)"),
+        (lambda: hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS), "fn is shape (24, 64)"),
+        (lambda: hc_pre_ref(H, fn, base, scale, sinkhorn_iters=2.5, hc_eps=EPS, norm_eps=EPS),
+         "sinkhorn_iters is 2.5"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            call()
+    if not INTERP:
+        with pytest.raises(ValueError, match="H is on device cpu"):
+            hc_pre(H, fn, base, scale, **kw)
