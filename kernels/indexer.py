@@ -61,7 +61,7 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
     """Deterministic top-k of indexer scores (spec §7 steps 4-7), identical on CPU and CUDA and for any n.
 
     Rule: larger score first; equal scores toward the LOWER entry index; picks returned in that order. -0.0
-    equals +0.0; NaN ranks below every number (a NaN score is an upstream bug; it is never preferred). The
+    equals +0.0; NaN ranks below every value, -inf included (a NaN score is an upstream bug; never preferred). The
     rule is made exact by ranking the unique int64 key (order-preserving bits of the score) * 2^32 + (n-1-i),
     so no tie is left for torch.topk to break; a row's picks therefore do not depend on entries outside
     its eligible prefix (prefill's full row and decode's row of the entries existing so far agree).
@@ -99,9 +99,9 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
     out = torch.full((b, s, k), -1, dtype=torch.int64, device=scores.device)
     if kk == 0:
         return out
-    x = torch.where(torch.isnan(scores), float("-inf"), scores + 0.0)        # +0.0 turns -0.0 into +0.0
-    bits = x.view(torch.int32)
+    bits = (scores + 0.0).view(torch.int32)                                   # +0.0 turns -0.0 into +0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()          # monotone in the score
+    ordered = ordered.masked_fill(torch.isnan(scores), -(1 << 31))            # below -inf's key
     entry = torch.arange(n, device=scores.device)
     key = ordered * (1 << 32) + (n - 1 - entry)                               # unique per entry
     key = key.masked_fill(entry >= count[..., None], torch.iinfo(torch.int64).min)

@@ -1,0 +1,155 @@
+"""Sparse attention with sink (spec §5): `sparse_attn_ref` against a float64 dense softmax with the sink appended
+as an extra logit, and the Triton launcher against the reference under TRITON_INTERPRET=1 at small shapes.
+
+Tolerances (dsv4.testing table): fp32 outputs rtol/atol 1e-5; bf16 outputs rtol 1.6e-2 / atol 1e-2 (one bf16
+rounding of P before P·V, as the official kernel, plus the output rounding).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close
+from kernels.attention import sparse_attn_ref
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not (INTERPRET or torch.cuda.is_available()),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (CI sets it for tests/unit)")
+
+
+def dense_sink_softmax64(q, kv, sink, idx, scale):
+    """Float64 oracle: per query, logits over the k slots (-1 -> -inf, duplicates kept) plus the sink as one extra
+    logit whose value vector is zero; plain softmax, no max trick shared with the code under test."""
+    b, s, h, hd = q.shape
+    rows = kv.double()[torch.arange(b)[:, None, None], idx.clamp(min=0).long()]      # [b, s, k, hd]
+    logits = torch.einsum("bshd,bskd->bshk", q.double(), rows) * scale
+    logits = logits.masked_fill((idx < 0)[:, :, None, :], float("-inf"))
+    full = torch.cat([logits, sink.double().view(1, 1, h, 1).expand(b, s, h, 1)], dim=-1)
+    p = torch.softmax(full, dim=-1)[..., :-1]
+    return torch.einsum("bshk,bskd->bshd", p, rows)
+
+
+def make_case(b, s, h, hd, n, k, dtype, holes=0.3):
+    q = torch.randn(b, s, h, hd).to(dtype)
+    kv = torch.randn(b, n, hd).to(dtype)
+    sink = torch.randn(h) * 2
+    idx = torch.randint(0, n, (b, s, k))
+    idx = idx.masked_fill(torch.rand(b, s, k) < holes, -1)
+    return q, kv, sink, idx
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("k", [1, 7, 20])
+def test_ref_matches_dense_float64(seed, dtype, k):
+    q, kv, sink, idx = make_case(2, 3, 4, 64, 25, k, dtype)
+    idx[0, 1] = -1                                      # an all-empty row
+    idx[1, 2, : min(k, 3)] = idx[1, 2, 0]               # duplicated index: counted once per occurrence
+    scale = 64 ** -0.5
+    out = sparse_attn_ref(q, kv, sink, idx, scale)
+    assert out.dtype == dtype
+    assert_close(out, dense_sink_softmax64(q, kv, sink, idx, scale).to(dtype), "sparse_attn_ref", dtype=dtype)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1])), "all -1 row must be exactly 0 (sink only)"
+
+
+def test_dense_check_catches_missing_sink(seed):
+    """Negative case for the hard-stop test above: dropping the sink from the denominator must fail it."""
+    q, kv, sink, idx = make_case(1, 2, 4, 64, 16, 6, torch.float32, holes=0.0)
+    scale = 64 ** -0.5
+    no_sink = sparse_attn_ref(q, kv, torch.full_like(sink, -1e30), idx, scale)
+    with pytest.raises(AssertionError, match="sparse_attn_ref"):
+        assert_close(no_sink, dense_sink_softmax64(q, kv, sink, idx, scale).float(), "sparse_attn_ref")
+
+
+def test_duplicate_index_counts_twice(seed):
+    """idx [a, a] equals idx [a] with the logit raised by ln 2, which differs from idx [a] alone."""
+    q, kv, sink, _ = make_case(1, 1, 2, 64, 4, 1, torch.float32)
+    once = sparse_attn_ref(q, kv, sink, torch.tensor([[[2]]]), 1.0)
+    twice = sparse_attn_ref(q, kv, sink, torch.tensor([[[2, 2]]]), 1.0)
+    s = (q[0, 0].double() @ kv[0, 2].double())                               # [h]
+    w = 2 * torch.exp(s) / (2 * torch.exp(s) + torch.exp(sink.double()))
+    assert_close(twice[0, 0], (w[:, None] * kv[0, 2].double()).float(), "duplicate index")
+    assert not torch.allclose(once, twice)
+
+
+def test_zero_slots_give_zero():
+    q, kv, sink, _ = make_case(1, 2, 2, 64, 4, 1, torch.float32)
+    out = sparse_attn_ref(q, kv, sink, torch.empty(1, 2, 0, dtype=torch.int64), 0.125)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(q=torch.randn(1, 2, 64)), "q must be"),
+    (dict(kv=torch.randn(1, 5, 32)), "kv must be"),
+    (dict(kv=torch.randn(1, 5, 64, dtype=torch.float64)), "dtype"),
+    (dict(attn_sink=torch.randn(3)), "attn_sink"),
+    (dict(attn_sink=torch.randn(2, dtype=torch.float64)), "attn_sink"),
+    (dict(idx=torch.tensor([[[0, 5]]])), "idx values"),
+    (dict(idx=torch.tensor([[[-2, 0]]])), "idx values"),
+    (dict(idx=torch.tensor([[[0.0, 1.0]]])), "idx must be"),
+    (dict(softmax_scale=0.0), "softmax_scale"),
+], ids=["q-rank", "kv-hd", "kv-dtype", "sink-shape", "sink-dtype", "idx-high", "idx-neg", "idx-float", "scale"])
+def test_ref_rejects_bad_input(bad, match):
+    args = dict(q=torch.randn(1, 1, 2, 64), kv=torch.randn(1, 5, 64), attn_sink=torch.randn(2),
+                idx=torch.tensor([[[0, -1]]]), softmax_scale=0.125)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        sparse_attn_ref(**args)
+
+
+# ---- Triton under the interpreter ------------------------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("b, s, h, hd, k, splits", [
+    (2, 1, 3, 64, 20, None),      # decode, heuristic split, one partial head block
+    (2, 1, 4, 64, 13, 3),         # decode, explicit 3-way split, ragged last chunk
+    (1, 5, 2, 64, 9, 1),          # prefill, no split
+    (1, 2, 20, 64, 17, 2),        # two head blocks (20 > 16), split
+    (1, 1, 2, 512, 16, 2),        # the model's head dim
+], ids=["decode-h3", "decode-split3", "prefill-s5", "h20-split2", "hd512"])
+def test_triton_matches_ref(seed, dtype, b, s, h, hd, k, splits):
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(b, s, h, hd, 23, k, dtype))
+    idx[0, -1, :] = -1                                          # an all-empty query
+    out = torch.full_like(q, float("nan"))                      # poisoned: an unwritten element fails
+    got = sparse_attn(q, kv, sink, idx, hd ** -0.5, out=out, num_splits=splits, block_n=16)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, hd ** -0.5), "sparse_attn", dtype=dtype)
+    assert torch.equal(got[0, -1], torch.zeros_like(got[0, -1]))
+
+
+@needs_triton
+def test_triton_int32_idx_and_split_invariance(seed):
+    """int32 indices work, and every split count gives the reference result (fp32 rtol 1e-5)."""
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 2, 64, 30, 19, torch.float32))
+    ref = sparse_attn_ref(q, kv, sink, idx, 0.125)
+    for splits in (1, 2, 5):
+        got = sparse_attn(q, kv, sink, idx.int(), 0.125, num_splits=splits, block_n=16)
+        assert_close(got, ref, f"sparse_attn splits={splits}", dtype=torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("kw, match", [
+    (dict(out=torch.empty(1, 1, 2, 32)), "out must be"),
+    (dict(num_splits=0), "num_splits"),
+    (dict(block_n=24), "block_n"),
+    (dict(block_h=8), "block_h"),
+], ids=["out-shape", "splits", "block_n", "block_h"])
+def test_triton_rejects_bad_launch(kw, match):
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    kw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 2, 64, 8, 4, torch.float32))
+    with pytest.raises(ValueError, match=match):
+        sparse_attn(q, kv, sink, idx, 0.125, **kw)
+    with pytest.raises(ValueError, match="contiguous"):
+        sparse_attn(q.new_zeros(1, 1, 64, 2).transpose(2, 3), kv, sink, idx, 0.125)
+
