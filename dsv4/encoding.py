@@ -1,0 +1,479 @@
+"""The official DeepSeek-V4 prompt format, implemented independently, with the official signatures.
+
+`encode_messages` and `parse_message_from_completion_text` can be swapped for DeepSeek's
+`encoding/encoding_dsv4.py` functions of the same names: on every input the official encoder accepts
+they return the same string (checked on the 36 gold vectors in `fixtures/golden/dsv4_prompts.json`).
+The rules are written down in the project's prompt-format note (`docs`/issue 2); in short, a single
+user turn is `BOS <｜User｜>TEXT<｜Assistant｜><think>` in thinking mode and `... <｜Assistant｜></think>`
+in chat mode, with no newline after `<｜User｜>`.
+
+Where the official encoder crashes (AttributeError/KeyError/TypeError) or silently emits garbage, this
+module raises `ValueError` naming `messages[i].field` (or `context[i].field`) instead:
+  * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
+  * user/tool/latest_reminder content that is not a string (tool content may also be a list of parts);
+  * a tool call without `function.name`/`function.arguments`;
+  * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
+Deliberate extensions, identical in `dsv4/chat_template.jinja`:
+  * `content: None` is treated as absent (transformers drops None-valued keys before the template);
+  * tool-call `arguments` given as a dict (the HuggingFace convention) render exactly as the same
+    dict given as its JSON string; arguments that are a JSON string but not an object render as one
+    parameter named `arguments` holding the raw string (the official encoder crashes on those).
+Special-token strings inside message text are not escaped (neither does the official encoder): the
+tokenizer maps them to their special ids. `special_strings_in_messages` finds them; `prompt_ids` logs them.
+
+`prompt_ids` is the one way dsv4 builds model input from messages (CLI, generation, diagnostics).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from typing import Any
+
+__all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
+           "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
+           "TASK_TOKENS", "SPECIAL_STRINGS"]
+
+log = logging.getLogger(__name__)
+
+BOS = "<｜begin▁of▁sentence｜>"          # id 0
+EOS = "<｜end▁of▁sentence｜>"            # id 1
+USER = "<｜User｜>"                      # id 128803
+ASSISTANT = "<｜Assistant｜>"            # id 128804
+THINK_START = "<think>"                  # id 128821
+THINK_END = "</think>"                   # id 128822
+DSML = "｜DSML｜"                         # id 128825
+LATEST_REMINDER = "<｜latest_reminder｜>"  # id 128828
+TASK_TOKENS = {"action": "<｜action｜>", "query": "<｜query｜>", "authority": "<｜authority｜>",
+               "domain": "<｜domain｜>", "title": "<｜title｜>", "read_url": "<｜read_url｜>"}
+SPECIAL_STRINGS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML, LATEST_REMINDER,
+                   *TASK_TOKENS.values())
+ROLES = ("system", "user", "developer", "assistant", "tool", "latest_reminder")
+MODES = ("chat", "thinking")
+EFFORTS = (None, "high", "max")
+
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root "
+    "cause, rigorously stress-testing your logic against all potential paths, edge cases, and adversarial "
+    "scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered "
+    "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n")
+RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+TOOLS_HEAD = (
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question. You can invoke tools by "
+    f"writing a \"<{DSML}tool_calls>\" block like the following:\n\n"
+    f"<{DSML}tool_calls>\n<{DSML}invoke name=\"$TOOL_NAME\">\n"
+    f"<{DSML}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{DSML}parameter>\n"
+    f"...\n</{DSML}invoke>\n<{DSML}invoke name=\"$TOOL_NAME2\">\n...\n</{DSML}invoke>\n</{DSML}tool_calls>\n\n"
+    "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
+    "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+    "If thinking_mode is enabled (triggered by <think>), you MUST output your complete reasoning inside "
+    "<think>...</think> BEFORE any tool calls or final response.\n\n"
+    "Otherwise, output directly after </think> with tool calls or final response.\n\n"
+    "### Available Tool Schemas\n\n")
+TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+TOOL_CALLS_OPEN = f"\n\n<{DSML}tool_calls>\n"
+TOOL_CALLS_CLOSE = f"\n</{DSML}tool_calls>"
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise _DuplicateKey(dup[0])
+    return dict(pairs)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+# ---------------------------------------------------------------- validation
+
+def _content(msg: dict, where: str, *, allow_list: bool = False) -> Any:
+    c = msg.get("content")
+    if c is None or isinstance(c, str) or (allow_list and isinstance(c, list)):
+        return "" if c is None else c
+    raise ValueError(f"{where}.content: expected a string{' or a list of parts' if allow_list else ''}, "
+                     f"got {type(c).__name__}")
+
+
+def _validate(messages: list, name: str, check_arguments: bool) -> None:
+    if not isinstance(messages, list):
+        raise ValueError(f"{name}: expected a list of message dicts, got {type(messages).__name__}")
+    for i, m in enumerate(messages):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: expected a dict, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role: {role!r} is not one of {ROLES}")
+        task = m.get("task")
+        if task is not None and task not in TASK_TOKENS:
+            raise ValueError(f"{where}.task: {task!r} is not one of {tuple(TASK_TOKENS)}")
+        if role == "developer" and not m.get("content"):
+            raise ValueError(f"{where}.content: a developer message needs non-empty content")
+        if role in ("user", "latest_reminder"):
+            _content(m, where)
+        if role == "tool":
+            _content(m, where, allow_list=True)
+        for j, tc in enumerate(m.get("tool_calls") or []):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
+                raise ValueError(f"{where}.tool_calls[{j}]: expected {{'function': {{'name': str, "
+                                 f"'arguments': JSON string or dict}}}}, got {tc!r}")
+            if not isinstance(fn["arguments"], (str, dict)):
+                raise ValueError(f"{where}.tool_calls[{j}].function.arguments: expected a JSON string or a "
+                                 f"dict, got {type(fn['arguments']).__name__}")
+            if check_arguments:  # context is never rendered, so its arguments are never parsed
+                _arguments(fn["arguments"], f"{where}.tool_calls[{j}].function.arguments")
+
+
+# ---------------------------------------------------------------- pipeline steps (official order)
+
+def _merge_tool_messages(messages: list[dict]) -> list[dict]:
+    """Pipeline step 1: tool messages become tool_result blocks of user messages; user turns fuse."""
+    out: list[dict] = []
+    for msg in messages:
+        msg = copy.deepcopy(msg)
+        role = msg.get("role")
+        prev_blocks = bool(out) and out[-1].get("role") == "user" and "content_blocks" in out[-1]
+        if role == "tool":
+            block = {"type": "tool_result", "tool_use_id": msg.get("tool_call_id", ""),
+                     "content": _content(msg, "tool", allow_list=True)}
+            if prev_blocks:
+                out[-1]["content_blocks"].append(block)
+            else:
+                out.append({"role": "user", "content_blocks": [block]})
+        elif role == "user":
+            block = {"type": "text", "text": _content(msg, "user")}
+            if prev_blocks and out[-1].get("task") is None:
+                out[-1]["content_blocks"].append(block)
+            else:
+                new = {"role": "user", "content": block["text"], "content_blocks": [block]}
+                new.update({k: msg[k] for k in ("task", "wo_eos", "mask") if k in msg})
+                out.append(new)
+        else:
+            out.append(msg)
+    return out
+
+
+def _sort_tool_results(messages: list[dict]) -> list[dict]:
+    """Pipeline step 2: order tool results by the latest assistant's tool_calls (unknown ids → 0, stable)."""
+    order: dict[str, int] = {}
+    for msg in messages:
+        if msg.get("role") == "assistant" and msg.get("tool_calls"):
+            order = {}
+            for k, tc in enumerate(msg["tool_calls"]):
+                tc_id = tc.get("id") or tc.get("function", {}).get("id", "")
+                if tc_id:
+                    order[tc_id] = k
+        elif msg.get("role") == "user" and msg.get("content_blocks"):
+            blocks = msg["content_blocks"]
+            results = [b for b in blocks if b.get("type") == "tool_result"]
+            if len(results) > 1 and order:
+                it = iter(sorted(results, key=lambda b: order.get(b.get("tool_use_id", ""), 0)))
+                msg["content_blocks"] = [next(it) if b.get("type") == "tool_result" else b for b in blocks]
+    return messages
+
+
+def _last_user_index(messages: list[dict]) -> int:
+    return max((i for i, m in enumerate(messages) if m.get("role") in ("user", "developer")), default=-1)
+
+
+def _drop_thinking(messages: list[dict]) -> list[dict]:
+    """Pipeline step 5: before the last user/developer turn, assistants lose reasoning, developers vanish."""
+    last = _last_user_index(messages)
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role in ("user", "system", "tool", "latest_reminder") or i >= last:
+            out.append(m)
+        elif role == "assistant":
+            out.append({k: v for k, v in m.items() if k != "reasoning_content"})
+    return out
+
+
+# ---------------------------------------------------------------- rendering
+
+def _arguments(arguments: str | dict, where: str) -> dict | None:
+    """The arguments object of a tool call, or None when the string is not a JSON object."""
+    if isinstance(arguments, dict):
+        try:
+            return json.loads(_json(arguments), object_pairs_hook=_no_duplicate_keys)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: dict is not JSON-serialisable ({e})") from None
+    try:
+        value = json.loads(arguments, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise ValueError(f"{where}: duplicate key {e.args[0]!r} in the arguments JSON") from None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _render_tool_call(tc: dict) -> str:
+    fn = tc["function"]
+    args = _arguments(fn["arguments"], "tool_call")
+    if args is None:
+        args = {"arguments": fn["arguments"]}
+    params = [f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+              f'{v if isinstance(v, str) else _json(v)}</{DSML}parameter>' for k, v in args.items()]
+    return f'<{DSML}invoke name="{fn["name"]}">\n' + "\n".join(params) + f"\n</{DSML}invoke>"
+
+
+def _tools_block(tools: list[dict]) -> str:
+    return TOOLS_HEAD + "\n".join(_json(t["function"]) for t in tools) + TOOLS_TAIL
+
+
+def _extras(msg: dict) -> str:
+    out = ""
+    if msg.get("tools"):
+        out += "\n\n" + _tools_block(msg["tools"])
+    if msg.get("response_format"):
+        out += "\n\n" + RESPONSE_FORMAT + _json(msg["response_format"])
+    return out
+
+
+def _tool_result(block: dict) -> str:
+    c = block.get("content", "")
+    if isinstance(c, list):
+        c = "\n\n".join(p.get("text", "") if p.get("type") == "text" else f"[Unsupported {p.get('type')}]"
+                        for p in c)
+    return f"<tool_result>{c}</tool_result>"
+
+
+def _render(i: int, msgs: list[dict], mode: str, drop: bool, effort: str | None, last_user: int) -> str:
+    msg = msgs[i]
+    role = msg.get("role")
+    out = REASONING_EFFORT_MAX if (i == 0 and mode == "thinking" and effort == "max") else ""
+    if role == "system":
+        out += (msg.get("content") or "") + _extras(msg)
+    elif role == "developer":
+        out += USER + msg["content"] + _extras(msg)
+    elif role == "user":
+        parts = []
+        for b in msg.get("content_blocks") or []:
+            t = b.get("type")
+            parts.append(b.get("text", "") if t == "text" else _tool_result(b) if t == "tool_result"
+                         else f"[Unsupported {t}]")
+        out += USER + ("\n\n".join(parts) if msg.get("content_blocks") else (msg.get("content") or ""))
+    elif role == "latest_reminder":
+        out += LATEST_REMINDER + (msg.get("content") or "")
+    elif role == "assistant":
+        calls = ""
+        if msg.get("tool_calls"):
+            calls = TOOL_CALLS_OPEN + "\n".join(_render_tool_call(tc) for tc in msg["tool_calls"]) + TOOL_CALLS_CLOSE
+        prev_task = i > 0 and msgs[i - 1].get("task") is not None
+        think = ""
+        if mode == "thinking" and not prev_task and (not drop or i > last_user):
+            think = (msg.get("reasoning_content") or "") + THINK_END
+        out += think + (msg.get("content") or "") + calls + ("" if msg.get("wo_eos") else EOS)
+    else:  # a tool message reaching here means the merge step was skipped
+        raise ValueError(f"messages[{i}].role: {role!r} cannot be rendered (tool messages must be merged first)")
+    return out + _transition(i, msgs, mode, drop, last_user)
+
+
+def _transition(i: int, msgs: list[dict], mode: str, drop: bool, last_user: int) -> str:
+    """What follows message i: nothing, a task token, or `<｜Assistant｜>` + `<think>`/`</think>`."""
+    if i + 1 < len(msgs) and msgs[i + 1].get("role") not in ("assistant", "latest_reminder"):
+        return ""
+    msg = msgs[i]
+    task = msg.get("task")
+    if task is not None:
+        if task != "action":
+            return TASK_TOKENS[task]
+        return ASSISTANT + (THINK_START if mode == "thinking" else THINK_END) + TASK_TOKENS["action"]
+    if msg.get("role") in ("user", "developer"):
+        opens = mode == "thinking" and (not drop or i >= last_user)
+        return ASSISTANT + (THINK_START if opens else THINK_END)
+    return ""
+
+
+def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict] | None = None,
+                    drop_thinking: bool = True, add_default_bos_token: bool = True,
+                    reasoning_effort: str | None = None) -> str:
+    """Render OpenAI-style messages into the DeepSeek-V4 prompt string (official `encode_messages`).
+
+    Args:
+        messages: dicts with `role` in system/user/developer/assistant/tool/latest_reminder and the
+            OpenAI fields (`content`, `reasoning_content`, `tool_calls`, `tool_call_id`, `tools`,
+            `response_format`) plus the format's own `task`, `wo_eos`.
+        thinking_mode: "thinking" (the prompt ends in `<think>`) or "chat" (ends in `</think>`).
+        context: messages already sent earlier; they are not rendered, only inform indices and ordering.
+        drop_thinking: drop reasoning of assistant turns before the last user turn (forced False when any
+            message carries `tools`).
+        add_default_bos_token: emit BOS when `context` is empty.
+        reasoning_effort: None, "high" or "max" ("max" adds the maximum-effort preamble in thinking mode).
+    Returns:
+        The prompt string; tokenise it with `add_special_tokens=False`.
+    Raises:
+        ValueError: naming `messages[i].field` / `context[i].field` (see the module docstring), or the bad
+            `thinking_mode` / `reasoning_effort` value.
+    """
+    if thinking_mode not in MODES:
+        raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
+    if reasoning_effort not in EFFORTS:
+        raise ValueError(f"reasoning_effort: {reasoning_effort!r} is not one of {EFFORTS}")
+    context = context or []
+    _validate(context, "context", check_arguments=False)
+    _validate(messages, "messages", check_arguments=True)
+    msgs = _merge_tool_messages(messages)
+    ctx = _sort_tool_results(_merge_tool_messages(context))
+    full = _sort_tool_results(ctx + msgs)
+    prompt = BOS if add_default_bos_token and not ctx else ""
+    drop = drop_thinking and not any(m.get("tools") for m in full)
+    n_ctx = len(ctx)
+    if thinking_mode == "thinking" and drop:
+        full = _drop_thinking(full)
+        n_ctx = len(_drop_thinking(ctx))
+    last_user = _last_user_index(full)
+    for i in range(n_ctx, len(full)):
+        prompt += _render(i, full, thinking_mode, drop, reasoning_effort, last_user)
+    return prompt
+
+
+# ---------------------------------------------------------------- parsing a completion
+
+def _until(text: str, i: int, stops: list[str]) -> tuple[int, str, str | None]:
+    """Read from i to the earliest stop string: (index after the stop, text before it, the stop or None)."""
+    hits = [(text.find(s, i), s) for s in stops if text.find(s, i) != -1]
+    if not hits:
+        return len(text), text[i:], None
+    pos, stop = min(hits)
+    return pos + len(stop), text[i:pos], stop
+
+
+def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
+    calls = []
+    end_tag, invoke, param, invoke_end = (f"</{DSML}tool_calls>", f"<{DSML}invoke", f"<{DSML}parameter",
+                                          f"</{DSML}invoke")
+    while True:
+        i, gap, stop = _until(text, i, [invoke, end_tag])
+        if gap != ">\n":
+            raise ValueError(f"completion.tool_calls: expected '>\\n' before {stop!r}, got {gap!r}")
+        if stop == end_tag:
+            return i, calls
+        if stop is None:
+            raise ValueError(f"completion.tool_calls: missing {end_tag!r}")
+        i, head, stop = _until(text, i, [param, invoke_end])
+        m = re.fullmatch(r'\s*name="(.*?)">\n', head, flags=re.DOTALL)
+        if m is None:
+            raise ValueError(f"completion.tool_calls[{len(calls)}].name: malformed invoke header {head!r}")
+        name, args = m.group(1), {}
+        while stop == param:
+            i, body, stop = _until(text, i, [f"/{DSML}parameter"])
+            m = re.fullmatch(r' name="(.*?)" string="(true|false)">(.*?)<', body, flags=re.DOTALL)
+            if m is None or stop is None:
+                raise ValueError(f"completion.tool_calls[{len(calls)}].parameter: malformed {body!r}")
+            key, flag, value = m.groups()
+            if key in args:
+                raise ValueError(f"completion.tool_calls[{len(calls)}].parameter: duplicate name {key!r}")
+            args[key] = (value, flag)
+            i, gap, stop = _until(text, i, [param, invoke_end])
+            if gap != ">\n":
+                raise ValueError(f"completion.tool_calls[{len(calls)}].parameter {key!r}: expected '>\\n' "
+                                 f"after it, got {gap!r}")
+        if stop is None:
+            raise ValueError(f"completion.tool_calls[{len(calls)}]: missing {invoke_end!r}")
+        body = ", ".join(f"{_json(k)}: {_json(v) if flag == 'true' else v}" for k, (v, flag) in args.items())
+        calls.append({"type": "function", "function": {"name": name, "arguments": "{" + body + "}"}})
+
+
+def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
+    """Parse a generated completion back into an assistant message (official signature).
+
+    Args:
+        text: the decoded completion, starting right after the prompt and ending in EOS.
+        thinking_mode: "thinking" (text starts with the reasoning, closed by `</think>`) or "chat".
+    Returns:
+        `{"role": "assistant", "content": str, "reasoning_content": str, "tool_calls": [OpenAI tool calls]}`;
+        string parameters are JSON-encoded back into `arguments`, others are inserted as their JSON text.
+    Raises:
+        ValueError: naming the field — bad `thinking_mode`, missing `</think>` (reasoning_content), missing
+            EOS, malformed/duplicate tool-call markup (tool_calls), text after the calls, or a special token
+            (BOS/EOS/<think>/</think>/｜DSML｜) left inside content or reasoning_content.
+    """
+    if thinking_mode not in MODES:
+        raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
+    if not isinstance(text, str):
+        raise ValueError(f"completion: expected a string, got {type(text).__name__}")
+    calls_open = f"\n\n<{DSML}tool_calls"
+    i, reasoning, calls = 0, "", []
+    if thinking_mode == "thinking":
+        i, reasoning, stop = _until(text, 0, [THINK_END, calls_open])
+        if stop != THINK_END:
+            raise ValueError("completion.reasoning_content: missing </think> in thinking mode")
+    i, content, stop = _until(text, i, [EOS, calls_open])
+    if stop == calls_open:
+        i, calls = _parse_tool_calls(text, i)
+        i, tail, stop = _until(text, i, [EOS])
+        if tail:
+            raise ValueError(f"completion.tool_calls: unexpected text after the tool calls: {tail!r}")
+    if stop != EOS:
+        raise ValueError("completion: missing the end-of-sentence token")
+    if i != len(text):
+        raise ValueError(f"completion: unexpected text after EOS: {text[i:]!r}")
+    for field, value in (("content", content), ("reasoning_content", reasoning)):
+        for sp in (BOS, EOS, THINK_START, THINK_END, DSML):
+            if sp in value:
+                raise ValueError(f"completion.{field}: unexpected special token {sp!r}")
+    return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
+
+
+# ---------------------------------------------------------------- the one prompt path
+
+def special_strings_in_messages(messages: list[dict]) -> list[tuple[int, str, str]]:
+    """(message index, field, special string) for every format special string found inside message text
+    (`content`, `reasoning_content`). The encoder does not escape them: the tokenizer turns each into its
+    special id, so user text can forge turns. Reported, never silently removed."""
+    found = []
+    for i, m in enumerate(messages):
+        for field in ("content", "reasoning_content"):
+            v = m.get(field) if isinstance(m, dict) else None
+            if isinstance(v, str):
+                found += [(i, field, sp) for sp in SPECIAL_STRINGS if sp in v]
+    return found
+
+
+def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> list[int]:
+    """Token ids of the DeepSeek-V4 prompt for `messages` — the only way dsv4 builds model input.
+
+    Goes through `tokenizer.apply_chat_template` with the dsv4 template (`dsv4/chat_template.jinja`,
+    attached by `dsv4.tokenizer.load_tokenizer`), `add_generation_prompt=True` unless given; tests check it
+    equals `tokenizer.encode(encode_messages(...), add_special_tokens=False)` on every gold vector.
+
+    Args:
+        tokenizer: a tokenizer from `dsv4.tokenizer.load_tokenizer` (attribute `dsv4_template_source`).
+        messages: as for `encode_messages`.
+        thinking: True → thinking mode (prompt ends in `<think>`), False → chat mode (`</think>`).
+        **kw: `reasoning_effort`, `drop_thinking`, `context`, `add_default_bos_token`, `tools` (HF style),
+            `add_generation_prompt` — forwarded to the template.
+    Returns:
+        list[int] of length s (the prompt), ids < vocab size; no special tokens are added beyond the format's.
+    Raises:
+        ValueError: the tokenizer does not carry the dsv4 template, or the messages are invalid (the
+            template's error, naming the message index and field).
+    """
+    if getattr(tokenizer, "dsv4_template_source", None) is None:
+        raise ValueError("prompt_ids: tokenizer has no dsv4 chat template attached (attribute "
+                         "dsv4_template_source missing); load it with dsv4.tokenizer.load_tokenizer")
+    if not isinstance(thinking, bool):
+        raise ValueError(f"thinking: expected a bool, got {thinking!r}")
+    for i, field, sp in special_strings_in_messages(messages):
+        log.warning("messages[%d].%s contains the special string %r: it is tokenised as the special token, "
+                    "as the official encoder does", i, field, sp)
+    kw.setdefault("add_generation_prompt", True)
+    from jinja2.exceptions import TemplateError
+    try:
+        ids = tokenizer.apply_chat_template(messages, thinking=thinking, tokenize=True, return_dict=False, **kw)
+    except TemplateError as e:
+        raise ValueError(str(e)) from None
+    return [int(t) for t in ids]

