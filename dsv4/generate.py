@@ -1,0 +1,180 @@
+"""Generation: messages -> ids (through the one prompt path) -> prefill -> greedy or sampled decode.
+
+Follows the official `generate.py` loop (reference spec §12): one prefill at position 0, then one token per
+step; greedy at temperature 0, otherwise the exponential race `argmax(softmax(l/T) / Exp(1))`; stop at the
+first generated EOS or after `max_tokens`. Unlike the official code, every call starts from a fresh
+`DecodeState` (spec §6: stale compressor state otherwise leaks between requests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsv4.config import ModelArgs, layers_from_env
+from dsv4.model import Transformer
+
+__all__ = ["ResidualTrace", "GenerationResult", "generate", "load_model", "run_generate", "CKPT_ENV"]
+
+CKPT_ENV = "DSV4_CKPT"
+
+
+@dataclass
+class ResidualTrace:
+    """Observer recording, per forward call (step 0 = prefill), each layer's residual magnitude of the last
+    position: `max_abs[step][layer]` = max |H| and `rms[step][layer]` = RMS over the hc streams (fp32 units of
+    the residual). With `capture_last=True` it keeps the last layer's streams of the last position,
+    `last_residual` [b, hc, dim] (a detached copy, in the model dtype) of the most recent step."""
+
+    capture_last: bool = False
+    max_abs: list[list[float]] = field(default_factory=list)
+    rms: list[list[float]] = field(default_factory=list)
+    last_residual: torch.Tensor | None = None
+    _n_layers: int | None = None
+
+    def start_step(self) -> None:
+        self.max_abs.append([])
+        self.rms.append([])
+
+    def __call__(self, layer_id: int, H: torch.Tensor) -> None:
+        if not self.max_abs or len(self.max_abs[-1]) > layer_id:
+            self.start_step()
+        h = H[:, -1].float()
+        self.max_abs[-1].append(float(h.abs().max()))
+        self.rms[-1].append(float(h.pow(2).mean().sqrt()))
+        if self.capture_last and self._n_layers is not None and layer_id == self._n_layers - 1:
+            self.last_residual = H[:, -1].detach().clone()
+
+    def bind(self, model: Transformer) -> "ResidualTrace":
+        self._n_layers = len(model.layers)
+        return self
+
+
+@dataclass
+class GenerationResult:
+    """prompt_ids and generated ids (EOS included when it was produced), the decoded text of the generated
+    ids, the parsed assistant message (`reasoning_content`, `content`, `tool_calls`), stop reason
+    ("eos" | "max_tokens"), and the residual trace."""
+
+    prompt_ids: list[int]
+    ids: list[int]
+    text: str
+    message: dict | None
+    parse_error: str | None
+    stop: str
+    trace: ResidualTrace
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [b, V] fp32 -> token ids [b]. T == 0: argmax; T > 0: argmax(softmax(logits/T) / Exp(1)) (spec §12).
+    Raises ValueError for a negative or non-finite temperature."""
+    if not (temperature >= 0 and temperature != float("inf")):
+        raise ValueError(f"temperature={temperature}: expected a finite number >= 0")
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits / max(temperature, 1e-5)).softmax(-1)
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens: int = 64,
+             temperature: float = 0.0, thinking: bool = True, seed: int = 0,
+             on_token: Callable[[int, str], None] | None = None, trace: ResidualTrace | None = None
+             ) -> GenerationResult:
+    """Generate one assistant turn for `messages` (OpenAI-style dicts) with batch 1.
+
+    Raises ValueError if max_tokens < 1 or the prompt is empty; prompt errors come from `dsv4.encoding`.
+    """
+    from dsv4.encoding import parse_message_from_completion_text, prompt_ids
+
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}: expected >= 1")
+    ids = prompt_ids(tokenizer, messages, thinking=thinking)
+    trace = (trace or ResidualTrace()).bind(model)
+    gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
+    state = model.new_state(1)
+    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    out: list[int] = []
+    stop = "max_tokens"
+    eos = model.args.eos_token_id
+    for _ in range(max_tokens):
+        logits = model(x, state, observer=trace)
+        tok = int(sample(logits, temperature, gen)[0])
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok, tokenizer.decode([tok]))
+        if tok == eos:
+            stop = "eos"
+            break
+        x = torch.tensor([[tok]], dtype=torch.long, device=model.device)
+    text = tokenizer.decode(out, skip_special_tokens=False)
+    message, err = None, None
+    try:
+        message = parse_message_from_completion_text(text, "thinking" if thinking else "chat")
+    except ValueError as e:  # a tiny random model rarely produces a well-formed completion; report why
+        err = str(e)
+    return GenerationResult(ids, out, text, message, err, stop, trace)
+
+
+def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               backend: str = "reference", progress: bool = True) -> tuple[Transformer, int]:
+    """Load the checkpoint directory `ckpt` honouring TEST_LAYERS; returns (model, effective layer count).
+    Raises what `dsv4.checkpoint.load_checkpoint` and `layers_from_env` raise."""
+    from dsv4.checkpoint import load_checkpoint
+
+    full = ModelArgs.from_hf_config(ckpt)
+    n = layers_from_env(full.n_layers)
+    args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress)
+    model = Transformer(args, dtype=dtype, device=device, backend=backend)
+    model.load_weights({k: v.to(device) for k, v in sd.items()})
+    return model.eval(), n
+
+
+def resolve_ckpt(ckpt: Path | None) -> Path | None:
+    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source if it does not exist."""
+    if ckpt is None and os.environ.get(CKPT_ENV):
+        ckpt, src = Path(os.environ[CKPT_ENV]), f"${CKPT_ENV}"
+    else:
+        src = "--ckpt"
+    if ckpt is not None and not ckpt.is_dir():
+        raise FileNotFoundError(f"{src}={ckpt}: not a checkpoint directory")
+    return ckpt
+
+
+def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature: float, thinking: bool,
+                 seed: int, device: str) -> int:
+    """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input."""
+    from rich.console import Console
+
+    from dsv4.tokenizer import load_tokenizer
+
+    console = Console(stderr=True)
+    try:
+        path = resolve_ckpt(ckpt)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint: pass --ckpt DIR or set {CKPT_ENV} "
+                                    "(`dsv4 make-tiny DIR` writes a tiny random one)")
+        model, n = load_model(path, device=device)
+        tok = load_tokenizer(path)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        console.print(f"[bold red]error:[/] {e}")
+        return 2
+    console.print(f"checkpoint {path} | TEST_LAYERS={n} of {ModelArgs.from_hf_config(path).n_layers} | "
+                  f"thinking={thinking} | T={temperature}")
+    res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                   temperature=temperature, thinking=thinking, seed=seed,
+                   on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()))
+    sys.stdout.write("\n")
+    console.print(f"stop={res.stop} tokens={len(res.ids)} max|X| per layer (last step)="
+                  f"{[round(v, 2) for v in res.trace.max_abs[-1]]}")
+    if res.message is not None:
+        console.print(f"reasoning={res.message.get('reasoning_content')!r}\ncontent={res.message.get('content')!r}")
+    else:
+        console.print(f"completion did not parse as an assistant message: {res.parse_error}")
+    return 0

@@ -1,0 +1,617 @@
+"""The DeepSeek-V4 reference model: plain PyTorch, official tensor names, explicit decode state.
+
+Reads side by side with the official `inference/model.py` (reference spec §3-§9). Module and parameter
+names are the official ones, so `Transformer.load_state_dict(load_checkpoint(...)[1])` loads an official
+checkpoint without a rename map. Dimension legend: `dsv4/config.py`.
+
+Numerics (`dtype` argument of `Transformer`):
+  * ``torch.float32`` - every op in fp32 and no quantization simulation: the mode tests compare against
+    transformers' DeepseekV4 and against itself (prefill == decode).
+  * ``torch.bfloat16`` - the official numerics where the spec describes them (§2): residual streams and
+    activations in bf16, RMSNorm / mHC / router / compressor / head in fp32, FP8 activation quantization
+    (128-channel ue8m0 blocks) before every FP8/FP4 linear, FP8 rounding of the KV nope channels,
+    Hadamard + FP4 rounding of indexer queries and keys.
+
+The hot paths (mHC pre/post/head, sparse attention, indexer scoring) go through a `Backend`
+(`dsv4/backend.py`): the reference backend is the `*_ref` maths in `kernels/`, the triton backend their
+kernels. Top-k selection is one shared function (`kernels.indexer.indexer_topk_ref`) so that prefill and
+decode break ties by one rule.
+
+Decode state (`DecodeState`, made by `Transformer.new_state`) holds, per layer, the window ring, the
+compressed entries, the compressor buffers (with the CSA overlap window) and the indexer keys. A new state
+is made for every sequence; the official code does not reset its buffers (spec §6), we never reuse them.
+Supported call pattern (as official): one prefill at position 0 of any length, then one token per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.backend import Backend, get_backend
+from dsv4.config import ModelArgs
+from kernels.indexer import indexer_topk_ref
+
+__all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+           "hadamard_matrix"]
+
+
+# ----------------------------------------------------------------------------------------------- numerics
+class _Sim:
+    """Quantization simulations of the official bf16 path (spec §2); identity in fp32 mode."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        if enabled:
+            from dsv4 import quant
+            self._quant = quant
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """FP8 activation quantization (128-channel blocks, ue8m0 scales) before an FP8/FP4 GEMM."""
+        return self._quant.act_quant_sim(x, 128) if self.enabled else x
+
+    def kv_nope(self, x: torch.Tensor) -> torch.Tensor:
+        """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks."""
+        return self._quant.act_quant_sim(x, 64) if self.enabled else x
+
+    def fp4(self, x: torch.Tensor) -> torch.Tensor:
+        """FP4 (e2m1) rounding in 32-channel blocks of indexer queries / keys."""
+        return self._quant.fp4_act_quant_sim(x, 32) if self.enabled else x
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm: `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))` (spec §2). weight [d] fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Linear(nn.Module):
+    """`y = x @ W^T` with fp32 accumulation, output in x.dtype. weight [out, in].
+
+    `quantized=True` marks a linear stored FP8/FP4 on disk: in bf16 mode its input is FP8-quantized first
+    (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor,
+    router, head): input and weight in fp32, output fp32.
+    """
+
+    def __init__(self, in_features: int, out_features: int, sim: _Sim, *, quantized: bool, fp32: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.sim, self.quantized, self.fp32 = sim, quantized, fp32
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32 if fp32 else dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32:
+            return x.float() @ self.weight.float().T
+        if self.quantized:
+            x = self.sim.act(x)
+        return (x.float() @ self.weight.float().T).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(args: ModelArgs, ratio: int, dim: int | None = None) -> torch.Tensor:
+    """Inverse frequencies `f_i`, i < rd/2, fp64 `[rd/2]` for a layer of compress `ratio` (spec §5).
+
+    ratio 0: theta = rope_theta, no YaRN. ratio > 0: theta = compress_rope_theta with the YaRN ramp between
+    the correction dims of beta_fast / beta_slow (applied at all positions, never an mscale).
+    """
+    rd = dim or args.rope_head_dim
+    i = torch.arange(0, rd, 2, dtype=torch.float64)
+    theta = args.rope_theta if ratio == 0 else args.compress_rope_theta
+    freqs = 1.0 / theta ** (i / rd)
+    if ratio == 0:
+        return freqs
+
+    def corr_dim(rot: float) -> float:
+        return rd * math.log(args.original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(args.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(args.beta_slow)), rd - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rd // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return freqs * (1 - ramp) + freqs / args.rope_factor * ramp
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the interleaved pairs (2i, 2i+1) of the last dim of `x` by angle pos*f_i (spec §5, pitfall 4).
+
+    x [..., s, (heads,) rd] any float dtype; pos [s] int64 absolute positions (broadcast over the axis
+    right after the batch axes: x must be [b, s, rd] or [b, s, h, rd]); computed in fp32, returned in x.dtype.
+    `inverse=True` rotates by -pos*f_i (the output de-rotation).
+    """
+    ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]  # [s, rd/2]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    if inverse:
+        sin = -sin
+    if x.dim() == 4:
+        cos, sin = cos[:, None, :], sin[:, None, :]
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def hadamard_matrix(n: int, device=None) -> torch.Tensor:
+    """Normalized Sylvester Walsh-Hadamard matrix `H_ij = (-1)^popcount(i&j) / sqrt(n)`, fp32 `[n, n]` (spec §7)."""
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n}: expected a power of two")
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(n)).to(device)
+
+
+# ----------------------------------------------------------------------------------------------- state
+@dataclass
+class CompressorState:
+    """Official compressor buffers (spec §6), fp32. kv/score `[b, c*r, c*d]`; for the overlapping CSA
+    compressor slots 0..r-1 hold the previous full window, slots r..2r-1 the current partial window."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+
+
+@dataclass
+class LayerState:
+    """Per-layer decode state. ring `[b, window, hd]` (slot p % window holds position p); entries
+    `[b, n_entries, hd]` compressed KV; index_keys `[b, n_entries_csa, index_head_dim]`."""
+
+    ring: torch.Tensor
+    entries: torch.Tensor | None = None
+    compressor: CompressorState | None = None
+    index_keys: torch.Tensor | None = None
+    index_compressor: CompressorState | None = None
+
+
+@dataclass
+class DecodeState:
+    """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer."""
+
+    layers: list[LayerState]
+    pos: int = 0
+
+
+class ResidualObserver(Protocol):
+    """Called by `Transformer.forward` after every block with the residual streams H `[b, s, hc, d]`."""
+
+    def __call__(self, layer_id: int, H: torch.Tensor) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------- attention
+class Compressor(nn.Module):
+    """KV compressor (spec §6): r = 4 overlapping two-series windows (CSA) or r = 128 (HCA), output width d.
+
+    wkv, wgate `[c*d, dim]` (fp32 compute), ape `[r, c*d]` fp32, norm `[d]`; c = 2 iff r == 4.
+    """
+
+    def __init__(self, args: ModelArgs, ratio: int, d: int, sim: _Sim, inv_freq: torch.Tensor, indexer: bool):
+        super().__init__()
+        self.ratio, self.d, self.overlap, self.sim, self.is_indexer = ratio, d, ratio == 4, sim, indexer
+        c = 2 if self.overlap else 1
+        self.rd = args.rope_head_dim
+        self.wkv = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
+        self.wgate = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * d, dtype=torch.float32))
+        self.norm = RMSNorm(d, args.norm_eps)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if indexer:
+            self.register_buffer("hadamard", hadamard_matrix(d), persistent=False)
+
+    def new_state(self, b: int, device) -> CompressorState:
+        c = 2 if self.overlap else 1
+        n = c * self.ratio
+        return CompressorState(kv=torch.zeros(b, n, c * self.d, device=device),
+                               score=torch.full((b, n, c * self.d), -math.inf, device=device))
+
+    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE at w*r, QAT/Hadamard."""
+        k = self.norm(pooled.to(dtype))
+        k = torch.cat((k[..., :-self.rd], apply_rope(k[..., -self.rd:], first_pos, self.inv_freq)), -1)
+        if self.is_indexer:
+            k = self.sim.fp4((k.float() @ self.hadamard.T).to(dtype))
+        else:
+            k = torch.cat((self.sim.kv_nope(k[..., :-self.rd]), k[..., -self.rd:]), -1)
+        return k
+
+    def prefill(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
+        """x [b, s, dim] at positions 0..s-1 -> entries [b, s // r, d]; leaves the partial window in `st`."""
+        b, s, _ = x.shape
+        r, d = self.ratio, self.d
+        a, z = self.wkv(x), self.wgate(x)  # fp32 [b, s, c*d]
+        z = z + self.ape[torch.arange(s, device=x.device) % r]
+        n = s // r
+        A, Z = a[:, :n * r].unflatten(1, (n, r)), z[:, :n * r].unflatten(1, (n, r))  # [b, n, r, c*d]
+        if self.overlap:
+            # entry w pools the [:d] halves of window w-1 (none for w = 0: weight 0) and the [d:] halves of w
+            prevA = torch.cat((torch.zeros_like(A[:, :1, :, :d]), A[:, :-1, :, :d]), 1)
+            prevZ = torch.cat((torch.full_like(Z[:, :1, :, :d], -math.inf), Z[:, :-1, :, :d]), 1)
+            A = torch.cat((prevA, A[..., d:]), 2)
+            Z = torch.cat((prevZ, Z[..., d:]), 2)
+        pooled = (Z.softmax(2) * A).sum(2)  # [b, n, d]
+        off = r if self.overlap else 0
+        if self.overlap and n >= 1:
+            st.kv[:, :r], st.score[:, :r] = a[:, (n - 1) * r:n * r], z[:, (n - 1) * r:n * r]
+        rem = s - n * r
+        if rem:
+            st.kv[:, off:off + rem], st.score[:, off:off + rem] = a[:, n * r:], z[:, n * r:]
+        return self._finish(pooled, torch.arange(n, device=x.device) * r, x.dtype)
+
+    def decode(self, x: torch.Tensor, pos: int, st: CompressorState) -> torch.Tensor | None:
+        """x [b, 1, dim] at position `pos` -> the entry completed by this token [b, 1, d], or None."""
+        r, d = self.ratio, self.d
+        a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0] + self.ape[pos % r]
+        off = r if self.overlap else 0
+        st.kv[:, off + pos % r], st.score[:, off + pos % r] = a, z
+        if (pos + 1) % r:
+            return None
+        if self.overlap:
+            A = torch.cat((st.kv[:, :r, :d], st.kv[:, r:, d:]), 1)
+            Z = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
+            st.kv[:, :r], st.score[:, :r] = st.kv[:, r:].clone(), st.score[:, r:].clone()
+        else:
+            A, Z = st.kv, st.score
+        pooled = (Z.softmax(1) * A).sum(1, keepdim=True)
+        st.score[:, off:] = -math.inf
+        return self._finish(pooled, torch.tensor([pos // r * r], device=x.device), x.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of CSA layers (spec §7): scores compressed entries, keeps the top-k per query.
+
+    wq_b `[H_I*d_I, q_lora]` (FP8 on disk), weights_proj `[H_I, dim]`, compressor (r = 4, d = d_I).
+    """
+
+    def __init__(self, args: ModelArgs, sim: _Sim, inv_freq: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk, self.rd, self.sim = (args.index_n_heads, args.index_head_dim,
+                                                                   args.index_topk, args.rope_head_dim, sim)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, sim, quantized=True, dtype=dtype)
+        self.weights_proj = Linear(args.dim, self.n_heads, sim, quantized=False, dtype=dtype)
+        self.compressor = Compressor(args, 4, self.head_dim, sim, inv_freq, indexer=True)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+               backend: Backend) -> torch.Tensor:
+        """Top-k entry indices `[b, s, k]` int64 (-1 = empty), k = min(index_topk, entries visible to the last
+        query). x [b, s, dim], qr [b, s, q_lora], pos [s] positions, keys [b, n, d_I] all entries so far."""
+        b, s, _ = x.shape
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
+        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        scores = backend.indexer_scores(q, w.to(q.dtype), keys)  # [b, s, n] fp32
+        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])  # causal entries per query, spec §7.4
+        k = min(self.topk, int(n_valid.max()))
+        return indexer_topk_ref(scores, k, n_valid.expand(b, s))
+
+
+class Attention(nn.Module):
+    """DeepSeek-V4 attention (spec §5): low-rank q, shared K=V head, partial interleaved RoPE, per-head sink,
+    sliding window + compressed entries (all for HCA, indexer top-k for CSA), grouped wo_a / wo_b."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.sim = args, sim
+        self.ratio = args.ratio(layer_id)
+        self.n_heads, self.hd, self.rd = args.n_heads, args.head_dim, args.rope_head_dim
+        self.window, self.groups = args.window_size, args.o_groups
+        self.scale = self.hd ** -0.5
+        self.wq_a = Linear(args.dim, args.q_lora_rank, sim, quantized=True, dtype=dtype)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.hd, sim, quantized=True, dtype=dtype)
+        self.wkv = Linear(args.dim, self.hd, sim, quantized=True, dtype=dtype)
+        self.kv_norm = RMSNorm(self.hd, args.norm_eps)
+        # wo_a is FP8 on disk but used dequantized in bf16 with no activation quantization (spec §5, pitfall 17)
+        self.wo_a = Linear(self.n_heads * self.hd // self.groups, self.groups * args.o_lora_rank, sim,
+                           quantized=False, dtype=dtype)
+        self.wo_b = Linear(self.groups * args.o_lora_rank, args.dim, sim, quantized=True, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        inv_freq = rope_inv_freq(args, self.ratio)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.compressor = Compressor(args, self.ratio, self.hd, sim, inv_freq, indexer=False) if self.ratio else None
+        self.indexer = Indexer(args, sim, inv_freq, dtype) if self.ratio == 4 else None
+
+    def new_state(self, b: int, dtype: torch.dtype, device) -> LayerState:
+        st = LayerState(ring=torch.zeros(b, self.window, self.hd, dtype=dtype, device=device))
+        if self.compressor is not None:
+            st.entries = torch.zeros(b, 0, self.hd, dtype=dtype, device=device)
+            st.compressor = self.compressor.new_state(b, device)
+        if self.indexer is not None:
+            st.index_keys = torch.zeros(b, 0, self.indexer.head_dim, dtype=dtype, device=device)
+            st.index_compressor = self.indexer.compressor.new_state(b, device)
+        return st
+
+    def forward(self, x: torch.Tensor, start_pos: int, st: LayerState, backend: Backend) -> torch.Tensor:
+        """x [b, s, dim] (attn_norm output) at positions start_pos.. -> [b, s, dim]. Prefill iff start_pos == 0;
+        otherwise s must be 1 (one-token decode). Updates `st` in place."""
+        b, s, _ = x.shape
+        dev = x.device
+        pos = torch.arange(start_pos, start_pos + s, device=dev)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
+        qf = q.float()
+        q = (qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + self.args.norm_eps)).to(x.dtype)
+        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
+        kv = self.kv_norm(self.wkv(x))
+        kv = torch.cat((self.sim.kv_nope(kv[..., :-self.rd]), apply_rope(kv[..., -self.rd:], pos, self.inv_freq)), -1)
+
+        W = self.window
+        if start_pos == 0:  # prefill: keys = [window KV of all s tokens | compressed entries]
+            offs = torch.arange(W, device=dev)
+            win = pos[:, None] - (W - 1) + offs[None, :]  # [s, W] positions t-W+1..t
+            win = torch.where(win >= 0, win, -1)
+            keys, n_keys_base = kv, s
+            keep = min(s, W)
+            st.ring[:, (pos[-keep:] % W)] = kv[:, -keep:]
+        else:
+            if s != 1:
+                raise ValueError(f"decode at start_pos={start_pos} takes one token, got s={s}")
+            st.ring[:, start_pos % W] = kv[:, 0]
+            slots = torch.arange(W, device=dev)
+            win = torch.where(slots <= start_pos, slots, -1)[None, :]  # ring slots holding positions <= t
+            keys, n_keys_base = st.ring, W
+        idx = win[None].expand(b, s, W)
+
+        if self.compressor is not None:
+            if start_pos == 0:
+                new = self.compressor.prefill(x, st.compressor)
+            else:
+                new = self.compressor.decode(x, start_pos, st.compressor)
+            if new is not None:
+                st.entries = torch.cat((st.entries, new), 1)
+            entries = st.entries
+            if self.indexer is not None:
+                ic = self.indexer.compressor
+                newk = ic.prefill(x, st.index_compressor) if start_pos == 0 else ic.decode(x, start_pos,
+                                                                                           st.index_compressor)
+                if newk is not None:
+                    st.index_keys = torch.cat((st.index_keys, newk), 1)
+                comp = self.indexer.select(x, qr, pos, st.index_keys, backend)
+            else:  # HCA: every completed entry visible to the query, w < (t+1) // r
+                w = torch.arange(entries.shape[1], device=dev)
+                comp = torch.where(w[None, :] < ((pos[:, None] + 1) // self.ratio), w[None, :], -1)
+                comp = comp[None].expand(b, s, -1)
+            comp = torch.where(comp >= 0, comp + n_keys_base, -1)
+            idx = torch.cat((idx, comp), -1)
+            keys = torch.cat((keys, entries), 1)
+
+        o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
+        o = torch.cat((o[..., :-self.rd], apply_rope(o[..., -self.rd:], pos, self.inv_freq, inverse=True)), -1)
+        o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
+        wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])
+        z = torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(x.dtype)
+        return self.wo_b(z.flatten(2))
+
+
+# ----------------------------------------------------------------------------------------------- MoE
+class Expert(nn.Module):
+    """SwiGLU expert (spec §8.5): w1 gate, w3 up `[inter, dim]`, w2 down `[dim, inter]`; clamps up to
+    [-limit, limit] and gate to <= limit when limit > 0; routed weight applied before w2."""
+
+    def __init__(self, dim: int, inter: int, limit: float, sim: _Sim, dtype: torch.dtype):
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter, sim, quantized=True, dtype=dtype)
+        self.w2 = Linear(inter, dim, sim, quantized=True, dtype=dtype)
+        self.w3 = Linear(dim, inter, sim, quantized=True, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        u, v = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            v = v.clamp(-self.limit, self.limit)
+            u = u.clamp(max=self.limit)
+        h = F.silu(u) * v
+        if weight is not None:
+            h = h * weight
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Router (spec §8.1-4): fp32 logits, sqrtsoftplus scores, top-k of (score + bias) or `tid2eid[token]` on
+    hash layers; weights = unbiased scores of the picks, normalised, times route_scale."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
+        self.hash = layer_id < args.n_hash_layers
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(args.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, dim], input_ids [N] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
+        logits = x.float() @ self.weight.float().T
+        if self.score_func == "softmax":
+            scores = logits.softmax(-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        if self.hash:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = (scores + self.bias).topk(self.topk, dim=-1).indices
+        w = scores.gather(1, ids)
+        if self.score_func != "softmax":
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, ids
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert (spec §8): y = sum_e g_e * expert_e(x) + shared(x), fp32 accumulation."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
+        super().__init__()
+        self.gate = Gate(args, layer_id)
+        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
+                                     for _ in range(args.n_routed_experts))
+        self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
+                                     sim, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x, input_ids.reshape(-1))
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot, None]).float())
+        y = y + self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)
+
+
+# ----------------------------------------------------------------------------------------------- blocks
+class Block(nn.Module):
+    """One DeepSeek-V4 block (spec §4): mHC pre -> attn_norm -> attention -> mHC post, then the same for the
+    FFN site. hc_{attn,ffn}_fn `[(2+hc)*hc, hc*dim]`, _base `[(2+hc)*hc]`, _scale `[3]`, all fp32."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
+        super().__init__()
+        self.args, self.layer_id = args, layer_id
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args, layer_id, sim, dtype)
+        self.ffn = MoE(args, layer_id, sim, dtype)
+        n, hcd = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(n, hcd, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.zeros(3, dtype=torch.float32)))
+
+    def _site(self, H: torch.Tensor, site: str, fn: Callable[[torch.Tensor], torch.Tensor],
+              backend: Backend) -> torch.Tensor:
+        b, s, hc, d = H.shape
+        Hf = H.reshape(b * s, hc, d)
+        a = self.args
+        x, post, comb = backend.hc_pre(Hf, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                       getattr(self, f"hc_{site}_scale"), sinkhorn_iters=a.hc_sinkhorn_iters,
+                                       hc_eps=a.hc_eps, norm_eps=a.norm_eps)
+        out = fn(x.view(b, s, d)).reshape(b * s, d)
+        return backend.hc_post(out, Hf, post, comb).view(b, s, hc, d)
+
+    def forward(self, H: torch.Tensor, start_pos: int, input_ids: torch.Tensor, st: LayerState,
+                backend: Backend) -> torch.Tensor:
+        """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype."""
+        H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), start_pos, st, backend), backend)
+        return self._site(H, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids), backend)
+
+
+class HcHead(nn.Module):
+    """Collapse of the hc streams before the final norm (spec §9). Parameterless module (the parameters are
+    the official top-level `hc_head_fn/base/scale`) so that hooks can observe its execution."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.hc_eps, self.norm_eps = args.hc_eps, args.norm_eps
+
+    def forward(self, H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                backend: Backend) -> torch.Tensor:
+        """H [b, s, hc, dim] -> y [b, s, dim] in H.dtype."""
+        b, s, hc, d = H.shape
+        y = backend.hc_head(H.reshape(b * s, hc, d), fn, base, scale, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        return y.view(b, s, d)
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
+
+    Args:
+        args: architecture (`ModelArgs`); `args.n_layers` blocks are built (use `args.with_layers(n)`).
+        dtype: torch.float32 (exact mode) or torch.bfloat16 (official numerics); see the module docstring.
+        device: where parameters and state live.
+        backend: "reference" or "triton" (`dsv4.backend.get_backend`; triton needs CUDA or TRITON_INTERPRET=1).
+    Raises:
+        ValueError: unsupported dtype or backend.
+    """
+
+    def __init__(self, args: ModelArgs, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 backend: str = "reference"):
+        super().__init__()
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
+        self.args, self.dtype = args, dtype
+        self.backend = get_backend(backend, torch.device(device))
+        sim = _Sim(dtype == torch.bfloat16)
+        with torch.device(device):
+            self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+            self.layers = nn.ModuleList(Block(args, i, sim, dtype) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.head = Linear(args.dim, args.vocab_size, sim, quantized=False, fp32=True)
+            hc = args.hc_mult
+            self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
+            self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+            self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+            self.hc_head = HcHead(args)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load an official-name state dict (from `dsv4.checkpoint.load_checkpoint`), casting each tensor to
+        the dtype of its parameter. Raises RuntimeError listing missing / unexpected keys and KeyError-free
+        shape mismatches (strict)."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise RuntimeError(f"state dict does not match the model: missing={missing[:10]}"
+                               f"{'...' if len(missing) > 10 else ''} unexpected={unexpected[:10]}"
+                               f"{'...' if len(unexpected) > 10 else ''}")
+        for k, v in state_dict.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise RuntimeError(f"{k}: shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
+        self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
+
+    def new_state(self, batch: int = 1) -> DecodeState:
+        """A fresh decode state for `batch` sequences (never reused across sequences)."""
+        return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers])
+
+    def final_logits(self, H: torch.Tensor) -> torch.Tensor:
+        """Last residual streams H [b, s, hc, dim] -> logits [b, s, V] fp32: head(norm(hc_head(H))) (spec §9).
+        The single final path: `forward` calls it, the final-norm check calls it."""
+        y = self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend)
+        return self.head(self.norm(y))
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
+                observer: ResidualObserver | None = None) -> torch.Tensor:
+        """input_ids [b, s] int64 at positions state.pos.. -> logits fp32 [b, V] of the last position
+        ([b, s, V] with all_logits). The first call of a state is the prefill (any s >= 1), every later call
+        takes s == 1. Advances `state.pos`.
+
+        Raises ValueError for an empty input, a multi-token call after the prefill, or ids outside the vocab.
+        """
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected [b, s] with s >= 1")
+        if state.pos > 0 and input_ids.shape[1] != 1:
+            raise ValueError(f"state at position {state.pos}: decode takes one token per call, "
+                             f"got {input_ids.shape[1]} (chunked prefill is not supported, as officially)")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
+            raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
+                             f"max {int(input_ids.max())}")
+        start = state.pos
+        x = self.embed(input_ids)
+        H = x.unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
+        for layer, st in zip(self.layers, state.layers):
+            H = layer(H, start, input_ids, st, self.backend)
+            if observer is not None:
+                observer(layer.layer_id, H)
+        state.pos += input_ids.shape[1]
+        logits = self.final_logits(H if all_logits else H[:, -1:])
+        return logits if all_logits else logits[:, -1]
