@@ -102,9 +102,10 @@ def fp8_block_dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
 def fp8_block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize [out, in] floats to (e4m3 [out, in], ue8m0 [ceil(out/128), ceil(in/128)]), per-block amax.
 
-    Scale `2^ceil(log2(max(amax, 1e-4) / 448))`; values rounded to nearest e4m3. Inverse of `fp8_block_dequant`
-    up to e4m3 rounding (relative error <= 2^-4 of each element, absolute <= 2^-10 * block scale * 448... see
-    tests). Raises ValueError for non-2-D or non-finite input.
+    Scale `2^ceil(log2(amax / 448))` (amax floored at 448 * 2^-127, the smallest ue8m0 scale, so only an
+    all-zero block gets it); values rounded to nearest e4m3 (never clamped: amax / scale <= 448). Inverse of
+    `fp8_block_dequant` up to e4m3 rounding: |error| <= max(2^-4 |w|, 2^-10 * scale).
+    Raises ValueError for non-2-D or non-finite input.
     """
     if w.dim() != 2 or not bool(torch.isfinite(w).all()):
         raise ValueError(f"fp8_block_quant: expected a finite 2-D tensor, got shape {tuple(w.shape)}")
@@ -112,7 +113,7 @@ def fp8_block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tens
     ob, ib = -(-out // block), -(-inp // block)
     padded = w.new_zeros(ob * block, ib * block, dtype=torch.float32)
     padded[:out, :inp] = w.float()
-    amax = padded.view(ob, block, ib, block).abs().amax(dim=(1, 3)).clamp_min(ACT_AMAX_FLOOR)
+    amax = padded.view(ob, block, ib, block).abs().amax(dim=(1, 3)).clamp_min(E4M3_MAX * 2.0 ** -127)
     k = ceil_log2(amax / E4M3_MAX)
     sf = _pow2(k).repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
     q = (w.float() / sf).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

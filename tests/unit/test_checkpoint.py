@@ -1,0 +1,237 @@
+"""The official inventory (spec §11) and the fail-closed loader: every corruption names tensor, file, expectation.
+
+Each corruption test edits a private copy of the tiny fp8 checkpoint (keeping the index and total_size
+consistent, so only the intended fault is present) and matches the error message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsv4.checkpoint import (INDEX_FILE, Checkpoint, CheckpointError, expected_tensors, inventory_bytes,
+                             load_checkpoint)
+from dsv4.config import ModelArgs
+from dsv4.tiny import tiny_args
+
+CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
+
+
+@pytest.fixture(scope="module")
+def flash() -> ModelArgs:
+    return ModelArgs.from_hf_config(CONFIGS / "deepseek_v4_flash.config.json")
+
+
+def test_flash_inventory_matches_published_index(flash):
+    inv = expected_tensors(flash, include_mtp=True)
+    assert len(inv) == 69_187
+    assert inventory_bytes(inv) == 159_609_485_896
+    assert sum(k.startswith("mtp.0.") for k in inv) == 1_575
+    assert Counter(dt for _, dt in inv.values()) == {"F8_E8M0": 34_167, "I8": 33_792, "BF16": 433, "F32": 417,
+                                                     "F8_E4M3": 375, "I64": 3}
+    per_layer = Counter(k.split(".")[1] for k in inv if k.startswith("layers."))
+    assert (per_layer["0"], per_layer["3"], per_layer["2"]) == (1_565, 1_569, 1_576)  # SWA, HCA, CSA
+    assert inv["layers.0.attn.wq_a.scale"] == ((8, 32), "F8_E8M0")
+    assert inv["layers.5.attn.wo_a.weight"] == ((8192, 4096), "F8_E4M3")
+    assert inv["layers.7.ffn.experts.255.w1.weight"] == ((2048, 2048), "I8")
+    assert inv["layers.7.ffn.experts.0.w2.scale"] == ((4096, 64), "F8_E8M0")
+    assert inv["layers.2.ffn.gate.tid2eid"] == ((129280, 6), "I64") and "layers.3.ffn.gate.tid2eid" not in inv
+    assert inv["layers.4.attn.compressor.ape"] == ((4, 1024), "F32")
+    assert inv["layers.3.attn.compressor.ape"] == ((128, 512), "F32")
+    assert inv["mtp.0.ffn.gate.bias"] == ((256,), "F32") and "mtp.0.attn.compressor.ape" not in inv
+
+
+def test_pro_inventory_and_subsets(flash):
+    pro = ModelArgs.from_hf_config(CONFIGS / "deepseek_v4_pro.config.json")
+    inv = expected_tensors(pro, include_mtp=True)
+    assert len(inv) == 145_116
+    assert inv["layers.0.attn.wq_a.weight"] == ((1536, 7168), "F8_E4M3")
+    assert inv["layers.0.ffn.experts.383.w1.scale"] == ((3072, 224), "F8_E8M0")
+    two = expected_tensors(flash, 2)
+    assert {k.split(".")[1] for k in two if k.startswith("layers.")} == {"0", "1"}
+    assert not any(k.startswith("mtp.") for k in two) and "hc_head_fn" in two and "head.weight" in two
+    for bad in (0, 44, -1, 2.0):
+        with pytest.raises(ValueError, match=f"n_layers={bad!r}: expected an integer in 1..43"):
+            expected_tensors(flash, bad)
+
+
+def test_bf16_inventory_has_no_scales():
+    a = tiny_args(dtype="bf16", scale_fmt=None, expert_dtype="bf16")
+    inv = expected_tensors(a, include_mtp=True)
+    assert not any(k.endswith(".scale") for k in inv)
+    assert {dt for _, dt in inv.values()} == {"BF16", "F32", "I64"}
+    assert inv["layers.0.ffn.experts.7.w1.weight"] == ((32, 64), "BF16")
+
+
+# ------------------------------------------------------------------------------------------- good paths
+def test_load_subset_and_dtypes(tiny_ckpt):
+    args, sd = load_checkpoint(tiny_ckpt, n_layers=2, progress=False)
+    want = {k for k in expected_tensors(args.with_layers(2), 2) if not k.endswith(".scale")}
+    assert set(sd) == want and args.n_layers == 2 and args.compress_ratios == (0, 4, 0)
+    assert sd["layers.1.attn.wq_b.weight"].dtype == torch.float32
+    assert sd["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    _, sd16 = load_checkpoint(tiny_ckpt, n_layers=1, include_mtp=True, dtype=torch.bfloat16, progress=True)
+    assert sd16["layers.0.hc_attn_fn"].dtype == torch.bfloat16 and "mtp.0.e_proj.weight" in sd16
+    assert sd16["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
+    assert not any(k.startswith("layers.1.") for k in sd16)
+    with pytest.raises(ValueError, match="n_layers=5: expected an integer in 1..4"):
+        load_checkpoint(tiny_ckpt, n_layers=5, progress=False)
+
+
+def test_get_raw_and_quantized_untouched(tiny_ckpt):
+    ck = Checkpoint(tiny_ckpt)
+    assert len(ck) == len(expected_tensors(ck.args, include_mtp=True))
+    shard = ck.info("layers.1.ffn.experts.2.w3.weight")[2]
+    raw = load_file(shard)
+    w, s = ck.get_quantized("layers.1.ffn.experts.2.w3.weight")
+    assert w.dtype == torch.int8 and torch.equal(w, raw["layers.1.ffn.experts.2.w3.weight"])
+    assert s.dtype == torch.float8_e8m0fnu
+    assert torch.equal(s.view(torch.uint8), raw["layers.1.ffn.experts.2.w3.scale"].view(torch.uint8))
+    assert ck.get("layers.1.attn.attn_sink", dequantize=False).dtype == torch.float32
+    scale = ck.get("layers.1.attn.wq_b.scale")
+    assert torch.equal(torch.log2(scale), ck.get("layers.1.attn.wq_b.scale", dequantize=False)
+                       .view(torch.uint8).float() - 127)
+    with pytest.raises(KeyError, match="no tensor named 'layers.9.attn.wq_a.weight'"):
+        ck.get("layers.9.attn.wq_a.weight")
+    with pytest.raises(CheckpointError, match="embed.weight.*has no embed.scale"):
+        ck.get_quantized("embed.weight")
+
+
+def test_single_file_checkpoint(tiny_ckpt, tmp_path):
+    d = tmp_path / "single"
+    d.mkdir()
+    (d / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    merged = {}
+    for f in sorted(tiny_ckpt.glob("model-*.safetensors")):
+        merged.update(load_file(f))
+    save_file(merged, str(d / "model.safetensors"))
+    _, a = load_checkpoint(d, include_mtp=True, progress=False)
+    _, b = load_checkpoint(tiny_ckpt, include_mtp=True, progress=False)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------------------- corruptions
+def _edit(ckpt: Path, name: str, tensor: torch.Tensor | None, shard: str | None = None) -> Path:
+    """Replace (tensor) or delete (None) `name` in its shard (or add it to `shard`), keeping the index valid."""
+    index = json.loads((ckpt / INDEX_FILE).read_text())
+    wm = index["weight_map"]
+    fname = wm.get(name, shard)
+    tensors = load_file(ckpt / fname)
+    if tensor is None:
+        del tensors[name], wm[name]
+    else:
+        tensors[name], wm[name] = tensor, fname
+    save_file(tensors, str(ckpt / fname), metadata={"format": "pt"})
+    total = 0
+    for f in set(wm.values()):
+        total += sum(t.numel() * t.element_size() for t in load_file(ckpt / f).values())
+    index["metadata"]["total_size"] = total
+    (ckpt / INDEX_FILE).write_text(json.dumps(index))
+    return ckpt / fname
+
+
+def _load(ckpt):
+    return load_checkpoint(ckpt, include_mtp=True, progress=False)
+
+
+def test_missing_tensor(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    _edit(d, "layers.1.attn.wq_a.scale", None)
+    with pytest.raises(CheckpointError, match=r"missing tensor layers\.1\.attn\.wq_a\.scale \(expected shape "
+                                              r"\[1, 1\] F8_E8M0"):
+        _load(d)
+    _, sd = load_checkpoint(d, n_layers=1, progress=False)  # layer 1 not requested: loads
+    assert "layers.0.attn.wq_a.weight" in sd
+
+
+def test_unexpected_tensor(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    f = _edit(d, "layers.0.attn.wq_a.weight_scale_inv", torch.ones(1, 1), shard="model-00002-of-00004.safetensors")
+    with pytest.raises(CheckpointError, match=f"{f}: unexpected tensor layers.0.attn.wq_a.weight_scale_inv"):
+        _load(d)
+
+
+def test_shape_mismatch(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    f = _edit(d, "layers.2.attn.attn_sink", torch.randn(5))
+    with pytest.raises(CheckpointError, match=rf"{f}: tensor layers.2.attn.attn_sink has shape \[5\], "
+                                              r"expected \[4\]"):
+        _load(d)
+
+
+def test_dtype_mismatch(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    f = _edit(d, "layers.0.attn_norm.weight", torch.randn(64))
+    with pytest.raises(CheckpointError, match=f"{f}: tensor layers.0.attn_norm.weight has dtype F32, "
+                                              "expected BF16"):
+        _load(d)
+
+
+@pytest.mark.parametrize("bad", ["decoded_f32", "bytes_u8"])
+def test_scale_of_wrong_dtype(tiny_ckpt, copy_ckpt, bad):
+    d = copy_ckpt(tiny_ckpt)
+    name = "layers.1.ffn.experts.0.w2.scale"
+    good = Checkpoint(tiny_ckpt).get(name, dequantize=False)
+    t = good.float() if bad == "decoded_f32" else good.view(torch.uint8)
+    f = _edit(d, name, t)
+    dt = "F32" if bad == "decoded_f32" else "U8"
+    with pytest.raises(CheckpointError, match=f"{f}: tensor {name} has dtype {dt}, expected F8_E8M0 "
+                                              r"\(ue8m0 exponent bytes"):
+        _load(d)
+    with pytest.raises(CheckpointError, match=f"{f}: tensor {name} has dtype {dt}, expected F8_E8M0"):
+        Checkpoint(d).get("layers.1.ffn.experts.0.w2.weight")  # the accessor checks too
+
+
+def test_index_names_missing_shard(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    (d / "model-00003-of-00004.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: weight_map maps \d+ tensors "
+                                              r"\(e.g. layers.2.\S+\) to shard model-00003-of-00004.safetensors, "
+                                              r"but .*model-00003-of-00004.safetensors does not exist"):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize("cut", [1, 5000, 10**9], ids=["last_byte", "tail", "header"])
+def test_truncated_shard(tiny_ckpt, copy_ckpt, cut):
+    d = copy_ckpt(tiny_ckpt)
+    f = d / "model-00002-of-00004.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:max(len(data) - cut, 20)])
+    with pytest.raises(CheckpointError, match=f"{f}: truncated: "):
+        _load(d)
+
+
+def test_index_and_shard_disagree(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["weight_map"]["layers.0.attn.ghost"] = "model-00002-of-00004.safetensors"
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="maps tensor layers.0.attn.ghost to model-00002-of-00004.safetensors,"
+                                              " but .* does not hold it"):
+        Checkpoint(d)
+    del index["weight_map"]["layers.0.attn.ghost"]
+    del index["weight_map"]["norm.weight"]
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00004.safetensors: holds 1 tensors that "
+                                              r"model.safetensors.index.json does not map .*\(e.g. norm.weight\)"):
+        Checkpoint(d)
+
+
+def test_total_size_and_missing_files(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["metadata"]["total_size"] += 2
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"metadata.total_size=\d+, but the shards' tensors hold \d+ bytes"):
+        Checkpoint(d)
+    (d / INDEX_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
+        Checkpoint(d)
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        Checkpoint(d)

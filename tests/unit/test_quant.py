@@ -1,0 +1,193 @@
+"""Number formats (spec §2): hand-made blocks with known values, then quantize -> dequantize bounds.
+
+Expected values are written by hand from the format definitions (python floats, math.ldexp), never by the
+code under test. Round-trip bounds follow from round-to-nearest: e4m3 (3 mantissa bits) errs by at most
+2^-4 of a normal value and 2^-10 * scale in the subnormal range; e2m1 by at most max(s/4, |w|/4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.testing import assert_equal
+
+NAN = float("nan")
+
+
+def _bytes(rows, dtype):
+    return torch.tensor(rows, dtype=torch.uint8).view(dtype)
+
+
+def test_e8m0_is_an_exponent_not_a_number():
+    e = [0, 1, 119, 120, 126, 127, 128, 134, 200, 254, 255]
+    got = quant.e8m0_to_float(_bytes(e, torch.float8_e8m0fnu))
+    want = torch.tensor([math.ldexp(1.0, b - 127) if b != 255 else NAN for b in e], dtype=torch.float32)
+    assert got.dtype == torch.float32
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got[:-1], want[:-1])
+    assert got[3].item() == 2.0 ** -7 and got[3].item() != 120.0  # the public-server bug: byte 120 read as 120.0
+    # torch's own float8_e8m0fnu decode agrees (an independent implementation of the same format)
+    assert torch.equal(got[:-1], _bytes(e, torch.float8_e8m0fnu)[:-1].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32])
+def test_e8m0_rejects_numeric_scales(dtype):
+    with pytest.raises(TypeError, match="float8_e8m0fnu"):
+        quant.e8m0_to_float(torch.ones(2, 2, dtype=dtype))
+
+
+def test_e8m0_encode_range():
+    assert torch.equal(quant.float_to_e8m0(torch.tensor([-127, -7, 0, 127])).view(torch.uint8),
+                       torch.tensor([0, 120, 127, 254], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="-127..127: min -128"):
+        quant.float_to_e8m0(torch.tensor([-128, 3]))
+
+
+def test_ceil_log2_exact_at_powers_of_two():
+    x = torch.tensor([1.0, 2.0, 3.0, 0.5, 0.75, 448.0, 2.0 ** -30, 2.0 ** -30 * 1.0000001, 1e-4 / 448])
+    assert quant.ceil_log2(x).tolist() == [0, 1, 2, -1, 0, 9, -30, -29, -22]
+
+
+# e4m3 byte -> value, by the format (bias 7, 3 mantissa bits, 0x7F/0xFF NaN)
+E4M3 = {0x00: 0.0, 0x80: -0.0, 0x7E: 448.0, 0xFE: -448.0, 0x01: 2.0 ** -9, 0x38: 1.0, 0xB8: -1.0,
+        0x3C: 1.5, 0x08: 2.0 ** -6, 0x07: 7 * 2.0 ** -9, 0x77: 240.0, 0x6F: 120.0}
+
+
+def test_fp8_block_dequant_hand_block():
+    out, inp = 130, 200  # two partial blocks in each dimension
+    codes = list(E4M3)
+    raw = torch.tensor([[codes[(3 * i + 7 * j) % len(codes)] for j in range(inp)] for i in range(out)],
+                       dtype=torch.uint8)
+    sbytes = [[127, 120], [134, 60]]  # 1, 2^-7 | 2^7, 2^-67: exponents far from 127
+    got = quant.fp8_block_dequant(raw.view(torch.float8_e4m3fn), _bytes(sbytes, torch.float8_e8m0fnu))
+    want = torch.tensor([[math.ldexp(E4M3[int(raw[i, j])], sbytes[i // 128][j // 128] - 127) for j in range(inp)]
+                         for i in range(out)], dtype=torch.float32)
+    assert_equal(got, want, "fp8 dequant")
+    assert got[0, 0].item() == 0.0 and got[129, 199].item() == math.ldexp(E4M3[int(raw[129, 199])], -67)
+    bf = quant.fp8_block_dequant(raw.view(torch.float8_e4m3fn), _bytes(sbytes, torch.float8_e8m0fnu),
+                                 out_dtype=torch.bfloat16)
+    assert_equal(bf.float(), want, "fp8 dequant in bf16 is exact")
+
+
+def test_fp8_block_dequant_rejects_bad_inputs():
+    w = torch.zeros(256, 128, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"expected shape \(2, 1\).*got \(1, 1\)"):
+        quant.fp8_block_dequant(w, torch.zeros(1, 1, dtype=torch.float8_e8m0fnu))
+    with pytest.raises(TypeError, match="float8_e8m0fnu"):
+        quant.fp8_block_dequant(w, torch.ones(2, 1))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        quant.fp8_block_dequant(w.float(), torch.zeros(2, 1, dtype=torch.float8_e8m0fnu))
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _nibble(c: int) -> float:
+    return (-1.0 if c >> 3 else 1.0) * E2M1[c & 7]
+
+
+def test_fp4_dequant_hand_block_both_nibbles():
+    out, inp = 3, 64
+    # 0x71: low 1 (0.5) then high 7 (6.0); 0xF8: -0 then -6; 0x9A: -1.0 then -0.5; 0x0F: -6 then 0
+    pattern = [0x71, 0xF8, 0x9A, 0x0F, 0x25, 0x6E, 0xB3, 0x4C]
+    packed = torch.tensor([[pattern[(k + 3 * i) % 8] for k in range(inp // 2)] for i in range(out)],
+                          dtype=torch.uint8)
+    sbytes = [[127, 130], [100, 200], [1, 250]]
+    got = quant.fp4_dequant(packed.view(torch.int8), _bytes(sbytes, torch.float8_e8m0fnu))
+    want = torch.empty(out, inp)
+    for i in range(out):
+        for j in range(inp):
+            byte = int(packed[i, j // 2])
+            c = byte & 0xF if j % 2 == 0 else byte >> 4
+            want[i, j] = math.ldexp(_nibble(c), sbytes[i][j // 32] - 127)
+    assert_equal(got, want, "fp4 dequant")
+    assert got[0, :2].tolist() == [0.5, 6.0]  # low nibble is the even column
+    with pytest.raises(ValueError, match=r"expected shape \(3, 2\)"):
+        quant.fp4_dequant(packed.view(torch.int8), _bytes([[127]] * 3, torch.float8_e8m0fnu))
+
+
+def test_e2m1_rounding_ties_to_even():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 5.01, -0.75, -5.0, 6.0, 0.0])
+    want = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, -1.0, -4.0, 6.0, 0.0]
+    codes = quant.e2m1_codes(x)
+    assert [_nibble(int(c)) for c in codes] == want
+
+
+def _spread(shape, rows, cols, g):
+    """Gaussian values with each [rows, cols] block scaled by 2^k, k in -20..20 (scales over many binades)."""
+    w = torch.randn(shape, generator=g)
+    k = torch.randint(-20, 21, (-(-shape[0] // rows), -(-shape[1] // cols)), generator=g).float()
+    return w * torch.exp2(k).repeat_interleave(rows, 0)[:shape[0]].repeat_interleave(cols, 1)[:, :shape[1]]
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (130, 200), (7, 129)], ids=lambda s: "x".join(map(str, s)))
+def test_fp8_roundtrip_bounds(shape, seed):
+    w = _spread(shape, 128, 128, torch.Generator().manual_seed(seed))
+    q, s = quant.fp8_block_quant(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float8_e8m0fnu
+    assert len(s.view(torch.uint8).unique()) > 1 or s.numel() == 1
+    sf = quant.e8m0_to_float(s).repeat_interleave(128, 0)[:shape[0]].repeat_interleave(128, 1)[:, :shape[1]]
+    amax_ratio = (w.abs() / sf).view(-1).max()
+    assert amax_ratio <= 448  # no clamping ever happens
+    err = (quant.fp8_block_dequant(q, s) - w).abs()
+    bound = torch.maximum(w.abs() * 2.0 ** -4, sf * 2.0 ** -10)
+    assert bool((err <= bound).all()), f"max err/bound {float((err / bound).max())}"
+    assert float(err.max()) > 0  # the round trip is lossy: a test of an identity would pass vacuously
+    # the scale is the smallest power of two that fits each block's amax in 448
+    blocks = torch.zeros(s.shape)
+    for bi in range(s.shape[0]):
+        for bj in range(s.shape[1]):
+            blocks[bi, bj] = w[bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128].abs().max()
+    r = blocks / quant.e8m0_to_float(s)
+    assert bool(((r > 224) & (r <= 448)).all()), r
+
+
+def test_fp4_roundtrip_bounds(seed):
+    w = _spread((64, 256), 1, 32, torch.Generator().manual_seed(seed))
+    q, s = quant.fp4_quant(w)
+    assert q.shape == (64, 128) and q.dtype == torch.int8 and s.shape == (64, 8)
+    assert len(s.view(torch.uint8).unique()) >= 20
+    sf = quant.e8m0_to_float(s).repeat_interleave(32, 1)
+    err = (quant.fp4_dequant(q, s) - w).abs()
+    assert bool((err <= torch.maximum(sf / 4, w.abs() / 4)).all())
+    r = w.abs().view(64, 8, 32).amax(-1) / quant.e8m0_to_float(s)
+    assert bool(((r > 3) & (r <= 6)).all())
+    with pytest.raises(ValueError, match="in % 32"):
+        quant.fp4_quant(torch.ones(4, 48))
+
+
+def test_act_quant_sim_known_values():
+    x = torch.zeros(2, 128)
+    x[0, :4] = torch.tensor([1.0, 0.99, 0.3, -0.3])  # amax 1 -> s = 2^ceil(log2(1/448)) = 2^-8
+    got = quant.act_quant_sim(x, 128)
+    # 0.99*256 = 253.44 -> 256 (e4m3 step 16 in [128, 256)); 0.3*256 = 76.8 -> 80 (step 8 in [64, 128))
+    assert got[0, :4].tolist() == [1.0, 1.0, 0.3125, -0.3125]
+    assert bool((got[0, 4:] == 0).all()) and bool((got[1] == 0).all())  # zero block: amax floor 1e-4, stays 0
+    q, s = quant.act_quant(x, 128)
+    assert s.tolist() == [[2.0 ** -8], [2.0 ** -22]]  # 1e-4/448 -> 2^ceil(-22.09)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
+
+
+def test_act_quant_sim_properties(seed):
+    x = (torch.randn(3, 5, 256) * torch.exp2(torch.randint(-12, 12, (3, 5, 1)).float())).bfloat16()
+    y = quant.act_quant_sim(x, 64)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    assert torch.equal(quant.act_quant_sim(y, 64), y)  # idempotent: values already on the grid
+    assert bool(((y.float() - x.float()).abs() <= x.float().abs() * 2.0 ** -4 + 1e-30).all())
+    assert not torch.equal(y, x)
+    with pytest.raises(ValueError, match="not a multiple of the block size 128"):
+        quant.act_quant_sim(torch.ones(2, 96), 128)
+
+
+def test_fp4_act_quant_sim_known_values():
+    x = torch.zeros(2, 32)
+    x[0, :5] = torch.tensor([6.0, 0.3, 2.6, 5.2, -0.2])  # amax 6 -> s = 1
+    x[1, :2] = torch.tensor([12.0, 5.0])  # amax 12 -> s = 2; 5/2 = 2.5 ties to even -> 2 -> 4.0
+    y = quant.fp4_act_quant_sim(x.bfloat16(), 32)
+    assert y.dtype == torch.bfloat16
+    assert y[0, :5].float().tolist() == [6.0, 0.5, 3.0, 6.0, -0.0]
+    assert y[1, :2].float().tolist() == [12.0, 4.0]
