@@ -88,7 +88,7 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
     b, s, h, hd = q.shape
     valid = idx >= 0                                                           # [b, s, k]
     safe = idx.clamp(min=0).long()
-    rows = torch.gather(kv.float(), 1, safe.reshape(b, -1, 1).expand(-1, -1, hd)).reshape(b, s, -1, hd)
+    rows = torch.gather(kv, 1, safe.reshape(b, -1, 1).expand(-1, -1, hd)).reshape(b, s, -1, hd).float()
     logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * softmax_scale  # [b, s, h, k]
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     sink = attn_sink.float().view(1, 1, h, 1)

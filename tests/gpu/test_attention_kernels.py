@@ -1,0 +1,122 @@
+"""GPU: Triton sparse attention and indexer scoring against the references at DeepSeek-V4 sizes (spec §5, §7).
+
+Index sets come from `benchmarks.bench_attention.{decode,prefill}_case` (official plumbing: window ring slots,
+compressed entries offset by 128 in decode / by S in prefill, -1 padding). Contexts sit below, on and above
+each boundary: window 127/128/129, HCA entry 128·w±1, CSA 4·topk±1. Outputs are poisoned with NaN before launch.
+Tolerances: bf16 table (rtol 1.6e-2, atol 1e-2); fp32 1e-5; indexer fp32 scores rtol 1e-5 with atol 1e-5 times
+the row's absolute score sum scale; indices bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close, assert_equal
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
+
+HD = 512
+SCALE = HD ** -0.5
+DECODE = {  # kind, topk, contexts (one decode sequence per context, ragged in one batch)
+    "swa": ("swa", 0, [1, 2, 5, 127, 128, 129, 4000]),
+    "hca": ("hca", 0, [1, 127, 128, 129, 255, 256, 257, 4097]),
+    "csa-flash": ("csa", 512, [1, 4, 5, 2047, 2048, 2049, 4096, 65536]),
+    "csa-pro": ("csa", 1024, [3, 4, 4095, 4096, 4097, 9000]),
+}
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("case", list(DECODE))
+def test_decode_matches_ref(seed, heads, case):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    kind, topk, contexts = DECODE[case]
+    q, kv, sink, idx = decode_case(contexts, heads, kind, topk, generator=_gen(seed))
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=out)
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn decode {case} h={heads}")
+    n_slots = (idx >= 0).sum(-1)[:, 0]
+    expect = {"swa": [min(c, 128) for c in contexts], "hca": [min(c, 128) + c // 128 for c in contexts],
+              "csa": [min(c, 128) + min(topk, c // 4) for c in contexts]}[kind]
+    assert n_slots.tolist() == expect, "visible-set sizes per context (window 128 incl. query, causal entries)"
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7, 40])
+@pytest.mark.parametrize("block_h, block_n, warps", [(16, 32, 4), (16, 64, 4), (32, 32, 8)])
+def test_decode_configs_agree(seed, splits, block_h, block_n, warps):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    q, kv, sink, idx = decode_case([100, 3000, 9000], 64, "csa", 512, generator=_gen(seed))
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=out, num_splits=splits, block_h=block_h, block_n=block_n,
+                      num_warps=warps)
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn splits={splits}")
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("kind, topk", [("swa", 0), ("hca", 0), ("csa", 16)])
+@pytest.mark.parametrize("seqlen", [1, 4, 5, 127, 129, 300])
+def test_prefill_matches_ref(seed, kind, topk, seqlen):
+    from benchmarks.bench_attention import prefill_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    q, kv, sink, idx = prefill_case(seqlen, 64, kind, topk, generator=_gen(seed))
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=out)
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn prefill {kind} S={seqlen}")
+
+
+def test_fp32_and_all_invalid(seed):
+    """fp32 path (exact 'ieee' dots, rtol 1e-5) and a query with every slot -1 (exact zeros)."""
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    q, kv, sink, idx = decode_case([5, 300, 5000], 128, "csa", 512, dtype=torch.float32, generator=_gen(seed))
+    idx[1] = -1
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=torch.full_like(q, float("nan")))
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), "sparse_attn fp32")
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("b, s, n", [(4, 1, 1024), (2, 1, 16387), (1, 64, 1000)], ids=["dec4k", "dec64k", "pre"])
+def test_indexer_scores_match_ref(seed, b, s, n):
+    from kernels.indexer import indexer_scores, indexer_scores_ref
+    g = _gen(seed)
+    q = torch.randn(b, s, 64, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(b, s, 64, device="cuda", generator=g)
+    k = torch.randn(b, n, 128, device="cuda", generator=g).bfloat16()
+    out = torch.full((b, s, n), float("nan"), device="cuda")
+    got = indexer_scores(q, w, k, out=out)
+    scale = torch.einsum("bshd,bnd->bshn", q.float(), k.float()).relu_().mul_(w.abs()[..., None]).sum(2).max()
+    assert_close(got, indexer_scores_ref(q, w, k), "indexer_scores", atol=1e-5 * float(scale))
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("topk", [512, 1024])
+def test_indexer_exact_scores_and_picks(seed, topk):
+    """Integer-valued q/k and power-of-two weights: scores exact, so Triton's scores and picks equal the
+    reference bitwise, with thousands of exact ties (ReLU zeros), on rows above and below 4·topk tokens."""
+    from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk_ref
+    g = _gen(seed)
+    b, n = 4, 3 * topk
+    q = torch.randint(-1, 2, (b, 1, 64, 128), device="cuda", generator=g).bfloat16()
+    k = torch.randint(-1, 2, (b, n, 128), device="cuda", generator=g).bfloat16()
+    w = torch.tensor([-1.0, -0.5, 0.5, 1.0], device="cuda")[torch.randint(0, 4, (b, 1, 64), device="cuda",
+                                                                           generator=g)]
+    got = indexer_scores(q, w, k)
+    ref = indexer_scores_ref(q, w, k)
+    assert_equal(got + 0.0, ref + 0.0, "indexer_scores (exact)")
+    n_valid = torch.tensor([[topk - 1], [topk], [topk + 1], [n]], device="cuda")
+    picks = indexer_topk_ref(got, topk, n_valid)
+    assert_equal(picks, indexer_topk_ref(ref, topk, n_valid), "picks")
+    assert_equal(picks.cpu(), indexer_topk_ref(ref.cpu(), topk, n_valid.cpu()), "picks CUDA vs CPU")
+    for i in range(b):  # decode row (only existing entries) == prefill row (full, masked by n_valid)
+        c = int(n_valid[i, 0])
+        assert_equal(indexer_topk_ref(ref[i:i + 1, :, :c].contiguous(), topk), picks[i:i + 1], f"row {i}")
+    assert not torch.equal(picks[3, 0], torch.arange(topk, device="cuda")), "picks must not be entries 0..k-1"
