@@ -91,7 +91,9 @@ def attn_bytes(q, idx) -> int:
     return rows * HD * 2 + 2 * q.numel() * q.element_size() + idx.numel() * idx.element_size()
 
 
-CONFIGS = [None, (16, 32, 4), (16, 64, 4), (16, 32, 8), (32, 32, 8), (64, 16, 8)]  # (block_h, block_n, warps)
+# None = the launcher's defaults; else (block_h, block_n, num_warps, num_splits or None for the heuristic).
+CONFIGS = [None, (16, 64, 4, None), (16, 32, 8, None), (32, 32, 8, None), (64, 16, 8, None),
+           (16, 32, 4, 1), (32, 32, 8, 1), (16, 32, 4, 2)]
 
 
 def do_bench(fn, device: str) -> float:
@@ -119,7 +121,8 @@ def bench_attention(rows: list, copy_bw: float, batches, contexts, device="cuda"
                 t_ref = do_bench(lambda: sparse_attn_ref(q, kv, sink, idx, scale), device)
                 best, t_default = None, float("nan")
                 for cfg in configs or CONFIGS:
-                    kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2])
+                    kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2],
+                                                     num_splits=cfg[3])
                     try:
                         out = sparse_attn(q, kv, sink, idx, scale, check_idx=False, **kw)
                         assert_close(out, ref, f"sparse_attn {name} b={b} cfg={cfg}", dtype=torch.bfloat16)
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
     rows: list = []
     bench_attention(rows, bw, batches, contexts, device, configs=[None] if a.smoke else None)
     bench_indexer(rows, bw, batches, contexts, device)
-    cols = ("op", "shape", "batch", "ctx", "MB moved", "default µs", "best µs (block_h, block_n, warps) / top-k µs",
+    cols = ("op", "shape", "batch", "ctx", "MB moved", "default µs", "best µs (block_h, block_n, warps, splits) / top-k µs",
             "GB/s", "of copy BW", "vs ref")
     md = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     md += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
