@@ -125,8 +125,8 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values in [-6, 6] to the nearest e2m1 code (ties to the even code), uint8 nibbles."""
     a = x.abs().float()
     mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
-    lo = torch.bucketize(a, mids, right=False)  # count of midpoints < a
-    hi = torch.bucketize(a, mids, right=True)   # count of midpoints <= a
+    lo = (a[..., None] > mids).sum(-1)   # count of midpoints < a
+    hi = (a[..., None] >= mids).sum(-1)  # count of midpoints <= a
     code = torch.where((lo != hi) & (hi % 2 == 0), hi, lo)  # on a tie take the even code
     return (code + torch.where(x < 0, 8, 0)).to(torch.uint8)
 

