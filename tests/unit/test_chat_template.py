@@ -1,0 +1,143 @@
+"""Test 1 (hard stop): the prompt format.
+
+Every gold vector (36, made by DeepSeek's official encoder, `fixtures/golden/dsv4_prompts.json`) must come out
+of our encoder, the real tokenizer, `apply_chat_template` with our template, and `prompt_ids`, byte/id-exact.
+Negative controls: the legacy hand-rolled prompt differs (and the diff names the extra "\\n\\n" after <｜User｜>
+and the missing <think>/</think>), and a template mutated to hand-roll that newline fails the gold comparison.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4.diagnose import hand_rolled_ids, template_diff
+from dsv4.encoding import EOS, THINK_END, encode_messages, parse_message_from_completion_text, prompt_ids
+from dsv4.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.hardstop
+
+GOLD_PATH = Path(__file__).resolve().parents[2] / "fixtures" / "golden" / "dsv4_prompts.json"
+GOLD = json.loads(GOLD_PATH.read_text(encoding="utf-8"))
+BY_ID = {g["id"]: g for g in GOLD}
+SEED = {"thinking": BY_ID["dsv4-seed-capital-france-thinking"], "chat": BY_ID["dsv4-seed-capital-france-chat"]}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _template_kwargs(g: dict) -> dict:
+    return {"thinking": g["thinking_mode"] == "thinking", **g["kwargs"]}
+
+
+def test_gold_file_is_complete():
+    assert len(GOLD) == 36 and len(BY_ID) == 36, f"{GOLD_PATH}: expected 36 distinct vectors, got {len(GOLD)}"
+    assert sum("hand_rolled_ids" in g for g in GOLD) >= 2
+
+
+@pytest.mark.parametrize("gid", sorted(BY_ID))
+def test_encoder_equals_gold_prompt(gid):
+    g = BY_ID[gid]
+    assert encode_messages(g["messages"], g["thinking_mode"], **g["kwargs"]) == g["prompt"]
+
+
+@pytest.mark.parametrize("gid", sorted(BY_ID))
+def test_tokenizer_ids_equal_gold_ids(tok, gid):
+    g = BY_ID[gid]
+    assert tok.encode(g["prompt"], add_special_tokens=False) == g["ids"]
+
+
+@pytest.mark.parametrize("gid", sorted(BY_ID))
+def test_apply_chat_template_equals_gold(tok, gid):
+    g = BY_ID[gid]
+    kw = _template_kwargs(g)
+    text = tok.apply_chat_template(g["messages"], add_generation_prompt=True, tokenize=False, **kw)
+    assert text == g["prompt"]
+    ids = tok.apply_chat_template(g["messages"], add_generation_prompt=True, tokenize=True, return_dict=False, **kw)
+    assert list(ids) == g["ids"]
+
+
+@pytest.mark.parametrize("gid", sorted(BY_ID))
+def test_prompt_ids_equals_apply_chat_template(tok, gid):
+    g = BY_ID[gid]
+    kw = _template_kwargs(g)
+    via_template = tok.apply_chat_template(g["messages"], add_generation_prompt=True, tokenize=True,
+                                           return_dict=False, **kw)
+    thinking = kw.pop("thinking")
+    assert prompt_ids(tok, g["messages"], thinking=thinking, **kw) == list(via_template) == g["ids"]
+
+
+def _assistant_turns():
+    """(gold id, message index, message) for every assistant turn in the gold vectors."""
+    return [(g["id"], i, m) for g in GOLD for i, m in enumerate(g["messages"]) if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("gid,index,msg", _assistant_turns(), ids=lambda v: str(v) if not isinstance(v, dict) else "")
+def test_parse_round_trip(gid, index, msg):
+    """The rendered assistant turn, cut out of the gold prompt, parses back to the message."""
+    g = BY_ID[gid]
+    calls = encode_messages([{"role": "user", "content": "x"}, {**msg, "reasoning_content": None}], "chat",
+                            add_default_bos_token=False)
+    body = calls.split(THINK_END, 1)[1]  # content + tool calls (+ EOS), as the gold renders it
+    with_reasoning = (msg.get("reasoning_content") or "") + THINK_END + body
+    if g["thinking_mode"] == "thinking" and with_reasoning in g["prompt"]:
+        text, mode, reasoning = with_reasoning, "thinking", msg.get("reasoning_content") or ""
+    else:
+        text, mode, reasoning = body, "chat", ""
+    assert text in g["prompt"], f"{gid}: assistant turn {index} not found in the gold prompt"
+    if msg.get("wo_eos"):
+        text += EOS  # a prefill turn has no EOS in the prompt; a finished completion does
+    parsed = parse_message_from_completion_text(text, mode)
+    assert parsed["content"] == (msg.get("content") or "")
+    assert parsed["reasoning_content"] == reasoning
+    want = msg.get("tool_calls") or []
+    assert [c["function"]["name"] for c in parsed["tool_calls"]] == [c["function"]["name"] for c in want]
+    assert [json.loads(c["function"]["arguments"]) for c in parsed["tool_calls"]] == \
+           [json.loads(c["function"]["arguments"]) for c in want]
+
+
+def test_round_trip_covers_reasoning_and_tool_calls():
+    turns = _assistant_turns()
+    assert any(m.get("tool_calls") for _, _, m in turns) and any(m.get("reasoning_content") for _, _, m in turns)
+
+
+@pytest.mark.parametrize("mode", ["thinking", "chat"])
+def test_negative_control_hand_rolled_differs(tok, mode):
+    g = SEED[mode]
+    prompt = g["messages"][0]["content"]
+    assert hand_rolled_ids(tok, prompt) == g["hand_rolled_ids"] != g["ids"]
+    d = template_diff(tok, prompt, thinking=mode == "thinking")
+    assert d.differs and d.template_ids == g["ids"] and d.hand_rolled_ids == g["hand_rolled_ids"]
+    assert d.template_equals_encoder and d.template_text == g["prompt"]
+    closer = (128821, "<think>") if mode == "thinking" else (128822, "</think>")
+    assert [(o.op, o.hand_tokens, o.template_tokens) for o in d.ops] == [
+        ("delete", [(271, "\n\n")], []),
+        ("insert", [], [closer]),
+    ]
+    assert d.ops[0].hand_span == (2, 3) and d.ops[1].template_span == (10, 11)
+    assert d.ops[0].description == 'extra in hand-rolled: "\\n\\n" (id 271) after "<｜User｜>"'
+    assert d.ops[1].description == f'missing from hand-rolled: "{closer[1]}" (id {closer[0]}) at the end'
+
+
+def test_every_single_turn_gold_hand_rolled_differs(tok):
+    single = [g for g in GOLD if "hand_rolled_ids" in g and not g["kwargs"].get("reasoning_effort")
+              and g["kwargs"].get("add_default_bos_token", True)]
+    assert len(single) >= 8
+    for g in single:
+        assert hand_rolled_ids(tok, g["messages"][0]["content"]) == g["hand_rolled_ids"], g["id"]
+        assert g["hand_rolled_ids"] != g["ids"], g["id"]
+
+
+def test_mutated_template_fails_gold(tok):
+    """The gold comparison catches the legacy bug when it sits in the template itself."""
+    tmpl = tok.chat_template
+    needle = "USER ~ (parts.l|join('\\n\\n')"
+    assert tmpl.count(needle) == 1
+    g = SEED["thinking"]
+    bad = tok.apply_chat_template(g["messages"], chat_template=tmpl.replace(needle, "USER ~ '\\n\\n' ~ (parts.l|join('\\n\\n')"),
+                                  add_generation_prompt=True, tokenize=True, return_dict=False, thinking=True)
+    assert list(bad) != g["ids"] and list(bad)[:3] == [0, 128803, 271]
