@@ -1,0 +1,129 @@
+"""`ModelArgs` from the published configs (spec §1.1), its validation messages, and `TEST_LAYERS`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4.config import TEST_LAYERS_ENV, ModelArgs, layers_from_env
+
+CONFIGS = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
+FLASH = CONFIGS / "deepseek_v4_flash.config.json"
+PRO = CONFIGS / "deepseek_v4_pro.config.json"
+
+
+def test_flash_config():
+    a = ModelArgs.from_hf_config(FLASH)
+    assert (a.dim, a.n_layers, a.n_heads, a.head_dim, a.rope_head_dim) == (4096, 43, 64, 512, 64)
+    assert (a.q_lora_rank, a.o_groups, a.o_lora_rank, a.window_size) == (1024, 8, 1024, 128)
+    assert a.compress_ratios == (0, 0) + (4, 128) * 20 + (4, 0) and len(a.compress_ratios) == 44
+    assert (a.index_n_heads, a.index_head_dim, a.index_topk) == (64, 128, 512)
+    assert (a.n_routed_experts, a.n_activated_experts, a.n_shared_experts, a.moe_inter_dim) == (256, 6, 1, 2048)
+    assert (a.n_hash_layers, a.n_mtp_layers, a.score_func, a.route_scale, a.swiglu_limit) == (
+        3, 1, "sqrtsoftplus", 1.5, 10.0)
+    assert (a.rope_theta, a.compress_rope_theta, a.rope_factor, a.original_seq_len, a.beta_fast, a.beta_slow) == (
+        10000.0, 160000.0, 16.0, 65536, 32, 1)
+    assert (a.hc_mult, a.hc_sinkhorn_iters, a.hc_eps, a.norm_eps, a.vocab_size) == (4, 20, 1e-6, 1e-6, 129280)
+    assert (a.dtype, a.scale_fmt, a.expert_dtype) == ("fp8", "ue8m0", "fp4")
+    assert [a.ratio(i) for i in (0, 1, 2, 3, 42)] == [0, 0, 4, 128, 4]
+
+
+def test_pro_config():
+    a = ModelArgs.from_hf_config(PRO)
+    assert (a.dim, a.n_layers, a.n_heads, a.q_lora_rank, a.o_groups) == (7168, 61, 128, 1536, 16)
+    assert a.compress_ratios == (128, 128) + (4, 128) * 29 + (4, 0) and len(a.compress_ratios) == 62
+    assert (a.index_topk, a.n_routed_experts, a.moe_inter_dim, a.route_scale) == (1024, 384, 3072, 2.5)
+    assert a.expert_dtype == "fp4"
+
+
+@pytest.mark.parametrize("path", [FLASH, PRO], ids=["flash", "pro"])
+def test_hf_config_round_trip(path):
+    a = ModelArgs.from_hf_config(path)
+    assert ModelArgs.from_hf_config(a.to_hf_config()) == a
+    published = json.loads(path.read_text())
+    mine = a.to_hf_config()
+    for key in ("hidden_size", "compress_ratios", "rope_scaling", "quantization_config", "expert_dtype"):
+        assert mine[key] == published[key], key
+
+
+def test_f0_revision_without_expert_dtype_means_fp4():
+    cfg = json.loads(FLASH.read_text())
+    del cfg["expert_dtype"]
+    assert ModelArgs.from_hf_config(cfg).expert_dtype == "fp4"
+
+
+def test_with_layers_keeps_mtp_ratio():
+    a = ModelArgs.from_hf_config(FLASH).with_layers(3)
+    assert (a.n_layers, a.n_hash_layers, a.compress_ratios) == (3, 3, (0, 0, 4, 0))
+    assert ModelArgs.from_hf_config(FLASH).with_layers(2).n_hash_layers == 2
+    with pytest.raises(ValueError, match="n_layers=0: expected an integer in 1..43"):
+        ModelArgs.from_hf_config(FLASH).with_layers(0)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("o_groups", 3, r"ModelArgs.o_groups=3: expected a divisor of n_heads \(64\)"),
+    ("compress_ratios", (0, 0, 4), "ModelArgs.compress_ratios=.*: expected at least n_layers=43 entries"),
+    ("dim", 0, "ModelArgs.dim=0: expected a positive integer"),
+    ("index_head_dim", 96, "ModelArgs.index_head_dim=96: expected a power of two"),
+    ("score_func", "relu", "ModelArgs.score_func='relu': expected one of"),
+    ("expert_dtype", "int4", "ModelArgs.expert_dtype='int4': expected 'fp4', 'fp8' or 'bf16'"),
+    ("n_activated_experts", 300, r"ModelArgs.n_activated_experts=300: expected <= n_routed_experts \(256\)"),
+    ("hc_eps", float("nan"), "ModelArgs.hc_eps=nan: expected a finite non-negative number"),
+], ids=lambda v: v if isinstance(v, str) and not v.startswith("ModelArgs") else None)
+def test_validation_names_field_value_expectation(field, value, message):
+    a = ModelArgs.from_hf_config(FLASH)
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(a, **{field: value})
+
+
+def test_bad_ratio_entry_is_named():
+    a = ModelArgs.from_hf_config(FLASH)
+    with pytest.raises(ValueError, match=r"ModelArgs.compress_ratios\[43\]=2: expected one of \(0, 4, 128\)"):
+        dataclasses.replace(a, compress_ratios=a.compress_ratios[:43] + (2,))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.pop("hidden_size"), "missing key 'hidden_size'"),
+    (lambda c: c.update(num_key_value_heads=8), "num_key_value_heads=8, expected 1"),
+    (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2}), "rope_scaling.type='linear', expected 'yarn'"),
+    (lambda c: c.update(hidden_size="4096"), "key 'hidden_size'='4096' has type str"),
+    (lambda c: c.update(model_type="deepseek_v3"), "model_type='deepseek_v3', expected 'deepseek_v4'"),
+    (lambda c: c["quantization_config"].update(weight_block_size=[64, 64]),
+     r"weight_block_size=\[64, 64\], expected \[128, 128\]"),
+], ids=["missing", "kv_heads", "rope", "type", "model_type", "block"])
+def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
+    cfg = json.loads(FLASH.read_text())
+    edit(cfg)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"{p}: .*{message}"):
+        ModelArgs.from_hf_config(tmp_path)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        ModelArgs.from_hf_config(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- TEST_LAYERS
+@pytest.mark.parametrize("raw,want", [(None, 43), ("", 43), ("1", 1), ("10", 10), (" 7 ", 7), ("43", 43)])
+def test_test_layers_valid(raw, want):
+    env = {} if raw is None else {TEST_LAYERS_ENV: raw}
+    assert layers_from_env(43, env) == want
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "44", "abc", "1.5", "10 layers", "0x3", "1e1"])
+def test_test_layers_invalid(raw):
+    with pytest.raises(ValueError, match=rf"TEST_LAYERS='{raw.strip()}': expected an integer in 1\.\.43"):
+        layers_from_env(43, {TEST_LAYERS_ENV: raw})
+
+
+def test_test_layers_reads_process_environment(monkeypatch):
+    monkeypatch.setenv(TEST_LAYERS_ENV, "2")
+    assert layers_from_env(4) == 2
+    monkeypatch.setenv(TEST_LAYERS_ENV, "5")
+    with pytest.raises(ValueError, match="the checkpoint has 4 main layers"):
+        layers_from_env(4)
