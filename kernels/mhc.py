@@ -174,7 +174,7 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 @triton.jit
 def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                    N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over one K-slice → mix[split, t, :], ss[split, t]."""
+    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over one K-slice → mix[t, split, :], ss[t, split]."""
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_t = pid_t * BT + tl.arange(0, BT)
@@ -195,7 +195,7 @@ def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision="tf32x3")
         ss += tl.sum(x * x, axis=1)
-    out_row = (pid_s * T + offs_t).to(tl.int64)
+    out_row = offs_t.to(tl.int64) * tl.num_programs(1) + pid_s
     tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
     tl.store(ss_ptr + out_row, ss, mask=mask_t)
 
@@ -203,31 +203,29 @@ def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
 @triton.jit
 def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                       T, D, S, iters, hc_eps, norm_eps, inv_k,
-                      HC: tl.constexpr, NP: tl.constexpr, IS_HEAD: tl.constexpr, BT: tl.constexpr,
-                      BD: tl.constexpr):
+                      HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr):
     """Sum split partials, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD), collapse one D-block of H."""
     pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
     pid_d = tl.program_id(1)
     offs_t = pid_t * BT + tl.arange(0, BT)
     mask_t = offs_t < T
     j = tl.arange(0, HC)
-    m_pre = tl.zeros([BT, HC], dtype=tl.float32)
-    m_post = tl.zeros([BT, HC], dtype=tl.float32)
-    m_comb = tl.zeros([BT, HC, HC], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for s in range(S):
-        r = (s * T + offs_t).to(tl.int64)
-        p = mix_ptr + r * NP
-        m_pre += tl.load(p[:, None] + j[None, :], mask=mask_t[:, None], other=0.0)
-        if not IS_HEAD:
-            m_post += tl.load(p[:, None] + HC + j[None, :], mask=mask_t[:, None], other=0.0)
-            m_comb += tl.load(p[:, None, None] + 2 * HC + j[None, :, None] * HC + j[None, None, :],
-                              mask=mask_t[:, None, None], other=0.0)
-        ss += tl.load(ss_ptr + r, mask=mask_t, other=0.0)
+    sp = tl.arange(0, SP)  # all split partials of a token at once, summed in a fixed order
+    row = offs_t.to(tl.int64)[:, None] * S + sp[None, :]  # [BT, SP]
+    mask_ts = mask_t[:, None] & (sp < S)[None, :]
+    p = mix_ptr + row * NP
+    m_pre = tl.sum(tl.load(p[:, :, None] + j[None, None, :], mask=mask_ts[:, :, None], other=0.0), axis=1)
+    ss = tl.sum(tl.load(ss_ptr + row, mask=mask_ts, other=0.0), axis=1)
     rs = 1.0 / tl.sqrt_rn(ss * inv_k + norm_eps)
     pre = tl.sigmoid(m_pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :]) + hc_eps
     if not IS_HEAD:
         if pid_d == 0:
+            m_post = tl.sum(tl.load(p[:, :, None] + HC + j[None, None, :], mask=mask_ts[:, :, None], other=0.0),
+                            axis=1)
+            jj = tl.arange(0, HC * HC)
+            m_comb = tl.reshape(tl.sum(tl.load(p[:, :, None] + 2 * HC + jj[None, None, :],
+                                               mask=mask_ts[:, :, None], other=0.0), axis=1), (BT, HC, HC))
             post = 2.0 * tl.sigmoid(m_post * rs[:, None] * tl.load(scale_ptr + 1)
                                     + tl.load(base_ptr + HC + j)[None, :])
             tl.store(post_ptr + offs_t[:, None].to(tl.int64) * HC + j[None, :], post, mask=mask_t[:, None])
@@ -290,7 +288,7 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
 
 
 def _mix_launch(H: torch.Tensor, fn: torch.Tensor, n_mix: int, np_: int):
-    """Split-K partial projections; returns (mix [S, T, NP], ss [S, T], S)."""
+    """Split-K partial projections; returns (mix [T, S, NP], ss [T, S], S), S ≤ 128 splits."""
     T, hc, D = H.shape
     K = hc * D
     BT = 64 if T >= 1024 else 16
@@ -300,10 +298,10 @@ def _mix_launch(H: torch.Tensor, fn: torch.Tensor, n_mix: int, np_: int):
         target = 2 * torch.cuda.get_device_properties(H.device).multi_processor_count
     else:
         target = 8  # interpreter: small, but enough to exercise the split-K path at test widths
-    per_split = triton.cdiv(n_kb, max(1, min(n_kb, triton.cdiv(target, n_tb)))) * BK
+    per_split = triton.cdiv(n_kb, max(1, min(n_kb, 128, triton.cdiv(target, n_tb)))) * BK
     S = triton.cdiv(K, per_split)
-    mix = torch.empty((S, T, np_), dtype=torch.float32, device=H.device)
-    ss = torch.empty((S, T), dtype=torch.float32, device=H.device)
+    mix = torch.empty((T, S, np_), dtype=torch.float32, device=H.device)
+    ss = torch.empty((T, S), dtype=torch.float32, device=H.device)
     _hc_mix_kernel[(n_tb, S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK, num_warps=4)
     return mix, ss, S
 
@@ -315,7 +313,7 @@ def _finish_launch(H, mix, ss, S, base, scale, x, post, comb, iters, hc_eps, nor
     _hc_finish_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
         H, mix, ss, base, scale, x, dummy if post is None else post, dummy if comb is None else comb,
         T, D, S, iters, float(hc_eps), float(norm_eps), 1.0 / (hc * D),
-        HC=hc, NP=np_, IS_HEAD=is_head, BT=BT, BD=BD, num_warps=4)
+        HC=hc, NP=np_, SP=triton.next_power_of_2(S), IS_HEAD=is_head, BT=BT, BD=BD, num_warps=4)
 
 
 def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
@@ -362,7 +360,7 @@ def hc_post(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Te
         _fail("hc_post", "out", "H itself", "a separate buffer (program blocks read all streams of H)")
     if T == 0:
         return y
-    BT, BD = (1 if T < 4 else 4), min(512, triton.next_power_of_2(D))
+    BT, BD = (2 if T < 4 else 4), min(512, triton.next_power_of_2(D))
     _hc_post_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](a, H, post, comb, y, T, D, HC=hc, BT=BT, BD=BD,
                                                               num_warps=4)
     return y

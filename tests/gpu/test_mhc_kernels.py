@@ -1,0 +1,99 @@
+"""Triton mHC launchers vs the torch references at real sizes (CUDA only).
+
+Outputs are NaN-poisoned through the launchers' `out=` argument, so an element the kernel never writes fails.
+Inputs are fresh per test (seeded by test id) and non-zero. Tolerances per output (same as tests/unit, reasons
+there): x / H_new / y bf16 rtol 1.6e-2 atol 1e-2; post / comb fp32 rtol 1e-5 atol 1e-5. The fp32 reference runs
+with TF32 off (torch's default; the test asserts it), so it is a true fp32 projection.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
+
+HC, ITERS, EPS = 4, 20, 1e-6
+TS = [1, 3, 64, 129, 4096, 4097]
+DS = [96, 4096, 7168]
+IDS = [f"T{t}" for t in TS]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference():
+    assert not torch.backends.cuda.matmul.allow_tf32, "TF32 matmul is on: the fp32 reference would be TF32"
+
+
+def nan(*shape, dtype=torch.float32):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def make(T, D, n_mix, n_scale, dtype=torch.bfloat16):
+    K = HC * D
+    return (torch.randn(T, HC, D, device="cuda").to(dtype), torch.randn(n_mix, K, device="cuda") / math.sqrt(K),
+            torch.randn(n_mix, device="cuda") * 0.5, torch.rand(n_scale, device="cuda") + 0.5)
+
+
+@pytest.mark.parametrize("D", DS, ids=[f"D{d}" for d in DS])
+@pytest.mark.parametrize("T", TS, ids=IDS)
+def test_hc_pre_gpu(seed, T, D):
+    from kernels.mhc import hc_pre, hc_pre_ref
+
+    H, fn, base, scale = make(T, D, (2 + HC) * HC, 3)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    x, post, comb = hc_pre(H, fn, base, scale, out=(nan(T, D, dtype=H.dtype), nan(T, HC), nan(T, HC, HC)), **kw)
+    rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, **kw)
+    assert_close(x, rx, "x")
+    assert_close(post, rpost, "post")
+    assert_close(comb, rcomb, "comb")
+
+
+@pytest.mark.parametrize("D", DS, ids=[f"D{d}" for d in DS])
+@pytest.mark.parametrize("T", TS, ids=IDS)
+def test_hc_head_gpu(seed, T, D):
+    from kernels.mhc import hc_head, hc_head_ref
+
+    H, fn, base, scale = make(T, D, HC, 1)
+    y = hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS, out=nan(T, D, dtype=H.dtype))
+    assert_close(y, hc_head_ref(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS), "y")
+
+
+@pytest.mark.parametrize("D", DS, ids=[f"D{d}" for d in DS])
+@pytest.mark.parametrize("T", TS, ids=IDS)
+def test_hc_post_gpu(seed, T, D):
+    from kernels.mhc import hc_post, hc_post_ref
+
+    H = torch.randn(T, HC, D, device="cuda").bfloat16()
+    a = torch.randn(T, D, device="cuda").bfloat16()
+    post = torch.rand(T, HC, device="cuda") * 2
+    comb = torch.rand(T, HC, HC, device="cuda")
+    y = hc_post(a, H, post, comb, out=nan(T, HC, D, dtype=H.dtype))
+    assert_close(y, hc_post_ref(a, H, post, comb), "H_new")
+
+
+@pytest.mark.parametrize("T", [1, 257], ids=["T1", "T257"])
+def test_fp32_streams_gpu(seed, T):
+    from kernels.mhc import hc_post, hc_post_ref, hc_pre, hc_pre_ref
+
+    D = 4096
+    H, fn, base, scale = make(T, D, (2 + HC) * HC, 3, dtype=torch.float32)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    got = hc_pre(H, fn, base, scale, out=(nan(T, D), nan(T, HC), nan(T, HC, HC)), **kw)
+    want = hc_pre_ref(H, fn, base, scale, **kw)
+    for name, g, w in zip(("x", "post", "comb"), got, want):
+        assert_close(g, w, name)
+    a = torch.randn(T, D, device="cuda")
+    assert_close(hc_post(a, H, want[1], want[2], out=nan(T, HC, D)), hc_post_ref(a, H, want[1], want[2]), "H_new")
+
+
+def test_launcher_rejects_mixed_devices():
+    from kernels.mhc import hc_pre
+
+    H, fn, base, scale = make(2, 64, (2 + HC) * HC, 3)
+    with pytest.raises(ValueError, match="fn is on device cpu"):
+        hc_pre(H, fn.cpu(), base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
