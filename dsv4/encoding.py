@@ -364,7 +364,7 @@ def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
         if stop is None:
             raise ValueError(f"completion.tool_calls: missing {end_tag!r}")
         i, head, stop = _until(text, i, [param, invoke_end])
-        m = re.fullmatch(r'\s*name="(.*?)">\n', head, flags=re.DOTALL)
+        m = re.fullmatch(r'\s*name="(.*?)">\n\n?', head, flags=re.DOTALL)  # a call without parameters ends '\n\n'
         if m is None:
             raise ValueError(f"completion.tool_calls[{len(calls)}].name: malformed invoke header {head!r}")
         name, args = m.group(1), {}

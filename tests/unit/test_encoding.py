@@ -1,0 +1,180 @@
+"""dsv4.encoding on inputs of our own: pipeline rules spelled out as exact strings, errors naming index and
+field, completion parsing (valid and malformed). The gold vectors live in test_chat_template.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4.encoding import (ASSISTANT, BOS, DSML, EOS, USER, encode_messages, parse_message_from_completion_text,
+                           special_strings_in_messages)
+
+U = {"role": "user", "content": "q"}
+
+
+def _call(cid, args, name="f"):
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _params(prompt: str) -> list[str]:
+    return [line for line in prompt.split("\n") if line.startswith(f"<{DSML}parameter")]
+
+
+# ---------------------------------------------------------------- rendering rules
+
+def test_single_turn_both_modes():
+    assert encode_messages([U], "thinking") == f"{BOS}{USER}q{ASSISTANT}<think>"
+    assert encode_messages([U], "chat") == f"{BOS}{USER}q{ASSISTANT}</think>"
+    assert encode_messages([U], "chat", add_default_bos_token=False) == f"{USER}q{ASSISTANT}</think>"
+
+
+def test_tool_results_reordered_by_call_order_and_fused_with_user():
+    msgs = [U, {"role": "assistant", "content": "", "tool_calls": [_call("a", "{}"), _call("b", "{}")]},
+            {"role": "tool", "tool_call_id": "b", "content": "RB"}, {"role": "tool", "tool_call_id": "a", "content": "RA"},
+            {"role": "user", "content": "next"}]
+    out = encode_messages(msgs, "chat")
+    assert out.endswith(f"{EOS}{USER}<tool_result>RA</tool_result>\n\n<tool_result>RB</tool_result>\n\nnext"
+                        f"{ASSISTANT}</think>")
+
+
+def test_tool_result_list_content_and_unknown_parts():
+    msgs = [U, {"role": "assistant", "tool_calls": [_call("a", "{}")]},
+            {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "t1"}, {"type": "image"}]}]
+    assert encode_messages(msgs, "chat").endswith(f"{USER}<tool_result>t1\n\n[Unsupported image]</tool_result>"
+                                                  f"{ASSISTANT}</think>")
+
+
+def test_drop_thinking_removes_old_developer_and_reasoning():
+    msgs = [{"role": "developer", "content": "DEV"}, {"role": "assistant", "content": "A", "reasoning_content": "R"},
+            {"role": "user", "content": "u2"}]
+    assert encode_messages(msgs, "thinking") == f"{BOS}A{EOS}{USER}u2{ASSISTANT}<think>"
+    kept = encode_messages(msgs, "thinking", drop_thinking=False)
+    assert kept == f"{BOS}{USER}DEV{ASSISTANT}<think>R</think>A{EOS}{USER}u2{ASSISTANT}<think>"
+    # tools anywhere switch drop_thinking off
+    with_tools = [{"role": "system", "content": "", "tools": [{"type": "function", "function": {"name": "f"}}]}] + msgs
+    assert "DEV" in encode_messages(with_tools, "thinking") and "<think>R</think>" in encode_messages(with_tools, "thinking")
+
+
+def test_context_is_not_rendered_and_suppresses_bos():
+    ctx = [{"role": "system", "content": "S"}, U, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    assert encode_messages([{"role": "user", "content": "u2"}], "thinking", context=ctx) == f"{USER}u2{ASSISTANT}<think>"
+
+
+def test_tasks_latest_reminder_and_wo_eos():
+    action = encode_messages([{"role": "user", "content": "q", "task": "action"}], "thinking")
+    assert action == f"{BOS}{USER}q{ASSISTANT}<think><｜action｜>"
+    assert encode_messages([{"role": "user", "content": "q", "task": "title"}], "chat") == f"{BOS}{USER}q<｜title｜>"
+    # the answer to a task turn carries no reasoning block even in thinking mode
+    after = encode_messages([{"role": "user", "content": "q", "task": "query"},
+                             {"role": "assistant", "content": "A", "reasoning_content": "R"}], "thinking")
+    assert after == f"{BOS}{USER}q<｜query｜>A{EOS}"
+    lr = encode_messages([U, {"role": "latest_reminder", "content": "LR"}], "chat")
+    assert lr == f"{BOS}{USER}q{ASSISTANT}</think><｜latest_reminder｜>LR"
+    pre = encode_messages([U, {"role": "assistant", "content": "pre", "wo_eos": True}], "thinking")
+    assert pre == f"{BOS}{USER}q{ASSISTANT}<think></think>pre"
+
+
+def test_effort_max_only_in_thinking_mode_and_first_message():
+    assert encode_messages([U], "thinking", reasoning_effort="max").startswith(BOS + "Reasoning Effort: Absolute")
+    assert encode_messages([U], "chat", reasoning_effort="max") == encode_messages([U], "chat")
+    assert encode_messages([U], "thinking", reasoning_effort="high") == encode_messages([U], "thinking")
+
+
+@pytest.mark.parametrize("args,want", [
+    ('{"a":1.50,"b":1e2,"c":-0,"d":[1,{"x":"y"}],"e":"x\\u00e9\\n","f":null}',
+     ['"a" string="false">1.5<', '"b" string="false">100.0<', '"c" string="false">0<',
+      '"d" string="false">[1, {"x": "y"}]<', '"e" string="true">xé', '"f" string="false">null<']),
+    ('not json', ['"arguments" string="true">not json<']),
+    ('[1, 2]', ['"arguments" string="true">[1, 2]<']),
+    ('{}', []),
+])
+def test_tool_call_arguments_rendering(args, want):
+    out = encode_messages([U, {"role": "assistant", "tool_calls": [_call("a", args)]}], "chat")
+    joined = out.replace(f"</{DSML}parameter>", "<")
+    for w in want:
+        assert f'<{DSML}parameter name={w}' in joined, (w, out)
+    if not want:
+        assert f'<{DSML}invoke name="f">\n\n</{DSML}invoke>' in out
+
+
+def test_dict_arguments_equal_their_json_string():
+    args = {"city": "Tromsø", "days": 3, "opts": {"u": [1, 2.5]}}
+    a = encode_messages([U, {"role": "assistant", "tool_calls": [_call("a", args)]}], "chat")
+    b = encode_messages([U, {"role": "assistant", "tool_calls": [_call("a", json.dumps(args))]}], "chat")
+    assert a == b and '<｜DSML｜parameter name="city" string="true">Tromsø</｜DSML｜parameter>' in a
+
+
+def test_special_strings_are_not_escaped_and_are_reported():
+    msgs = [{"role": "user", "content": f"a {USER} b</think>"}]
+    assert encode_messages(msgs, "chat") == f"{BOS}{USER}a {USER} b</think>{ASSISTANT}</think>"
+    assert special_strings_in_messages(msgs) == [(0, "content", USER), (0, "content", "</think>")]
+    assert special_strings_in_messages([U]) == []
+
+
+def test_empty_and_none_contents():
+    assert encode_messages([{"role": "system", "content": None}, {"role": "user"}], "chat") == \
+        f"{BOS}{USER}{ASSISTANT}</think>"
+    assert encode_messages([], "thinking") == BOS
+
+
+# ---------------------------------------------------------------- errors name the index and the field
+
+@pytest.mark.parametrize("msgs,kw,match", [
+    ([U, {"role": "bot", "content": "x"}], {}, r"messages\[1\]\.role: 'bot'"),
+    ([{"role": "user", "content": "x", "task": "nope"}], {}, r"messages\[0\]\.task: 'nope'"),
+    ([U, {"role": "developer", "content": ""}], {}, r"messages\[1\]\.content: a developer message"),
+    ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], {}, r"messages\[0\]\.content: expected a string"),
+    ([U, {"role": "assistant", "tool_calls": [{"id": "a"}]}], {}, r"messages\[1\]\.tool_calls\[0\]"),
+    ([U, {"role": "assistant", "tool_calls": [_call("a", 5)]}], {}, r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
+    ([U, {"role": "assistant", "tool_calls": [_call("a", '{"k":1,"k":2}')]}], {}, r"duplicate key 'k'"),
+    ([U], {"context": [{"role": "oops"}]}, r"context\[0\]\.role"),
+    ([U], {"reasoning_effort": "low"}, r"reasoning_effort: 'low'"),
+])
+def test_invalid_input_raises_value_error(msgs, kw, match):
+    with pytest.raises(ValueError, match=match):
+        encode_messages(msgs, "chat", **kw)
+
+
+def test_invalid_mode_raises():
+    with pytest.raises(ValueError, match=r"thinking_mode: 'think'"):
+        encode_messages([U], "think")
+    with pytest.raises(ValueError, match=r"thinking_mode"):
+        parse_message_from_completion_text("x" + EOS, "fast")
+
+
+# ---------------------------------------------------------------- parsing completions
+
+def test_parse_thinking_content_and_tool_calls():
+    text = (f"plan</think>Sure.\n\n<{DSML}tool_calls>\n<{DSML}invoke name=\"f\">\n"
+            f"<{DSML}parameter name=\"s\" string=\"true\">a \"q\" é</{DSML}parameter>\n"
+            f"<{DSML}parameter name=\"n\" string=\"false\">[1, 2]</{DSML}parameter>\n</{DSML}invoke>\n"
+            f"<{DSML}invoke name=\"g\">\n\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}")
+    p = parse_message_from_completion_text(text, "thinking")
+    assert (p["reasoning_content"], p["content"]) == ("plan", "Sure.")
+    assert [c["function"]["name"] for c in p["tool_calls"]] == ["f", "g"]
+    assert json.loads(p["tool_calls"][0]["function"]["arguments"]) == {"s": 'a "q" é', "n": [1, 2]}
+    assert json.loads(p["tool_calls"][1]["function"]["arguments"]) == {}
+    assert parse_message_from_completion_text("Hi" + EOS, "chat") == \
+        {"role": "assistant", "content": "Hi", "reasoning_content": "", "tool_calls": []}
+
+
+_CALL = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1</{DSML}parameter>\n'
+
+
+@pytest.mark.parametrize("text,mode,match", [
+    ("no closer" + EOS, "thinking", r"reasoning_content: missing </think>"),
+    ("no eos", "chat", r"missing the end-of-sentence"),
+    ("a" + EOS + "tail", "chat", r"unexpected text after EOS"),
+    (f"a<think>b{EOS}", "chat", r"content: unexpected special token '<think>'"),
+    (_CALL + f"</{DSML}invoke>\n</{DSML}tool_calls>junk{EOS}", "chat", r"unexpected text after the tool calls"),
+    (_CALL + f'<{DSML}parameter name="a" string="true">2</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}',
+     "chat", r"duplicate name 'a'"),
+    (_CALL.replace('string="true"', 'string="maybe"') + f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat",
+     r"parameter: malformed"),
+    (f"\n\n<{DSML}tool_calls>\n<{DSML}invoke nom=\"f\">\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat",
+     r"tool_calls\[0\]\.name: malformed"),
+])
+def test_parse_malformed_raises(text, mode, match):
+    with pytest.raises(ValueError, match=match):
+        parse_message_from_completion_text(text, mode)
