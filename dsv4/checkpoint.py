@@ -28,13 +28,13 @@ from dsv4.config import ModelArgs
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE"]
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 DTYPE_BYTES = {"F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4,
                "I64": 8, "F64": 8, "BOOL": 1, "I16": 2, "U16": 2, "U32": 4, "U64": 8}
-_TORCH_DTYPE = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
+TORCH_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8,
                 "BF16": torch.bfloat16, "F32": torch.float32, "I64": torch.int64}
 
 Inventory = dict[str, tuple[tuple[int, ...], str]]

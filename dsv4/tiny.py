@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4 import quant
-from dsv4.checkpoint import INDEX_FILE, expected_tensors, inventory_bytes
+from dsv4.checkpoint import INDEX_FILE, TORCH_DTYPES, expected_tensors, inventory_bytes
 from dsv4.config import ModelArgs
 
-__all__ = ["tiny_args", "random_state_dict", "make_tiny", "VARIANTS", "tokenizer_dir"]
+__all__ = ["tiny_args", "random_state_dict", "quantize_state_dict", "make_tiny", "VARIANTS", "tokenizer_dir"]
 
 VARIANTS = ("fp8", "bf16")
 
@@ -61,8 +61,9 @@ def _role(name: str) -> str:
 
 
 def _hc(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Asymmetric mHC parameters: fn ~ N(0, 0.05^2) (so fn @ x_normalised is O(1) across the 4·D inputs),
-    base ~ N(0, 0.5^2) different per entry, scale in [0.5, 1.5] different per entry."""
+    """Asymmetric mHC parameters: fn [n, hc·D] ~ N(0, 0.25 / D) (so `fn @ x` of an RMS-normalised x is
+    ~N(0, 1): Sinkhorn, pre and post are all non-trivial), base ~ N(0, 0.5^2) and scale ~ U[0.5, 1.5) different
+    per entry."""
     if name.endswith("_fn"):
         return torch.randn(shape, generator=g) * (0.5 / math.sqrt(shape[1] / 4))
     if name.endswith("_base"):
@@ -170,10 +171,10 @@ def quantize_state_dict(args: ModelArgs, sd: dict[str, torch.Tensor], include_mt
             out[name], out[name.removesuffix(".weight") + ".scale"] = q, s
         else:
             out[name] = sd[name].to(cast[dt]).contiguous()
-    from dsv4.checkpoint import _TORCH_DTYPE
     for name, (shape, dt) in inv.items():
         t = out[name]
-        assert tuple(t.shape) == shape and t.dtype == _TORCH_DTYPE[dt], (name, t.shape, t.dtype, shape, dt)
+        if tuple(t.shape) != shape or t.dtype != TORCH_DTYPES[dt]:
+            raise AssertionError(f"{name}: produced {tuple(t.shape)} {t.dtype}, inventory says {shape} {dt}")
     return out
 
 
