@@ -3,7 +3,7 @@
 `encode_messages` and `parse_message_from_completion_text` can be swapped for DeepSeek's
 `encoding/encoding_dsv4.py` functions of the same names: on every input the official encoder accepts
 they return the same string (checked on the 36 gold vectors in `fixtures/golden/dsv4_prompts.json`).
-The rules are written down in the project's prompt-format note (`docs`/issue 2); in short, a single
+The format is the one DeepSeek ships beside the weights (`encoding/encoding_dsv4.py`); in short, a single
 user turn is `BOS <｜User｜>TEXT<｜Assistant｜><think>` in thinking mode and `... <｜Assistant｜></think>`
 in chat mode, with no newline after `<｜User｜>`.
 
@@ -455,7 +455,9 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         messages: as for `encode_messages`.
         thinking: True → thinking mode (prompt ends in `<think>`), False → chat mode (`</think>`).
         **kw: `reasoning_effort`, `drop_thinking`, `context`, `add_default_bos_token`, `tools` (HF style),
-            `add_generation_prompt` — forwarded to the template.
+            `add_generation_prompt` — forwarded to the template; `sanitize_control_tokens=True` (transformers)
+            tokenises special strings inside message text as plain text — NOT what the official encoder does,
+            so off by default.
     Returns:
         list[int] of length s (the prompt), ids < vocab size; no special tokens are added beyond the format's.
     Raises:
