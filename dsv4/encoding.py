@@ -10,7 +10,7 @@ in chat mode, with no newline after `<｜User｜>`.
 Where the official encoder crashes (AttributeError/KeyError/TypeError) or silently emits garbage, this
 module raises `ValueError` naming `messages[i].field` (or `context[i].field`) instead:
   * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
-  * user/tool/latest_reminder content that is not a string (tool content may also be a list of parts);
+  * content or reasoning_content that is not a string (tool content may also be a list of parts);
   * a tool call without `function.name`/`function.arguments`;
   * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
 Deliberate extensions, identical in `dsv4/chat_template.jinja`:
@@ -120,8 +120,11 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
             raise ValueError(f"{where}.task: {task!r} is not one of {tuple(TASK_TOKENS)}")
         if role == "developer" and not m.get("content"):
             raise ValueError(f"{where}.content: a developer message needs non-empty content")
-        if role in ("user", "latest_reminder"):
+        if role != "tool":
             _content(m, where)
+        if not isinstance(m.get("reasoning_content") or "", str):
+            raise ValueError(f"{where}.reasoning_content: expected a string, got "
+                             f"{type(m['reasoning_content']).__name__}")
         if role == "tool":
             _content(m, where, allow_list=True)
         for j, tc in enumerate(m.get("tool_calls") or []):

@@ -128,6 +128,8 @@ def test_empty_and_none_contents():
     ([U, {"role": "assistant", "tool_calls": [{"id": "a"}]}], {}, r"messages\[1\]\.tool_calls\[0\]"),
     ([U, {"role": "assistant", "tool_calls": [_call("a", 5)]}], {}, r"messages\[1\]\.tool_calls\[0\]\.function\.arguments"),
     ([U, {"role": "assistant", "tool_calls": [_call("a", '{"k":1,"k":2}')]}], {}, r"duplicate key 'k'"),
+    ([U, {"role": "assistant", "content": ["a"]}], {}, r"messages\[1\]\.content: expected a string"),
+    ([U, {"role": "assistant", "content": "a", "reasoning_content": 3}], {}, r"messages\[1\]\.reasoning_content"),
     ([U], {"context": [{"role": "oops"}]}, r"context\[0\]\.role"),
     ([U], {"reasoning_effort": "low"}, r"reasoning_effort: 'low'"),
 ])
