@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                             device=args.device)
     if args.command == "make-tiny":
         from dsv4.tiny import make_tiny
-        out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
+        try:
+            out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
+        except (FileExistsError, ValueError) as e:
+            print(f"dsv4 make-tiny: error: {e}", file=sys.stderr)
+            return 2
         print(f"wrote tiny DeepSeek-V4 checkpoint ({args.variant}) to {out}")
         return 0
     if args.command == "gate":

@@ -87,7 +87,11 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        ratios = tuple(self.compress_ratios)
+        for i, r in enumerate(ratios):
+            if not isinstance(r, int) or isinstance(r, bool):
+                raise ValueError(f"ModelArgs.compress_ratios[{i}]={r!r}: expected an int (0, 4 or 128)")
+        object.__setattr__(self, "compress_ratios", ratios)
 
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"ModelArgs.{name}={getattr(self, name)!r}: expected {expected}")
@@ -311,10 +315,9 @@ def layers_from_env(n_layers: int, environ: dict[str, str] | None = None) -> int
     raw = env.get(TEST_LAYERS_ENV, "").strip()
     if raw == "":
         return n_layers
-    try:
-        n = int(raw, 10)
-    except ValueError:
-        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers}") from None
+    if not raw.isascii() or not raw.isdigit():  # int() would also take "+5", "1_0", " 7"
+        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers}")
+    n = int(raw)
     if not 1 <= n <= n_layers:
         raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers} "
                          f"(the checkpoint has {n_layers} main layers)")
