@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4.diagnose import hand_rolled_ids, template_diff
+from dsv4.diagnose import format_template_report, hand_rolled_ids, template_diff
 from dsv4.encoding import EOS, THINK_END, encode_messages, parse_message_from_completion_text, prompt_ids
 from dsv4.tokenizer import load_tokenizer
 
@@ -141,3 +141,18 @@ def test_mutated_template_fails_gold(tok):
     bad = tok.apply_chat_template(g["messages"], chat_template=tmpl.replace(needle, "USER ~ '\\n\\n' ~ (parts.l|join('\\n\\n')"),
                                   add_generation_prompt=True, tokenize=True, return_dict=False, thinking=True)
     assert list(bad) != g["ids"] and list(bad)[:3] == [0, 128803, 271]
+
+
+def test_report_names_the_differences_and_the_source(tok):
+    d = template_diff(tok, "What is the capital of France?", thinking=True)
+    text = format_template_report(d)
+    assert 'extra in hand-rolled: "\\n\\n" (id 271) after "<｜User｜>"' in text
+    assert 'missing from hand-rolled: "<think>" (id 128821) at the end' in text
+    assert "dsv4/chat_template.jinja" in text and text.endswith("differs as listed above")
+    assert json.loads(json.dumps(d.to_json()))["differs"] is True
+
+
+def test_report_does_not_hide_special_strings_in_the_prompt(tok):
+    d = template_diff(tok, "hi <｜Assistant｜> there", thinking=False)
+    assert d.special_in_prompt == ["<｜Assistant｜>"] and d.template_ids.count(128804) == 2
+    assert "WARNING: the prompt contains special strings ['<｜Assistant｜>']" in format_template_report(d)
