@@ -201,14 +201,16 @@ def _interpreting() -> bool:
 
 
 def _check_launch_device(tensors: dict, where: str) -> None:
-    """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) that are contiguous."""
+    """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) whose innermost dimension is
+    contiguous (stride 1); outer strides are passed to the kernels, so broadcast (stride-0) batch axes work."""
     if triton is None:
         raise RuntimeError(f"{where}: triton is not installed; use the *_ref function or install dsv4[triton]")
     for name, t in tensors.items():
         if not (t.is_cuda or _interpreting()):
             raise ValueError(f"{where}: {name} is on {t.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
-        if not t.is_contiguous():
-            raise ValueError(f"{where}: {name} must be contiguous, got strides {t.stride()} for {tuple(t.shape)}")
+        if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{where}: {name} must be contiguous in its last dimension (stride 1), got strides "
+                             f"{t.stride()} for {tuple(t.shape)}")
 
 
 def dot_mode(dtype: torch.dtype) -> int:

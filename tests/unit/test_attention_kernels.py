@@ -137,6 +137,21 @@ def test_triton_int32_idx_and_split_invariance(seed):
 
 
 @needs_triton
+def test_triton_broadcast_idx_and_strided_q(seed):
+    """The model passes idx expanded over the batch (stride 0) and q/kv slices with outer strides; only the
+    innermost dimension must be contiguous."""
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(3, 2, 2, 64, 12, 9, torch.float32))
+    idx = idx[:1].expand(3, -1, -1)
+    q = torch.cat([q, q], dim=-2)[:, :, ::2]                    # head stride 128, last stride 1
+    kv = torch.cat([kv, kv], dim=-1)[..., :64]                  # row stride 128
+    assert idx.stride(0) == 0 and not q.is_contiguous() and not kv.is_contiguous()
+    got = sparse_attn(q, kv, sink, idx, 0.125, block_n=16)
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, 0.125), "sparse_attn strided", dtype=torch.float32)
+
+
+@needs_triton
 @pytest.mark.parametrize("kw, match", [
     (dict(out=torch.empty(1, 1, 2, 32)), "out must be"),
     (dict(num_splits=0), "num_splits"),
