@@ -133,7 +133,7 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress)
     model = Transformer(args, dtype=dtype, device=device, backend=backend)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
-    return model.eval(), n
+    return model.eval().requires_grad_(False), n
 
 
 def resolve_ckpt(ckpt: Path | None) -> Path | None:

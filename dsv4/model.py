@@ -43,7 +43,12 @@ __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope
 
 # ----------------------------------------------------------------------------------------------- numerics
 class _Sim:
-    """Quantization simulations of the official bf16 path (spec §2); identity in fp32 mode."""
+    """Quantization simulations of the official bf16 path (spec §2); identity in fp32 mode.
+
+    The official kernels need widths that are multiples of the block (128 / 64 / 32); real DeepSeek-V4 widths
+    are. A test-scale width smaller than the block is quantized as one group spanning the row; any other
+    width raises ValueError (`_block`).
+    """
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -51,17 +56,27 @@ class _Sim:
             from dsv4 import quant
             self._quant = quant
 
+    @staticmethod
+    def _block(x: torch.Tensor, block: int) -> int:
+        n = x.shape[-1]
+        if n % block == 0:
+            return block
+        if n < block:
+            return n
+        raise ValueError(f"quantization simulation: width {n} is neither a multiple of nor smaller than "
+                         f"the block {block}")
+
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """FP8 activation quantization (128-channel blocks, ue8m0 scales) before an FP8/FP4 GEMM."""
-        return self._quant.act_quant_sim(x, 128) if self.enabled else x
+        return self._quant.act_quant_sim(x, self._block(x, 128)) if self.enabled else x
 
     def kv_nope(self, x: torch.Tensor) -> torch.Tensor:
         """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks."""
-        return self._quant.act_quant_sim(x, 64) if self.enabled else x
+        return self._quant.act_quant_sim(x, self._block(x, 64)) if self.enabled else x
 
     def fp4(self, x: torch.Tensor) -> torch.Tensor:
         """FP4 (e2m1) rounding in 32-channel blocks of indexer queries / keys."""
-        return self._quant.fp4_act_quant_sim(x, 32) if self.enabled else x
+        return self._quant.fp4_act_quant_sim(x, self._block(x, 32)) if self.enabled else x
 
 
 class RMSNorm(nn.Module):
@@ -613,5 +628,5 @@ class Transformer(nn.Module):
             if observer is not None:
                 observer(layer.layer_id, H)
         state.pos += input_ids.shape[1]
-        logits = self.final_logits(H if all_logits else H[:, -1:])
+        logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]

@@ -1,0 +1,103 @@
+"""Test 2 (hard stop): the final RMSNorm runs between hc_head and the head, and logits are invariant to |X|.
+
+Negative controls show the check fails on each bug of its class: the norm removed (replaced by identity),
+bypassed (module present, path skips it), and applied per stream before hc_head. The "removed" control also
+shows why magnitude metrics are required: argmax and cosine alone still agree there.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dsv4.final_norm import final_norm_check
+from dsv4.generate import load_model
+
+PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]  # gold ids of the seed prompt
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    m, _ = load_model(tiny_ckpt, progress=False)
+    return m
+
+
+@pytest.mark.hardstop
+def test_final_norm_passes_on_the_model(model):
+    r = final_norm_check(model, PROMPT, decode_steps=2)
+    assert r.passed, r.verdict + f" problems={r.chain_problems} comparisons={r.comparisons}"
+    assert r.norm_calls == 3 and r.steps == 3
+    assert r.logits_match_model
+    for c in r.comparisons:
+        assert c.argmax_A == c.argmax_B and c.rel_l2 <= c.rel_tol and c.kl <= c.kl_tol
+    assert r.x_max_abs > 0 and len(r.x_stream_rms) == model.args.hc_mult
+
+
+@pytest.mark.hardstop
+def test_final_norm_is_invariant_to_large_residuals(model):
+    """At the magnitudes the playbook saw (|X| ~ 860) the eps terms are negligible: scale X up before the check
+    by running it on a model whose embeddings are 300x larger (the residual grows accordingly)."""
+    big = copy.deepcopy(model)
+    with torch.no_grad():
+        big.embed.weight.mul_(300.0)
+    r = final_norm_check(big, PROMPT, decode_steps=1)
+    assert r.passed, r.verdict
+    assert r.x_max_abs > 100
+    assert r.eps_allowance < 1e-4
+    assert all(c.rel_l2 < 1e-4 for c in r.comparisons)
+
+
+@pytest.mark.hardstop
+def test_negative_norm_removed(model, monkeypatch):
+    """norm -> identity: argmax and cosine still agree (the playbook's blind spot); the magnitude metrics
+    and the verdict do not."""
+    m = copy.deepcopy(model)
+    m.norm = nn.Identity()
+    r = final_norm_check(m, PROMPT, decode_steps=1)
+    assert not r.passed and "HARD STOP" in r.verdict
+    small = r.comparisons[0]
+    assert small.argmax_A == small.argmax_B and small.cosine > 0.999999  # blind metrics
+    assert small.rel_l2 == pytest.approx(0.99, abs=1e-3) and small.kl > 1e-3  # what catches it
+
+
+@pytest.mark.hardstop
+def test_negative_norm_bypassed(model, monkeypatch):
+    """norm module present but the final path skips it: zero executions -> hard stop."""
+    m = copy.deepcopy(model)
+    monkeypatch.setattr(m, "final_logits", lambda H: m.head(m.hc_head(H, m.hc_head_fn, m.hc_head_base,
+                                                                          m.hc_head_scale, m.backend)))
+    r = final_norm_check(m, PROMPT, decode_steps=1)
+    assert not r.passed and not r.chain_ok
+    assert r.norm_calls == 0
+    assert all("['hc_head', 'head']" in p for p in r.chain_problems)
+
+
+@pytest.mark.hardstop
+def test_negative_norm_before_hc_head(model, monkeypatch):
+    """norm applied to each stream before hc_head: scale-invariant too (so the invariance alone passes),
+    caught by the execution-order check."""
+    m = copy.deepcopy(model)
+    monkeypatch.setattr(m, "final_logits", lambda H: m.head(m.hc_head(m.norm(H), m.hc_head_fn, m.hc_head_base,
+                                                                          m.hc_head_scale, m.backend)))
+    r = final_norm_check(m, PROMPT, decode_steps=1)
+    assert all(c.passed for c in r.comparisons), "the invariance alone cannot see this bug"
+    assert not r.passed and not r.chain_ok
+    assert "['norm', 'hc_head', 'head']" in r.chain_problems[0]
+
+
+def test_bad_arguments(model):
+    with pytest.raises(ValueError, match="decode_steps=0"):
+        final_norm_check(model, PROMPT, decode_steps=0)
+    with pytest.raises(ValueError, match="scale=1"):
+        final_norm_check(model, PROMPT, scale=1)
+    with pytest.raises(ValueError, match="empty"):
+        final_norm_check(model, [])
+
+
+def test_bf16_model_passes(tiny_ckpt):
+    m, _ = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
+    r = final_norm_check(m, PROMPT, decode_steps=1)
+    assert r.passed, (r.verdict, r.comparisons)
