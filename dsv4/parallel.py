@@ -1,0 +1,454 @@
+"""Tensor + expert parallel DeepSeek-V4 on torch.distributed (reference spec §11 "official convert.py").
+
+Layout (the official `convert.py` sharding, world size W, rank r):
+    dim 0 / W   embed.weight, head.weight (vocab rows r*V/W ..), attn.wq_b, attn.wo_a, attn.attn_sink
+                (main heads r*h/W .., i.e. output groups r*G/W ..), attn.indexer.wq_b, attn.indexer.weights_proj
+                (indexer heads r*H_I/W ..); FP8 `.scale`s follow their weight's rows (a 128-row block that
+                spans two ranks is read by both)
+    dim 1 / W   attn.wo_b (its input channels = the rank's output groups)
+    expert      ffn.experts.E.* lives on rank E // (E_total / W) only
+    replicated  everything else (wq_a, wkv, norms, compressors, gate, shared expert, hc_*)
+
+Reductions (each an all-reduce SUM in fp32, or an all-gather):
+    embed       each rank looks up its vocab rows, zeros elsewhere  -> all-reduce (exact: one non-zero term)
+    attention   wo_b of the rank's groups gives a partial [b, s, d]  -> all-reduce before the bf16 cast
+    indexer     per-rank partial scores over its heads             -> all-reduce BEFORE the top-k (spec §7.5)
+    MoE         routed experts of the rank                         -> all-reduce, then + shared expert
+    head        logits of the rank's vocab rows                    -> all-gather along V
+Every rank ends a forward with the same full logits `[b, V]`, so greedy and seeded sampling agree across ranks
+without a broadcast. World size 1 is the plain `dsv4.model.Transformer` (`build_model`).
+
+No module-level mutable state: rank, world size and process group travel in a `Comm` argument. The process
+group is created by the caller (`comm_from_env` under torchrun). The modules reuse the reference classes of
+`dsv4.model` (same names, same maths) with local sizes; only the points above differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4 import quant
+from dsv4.backend import Backend, get_backend
+from dsv4.config import ModelArgs
+from dsv4.model import (Attention, Block, Expert, Gate, HcHead, Indexer, Linear, RMSNorm, Transformer, _Sim,
+                        apply_rope)
+from kernels.indexer import indexer_topk_ref
+
+__all__ = ["Comm", "comm_from_env", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
+           "expert_range", "ParallelTransformer", "build_model", "read_plan", "load_rank_state_dict",
+           "load_parallel_model"]
+
+
+# ----------------------------------------------------------------------------------------------- comm
+@dataclass(frozen=True)
+class Comm:
+    """Who this process is in a tensor/expert-parallel model, and the only place collectives are called.
+
+    rank in [0, world_size); `group` a torch.distributed ProcessGroup (None: the default group). With
+    world_size 1 every collective is the identity and no process group is needed. The group is checked
+    at the first collective: RuntimeError when torch.distributed is not initialised or its rank / world size
+    differ from these.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.world_size, int) and self.world_size >= 1):
+            raise ValueError(f"Comm.world_size={self.world_size!r}: expected an integer >= 1")
+        if not (isinstance(self.rank, int) and 0 <= self.rank < self.world_size):
+            raise ValueError(f"Comm.rank={self.rank!r}: expected an integer in [0, {self.world_size})")
+
+    def _check(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(f"Comm(rank={self.rank}, world_size={self.world_size}): torch.distributed is not "
+                               "initialised (launch with torchrun and call comm_from_env)")
+        r, w = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if (r, w) != (self.rank, self.world_size):
+            raise RuntimeError(f"Comm(rank={self.rank}, world_size={self.world_size}) does not match the process "
+                               f"group (rank {r}, world size {w})")
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over ranks in place and return it (identity at world size 1)."""
+        if self.world_size > 1:
+            self._check()
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's `t` (same shape on all ranks) along `dim`, rank order."""
+        if self.world_size == 1:
+            return t
+        self._check()
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim)
+
+
+def comm_from_env(device: str = "cuda", environ: dict[str, str] | None = None) -> tuple[Comm, str]:
+    """The torchrun launch: read RANK / WORLD_SIZE / LOCAL_RANK, initialise the default process group (NCCL for
+    CUDA, gloo for CPU) and pick this rank's device. Without WORLD_SIZE (or WORLD_SIZE=1): (Comm(), device).
+
+    Returns (comm, device string, e.g. "cuda:3"). Raises ValueError for a malformed variable, RuntimeError when
+    a CUDA launch sees fewer GPUs than local ranks.
+    """
+    env = os.environ if environ is None else environ
+
+    def read(key: str) -> int:
+        raw = env.get(key, "")
+        if not raw.isdigit():
+            raise ValueError(f"${key}={raw!r}: expected a non-negative integer (set by torchrun)")
+        return int(raw)
+
+    if env.get("WORLD_SIZE", "1") == "1":
+        return Comm(), device
+    ws, rank, local = read("WORLD_SIZE"), read("RANK"), read("LOCAL_RANK")
+    if device.startswith("cuda"):
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible")
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=ws)
+    return Comm(rank, ws), device
+
+
+# ----------------------------------------------------------------------------------------------- layout
+def attention_args(args: ModelArgs, world_size: int) -> ModelArgs:
+    """`args` with the per-rank attention sizes: n_heads / W, o_groups / W, index_n_heads / W.
+
+    Raises ValueError naming the field when W does not divide n_heads, o_groups, index_n_heads,
+    n_routed_experts or vocab_size (the official convert.py asserts the same).
+    """
+    for name in ("n_heads", "o_groups", "index_n_heads", "n_routed_experts", "vocab_size"):
+        if getattr(args, name) % world_size:
+            raise ValueError(f"ModelArgs.{name}={getattr(args, name)} is not divisible by world_size={world_size}")
+    w = world_size
+    return dataclasses.replace(args, n_heads=args.n_heads // w, o_groups=args.o_groups // w,
+                               index_n_heads=args.index_n_heads // w)
+
+
+def expert_range(args: ModelArgs, comm: Comm) -> range:
+    """Global ids of the routed experts held by `comm.rank`: a contiguous E/W block."""
+    n = args.n_routed_experts // comm.world_size
+    return range(comm.rank * n, (comm.rank + 1) * n)
+
+
+_DIM0 = re.compile(r"^(embed\.weight|head\.weight|.*\.attn\.(wq_b|wo_a|indexer\.wq_b)\.(weight|scale)"
+                   r"|.*\.attn\.attn_sink|.*\.attn\.indexer\.weights_proj\.weight)$")
+_DIM1 = re.compile(r"^.*\.attn\.wo_b\.(weight|scale)$")
+_EXPERT = re.compile(r"^.*\.ffn\.experts\.(\d+)\.")
+
+
+def shard_rule(name: str) -> tuple[str, int | None]:
+    """How official tensor `name` is distributed: ("split", 0 | 1), ("expert", E) or ("replicated", None)."""
+    if _DIM0.match(name):
+        return "split", 0
+    if _DIM1.match(name):
+        return "split", 1
+    m = _EXPERT.match(name)
+    if m:
+        return "expert", int(m.group(1))
+    return "replicated", None
+
+
+def _split_range(size: int, comm: Comm, name: str) -> tuple[int, int]:
+    if size % comm.world_size:
+        raise ValueError(f"{name}: dimension {size} is not divisible by world_size={comm.world_size}")
+    n = size // comm.world_size
+    return comm.rank * n, n
+
+
+def shard_tensor(name: str, t: torch.Tensor, args: ModelArgs, comm: Comm) -> torch.Tensor | None:
+    """This rank's part of the FULL-PRECISION official tensor `name` (a view), or None if the rank does not
+    hold it (another rank's expert). Not for `.scale` tensors (blocks may span ranks: see `read_plan`)."""
+    kind, arg = shard_rule(name)
+    if kind == "expert":
+        return t if arg in expert_range(args, comm) else None
+    if kind == "split":
+        start, n = _split_range(t.shape[arg], comm, name)
+        return t.narrow(arg, start, n)
+    return t
+
+
+def shard_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs, comm: Comm) -> dict[str, torch.Tensor]:
+    """The state dict of rank `comm.rank` from a full dequantized official-name one (no `.scale` entries)."""
+    out = {}
+    for k, v in sd.items():
+        if k.endswith(".scale"):
+            raise ValueError(f"{k}: shard_state_dict takes dequantized weights (no .scale); use load_rank_state_dict")
+        part = shard_tensor(k, v, args, comm)
+        if part is not None:
+            out[k] = part.clone()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- modules
+class VocabParallelEmbedding(nn.Module):
+    """`embed` of rank r: weight `[V/W, d]` holding vocab rows r*V/W ..; lookups outside are zero, then summed
+    over ranks. ids [b, s] int64 -> [b, s, d] in the weight dtype."""
+
+    def __init__(self, vocab: int, dim: int, comm: Comm, dtype: torch.dtype):
+        super().__init__()
+        self.comm, self.start = comm, comm.rank * (vocab // comm.world_size)
+        self.weight = nn.Parameter(torch.empty(vocab // comm.world_size, dim, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
+        return self.comm.all_reduce(y)
+
+
+class VocabParallelHead(Linear):
+    """`head` of rank r: fp32 weight `[V/W, d]`; x [b, s, d] -> all-gathered logits [b, s, V] fp32."""
+
+    def __init__(self, dim: int, vocab: int, sim: _Sim, comm: Comm):
+        super().__init__(dim, vocab // comm.world_size, sim, quantized=False, fp32=True)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_gather(super().forward(x), -1)
+
+
+class RowParallelLinear(Linear):
+    """`wo_b` of rank r: weight `[d, G/W * o_lora]` (input channels of the rank's groups). The partial products
+    are summed over ranks in fp32, then cast to x.dtype (one rounding, as at world size 1)."""
+
+    def __init__(self, in_features: int, out_features: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
+        super().__init__(in_features, out_features, sim, quantized=True, dtype=dtype)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq = self.sim.act(x)
+        return self.comm.all_reduce(xq.float() @ self.weight.float().T).to(x.dtype)
+
+
+class ParallelIndexer(Indexer):
+    """Indexer of rank r: its H_I/W heads; partial scores are summed over ranks before the top-k (spec §7.5).
+
+    `select` is `Indexer.select` with two changes: the head-weight scale uses the GLOBAL head count
+    (d_I^-0.5 * H_I^-0.5) and the scores are all-reduced before `indexer_topk_ref`.
+    """
+
+    def __init__(self, local: ModelArgs, sim: _Sim, inv_freq: torch.Tensor, dtype: torch.dtype, comm: Comm,
+                 total_heads: int):
+        super().__init__(local, sim, inv_freq, dtype)
+        self.comm, self.weight_scale = comm, self.head_dim ** -0.5 * total_heads ** -0.5
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+               backend: Backend) -> torch.Tensor:
+        """See `Indexer.select`; identical shapes and result."""
+        b, s, _ = x.shape
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
+        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
+        w = self.weights_proj(x).float() * self.weight_scale
+        scores = self.comm.all_reduce(backend.indexer_scores(q, w.to(q.dtype), keys).float())
+        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])
+        k = min(self.topk, int(n_valid.max()))
+        return indexer_topk_ref(scores, k, n_valid.expand(b, s))
+
+
+def parallel_attention(args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm) -> Attention:
+    """The reference `Attention` at the rank's sizes (`attention_args`) with `wo_b` row-parallel and the indexer
+    head-parallel; its forward is the reference one."""
+    local = attention_args(args, comm.world_size)
+    attn = Attention(local, layer_id, sim, dtype)
+    attn.wo_b = RowParallelLinear(local.o_groups * local.o_lora_rank, args.dim, sim, dtype, comm)
+    if attn.indexer is not None:
+        attn.indexer = ParallelIndexer(local, sim, attn.inv_freq, dtype, comm, args.index_n_heads)
+    return attn
+
+
+class ParallelMoE(nn.Module):
+    """MoE of rank r (spec §8): the replicated gate routes every token; the rank runs only its experts
+    (`expert_range`; other slots of `experts` are None, so state-dict names keep the global expert id); the
+    fp32 partial sums are all-reduced, then the (replicated) shared expert is added. x [b, s, d] -> same."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
+        super().__init__()
+        self.comm, self.local = comm, expert_range(args, comm)
+        self.gate = Gate(args, layer_id)
+        self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
+                                     if e in self.local else None for e in range(args.n_routed_experts))
+        self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
+                                     sim, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x, input_ids.reshape(-1))
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            if e in self.local:
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot, None]).float())
+        y = self.comm.all_reduce(y) + self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)
+
+
+class ParallelBlock(Block):
+    """`Block` (forward inherited) whose attention and MoE are the rank's parallel versions. Built here, not by
+    `Block.__init__`, so that no rank ever allocates another rank's experts."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
+        nn.Module.__init__(self)
+        self.args, self.layer_id = args, layer_id
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = parallel_attention(args, layer_id, sim, dtype, comm)
+        self.ffn = ParallelMoE(args, layer_id, sim, dtype, comm)
+        n, hcd = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(n, hcd, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.zeros(3, dtype=torch.float32)))
+
+
+class ParallelTransformer(Transformer):
+    """Rank `comm.rank` of a W-way tensor + expert parallel DeepSeek-V4 (layout in the module docstring).
+
+    Same interface as `Transformer` (forward, new_state, final_logits, load_weights with the rank's state dict
+    from `load_rank_state_dict` / `shard_state_dict`); every rank must call forward with the same input_ids and
+    gets the same full logits `[b, V]` fp32. The decode state (window ring, compressed entries) is replicated.
+
+    Raises ValueError: unsupported dtype or backend, or W not dividing n_heads, o_groups, index_n_heads,
+        n_routed_experts, vocab_size.
+    """
+
+    def __init__(self, args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", backend: str = "reference"):
+        nn.Module.__init__(self)
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
+        attention_args(args, comm.world_size)  # divisibility check, before any allocation
+        self.args, self.dtype, self.comm = args, dtype, comm
+        self.backend = get_backend(backend, torch.device(device))
+        sim = _Sim(dtype == torch.bfloat16)
+        with torch.device(device):
+            self.embed = VocabParallelEmbedding(args.vocab_size, args.dim, comm, dtype)
+            self.layers = nn.ModuleList(ParallelBlock(args, i, sim, dtype, comm) for i in range(args.n_layers))
+            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.head = VocabParallelHead(args.dim, args.vocab_size, sim, comm)
+            hc = args.hc_mult
+            self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
+            self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+            self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+            self.hc_head = HcHead(args)
+
+
+def build_model(args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", backend: str = "reference") -> Transformer:
+    """`Transformer` at world size 1 (the plain model), else `ParallelTransformer` for `comm.rank`."""
+    if comm.world_size == 1:
+        return Transformer(args, dtype=dtype, device=device, backend=backend)
+    return ParallelTransformer(args, comm, dtype=dtype, device=device, backend=backend)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[int, int, int] | None]:
+    """What rank `comm.rank` reads of each (non-`.scale`) official tensor: name -> (dim, start, length) for a
+    split tensor, None for a whole one; another rank's experts are absent. Shapes come from
+    `expected_tensors` (the on-disk [out, in] of FP8 weights; split tensors are never FP4)."""
+    from dsv4.checkpoint import expected_tensors
+
+    inv = expected_tensors(args, include_mtp=any(n.startswith("mtp.") for n in names))
+    plan: dict[str, tuple[int, int, int] | None] = {}
+    for name in names:
+        kind, arg = shard_rule(name)
+        if kind == "expert" and arg not in expert_range(args, comm):
+            continue
+        if kind == "split":
+            start, n = _split_range(inv[name][0][arg], comm, name)
+            plan[name] = (arg, start, n)
+        else:
+            plan[name] = None
+    return plan
+
+
+def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype,
+          device: str | torch.device) -> torch.Tensor:
+    """Tensor `name` (or its rows/columns `part`) dequantized to `dtype` on `device`, reading only that part."""
+    if part is None:
+        return ck.get(name, dtype=dtype, device=device)
+    from safetensors import safe_open
+
+    dim, start, n = part
+    shape, dt, f = ck.info(name)
+    if f not in handles:
+        handles[f] = safe_open(str(f), framework="pt", device="cpu")
+    sl = handles[f].get_slice(name)
+    raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+    if dt in ("BF16", "F32"):
+        return raw.to(dtype)
+    if dt != "F8_E4M3":
+        from dsv4.checkpoint import CheckpointError
+        raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
+                              "or F8_E4M3")
+    b = quant.FP8_BLOCK
+    s = quant.e8m0_to_float(ck.get_quantized(name, device=device)[1])  # [ceil(out/128), ceil(in/128)]
+    b0 = start // b
+    s = s.narrow(dim, b0, -(-(start + n) // b) - b0).repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
+    other = 1 - dim
+    s = s.repeat_interleave(b, other).narrow(other, 0, raw.shape[other])
+    return (raw.float() * s).to(dtype)
+
+
+def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None = None,
+                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                         ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Rank `comm.rank`'s dequantized state dict from a checkpoint directory, reading only what it owns
+    (`read_plan`: its rows / columns of split tensors through safetensors slices, its experts, the replicated
+    tensors). Validation and dtype rules are those of `dsv4.checkpoint.load_checkpoint` (main layers < n_layers,
+    no MTP). Raises what `Checkpoint` / `Checkpoint.validate` raise, ValueError for an indivisible layout.
+    """
+    from dsv4.checkpoint import Checkpoint, expected_tensors
+
+    ck = Checkpoint(path)
+    args = ck.args if n_layers is None else ck.args.with_layers(n_layers)
+    attention_args(args, comm.world_size)
+    want = expected_tensors(ck.args, n_layers)
+    ck.validate(expected_tensors(ck.args, include_mtp=True), required=set(want))
+    plan = read_plan(args, comm, sorted(n for n in want if not n.endswith(".scale")))
+    handles: dict = {}
+    return args, {name: _read(ck, handles, name, part, dtype, device) for name, part in plan.items()}
+
+
+def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = None,
+                        dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                        backend: str = "reference") -> Transformer:
+    """`build_model` + the rank's weights streamed into it one tensor at a time (peak host memory: one tensor).
+    Raises RuntimeError listing names the model and the read plan disagree on, plus what the loaders raise."""
+    from dsv4.checkpoint import Checkpoint, expected_tensors
+
+    ck = Checkpoint(path)
+    args = ck.args if n_layers is None else ck.args.with_layers(n_layers)
+    model = build_model(args, comm, dtype=dtype, device=device, backend=backend)
+    want = expected_tensors(ck.args, n_layers)
+    ck.validate(expected_tensors(ck.args, include_mtp=True), required=set(want))
+    plan = read_plan(args, comm, sorted(n for n in want if not n.endswith(".scale")))
+    own = model.state_dict()
+    if set(own) != set(plan):
+        raise RuntimeError(f"rank {comm.rank}: model and read plan disagree: only in model "
+                           f"{sorted(set(own) - set(plan))[:5]}, only in plan {sorted(set(plan) - set(own))[:5]}")
+    handles: dict = {}
+    with torch.no_grad():
+        for name, part in plan.items():
+            t = _read(ck, handles, name, part, dtype if own[name].is_floating_point() else torch.float32, device)
+            if tuple(t.shape) != tuple(own[name].shape):
+                raise RuntimeError(f"{name}: rank {comm.rank} read shape {tuple(t.shape)}, model has "
+                                   f"{tuple(own[name].shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+    return model.eval()
