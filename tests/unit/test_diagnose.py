@@ -1,0 +1,95 @@
+"""`dsv4 diagnose`, the main job: both decisive tests in one report, exit 0 on pass, 3 on a hard stop, 2 on
+bad input. The negative cases run the same entry point with the final norm bypassed and with a hand-rolled
+prompt, and check that it stops and says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4.cli import main
+from dsv4.diagnose import EXIT_ERROR, EXIT_HARD_STOP, EXIT_PASS, hand_rolled_ids
+from dsv4.model import Transformer
+
+
+def _run(capsys, *args):
+    status = main(["diagnose", *args])
+    return status, capsys.readouterr().out
+
+
+@pytest.mark.hardstop
+def test_diagnose_passes_and_reports_both_halves(tiny_ckpt, tmp_path, capsys):
+    out_json = tmp_path / "report.json"
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--json", str(out_json))
+    assert status == EXIT_PASS, out
+    for label in ("== Test 1: prompt format", "hand-rolled ids", "template ids", 'extra in hand-rolled: "\\n\\n" (id 271)',
+                  '"<think>" (id 128821)', "greedy top-1 after switching to the template",
+                  "== Test 2: final norm", "final norm applied before the LM head", "argmax_A", "argmax_B", "cos",
+                  "rel_L2", "KL", "TEST_LAYERS in effect: 4", "config_sha256", "RESULT: PASS"):
+        assert label in out, label
+    rep = json.loads(out_json.read_text())
+    assert rep["passed"] and rep["test1_template"]["passed"] and rep["test2_final_norm"]["passed"]
+    assert rep["test1_template"]["fed_ids"][-1] == 128821
+    assert rep["test2_final_norm"]["norm_calls"] == 3  # prefill + 2 decode steps
+
+
+def test_diagnose_chat_mode_and_test_layers(tiny_ckpt, capsys, monkeypatch):
+    monkeypatch.setenv("TEST_LAYERS", "2")
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--no-thinking", "--dtype", "fp32", "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    assert "TEST_LAYERS in effect: 2 of 4 main layers" in out
+    assert '"</think>" (id 128822)' in out
+
+
+@pytest.mark.hardstop
+def test_diagnose_hard_stops_when_final_norm_bypassed(tiny_ckpt, capsys, monkeypatch):
+    def no_norm(self, H):
+        return self.head(self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend))
+
+    monkeypatch.setattr(Transformer, "final_logits", no_norm)
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--dtype", "fp32")
+    assert status == EXIT_HARD_STOP, out
+    assert "final norm applied before the LM head (executions on the path, per step): NO (0 of 3 steps)" in out
+    assert "RESULT: HARD STOP" in out
+
+
+@pytest.mark.hardstop
+def test_diagnose_hard_stops_on_hand_rolled_prompt(tiny_ckpt, capsys, monkeypatch):
+    import dsv4.diagnose as d
+
+    monkeypatch.setattr(d, "prompt_ids", lambda tok, messages, thinking=True, **kw:
+                        hand_rolled_ids(tok, messages[-1]["content"]))
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--dtype", "fp32")
+    assert status == EXIT_HARD_STOP, out
+    assert "Test 1 HARD STOP: the ids fed to the model are not the official prompt format" in out
+
+
+@pytest.mark.parametrize("value", ["0", "5", "two", "-1", "+2", "1_0"])
+def test_diagnose_rejects_bad_test_layers(tiny_ckpt, capsys, monkeypatch, value):
+    monkeypatch.setenv("TEST_LAYERS", value)
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt))
+    assert status == EXIT_ERROR
+    assert f"TEST_LAYERS={value!r}" in out and "1..4" in out
+
+
+def test_diagnose_missing_checkpoint(tmp_path, capsys):
+    status, out = _run(capsys, "--ckpt", str(tmp_path / "nope"))
+    assert status == EXIT_ERROR and "not a checkpoint directory" in out
+
+
+@pytest.mark.parametrize("argv", [["diagnose", "TEST_LAYERS=10"], ["diagnose", "--decode-step", "2"],
+                                  ["diagnose", "--decode-steps", "0"], ["generate", "--prompt", "x", "--max-token", "3"]])
+def test_cli_rejects_unknown_or_abbreviated_arguments(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_diagnose_builds_a_tiny_checkpoint_by_default(capsys, monkeypatch):
+    monkeypatch.delenv("DSV4_CKPT", raising=False)
+    monkeypatch.delenv("TEST_LAYERS", raising=False)
+    status, out = _run(capsys, "--dtype", "fp32", "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    assert "tiny checkpoint built on the fly" in out
