@@ -46,7 +46,7 @@ from kernels.indexer import indexer_topk_ref
 
 __all__ = ["Comm", "comm_from_env", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
            "expert_range", "ParallelTransformer", "build_model", "read_plan", "load_rank_state_dict",
-           "load_parallel_model"]
+           "load_parallel_model", "load_distributed_model"]
 
 
 # ----------------------------------------------------------------------------------------------- comm
@@ -452,3 +452,14 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
                                    f"{tuple(own[name].shape)}")
             own[name].copy_(t.to(own[name].dtype))
     return model.eval()
+
+
+def load_distributed_model(ckpt: str | Path, comm: Comm, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                           backend: str = "reference") -> tuple[Transformer, int]:
+    """`dsv4.generate.load_model` for a torchrun launch: the rank's model honouring TEST_LAYERS; returns (model,
+    effective main-layer count). At world size 1 this is the plain model loaded the same way."""
+    from dsv4.checkpoint import Checkpoint
+    from dsv4.config import layers_from_env
+
+    n = layers_from_env(Checkpoint(ckpt).args.n_layers)
+    return load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=device, backend=backend), n

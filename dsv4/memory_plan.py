@@ -1,0 +1,134 @@
+"""Per-rank GPU memory of the tensor + expert parallel model (dsv4.parallel), computed from the tensor inventory.
+
+Two residency plans (bytes per tensor; "logical" = the dequantized [out, in] element count):
+    "bf16"       what `ParallelTransformer(dtype=torch.bfloat16)` holds today: every FP8/FP4 linear dequantized to
+                 bf16 (2 B/element), the fp32-compute linears (head, router gate, compressor wkv/wgate) and all
+                 norms, hc_*, attn_sink, ape, gate.bias in fp32 (4 B), embed bf16, tid2eid int64, no scales.
+    "quantized"  weights kept in their on-disk precision (FP8 e4m3 1 B + ue8m0 scale per 128x128 block; FP4 0.5 B +
+                 ue8m0 per 32), dequantized per use; attn.wo_a bf16 (the official convert.py dequantizes it);
+                 everything else as in "bf16". Adds a transient: the largest per-use bf16 dequantization.
+Distribution (dsv4.parallel.shard_rule): split tensors / W, routed experts E / W per rank, the rest replicated.
+MTP blocks are not counted (the model never runs them) unless `include_mtp`. The decode state (`state_bytes`) is
+replicated on every rank and comes on top, as do activations (a prefill of s tokens needs O(s * hc * d)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from dsv4.checkpoint import DTYPE_BYTES, expected_tensors
+from dsv4.config import ModelArgs
+from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
+
+__all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB"]
+
+RESIDENCY = ("bf16", "quantized")
+GiB = 2 ** 30
+_FP32_LINEARS = ("head.weight", ".ffn.gate.weight", ".compressor.wkv.weight", ".compressor.wgate.weight")
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds: `weights` in all, split into `replicated`, `split` (vocab / head shards) and `experts`;
+    `dequant_temp` the largest per-use bf16 temporary ("quantized" only, else 0); `peak` = weights + temp."""
+
+    world_size: int
+    rank: int
+    resident: str
+    replicated: int
+    split: int
+    experts: int
+    dequant_temp: int
+    by_dtype: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def weights(self) -> int:
+        return self.replicated + self.split + self.experts
+
+    @property
+    def peak(self) -> int:
+        return self.weights + self.dequant_temp
+
+
+def _logical(name: str, shape: tuple[int, ...], dt: str) -> int:
+    """Dequantized element count of an on-disk tensor (FP4 I8 [out, in/2] holds out*in elements)."""
+    return math.prod(shape) * (2 if dt == "I8" else 1)
+
+
+def _resident(name: str, shape: tuple[int, ...], dt: str, resident: str) -> tuple[int, str]:
+    """(bytes, held dtype) of one tensor under a plan; `.scale` tensors cost 0 in the bf16 plan."""
+    quantized = dt in ("F8_E4M3", "I8")
+    if name.endswith(".scale"):
+        keep = resident == "quantized" and ".attn.wo_a." not in name
+        return (math.prod(shape) * DTYPE_BYTES[dt], dt) if keep else (0, "none")
+    if quantized and resident == "quantized" and ".attn.wo_a." not in name:
+        return math.prod(shape) * DTYPE_BYTES[dt], dt
+    if dt == "I64":
+        return math.prod(shape) * 8, "I64"
+    n = _logical(name, shape, dt)
+    if quantized or name == "embed.weight" or (dt == "BF16" and name.endswith(".weight")
+                                                 and not name.endswith("norm.weight")
+                                                 and not name.endswith(_FP32_LINEARS)):
+        return 2 * n, "BF16"
+    return 4 * n, "F32"
+
+
+def rank_memory(args: ModelArgs, world_size: int, rank: int = 0, resident: str = "quantized", *,
+                include_mtp: bool = False, inventory: dict | None = None) -> RankMemory:
+    """Bytes rank `rank` of `world_size` holds for `args` under plan `resident` (see the module docstring).
+
+    `inventory` (name -> (shape, safetensors dtype)) defaults to `expected_tensors(args, include_mtp=...)`; pass
+    a real checkpoint's headers to plan from the files. Raises ValueError for an unknown plan or a world size
+    that does not divide heads / groups / experts / vocab.
+    """
+    if resident not in RESIDENCY:
+        raise ValueError(f"resident={resident!r}: expected one of {RESIDENCY}")
+    attention_args(args, world_size)
+    comm = Comm(rank, world_size)
+    inv = inventory if inventory is not None else expected_tensors(args, include_mtp=include_mtp)
+    mine = expert_range(args, comm)
+    acc = {"replicated": 0, "split": 0, "experts": 0}
+    by_dtype: dict[str, int] = {}
+    temp = 0
+    for name, (shape, dt) in inv.items():
+        if not include_mtp and name.startswith("mtp."):
+            continue
+        kind, arg = shard_rule(name)
+        if kind == "expert" and arg not in mine:
+            continue
+        nbytes, held = _resident(name, shape, dt, resident)
+        if kind == "split":
+            nbytes //= world_size
+        acc["experts" if kind == "expert" else kind] += nbytes
+        by_dtype[held] = by_dtype.get(held, 0) + nbytes
+        if resident == "quantized" and dt in ("F8_E4M3", "I8") and name.endswith(".weight"):
+            temp = max(temp, 2 * _logical(name, shape, dt) // (world_size if kind == "split" else 1))
+    return RankMemory(world_size, rank, resident, acc["replicated"], acc["split"], acc["experts"], temp,
+                      {k: v for k, v in sorted(by_dtype.items()) if v})
+
+
+def state_bytes(args: ModelArgs, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> int:
+    """Bytes of one `DecodeState` after `seq_len` tokens (model dtype `dtype_bytes`; compressor buffers fp32):
+    per layer the window ring [b, window, hd]; ratio r > 0 adds entries [b, seq/r, hd] and the compressor's kv and
+    score [b, c*r, c*hd] fp32 (c = 2 iff r = 4); r = 4 adds indexer keys [b, seq/4, d_I] and their compressor
+    [b, 8, 2*d_I] fp32 x2. Replicated on every rank."""
+    if seq_len < 0 or batch < 1:
+        raise ValueError(f"seq_len={seq_len}, batch={batch}: expected seq_len >= 0 and batch >= 1")
+    total = 0
+    for layer in range(args.n_layers):
+        r = args.ratio(layer)
+        total += batch * args.window_size * args.head_dim * dtype_bytes
+        if r:
+            c = 2 if r == 4 else 1
+            total += batch * (seq_len // r) * args.head_dim * dtype_bytes + 2 * batch * c * r * c * args.head_dim * 4
+        if r == 4:
+            total += batch * (seq_len // 4) * args.index_head_dim * dtype_bytes + 2 * batch * 8 * 2 * args.index_head_dim * 4
+    return total
+
+
+def memory_table(args: ModelArgs, world_sizes: tuple[int, ...] = (1, 2, 4, 8),
+                 residencies: tuple[str, ...] = RESIDENCY) -> list[RankMemory]:
+    """`rank_memory` of rank 0 for every (plan, world size); every rank holds the same bytes (E and V divide)."""
+    inv = expected_tensors(args)
+    return [rank_memory(args, w, 0, r, inventory=inv) for r in residencies for w in world_sizes]
