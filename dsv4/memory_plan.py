@@ -123,7 +123,8 @@ def state_bytes(args: ModelArgs, seq_len: int, batch: int = 1, dtype_bytes: int 
             c = 2 if r == 4 else 1
             total += batch * (seq_len // r) * args.head_dim * dtype_bytes + 2 * batch * c * r * c * args.head_dim * 4
         if r == 4:
-            total += batch * (seq_len // 4) * args.index_head_dim * dtype_bytes + 2 * batch * 8 * 2 * args.index_head_dim * 4
+            total += batch * (seq_len // 4) * args.index_head_dim * dtype_bytes
+            total += 2 * batch * 8 * 2 * args.index_head_dim * 4
     return total
 
 

@@ -156,7 +156,8 @@ def test_real_checkpoint_final_norm_distributed(tmp_path):
     _torchrun(n, "real", str(tmp_path / "res"), ckpt, timeout=3600)
     res = [torch.load(f"{tmp_path / 'res'}.{r}") for r in range(n)]
     for r, w in enumerate(res):
-        print(f"rank {r}: peak GPU memory {w['peak_bytes'] / 2**30:.2f} GiB, weights {w['param_bytes'] / 2**30:.2f} GiB")
+        print(f"rank {r}: peak GPU memory {w['peak_bytes'] / 2**30:.2f} GiB, "
+              f"weights {w['param_bytes'] / 2**30:.2f} GiB")
         rep = w["final_norm"]
         assert rep["passed"], (r, rep["verdict"], json.dumps(rep["comparisons"], default=str)[:2000])
 

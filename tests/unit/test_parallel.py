@@ -146,6 +146,18 @@ def test_world_size_1_is_the_plain_model_and_parallel_class_agrees(world1):
     m = ParallelTransformer(args, Comm())
     m.load_weights(sd)
     assert_equal(m(ids, m.new_state(1), all_logits=True), world1["small"][0], "ParallelTransformer(W=1) logits")
+    idx = ParallelTransformer(args, Comm(1, 2)).layers[1].attn.indexer  # 2 of the 4 indexer heads
+    assert idx.n_heads == 2 and idx.weight_scale == args.index_head_dim ** -0.5 * 4 ** -0.5  # global head count
+
+
+def test_load_parallel_model_at_world_size_1_is_the_plain_loaded_model(tiny_ckpt):
+    from dsv4.generate import load_model
+
+    m = load_parallel_model(tiny_ckpt, Comm())
+    ref, _ = load_model(tiny_ckpt, progress=False)
+    assert type(m) is Transformer
+    for k, v in ref.state_dict().items():
+        assert_equal(m.state_dict()[k], v, k)
 
 
 def test_rank_loader_reads_exactly_its_part(tiny_ckpt):
