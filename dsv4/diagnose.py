@@ -226,6 +226,20 @@ def format_final_norm_report(r) -> str:
 
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
                  device: str, dtype: str = "bf16") -> int:
+    """See `_run_diagnose`; under torchrun only rank 0 prints and writes the JSON report (every rank computes)."""
+    import contextlib
+    import io
+
+    from dsv4.generate import is_rank_zero
+
+    if is_rank_zero():
+        return _run_diagnose(ckpt, prompt, decode_steps, json_path, thinking, device, dtype)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return _run_diagnose(ckpt, prompt, decode_steps, None, thinking, device, dtype)
+
+
+def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
+                  device: str, dtype: str) -> int:
     """Entry point of `dsv4 diagnose`: both decisive tests on one checkpoint, printed as one labelled report.
 
     Checkpoint: `ckpt`, else `$DSV4_CKPT`, else a tiny random checkpoint built in a temporary directory.
@@ -260,8 +274,9 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
         print("== Checkpoint ==")
         for k, v in ident.items():
             print(f"{k}: {v}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
         print(f"TEST_LAYERS in effect: {n_layers} of {ident['n_layers']} main layers | dtype {dtype} | "
-              f"device {device} | backend {model.backend.name}\n")
+              f"device {device} | backend {model.backend.name} | world size {world}\n")
         diff = template_diff(tok, prompt, thinking=thinking)
         # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder)
         fed = prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)

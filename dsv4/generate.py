@@ -19,9 +19,14 @@ import torch
 from dsv4.config import ModelArgs, layers_from_env
 from dsv4.model import Transformer
 
-__all__ = ["ResidualTrace", "GenerationResult", "generate", "load_model", "run_generate", "CKPT_ENV"]
+__all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "generate", "load_model", "run_generate", "CKPT_ENV"]
 
 CKPT_ENV = "DSV4_CKPT"
+
+
+def is_rank_zero() -> bool:
+    """False on the non-zero ranks of a torchrun launch (they compute but do not print reports)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 @dataclass
@@ -125,8 +130,20 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "reference", progress: bool = True) -> tuple[Transformer, int]:
     """Load the checkpoint directory `ckpt` honouring TEST_LAYERS; returns (model, effective layer count).
-    Raises what `dsv4.checkpoint.load_checkpoint` and `layers_from_env` raise."""
+
+    Under a torchrun launch (WORLD_SIZE > 1) this rank's tensor/expert-parallel model is loaded instead
+    (`dsv4.parallel.load_distributed_model`; each rank reads only its shards of the tensors, and on CUDA uses
+    the device of its LOCAL_RANK). Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and
+    `dsv4.parallel.comm_from_env` raise.
+    """
     from dsv4.checkpoint import load_checkpoint
+
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        from dsv4.parallel import comm_from_env, load_distributed_model
+
+        comm, rank_device = comm_from_env(device)
+        model, n = load_distributed_model(ckpt, comm, device=rank_device, dtype=dtype, backend=backend)
+        return model.eval().requires_grad_(False), n
 
     full = ModelArgs.from_hf_config(ckpt)
     n = layers_from_env(full.n_layers)
@@ -154,7 +171,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
 
     from dsv4.tokenizer import load_tokenizer
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, quiet=not is_rank_zero())
     try:
         path = resolve_ckpt(ckpt)
         if path is None:
@@ -169,8 +186,9 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                   f"thinking={thinking} | T={temperature}")
     res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
                    temperature=temperature, thinking=thinking, seed=seed,
-                   on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()))
-    sys.stdout.write("\n")
+                   on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()) if is_rank_zero() else None)
+    if is_rank_zero():
+        sys.stdout.write("\n")
     console.print(f"stop={res.stop} tokens={len(res.ids)} max|X| per layer (last step)="
                   f"{[round(v, 2) for v in res.trace.max_abs[-1]]}")
     if res.message is not None:
