@@ -1,0 +1,92 @@
+"""The mutant catalogue: each seeded bug, the public failure class it stands for, and the tests that kill it.
+
+A mutant is killed when EVERY node id in `killers` fails in its call phase with the mutant applied (and all
+of them pass without it). `docs/mutants.md` is this table in prose; `tests/unit/test_mutants.py` checks both.
+Node ids are relative to the repository root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from tests.mutants import patches
+
+__all__ = ["Mutant", "MUTANTS", "get"]
+
+HF17 = "tests/unit/test_model.py::test_hf_parity_prefill[17]"  # transformers' DeepseekV4, fp32 logits, 17 tokens
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """name: the `$DSV4_MUTANT` value; failure_class: the public bug it stands for; apply: the patch;
+    killers: pytest node ids that must fail under the mutant."""
+
+    name: str
+    failure_class: str
+    apply: Callable[[pytest.MonkeyPatch], None]
+    killers: tuple[str, ...]
+
+    @property
+    def description(self) -> str:
+        """First line of the patch's docstring."""
+        return " ".join((self.apply.__doc__ or "").split())
+
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in [
+    Mutant("hand_rolled_prompt", "wrong prompt format: generation path hand-rolls the chat prompt",
+           patches.hand_rolled_prompt_in_generate,
+           ("tests/unit/test_generate_gate.py::test_generate_feeds_the_official_prompt[thinking]",)),
+    Mutant("final_norm_removed", "final RMSNorm missing (invisible to argmax + cosine checks)",
+           patches.final_norm_removed, (HF17,)),
+    Mutant("final_norm_before_hc_head", "final norm applied to the streams before hc_head",
+           patches.final_norm_before_hc_head, (HF17,)),
+    Mutant("comb_untransposed", "mHC comb not transposed in hc_post",
+           patches.comb_untransposed,
+           ("tests/unit/test_mhc_kernels.py::test_post_ref_orientation_on_asymmetric_comb",)),
+    Mutant("sinkhorn_row_last", "Sinkhorn normalisation ending on a row step",
+           patches.sinkhorn_ends_on_row_step,
+           ("tests/unit/test_mhc_kernels.py::test_sinkhorn_ends_on_column_step[3]",)),
+    Mutant("rope_split_halves", "RoPE on split halves (rotate_half) instead of interleaved pairs",
+           patches.rope_split_halves,
+           ("tests/unit/test_rope_gate.py::test_apply_rope_rotates_interleaved_pairs[bshd]", HF17)),
+    Mutant("yarn_mscale", "YaRN mscale applied (DeepSeek-V3 attention scaling carried over)",
+           patches.yarn_mscale_applied,
+           ("tests/unit/test_rope_gate.py::test_every_module_uses_its_layer_types_frequencies", HF17)),
+    Mutant("rope_theta_per_layer", "wrong RoPE per layer type (compressed layers without their theta/YaRN)",
+           patches.rope_theta_per_layer_type_ignored,
+           ("tests/unit/test_rope_gate.py::test_inv_freq_per_layer_type", HF17)),
+    Mutant("window_129", "sliding window off by one (129 tokens)",
+           patches.window_off_by_one, (HF17,)),
+    Mutant("attention_sink_dropped", "attention sink dropped from the softmax",
+           patches.attention_sink_dropped,
+           ("tests/unit/test_attention_kernels.py::test_ref_matches_dense_float64[7-fp32]",)),
+    Mutant("csa_overlap_state_lost", "compressor state lost across the prefill -> decode boundary",
+           patches.csa_overlap_state_lost, ("tests/unit/test_model.py::test_prefill_equals_decode_short[5]",)),
+    Mutant("entry_visible_early", "compressed entry visible one token early (causality leak)",
+           patches.compressed_entry_one_token_early,
+           ("tests/unit/test_model.py::test_prefill_equals_decode_short[1]",)),
+    Mutant("decode_tie_rule", "tie-dependent indexer picks: decode breaks ties unlike prefill",
+           patches.decode_ties_differ_from_prefill,
+           ("tests/unit/test_model.py::test_prefill_equals_decode_with_exact_indexer_ties",)),
+    Mutant("hash_routing_ignored", "hash-routed layers routed by score top-k", patches.hash_routing_ignored,
+           (HF17,)),
+    Mutant("swiglu_clamp_missing", "SwiGLU clamp (swiglu_limit) missing",
+           patches.swiglu_clamp_missing,
+           ("tests/unit/test_moe_gate.py::test_swiglu_clamp_engaged[routed]",
+            "tests/unit/test_moe_gate.py::test_swiglu_clamp_engaged[shared]")),
+    Mutant("ue8m0_raw_byte", "scale bytes read as values (ue8m0 byte 120 -> 120.0)",
+           patches.ue8m0_read_as_byte, ("tests/unit/test_quant.py::test_e8m0_is_an_exponent_not_a_number",)),
+    Mutant("fp4_nibbles_swapped", "FP4 nibble order swapped when unpacking",
+           patches.fp4_nibbles_swapped, ("tests/unit/test_quant.py::test_fp4_dequant_hand_block_both_nibbles",)),
+]}
+
+
+def get(name: str) -> Mutant:
+    """The mutant called `name`. Raises KeyError listing the known names."""
+    try:
+        return MUTANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown mutant {name!r}; known: {', '.join(MUTANTS)}") from None

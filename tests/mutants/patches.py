@@ -1,0 +1,277 @@
+"""The seeded faults: one function per mutant, `apply(mp: pytest.MonkeyPatch) -> None`.
+
+Each patch is small and reversible (`mp.undo()` restores the product code) and changes exactly one thing
+against the reference spec. Patches replace the attribute where the product code looks it up at call time:
+a module global (`dsv4.model.apply_rope`, `kernels.mhc.sinkhorn_ref`, ...) or a class method. Backends
+(`dsv4.backend.get_backend`) read `kernels.*.*_ref` when a model is built, which happens after the plugin
+has applied the patch, so the model runs the mutant too. A mutant that needs a changed line inside a
+method is a copy of that method with the one change marked `# MUTANT`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+MP = pytest.MonkeyPatch
+
+
+# ------------------------------------------------------------------------------------------------ prompt
+def hand_rolled_prompt_in_generate(mp: MP) -> None:
+    """`dsv4.generate.generate` builds its input with the legacy hand-rolled prompt
+    `[BOS, <｜User｜>] + encode("\\n\\n" + text) + [<｜Assistant｜>]`; `prompt_ids` stays correct for every
+    other caller (the template tests see nothing)."""
+    from dsv4 import diagnose, encoding
+
+    orig = encoding.prompt_ids
+
+    def prompt_ids(tokenizer, messages, thinking=True, **kw):
+        if sys._getframe(1).f_globals.get("__name__") == "dsv4.generate":
+            return diagnose.hand_rolled_ids(tokenizer, messages[-1]["content"])
+        return orig(tokenizer, messages, thinking=thinking, **kw)
+
+    mp.setattr(encoding, "prompt_ids", prompt_ids)
+
+
+# ------------------------------------------------------------------------------------------------ final path
+def final_norm_removed(mp: MP) -> None:
+    """logits = head(hc_head(H)): the final RMSNorm `norm` is skipped."""
+    from dsv4.model import Transformer
+
+    def final_logits(self, H):
+        y = self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend)
+        return self.head(y)  # MUTANT: no self.norm
+
+    mp.setattr(Transformer, "final_logits", final_logits)
+
+
+def final_norm_before_hc_head(mp: MP) -> None:
+    """logits = head(hc_head(norm(H))): the final norm is applied to each stream before the collapse."""
+    from dsv4.model import Transformer
+
+    def final_logits(self, H):
+        H = self.norm(H)  # MUTANT: norm before hc_head, none after
+        return self.head(self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend))
+
+    mp.setattr(Transformer, "final_logits", final_logits)
+
+
+# ------------------------------------------------------------------------------------------------ mHC
+def comb_untransposed(mp: MP) -> None:
+    """hc_post mixes with comb itself: H_new[k] = post_k a + sum_j comb[k, j] H_j (should be comb[j, k])."""
+    from kernels import mhc
+
+    def hc_post_ref(a, H, post, comb):
+        mixed = torch.einsum("tkj,tjd->tkd", comb, H.float())  # MUTANT: "tjk,tjd->tkd"
+        return (post.unsqueeze(-1) * a.float().unsqueeze(1) + mixed).to(H.dtype)
+
+    mp.setattr(mhc, "hc_post_ref", hc_post_ref)
+
+
+def sinkhorn_ends_on_row_step(mp: MP) -> None:
+    """Sinkhorn normalises rows first and ends on a row step (rows sum to 1, columns do not)."""
+    from kernels import mhc
+
+    def sinkhorn_ref(logits, iters, eps):
+        c = logits.softmax(-1) + eps
+        c = c / (c.sum(-1, keepdim=True) + eps)  # MUTANT: row step first ...
+        for _ in range(iters - 1):
+            c = c / (c.sum(-2, keepdim=True) + eps)
+            c = c / (c.sum(-1, keepdim=True) + eps)  # ... and last
+        return c
+
+    mp.setattr(mhc, "sinkhorn_ref", sinkhorn_ref)
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def rope_split_halves(mp: MP) -> None:
+    """RoPE rotates (i, i + rd/2) pairs (GPT-NeoX "rotate_half") instead of interleaved (2i, 2i+1) pairs."""
+    from dsv4 import model
+
+    def apply_rope(x, pos, inv_freq, inverse=False):
+        ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        if inverse:
+            sin = -sin
+        if x.dim() == 4:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+        x0, x1 = x.float().chunk(2, dim=-1)  # MUTANT: halves, not unflatten(-1, (-1, 2))
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).to(x.dtype)
+
+    mp.setattr(model, "apply_rope", apply_rope)
+
+
+def yarn_mscale_applied(mp: MP) -> None:
+    """DeepSeek-V3's YaRN attention scaling carried over: softmax scale *= mscale^2 with
+    mscale = 0.1 ln(rope_factor) + 1 on the YaRN (compressed) layers."""
+    from dsv4.model import Attention
+
+    orig = Attention.__init__
+
+    def __init__(self, args, layer_id, sim, dtype):
+        orig(self, args, layer_id, sim, dtype)
+        if self.ratio:
+            mscale = 0.1 * math.log(args.rope_factor) + 1.0
+            self.scale = self.scale * mscale * mscale  # MUTANT
+
+    mp.setattr(Attention, "__init__", __init__)
+
+
+def rope_theta_per_layer_type_ignored(mp: MP) -> None:
+    """Every layer uses rope_theta without YaRN; compressed layers should use compress_rope_theta + YaRN."""
+    from dsv4 import model
+
+    orig = model.rope_inv_freq
+    mp.setattr(model, "rope_inv_freq", lambda args, ratio, dim=None: orig(args, 0, dim))  # MUTANT: ratio -> 0
+
+
+# ------------------------------------------------------------------------------------------------ attention
+def window_off_by_one(mp: MP) -> None:
+    """Sliding window of window_size + 1 tokens (129 instead of 128; 9 instead of 8 in the tiny config)."""
+    from dsv4.model import Attention
+
+    orig = Attention.__init__
+
+    def __init__(self, args, layer_id, sim, dtype):
+        orig(self, args, layer_id, sim, dtype)
+        self.window = args.window_size + 1  # MUTANT
+
+    mp.setattr(Attention, "__init__", __init__)
+
+
+def attention_sink_dropped(mp: MP) -> None:
+    """Sparse attention without the per-head sink term in the softmax denominator (sink logit -> -1e30)."""
+    from kernels import attention
+
+    orig = attention.sparse_attn_ref
+
+    def sparse_attn_ref(q, kv, attn_sink, idx, softmax_scale):
+        return orig(q, kv, torch.full_like(attn_sink, -1e30), idx, softmax_scale)  # MUTANT
+
+    mp.setattr(attention, "sparse_attn_ref", sparse_attn_ref)
+
+
+# ------------------------------------------------------------------------------------------------ compressor / indexer
+def csa_overlap_state_lost(mp: MP) -> None:
+    """After the prefill, the overlapping (CSA) compressor forgets the previous full window (slots 0..r-1),
+    so the first entry completed by decode pools zeros / -inf instead of the prefill's last window."""
+    from dsv4.model import Compressor
+
+    orig = Compressor.prefill
+
+    def prefill(self, x, st):
+        out = orig(self, x, st)
+        if self.overlap:  # MUTANT: overlap half of the state reset at the prefill -> decode boundary
+            st.kv[:, :self.ratio] = 0
+            st.score[:, :self.ratio] = -math.inf
+        return out
+
+    mp.setattr(Compressor, "prefill", prefill)
+
+
+def compressed_entry_one_token_early(mp: MP) -> None:
+    """The indexer lets query t see entry w when w < (t + 2) // 4 instead of (t + 1) // 4: during prefill an
+    entry becomes visible one token before its window is complete (a future token leaks in)."""
+    from dsv4 import model
+
+    def select(self, x, qr, pos, keys, backend):
+        b, s, _ = x.shape
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = torch.cat((q[..., :-self.rd], model.apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
+        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        scores = backend.indexer_scores(q, w.to(q.dtype), keys)
+        n_valid = ((pos + 2) // 4).clamp(max=keys.shape[1])  # MUTANT: (pos + 1) // 4
+        k = min(self.topk, int(n_valid.max()))
+        return model.indexer_topk_ref(scores, k, n_valid.expand(b, s))
+
+    mp.setattr(model.Indexer, "select", select)
+
+
+def decode_ties_differ_from_prefill(mp: MP) -> None:
+    """One-token (decode) calls break exact indexer-score ties toward the HIGHER entry index; prefill keeps
+    the spec's lower-index rule."""
+    from dsv4 import model
+
+    orig = model.indexer_topk_ref
+
+    def indexer_topk_ref(scores, k, n_valid=None, *, check=True):
+        if scores.shape[1] != 1 or n_valid is None:
+            return orig(scores, k, n_valid, check=check)
+        out = torch.full((*scores.shape[:2], k), -1, dtype=torch.int64, device=scores.device)
+        for bi in range(scores.shape[0]):  # MUTANT: stable sort of the reversed eligible prefix
+            nv = min(int(n_valid[bi, 0]), scores.shape[2])
+            order = torch.sort(scores[bi, 0, :nv].flip(0), descending=True, stable=True).indices
+            picks = nv - 1 - order[:k]
+            out[bi, 0, :picks.numel()] = picks
+        return out
+
+    mp.setattr(model, "indexer_topk_ref", indexer_topk_ref)
+
+
+# ------------------------------------------------------------------------------------------------ MoE
+def hash_routing_ignored(mp: MP) -> None:
+    """Hash layers route by top-k of the router scores instead of `tid2eid[token]`."""
+    import torch.nn.functional as F
+
+    from dsv4.model import Gate
+
+    def forward(self, x, input_ids):
+        logits = x.float() @ self.weight.float().T
+        if self.score_func == "softmax":
+            scores = logits.softmax(-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        bias = 0 if self.hash else self.bias
+        ids = (scores + bias).topk(self.topk, dim=-1).indices  # MUTANT: tid2eid never read
+        w = scores.gather(1, ids)
+        if self.score_func != "softmax":
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, ids
+
+    mp.setattr(Gate, "forward", forward)
+
+
+def swiglu_clamp_missing(mp: MP) -> None:
+    """SwiGLU without the swiglu_limit clamp (up in [-limit, limit], gate <= limit)."""
+    import torch.nn.functional as F
+
+    from dsv4.model import Expert
+
+    def forward(self, x, weight=None):
+        h = F.silu(self.w1(x).float()) * self.w3(x).float()  # MUTANT: no clamp
+        if weight is not None:
+            h = h * weight
+        return self.w2(h.to(x.dtype))
+
+    mp.setattr(Expert, "forward", forward)
+
+
+# ------------------------------------------------------------------------------------------------ formats
+def ue8m0_read_as_byte(mp: MP) -> None:
+    """ue8m0 scales decoded as the number of the raw byte (120 -> 120.0) instead of 2^(byte - 127)."""
+    from dsv4 import quant
+
+    def e8m0_to_float(scale):
+        return scale.view(torch.uint8).float()  # MUTANT
+
+    mp.setattr(quant, "e8m0_to_float", e8m0_to_float)
+
+
+def fp4_nibbles_swapped(mp: MP) -> None:
+    """FP4 unpacking takes element 2k from the HIGH nibble and 2k+1 from the low one."""
+    from dsv4 import quant
+
+    orig = quant.fp4_dequant
+
+    def fp4_dequant(weight, scale, out_dtype=torch.float32, block=quant.FP4_BLOCK):
+        b = weight.view(torch.uint8)
+        swapped = ((b & 0xF) << 4) | (b >> 4)  # MUTANT: swap the nibbles, then unpack as usual
+        return orig(swapped.view(weight.dtype), scale, out_dtype, block)
+
+    mp.setattr(quant, "fp4_dequant", fp4_dequant)

@@ -1,0 +1,122 @@
+"""Prove the gate (issue 8): every seeded-bug mutant of `tests/mutants/catalogue.py` is killed by its tests.
+
+`pytest -m mutants` runs, in subprocesses (`python -m pytest -p tests.mutants.plugin <node ids>`):
+  * one clean control run of every killing node id with no mutant: each must PASS (a kill is not an artefact
+    of a test that fails anyway);
+  * one run per mutant with `DSV4_MUTANT=<name>`: each of its killing node ids must FAIL in its test body
+    (a setup error does not count as a kill).
+Runs go `WORKERS` at a time; each subprocess runs torch single-threaded (root conftest). The mutant runs are
+opt-in (they take minutes): without `-m mutants` in the command line they skip, saying so. The static checks
+of the catalogue (every entry names existing tests, the README table lists every mutant) always run.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.mutants.catalogue import MUTANTS
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "mutants.md"
+WORKERS = max(1, min(4, os.cpu_count() or 1))
+TIMEOUT_S = 400  # one subprocess; the slowest (transformers parity) takes ~15 s on an idle 2-core machine
+CLEAN = "<clean>"
+NODE = re.compile(r"^(tests/unit/test_\w+\.py)::(\w+)(\[[^\]]+\])?$")
+
+
+def _run(mutant: str | None, nodeids: list[str], out_dir: Path) -> dict:
+    """Run `nodeids` in a fresh pytest process with `mutant` applied (None = clean); the plugin's report."""
+    report = out_dir / f"{mutant or 'clean'}.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "DSV4_MUTANT": mutant or "", "DSV4_MUTANT_REPORT": str(report)}
+    cmd = [sys.executable, "-m", "pytest", "-p", "tests.mutants.plugin", "-p", "no:cacheprovider", "-q",
+           "--no-header", *nodeids]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    data = json.loads(report.read_text()) if report.exists() else {"mutant": None, "outcomes": {}}
+    return {**data, "returncode": proc.returncode, "log": (proc.stdout + proc.stderr)[-4000:]}
+
+
+@pytest.fixture(scope="session")
+def runs(request, tmp_path_factory) -> dict[str, Future]:
+    """Launch the clean run and the run of every selected mutant at once; name -> Future of `_run`."""
+    if "mutants" not in (request.config.option.markexpr or ""):
+        pytest.skip("mutant runs are opt-in (minutes of subprocesses): run `pytest -m mutants`")
+    selected = [getattr(it, "originalname", None) for it in request.session.items]
+    names = [it.callspec.params["name"] for it in request.session.items
+             if getattr(it, "originalname", None) == "test_mutant_is_killed"]
+    control = MUTANTS if "test_clean_control_run_passes" in selected else names
+    killers = sorted({n for name in control for n in MUTANTS[name].killers})
+    out = tmp_path_factory.mktemp("mutant_runs")
+    pool = ThreadPoolExecutor(WORKERS)
+    request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
+    futures = {CLEAN: pool.submit(_run, None, killers, out)}
+    # most killers first: the transformers-parity runs are the slow ones, start them early
+    for name in sorted(names, key=lambda n: -len(MUTANTS[n].killers)):
+        futures[name] = pool.submit(_run, name, list(MUTANTS[name].killers), out)
+    return futures
+
+
+def _outcomes_text(res: dict) -> str:
+    return json.dumps(res["outcomes"], indent=1) + "\n--- subprocess output (tail) ---\n" + res["log"]
+
+
+@pytest.mark.mutants
+def test_clean_control_run_passes(runs):
+    res = runs[CLEAN].result()
+    assert res["mutant"] is None
+    killers = sorted({n for m in MUTANTS.values() for n in m.killers})
+    bad = {n: res["outcomes"].get(n, "not run") for n in killers if res["outcomes"].get(n) != "passed"}
+    assert not bad, f"killing tests must pass without a mutant: {bad}\n{_outcomes_text(res)}"
+
+
+@pytest.mark.mutants
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_is_killed(runs, name):
+    m = MUTANTS[name]
+    clean = runs[CLEAN].result()["outcomes"]
+    assert all(clean.get(n) == "passed" for n in m.killers), \
+        f"{name}: killers {m.killers} must pass without the mutant, got {[clean.get(n) for n in m.killers]}"
+    res = runs[name].result()
+    assert res["mutant"] == name, f"the plugin did not apply {name!r}\n{res['log']}"
+    survived = {n: res["outcomes"].get(n, "not run") for n in m.killers if res["outcomes"].get(n) != "failed"}
+    assert not survived, (f"mutant {name!r} ({m.failure_class}) SURVIVED: {survived}. Strengthen the gate "
+                          f"(a new or sharper test), never weaken the mutant.\n{_outcomes_text(res)}")
+
+
+# ---------------------------------------------------------------------------------- static catalogue checks
+def _functions(path: Path) -> set[str]:
+    return {n.name for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(n, ast.FunctionDef)}
+
+
+def test_catalogue_names_existing_tests():
+    """Every mutant has a failure class, a docstring'd patch and >= 1 killing node id naming a test function
+    that exists (parametrised ids are checked by the clean control run, which needs each to pass)."""
+    assert len(MUTANTS) >= 16
+    for name, m in MUTANTS.items():
+        assert m.name == name and m.failure_class and m.description, name
+        assert m.killers and len(set(m.killers)) == len(m.killers), f"{name}: killers {m.killers}"
+        for node in m.killers:
+            match = NODE.match(node)
+            assert match, f"{name}: {node!r} is not 'tests/unit/test_x.py::test_y[param]'"
+            path = ROOT / match[1]
+            assert path.is_file(), f"{name}: {path} does not exist"
+            assert match[2] in _functions(path), f"{name}: {match[2]} is not defined in {match[1]}"
+            assert not node.startswith("tests/unit/test_mutants.py"), f"{name}: {node} would recurse"
+
+
+def test_mutant_table_lists_every_mutant():
+    text = DOC.read_text(encoding="utf-8")
+    rows = {r.split("|")[1].strip().strip("`") for r in text.splitlines() if r.startswith("| `")}
+    assert rows == set(MUTANTS), f"{DOC}: table rows {sorted(rows)} != catalogue {sorted(MUTANTS)}"
+    for m in MUTANTS.values():
+        for node in m.killers:
+            assert f"`{node.split('/')[-1]}`" in text, f"{DOC}: killer {node} of {m.name} not in the table"
