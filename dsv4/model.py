@@ -26,7 +26,7 @@ Supported call pattern (as official): one prefill at position 0 of any length, t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -297,6 +297,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(args, 4, self.head_dim, sim, inv_freq, indexer=True)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("hadamard", hadamard_matrix(self.head_dim), persistent=False)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5  # spec §7.2
+
+    def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Identity at world size 1; `dsv4.parallel` sums the head-partial scores over ranks (spec §7.5)."""
+        return scores
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
                backend: Backend) -> torch.Tensor:
@@ -306,8 +311,8 @@ class Indexer(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
         q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        scores = backend.indexer_scores(q, w.to(q.dtype), keys)  # [b, s, n] fp32
+        w = self.weights_proj(x).float() * self.weight_scale
+        scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])  # causal entries per query, spec §7.4
         k = min(self.topk, int(n_valid.max()))
         return indexer_topk_ref(scores, k, n_valid.expand(b, s))
@@ -484,10 +489,16 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, input_ids.reshape(-1))
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in ids.unique().tolist():
+            if self.experts[e] is None:  # held by another rank (dsv4.parallel)
+                continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
             y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot, None]).float())
-        y = y + self.shared_experts(x).float()
+        y = self.reduce_routed(y) + self.shared_experts(x).float()
         return y.to(x.dtype).view(shape)
+
+    def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
+        """Identity at world size 1; `dsv4.parallel` sums the expert-parallel partial outputs over ranks."""
+        return y
 
 
 # ----------------------------------------------------------------------------------------------- blocks

@@ -38,11 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4 import quant
-from dsv4.backend import Backend, get_backend
+from dsv4.backend import get_backend
 from dsv4.config import ModelArgs
-from dsv4.model import (Attention, Block, Expert, Gate, HcHead, Indexer, Linear, RMSNorm, Transformer, _Sim,
-                        apply_rope)
-from kernels.indexer import indexer_topk_ref
+from dsv4.model import Attention, Block, Expert, Gate, HcHead, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim
 
 __all__ = ["Comm", "comm_from_env", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
            "expert_range", "ParallelTransformer", "build_model", "read_plan", "load_rank_state_dict",
@@ -236,29 +234,16 @@ class RowParallelLinear(Linear):
 
 
 class ParallelIndexer(Indexer):
-    """Indexer of rank r: its H_I/W heads; partial scores are summed over ranks before the top-k (spec §7.5).
-
-    `select` is `Indexer.select` with two changes: the head-weight scale uses the GLOBAL head count
-    (d_I^-0.5 * H_I^-0.5) and the scores are all-reduced before `indexer_topk_ref`.
-    """
+    """Indexer of rank r: its H_I/W heads. The head-weight scale uses the GLOBAL head count
+    (d_I^-0.5 * H_I^-0.5) and the partial scores are summed over ranks before the top-k (spec §7.5)."""
 
     def __init__(self, local: ModelArgs, sim: _Sim, inv_freq: torch.Tensor, dtype: torch.dtype, comm: Comm,
                  total_heads: int):
         super().__init__(local, sim, inv_freq, dtype)
         self.comm, self.weight_scale = comm, self.head_dim ** -0.5 * total_heads ** -0.5
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               backend: Backend) -> torch.Tensor:
-        """See `Indexer.select`; identical shapes and result."""
-        b, s, _ = x.shape
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
-        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
-        w = self.weights_proj(x).float() * self.weight_scale
-        scores = self.comm.all_reduce(backend.indexer_scores(q, w.to(q.dtype), keys).float())
-        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])
-        k = min(self.topk, int(n_valid.max()))
-        return indexer_topk_ref(scores, k, n_valid.expand(b, s))
+    def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(scores.float())
 
 
 def parallel_attention(args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm) -> Attention:
@@ -272,13 +257,13 @@ def parallel_attention(args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.d
     return attn
 
 
-class ParallelMoE(nn.Module):
+class ParallelMoE(MoE):
     """MoE of rank r (spec §8): the replicated gate routes every token; the rank runs only its experts
     (`expert_range`; other slots of `experts` are None, so state-dict names keep the global expert id); the
     fp32 partial sums are all-reduced, then the (replicated) shared expert is added. x [b, s, d] -> same."""
 
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
-        super().__init__()
+        nn.Module.__init__(self)
         self.comm, self.local = comm, expert_range(args, comm)
         self.gate = Gate(args, layer_id)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
@@ -286,17 +271,8 @@ class ParallelMoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x, input_ids.reshape(-1))
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in ids.unique().tolist():
-            if e in self.local:
-                tok, slot = (ids == e).nonzero(as_tuple=True)
-                y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot, None]).float())
-        y = self.comm.all_reduce(y) + self.shared_experts(x).float()
-        return y.to(x.dtype).view(shape)
+    def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(y)
 
 
 class ParallelBlock(Block):
