@@ -17,6 +17,7 @@ from tests.mutants import patches
 __all__ = ["Mutant", "MUTANTS", "get"]
 
 HF17 = "tests/unit/test_model.py::test_hf_parity_prefill[17]"  # transformers' DeepseekV4, fp32 logits, 17 tokens
+FINAL_NORM = "tests/unit/test_final_norm.py::test_final_norm_passes_on_the_model"  # Test 2 (hard stop)
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,11 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.hand_rolled_prompt_in_generate,
            ("tests/unit/test_generate_gate.py::test_generate_feeds_the_official_prompt[thinking]",)),
     Mutant("final_norm_removed", "final RMSNorm missing (invisible to argmax + cosine checks)",
-           patches.final_norm_removed, (HF17,)),
+           patches.final_norm_removed, (FINAL_NORM, HF17)),
+    Mutant("final_norm_no_rms", "final norm present but not normalising (invisible to argmax + cosine)",
+           patches.final_norm_without_rms, (FINAL_NORM, HF17)),
     Mutant("final_norm_before_hc_head", "final norm applied to the streams before hc_head",
-           patches.final_norm_before_hc_head, (HF17,)),
+           patches.final_norm_before_hc_head, (FINAL_NORM, HF17)),
     Mutant("comb_untransposed", "mHC comb not transposed in hc_post",
            patches.comb_untransposed,
            ("tests/unit/test_mhc_kernels.py::test_post_ref_orientation_on_asymmetric_comb",)),
@@ -51,13 +54,13 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            ("tests/unit/test_mhc_kernels.py::test_sinkhorn_ends_on_column_step[3]",)),
     Mutant("rope_split_halves", "RoPE on split halves (rotate_half) instead of interleaved pairs",
            patches.rope_split_halves,
-           ("tests/unit/test_rope_gate.py::test_apply_rope_rotates_interleaved_pairs[bshd]", HF17)),
+           ("tests/unit/test_rope_gate.py::test_apply_rope_rotates_interleaved_pairs[bshd]",)),
     Mutant("yarn_mscale", "YaRN mscale applied (DeepSeek-V3 attention scaling carried over)",
            patches.yarn_mscale_applied,
-           ("tests/unit/test_rope_gate.py::test_every_module_uses_its_layer_types_frequencies", HF17)),
+           ("tests/unit/test_rope_gate.py::test_every_module_uses_its_layer_types_frequencies",)),
     Mutant("rope_theta_per_layer", "wrong RoPE per layer type (compressed layers without their theta/YaRN)",
            patches.rope_theta_per_layer_type_ignored,
-           ("tests/unit/test_rope_gate.py::test_inv_freq_per_layer_type", HF17)),
+           ("tests/unit/test_rope_gate.py::test_inv_freq_per_layer_type",)),
     Mutant("window_129", "sliding window off by one (129 tokens)",
            patches.window_off_by_one, (HF17,)),
     Mutant("attention_sink_dropped", "attention sink dropped from the softmax",

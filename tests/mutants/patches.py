@@ -4,8 +4,10 @@ Each patch is small and reversible (`mp.undo()` restores the product code) and c
 against the reference spec. Patches replace the attribute where the product code looks it up at call time:
 a module global (`dsv4.model.apply_rope`, `kernels.mhc.sinkhorn_ref`, ...) or a class method. Backends
 (`dsv4.backend.get_backend`) read `kernels.*.*_ref` when a model is built, which happens after the plugin
-has applied the patch, so the model runs the mutant too. A mutant that needs a changed line inside a
-method is a copy of that method with the one change marked `# MUTANT`.
+has applied the patch, so the model runs the mutant too. Most patches wrap the product function (changing
+one input or output) or its constructor (changing one attribute), so they follow the product code as it
+evolves; where the fault sits inside a formula (`final_logits`, `apply_rope`) the patch is a copy of the
+formula. The changed line carries `# MUTANT`.
 """
 
 from __future__ import annotations
@@ -59,29 +61,44 @@ def final_norm_before_hc_head(mp: MP) -> None:
     mp.setattr(Transformer, "final_logits", final_logits)
 
 
+def final_norm_without_rms(mp: MP) -> None:
+    """The final `norm` still runs between hc_head and the head but only multiplies by its weight (the rsqrt of
+    the mean square is lost): the execution order is right, the magnitude is not normalised."""
+    from dsv4.model import Transformer
+
+    orig = Transformer.__init__
+
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
+        norm = self.norm
+        norm.forward = lambda x: (norm.weight.float() * x.float()).to(x.dtype)  # MUTANT: no rsqrt(mean(x^2))
+
+    mp.setattr(Transformer, "__init__", __init__)
+
+
 # ------------------------------------------------------------------------------------------------ mHC
 def comb_untransposed(mp: MP) -> None:
     """hc_post mixes with comb itself: H_new[k] = post_k a + sum_j comb[k, j] H_j (should be comb[j, k])."""
     from kernels import mhc
 
+    orig = mhc.hc_post_ref
+
     def hc_post_ref(a, H, post, comb):
-        mixed = torch.einsum("tkj,tjd->tkd", comb, H.float())  # MUTANT: "tjk,tjd->tkd"
-        return (post.unsqueeze(-1) * a.float().unsqueeze(1) + mixed).to(H.dtype)
+        return orig(a, H, post, comb.transpose(1, 2).contiguous())  # MUTANT: orientation flipped
 
     mp.setattr(mhc, "hc_post_ref", hc_post_ref)
 
 
 def sinkhorn_ends_on_row_step(mp: MP) -> None:
-    """Sinkhorn normalises rows first and ends on a row step (rows sum to 1, columns do not)."""
+    """Sinkhorn ends on a row step: one extra row normalisation after the last column step (rows sum to 1,
+    columns no longer do; visible until the iteration has converged past fp32 resolution)."""
     from kernels import mhc
 
+    orig = mhc.sinkhorn_ref
+
     def sinkhorn_ref(logits, iters, eps):
-        c = logits.softmax(-1) + eps
-        c = c / (c.sum(-1, keepdim=True) + eps)  # MUTANT: row step first ...
-        for _ in range(iters - 1):
-            c = c / (c.sum(-2, keepdim=True) + eps)
-            c = c / (c.sum(-1, keepdim=True) + eps)  # ... and last
-        return c
+        c = orig(logits, iters, eps)
+        return c / (c.sum(-1, keepdim=True) + eps)  # MUTANT: final row step
 
     mp.setattr(mhc, "sinkhorn_ref", sinkhorn_ref)
 
@@ -174,21 +191,23 @@ def csa_overlap_state_lost(mp: MP) -> None:
 
 def compressed_entry_one_token_early(mp: MP) -> None:
     """The indexer lets query t see entry w when w < (t + 2) // 4 instead of (t + 1) // 4: during prefill an
-    entry becomes visible one token before its window is complete (a future token leaks in)."""
+    entry becomes visible one token before its window is complete (a future token leaks in).
+
+    Prefill positions are 0..s-1 (the model's contract), so the wrapper of the top-k can recompute the causal
+    count; in decode the count is capped by the entries that exist, so the early bound changes nothing there
+    (and the top-k width k = min(index_topk, count at the last query) is the same for both bounds)."""
     from dsv4 import model
 
-    def select(self, x, qr, pos, keys, backend):
-        b, s, _ = x.shape
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = torch.cat((q[..., :-self.rd], model.apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
-        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
-        scores = backend.indexer_scores(q, w.to(q.dtype), keys)
-        n_valid = ((pos + 2) // 4).clamp(max=keys.shape[1])  # MUTANT: (pos + 1) // 4
-        k = min(self.topk, int(n_valid.max()))
-        return model.indexer_topk_ref(scores, k, n_valid.expand(b, s))
+    orig = model.indexer_topk_ref
 
-    mp.setattr(model.Indexer, "select", select)
+    def indexer_topk_ref(scores, k, n_valid=None, *, check=True):
+        b, s, n = scores.shape
+        if s > 1 and n_valid is not None:  # prefill
+            pos = torch.arange(s, device=scores.device)
+            n_valid = ((pos + 2) // 4).clamp(max=n).expand(b, s)  # MUTANT: (pos + 1) // 4
+        return orig(scores, k, n_valid, check=check)
+
+    mp.setattr(model, "indexer_topk_ref", indexer_topk_ref)
 
 
 def decode_ties_differ_from_prefill(mp: MP) -> None:
@@ -214,42 +233,33 @@ def decode_ties_differ_from_prefill(mp: MP) -> None:
 
 # ------------------------------------------------------------------------------------------------ MoE
 def hash_routing_ignored(mp: MP) -> None:
-    """Hash layers route by top-k of the router scores instead of `tid2eid[token]`."""
-    import torch.nn.functional as F
-
+    """Hash layers route by top-k of the router scores (with a zero bias) instead of `tid2eid[token]`; the
+    loaded `tid2eid` table is never read."""
     from dsv4.model import Gate
 
-    def forward(self, x, input_ids):
-        logits = x.float() @ self.weight.float().T
-        if self.score_func == "softmax":
-            scores = logits.softmax(-1)
-        elif self.score_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
-        bias = 0 if self.hash else self.bias
-        ids = (scores + bias).topk(self.topk, dim=-1).indices  # MUTANT: tid2eid never read
-        w = scores.gather(1, ids)
-        if self.score_func != "softmax":
-            w = w / w.sum(-1, keepdim=True)
-        return w * self.route_scale, ids
+    orig = Gate.__init__
 
-    mp.setattr(Gate, "forward", forward)
+    def __init__(self, args, layer_id):
+        orig(self, args, layer_id)
+        if self.hash:  # MUTANT: route as a score layer; a non-persistent zero bias keeps the state dict intact
+            self.hash = False
+            self.register_buffer("bias", torch.zeros(args.n_routed_experts), persistent=False)
+
+    mp.setattr(Gate, "__init__", __init__)
 
 
 def swiglu_clamp_missing(mp: MP) -> None:
-    """SwiGLU without the swiglu_limit clamp (up in [-limit, limit], gate <= limit)."""
-    import torch.nn.functional as F
-
+    """SwiGLU without the swiglu_limit clamp (up in [-limit, limit], gate <= limit): every expert is built with
+    limit 0, which the product code treats as "no clamp"."""
     from dsv4.model import Expert
 
-    def forward(self, x, weight=None):
-        h = F.silu(self.w1(x).float()) * self.w3(x).float()  # MUTANT: no clamp
-        if weight is not None:
-            h = h * weight
-        return self.w2(h.to(x.dtype))
+    orig = Expert.__init__
 
-    mp.setattr(Expert, "forward", forward)
+    def __init__(self, dim, inter, limit, sim, dtype):
+        orig(self, dim, inter, limit, sim, dtype)
+        self.limit = 0.0  # MUTANT
+
+    mp.setattr(Expert, "__init__", __init__)
 
 
 # ------------------------------------------------------------------------------------------------ formats
