@@ -7,8 +7,12 @@ Shapes: Flash = 64 heads, window 128 + top-512 (CSA); Pro = 128 heads, window 12
 batch 1-64, contexts 4k and 64k (the context only sizes the pool the top-k is drawn from). Indexer: 64 heads x 128,
 n = context/4 keys. Bytes counted: every valid gathered KV row once (hd·2 B), q, o, idx (attention); keys, q,
 weights, fp32 scores (indexer). Copy bandwidth = (read + write bytes) / time of a 1 GiB device-to-device copy in
-the same run. Times from triton.testing.do_bench (L2 flushed before every repetition). A speedup is printed only
-for cases whose Triton output matched the reference (bf16 tolerance).
+the same run. Timing (benchmarks/graph_timing.py): "eager µs" = one launcher call under do_bench (L2 flushed;
+host time when the launcher outlasts its kernels); "graph µs" = GPU time per call from a CUDA graph with an L2
+flush before each call, flush subtracted (the GB/s and % columns use it); "hot µs" = graph replay back to back.
+The launcher runs with its default `check_idx=False` (no host sync, in-kernel range guard). "best" = config
+with the lowest graph µs. A speedup (reference eager µs ÷ Triton eager µs of the same config, and reference
+eager µs ÷ best graph µs) is printed only for cases whose Triton output matched the reference (bf16 tolerance).
 """
 
 from __future__ import annotations
@@ -96,20 +100,40 @@ CONFIGS = [None, (16, 64, 4, None), (16, 32, 8, None), (32, 32, 8, None), (64, 1
            (16, 32, 4, 1), (32, 32, 8, 1), (16, 32, 4, 2)]
 
 
-def do_bench(fn, device: str) -> float:
-    """Milliseconds per call: triton's do_bench on CUDA (L2 flushed per repetition); a 2-call wall-clock mean
-    elsewhere (the --smoke run under TRITON_INTERPRET=1 only checks that this script works)."""
-    if device == "cuda":
-        from triton.testing import do_bench as tdb
-        return tdb(fn)
+def smoke_us(fn) -> float:
+    """Wall-clock µs of one call after one warm-up: the --smoke run under TRITON_INTERPRET=1 only checks that
+    this script works; it is not a measurement."""
     import time
     fn()
     t0 = time.perf_counter()
-    fn(), fn()
-    return (time.perf_counter() - t0) / 2 * 1e3
+    fn()
+    return (time.perf_counter() - t0) * 1e6
 
 
-def bench_attention(rows: list, copy_bw: float, batches, contexts, device="cuda", configs=None) -> None:
+class Timing:
+    """eager µs and (graph cold µs, graph hot µs) of a call: benchmarks/graph_timing.py on CUDA, wall clock
+    (graph columns = eager) under --smoke."""
+
+    def __init__(self, device: str):
+        self.cuda = device == "cuda"
+        if self.cuda:
+            from benchmarks.graph_timing import GraphTimer
+            self.timer = GraphTimer()
+
+    def eager(self, fn) -> float:
+        if self.cuda:
+            from benchmarks.graph_timing import eager_us
+            return eager_us(fn)
+        return smoke_us(fn)
+
+    def graph(self, fn, estimate_us: float) -> tuple[float, float]:
+        if self.cuda:
+            return self.timer.time(fn, estimate_us)
+        t = smoke_us(fn)
+        return t, t
+
+
+def bench_attention(emit, copy_bw: float, batches, contexts, timing: Timing, device="cuda", configs=None) -> None:
     from dsv4.testing import assert_close
     gen = torch.Generator(device=device).manual_seed(0)
     for name, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
@@ -118,35 +142,39 @@ def bench_attention(rows: list, copy_bw: float, batches, contexts, device="cuda"
                 q, kv, sink, idx = decode_case([ctx] * b, heads, "csa", topk, device=device, generator=gen)
                 scale = HD ** -0.5
                 ref = sparse_attn_ref(q, kv, sink, idx, scale)
-                t_ref = do_bench(lambda: sparse_attn_ref(q, kv, sink, idx, scale), device)
-                best, t_default = None, float("nan")
+                t_ref = timing.eager(lambda: sparse_attn_ref(q, kv, sink, idx, scale))
+                results = []  # (graph µs, hot µs, eager µs, cfg)
+                ok = True
                 for cfg in configs or CONFIGS:
                     kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2],
                                                      num_splits=cfg[3])
+                    call = lambda kw=kw: sparse_attn(q, kv, sink, idx, scale, **kw)  # noqa: E731
                     try:
-                        out = sparse_attn(q, kv, sink, idx, scale, check_idx=False, **kw)
-                        assert_close(out, ref, f"sparse_attn {name} b={b} cfg={cfg}", dtype=torch.bfloat16)
-                        t = do_bench(lambda: sparse_attn(q, kv, sink, idx, scale, check_idx=False, **kw), device)
+                        out = call()
                     except Exception as exc:  # a config that does not compile/fit is reported, not hidden
                         print(f"  config {cfg} failed for {name} b={b}: {type(exc).__name__}: {exc}"[:300])
                         continue
-                    if cfg is None:
-                        t_default = t
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
+                    try:
+                        assert_close(out, ref, f"sparse_attn {name} b={b} cfg={cfg}", dtype=torch.bfloat16)
+                    except AssertionError as exc:
+                        ok = False
+                        print(f"  WRONG: {exc}"[:300])
+                    t_eager = timing.eager(call)
+                    results.append((*timing.graph(call, t_eager), t_eager, cfg))
                 nbytes = attn_bytes(q, idx)
-                if best is None:
-                    rows.append(("attn", name, b, ctx, "-", "all configs failed", "", "", "", ""))
+                if not results:
+                    emit(("attn", name, b, ctx, "-", "all configs failed", "", "", "", "", "", "", "", "no"))
                     continue
-                t, cfg = best
-                gbs = nbytes / (t * 1e-3) / 1e9
-                rows.append(("attn", name, b, ctx, f"{nbytes / 1e6:.2f}", f"{t_default * 1e3:.1f}",
-                             f"{t * 1e3:.1f} {cfg}", f"{gbs:.0f}", f"{gbs / copy_bw:.0%}", f"{t_ref / t:.1f}x"))
-                print(rows[-1], flush=True)
-                del q, kv, idx, ref
+                default = next((r for r in results if r[3] is None), (float("nan"),) * 3 + (None,))
+                g, hot, e, cfg = min(results, key=lambda r: r[0])
+                gbs = nbytes / (g * 1e-6) / 1e9 if g > 0 else float("nan")
+                emit(("attn", name, b, ctx, f"{nbytes / 1e6:.2f}", f"{default[2]:.1f}", f"{default[0]:.1f}",
+                      f"{g:.1f} / {hot:.1f} {cfg}", f"{gbs:.0f}", f"{gbs / copy_bw:.0%}", f"{t_ref:.1f}",
+                      f"{t_ref / default[2]:.1f}x" if ok else "-", f"{t_ref / g:.1f}x" if ok else "-",
+                      "yes" if ok else "NO"))
 
 
-def bench_indexer(rows: list, copy_bw: float, batches, contexts, device="cuda") -> None:
+def bench_indexer(emit, copy_bw: float, batches, contexts, timing: Timing, device="cuda") -> None:
     from dsv4.testing import assert_close
     gen = torch.Generator(device=device).manual_seed(1)
     for ctx in contexts:
@@ -157,24 +185,35 @@ def bench_indexer(rows: list, copy_bw: float, batches, contexts, device="cuda") 
             k = torch.randn(b, n, 128, device=device, generator=gen).bfloat16()
             ref = indexer_scores_ref(q, w, k)
             out = indexer_scores(q, w, k)
-            assert_close(out, ref, "indexer_scores", dtype=torch.float32, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
-            t = do_bench(lambda: indexer_scores(q, w, k), device)
-            t_ref = do_bench(lambda: indexer_scores_ref(q, w, k), device)
+            try:
+                assert_close(out, ref, "indexer_scores", dtype=torch.float32, rtol=1e-4,
+                             atol=1e-4 * float(ref.abs().max()))
+                ok = True
+            except AssertionError as exc:
+                ok = False
+                print(f"  WRONG: {exc}"[:300])
+            call = lambda: indexer_scores(q, w, k)  # noqa: E731
+            t = timing.eager(call)
+            g, hot = timing.graph(call, t)
+            t_ref = timing.eager(lambda: indexer_scores_ref(q, w, k))
             topk = min(512, n)
-            t_topk = do_bench(lambda: indexer_topk_ref(out, topk, check=False), device)
+            t_topk = timing.eager(lambda: indexer_topk_ref(out, topk, check=False))
             nbytes = k.numel() * 2 + q.numel() * 2 + w.numel() * 4 + out.numel() * 4
-            gbs = nbytes / (t * 1e-3) / 1e9
-            rows.append(("indexer", "64x128", b, ctx, f"{nbytes / 1e6:.2f}", f"{t * 1e3:.1f}",
-                         f"top-{topk}: {t_topk * 1e3:.1f}", f"{gbs:.0f}", f"{gbs / copy_bw:.0%}", f"{t_ref / t:.1f}x"))
-            print(rows[-1], flush=True)
+            gbs = nbytes / (g * 1e-6) / 1e9 if g > 0 else float("nan")
+            emit(("indexer", "64x128", b, ctx, f"{nbytes / 1e6:.2f}", f"{t:.1f}", f"{g:.1f}",
+                  f"hot {hot:.1f}; top-{topk} ref eager {t_topk:.1f}", f"{gbs:.0f}", f"{gbs / copy_bw:.0%}",
+                  f"{t_ref:.1f}", f"{t_ref / t:.1f}x" if ok else "-", f"{t_ref / g:.1f}x" if ok else "-",
+                  "yes" if ok else "NO"))
 
 
 def copy_bandwidth(device="cuda") -> float:
     """GB/s of a 1 GiB device-to-device copy (16 MiB in --smoke), counting read + write."""
-    x = torch.empty(1 << (30 if device == "cuda" else 24), dtype=torch.uint8, device=device)
+    if device == "cuda":
+        from benchmarks.graph_timing import copy_bandwidth as cuda_copy_bandwidth
+        return cuda_copy_bandwidth()
+    x = torch.empty(1 << 24, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    t = do_bench(lambda: y.copy_(x), device)
-    return 2 * x.numel() / (t * 1e-3) / 1e9
+    return 2 * x.numel() / (smoke_us(lambda: y.copy_(x)) * 1e-6) / 1e9
 
 
 def main(argv=None) -> int:
@@ -199,19 +238,26 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1 smoke, not a measurement)"
     head = (f"device {name}, torch {torch.__version__}, triton {triton.__version__}; "
             f"copy bandwidth {bw:.0f} GB/s (1 GiB D2D, read+write)")
-    print(head, flush=True)
-    rows: list = []
-    bench_attention(rows, bw, batches, contexts, device, configs=[None] if a.smoke else None)
-    bench_indexer(rows, bw, batches, contexts, device)
-    cols = ("op", "shape", "batch", "ctx", "MB moved", "default µs", "best µs (block_h, block_n, warps, splits) / top-k µs",
-            "GB/s", "of copy BW", "vs ref")
-    md = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    md += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
-    text = "\n".join(md) + "\n"
-    print(text)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(text)
+    cols = ("op", "shape", "batch", "ctx", "MB moved", "default eager µs", "default graph µs",
+            "best graph / hot µs (block_h, block_n, warps, splits)", "GB/s (best graph)", "of copy BW",
+            "ref eager µs", "× ref eager (default)", "× ref (best graph)", "correct")
+    out = open(a.markdown, "w") if a.markdown else None
+
+    def emit_line(line: str) -> None:
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    for line in (head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
+        emit_line(line)
+
+    def emit(row) -> None:
+        emit_line("| " + " | ".join(str(x) for x in row) + " |")
+
+    timing = Timing(device)
+    bench_attention(emit, bw, batches, contexts, timing, device, configs=[None] if a.smoke else None)
+    bench_indexer(emit, bw, batches, contexts, timing, device)
     return 0
 
 

@@ -1,13 +1,17 @@
 """Benchmark the Triton mHC kernels (hc_pre, hc_post, hc_head) against the bandwidth floor (CUDA only).
 
 Shapes: decode T ∈ {1, 8, 64, 256} and prefill T = 4096 at D ∈ {4096, 7168}, hc = 4, bf16 streams.
-Per call: median time (triton.testing.do_bench, L2 flushed between reps), bytes actually required (read H, fn and
-small params once, write outputs once), achieved GB/s and its share of a device-to-device copy bandwidth measured
-in the same run, GPU kernels launched per call (torch.profiler), speedup against the eager reference and against
-`torch.compile(dynamic=True)` of the reference. Each row is checked against the reference (tests/gpu tolerances)
-before it is timed; a failing row says so and its speedups do not count.
+Per call (see benchmarks/graph_timing.py): "eager µs" = one launcher call timed by do_bench (L2 flushed; host
+time when the launcher's Python outlasts its kernels); "graph µs" = GPU time per call from a CUDA graph of the
+call with an L2 flush before each call, flush time subtracted; "hot µs" = graph replay back to back, L2 warm.
+Bytes actually required (read H, fn and small params once, write outputs once), achieved GB/s from graph µs and
+its share of a device-to-device copy bandwidth measured in the same run, GPU kernels launched per call
+(torch.profiler), and the speedup against the eager reference: "× ref eager" = ref eager µs ÷ Triton eager µs;
+"× ref graph" = ref graph µs ÷ Triton graph µs (both GPU time). Optional: `torch.compile(dynamic=True)` of
+the reference within a time budget. Each row is checked against the reference (tests/gpu tolerances) before
+it is timed; a failing row says so and shows no speedup.
 
-Usage:  PYTHONPATH=. python benchmarks/bench_mhc.py [--markdown FILE] [--compile-budget-s 200]
+Usage:  PYTHONPATH=. python benchmarks/bench_mhc.py [--markdown FILE] [--compile-budget-s 0] [--ts 1,8,64]
 """
 
 from __future__ import annotations
@@ -18,22 +22,14 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
+from benchmarks.graph_timing import GraphTimer, copy_bandwidth, eager_us
 from dsv4.testing import assert_close
 from kernels.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
 
 HC, ITERS, EPS = 4, 20, 1e-6
 TS = [1, 8, 64, 256, 4096]
 DS = [4096, 7168]
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 1 GiB: GB/s counting read + write."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def kernels_per_call(fn) -> int:
@@ -82,15 +78,13 @@ def compiled_refs():
             "hc_head": torch.compile(hc_head_ref, **opts)}
 
 
-def bench(fn) -> float:
-    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # µs
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", help="write the table here (row by row, so a killed run keeps its rows)")
-    ap.add_argument("--compile-budget-s", type=float, default=200.0,
-                    help="stop measuring torch.compile once this many seconds have gone (rows say 'skipped')")
+    ap.add_argument("--compile-budget-s", type=float, default=0.0,
+                    help="measure torch.compile of the reference until this many seconds have gone (0: never)")
+    ap.add_argument("--ts", default=",".join(map(str, TS)), help="token counts T")
+    ap.add_argument("--ds", default=",".join(map(str, DS)), help="model widths D")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mhc.py needs a CUDA GPU; none is visible")
@@ -98,12 +92,14 @@ def main() -> None:
     start = time.time()
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
+    timer = GraphTimer()
     head = [f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
             f"triton {triton.__version__}, CUDA {torch.version.cuda}",
             f"measured copy bandwidth (1 GiB D2D, read+write): {bw:.0f} GB/s", "",
-            "| op | D | T | triton µs | MB required | GB/s | % of copy | kernels/call (triton, eager) "
-            "| eager µs | × eager | compile µs | × compile | correct |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| op | D | T | eager µs | graph µs | hot µs | MB required | GB/s (graph) | % of copy "
+            "| kernels/call (triton, ref) | ref eager µs | × ref eager | ref graph µs | × ref graph "
+            "| compile µs | correct |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     out = open(args.markdown, "w") if args.markdown else None
 
     def emit(line):
@@ -114,9 +110,9 @@ def main() -> None:
 
     for line in head:
         emit(line)
-    comp = compiled_refs()
-    for D in DS:
-        for T in TS:
+    comp = compiled_refs() if args.compile_budget_s > 0 else {}
+    for D in map(int, args.ds.split(",")):
+        for T in map(int, args.ts.split(",")):
             for op, tri_fn, ref_fn, fargs, fkw, nbytes, check in cases(T, D):
                 tri = lambda f=tri_fn, x=fargs, k=fkw: f(*x, **k)  # noqa: E731
                 ref = lambda f=ref_fn, x=fargs, k=fkw: f(*x, **k)  # noqa: E731
@@ -125,22 +121,30 @@ def main() -> None:
                     ok = "yes"
                 except AssertionError as err:
                     ok = f"NO: {str(err)[:120]}"
-                t_tri, t_ref = bench(tri), bench(ref)
+                t_tri, t_ref = eager_us(tri), eager_us(ref)
+                g_tri, h_tri = timer.time(tri, t_tri)
+                try:
+                    g_ref = f"{timer.time(ref, t_ref, max_calls=10)[0]:.1f}"
+                except Exception as err:  # recorded, never hidden
+                    g_ref = f"capture error {type(err).__name__}"
                 try:
                     n_txt = f"{kernels_per_call(tri)}, {kernels_per_call(ref)}"
                 except Exception as err:  # the profiler is optional evidence; say why it is missing
                     n_txt = f"profiler error {type(err).__name__}"
-                if time.time() - start < args.compile_budget_s:
+                if comp and time.time() - start < args.compile_budget_s:
                     try:
-                        t_c = bench(lambda f=comp[op], x=fargs, k=fkw: f(*x, **k))
-                        c_txt, cx_txt = f"{t_c:.1f}", f"{t_c / t_tri:.1f}"
+                        c_txt = f"{eager_us(lambda f=comp[op], x=fargs, k=fkw: f(*x, **k)):.1f}"
                     except Exception as err:  # recorded in the table, never hidden
-                        c_txt, cx_txt = f"compile error {type(err).__name__}: {str(err)[:80]}", "-"
+                        c_txt = f"compile error {type(err).__name__}: {str(err)[:80]}"
                 else:
-                    c_txt = cx_txt = "skipped (time budget)"
-                gbs = nbytes / (t_tri * 1e-6) / 1e9
-                emit(f"| {op} | {D} | {T} | {t_tri:.1f} | {nbytes / 1e6:.2f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | "
-                     f"{n_txt} | {t_ref:.1f} | {t_ref / t_tri:.1f} | {c_txt} | {cx_txt} | {ok} |")
+                    c_txt = "not run"
+                good = ok == "yes"
+                x_eager = f"{t_ref / t_tri:.1f}" if good else "-"
+                x_graph = f"{float(g_ref) / g_tri:.1f}" if good and g_tri > 0 and g_ref[0].isdigit() else "-"
+                gbs = nbytes / (g_tri * 1e-6) / 1e9 if g_tri > 0 else float("nan")
+                emit(f"| {op} | {D} | {T} | {t_tri:.1f} | {g_tri:.1f} | {h_tri:.1f} | {nbytes / 1e6:.2f} | "
+                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% | {n_txt} | {t_ref:.1f} | {x_eager} | {g_ref} | "
+                     f"{x_graph} | {c_txt} | {ok} |")
             torch.cuda.empty_cache()
     emit(f"\ntotal bench wall time {time.time() - start:.0f} s")
 

@@ -20,9 +20,10 @@ identical and nothing overflows. Documented edge cases:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from kernels.launch import interpreting, sm_count, workspace
 
 try:
     import triton
@@ -60,10 +61,10 @@ def _check_inputs(q, kv, attn_sink, idx, softmax_scale, where: str) -> None:
 
 
 def _check_index_range(idx: torch.Tensor, n: int, where: str) -> None:
-    """Indices must be -1 (empty) or in [0, n). One device sync; the launcher lets a caller skip it."""
+    """Indices must be -1 (empty) or in [0, n). One device sync (one aminmax read back); opt-in in the launcher."""
     if idx.numel() == 0:
         return
-    lo, hi = int(idx.min()), int(idx.max())
+    lo, hi = torch.stack(torch.aminmax(idx)).tolist()
     if lo < -1 or hi >= n:
         raise ValueError(f"{where}: idx values must be -1 (empty) or in [0, n={n}), got min {lo} max {hi}")
 
@@ -115,8 +116,38 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
     @triton.jit
-    def _sparse_attn_kernel(Q, KV, SINK, IDX, O, PACC, PML,
-                            S, H, K, CHUNK, NSPLIT,
+    def _merge_splits(SINK, O, PACC, PML, pid_bs, pid_h, S, H, NSPLIT, sob, sos, soh,
+                      HD: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Merge the NSPLIT partials of query pid_bs and head block pid_h, add the sink, write o. Partials are
+        read with `.cg` (L2, not L1): other programs of this launch wrote them."""
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, HD)
+        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        mm = sink
+        ll = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+        for sp in range(0, NSPLIT):
+            base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
+            m_i = tl.load(PML + (base + heads) * 2, mask=hmask, other=0.0, cache_modifier=".cg")
+            l_i = tl.load(PML + (base + heads) * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
+            a_i = tl.load(PACC + (base + heads[:, None]) * HD + d[None, :], mask=hmask[:, None], other=0.0,
+                          cache_modifier=".cg")
+            m_new = tl.maximum(mm, m_i)
+            alpha = tl.exp2(mm - m_new)
+            beta = tl.exp2(m_i - m_new)
+            ll = ll * alpha + l_i * beta
+            acc = acc * alpha[:, None] + a_i * beta[:, None]
+            mm = m_new
+        o = acc / (ll + tl.exp2(sink - mm))[:, None]
+        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+                 mask=hmask[:, None])
+
+    @triton.jit
+    def _sparse_attn_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
+                            S, H, N, K, CHUNK, NSPLIT,
                             sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
                             qk_scale,
                             HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -124,7 +155,11 @@ if triton is not None:
         """One program: one query (b, t), BLOCK_H heads, index slots [sp*CHUNK, (sp+1)*CHUNK).
 
         Online softmax in the log2 domain, m initialised to the sink so no -inf - -inf appears. SPLIT=False
-        writes o; SPLIT=True writes the unnormalised partial (acc, m, l) for `_sparse_attn_combine`.
+        writes o. SPLIT=True writes the unnormalised partial (acc, m, l), counts itself in SEM[query, head
+        block] (acq_rel atomic after a CTA barrier) and the last split to arrive merges all partials
+        (`_merge_splits`) and resets the counter: one launch either way, no spin-wait.
+        Range guard without a host sync: an index outside {-1} ∪ [0, N) is never loaded; it makes l NaN, so
+        every output row of that query and head block is NaN (loud, never a plausible value).
         """
         pid_bs = tl.program_id(0)
         pid_h = tl.program_id(1)
@@ -139,12 +174,14 @@ if triton is not None:
         m = sink
         l = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+        n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
         start = sp * CHUNK
         end = tl.minimum(start + CHUNK, K)
         for j0 in range(start, end, BLOCK_N):
             offs = j0 + tl.arange(0, BLOCK_N)
             ix = tl.load(IDX + b * sib + t * sis + offs, mask=offs < end, other=-1).to(tl.int64)
-            valid = ix >= 0
+            valid = (ix >= 0) & (ix < N)
+            n_bad += ((ix < -1) | (ix >= N)).to(tl.int32)
             rows = tl.load(KV + b * skb + ix[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
             sc = _dot(q, tl.trans(rows), DOT)
             sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
@@ -155,50 +192,21 @@ if triton is not None:
             pv = _dot(p.to(rows.dtype), rows, DOT)
             acc = acc * alpha[:, None] + pv
             m = m_new
+        l = l + tl.where(tl.sum(n_bad, axis=0) > 0, float("nan"), 0.0)
         if SPLIT:
             base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
             tl.store(PACC + (base + heads[:, None]) * HD + d[None, :], acc, mask=hmask[:, None])
             tl.store(PML + (base + heads) * 2, m, mask=hmask)
             tl.store(PML + (base + heads) * 2 + 1, l, mask=hmask)
+            tl.debug_barrier()
+            counter = SEM + pid_bs * tl.num_programs(1) + pid_h
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+                _merge_splits(SINK, O, PACC, PML, pid_bs, pid_h, S, H, NSPLIT, sob, sos, soh, HD, BLOCK_H)
+                tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
             tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
                      mask=hmask[:, None])
-
-    @triton.jit
-    def _sparse_attn_combine(SINK, O, PACC, PML, S, H, NSPLIT, sob, sos, soh,
-                             HD: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Merge NSPLIT partials of one query and BLOCK_H heads, add the sink, write o."""
-        pid_bs = tl.program_id(0)
-        pid_h = tl.program_id(1)
-        b = (pid_bs // S).to(tl.int64)
-        t = (pid_bs % S).to(tl.int64)
-        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        d = tl.arange(0, HD)
-        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
-        mm = sink
-        ll = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
-        for sp in range(0, NSPLIT):
-            base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
-            m_i = tl.load(PML + (base + heads) * 2, mask=hmask, other=0.0)
-            l_i = tl.load(PML + (base + heads) * 2 + 1, mask=hmask, other=0.0)
-            a_i = tl.load(PACC + (base + heads[:, None]) * HD + d[None, :], mask=hmask[:, None], other=0.0)
-            m_new = tl.maximum(mm, m_i)
-            alpha = tl.exp2(mm - m_new)
-            beta = tl.exp2(m_i - m_new)
-            ll = ll * alpha + l_i * beta
-            acc = acc * alpha[:, None] + a_i * beta[:, None]
-            mm = m_new
-        o = acc / (ll + tl.exp2(sink - mm))[:, None]
-        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
-                 mask=hmask[:, None])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
 
 def _check_launch_device(tensors: dict, where: str) -> None:
     """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) whose innermost dimension is
@@ -206,7 +214,7 @@ def _check_launch_device(tensors: dict, where: str) -> None:
     if triton is None:
         raise RuntimeError(f"{where}: triton is not installed; use the *_ref function or install dsv4[triton]")
     for name, t in tensors.items():
-        if not (t.is_cuda or _interpreting()):
+        if not (t.is_cuda or interpreting()):
             raise ValueError(f"{where}: {name} is on {t.device}; Triton needs CUDA (or TRITON_INTERPRET=1)")
         if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{where}: {name} must be contiguous in its last dimension (stride 1), got strides "
@@ -217,32 +225,35 @@ def dot_mode(dtype: torch.dtype) -> int:
     """`_dot` mode for operands of `dtype`: 1 for fp32 (exact), 2 for bf16 under the interpreter, else 0."""
     if dtype == torch.float32:
         return 1
-    return 2 if _interpreting() else 0
+    return 2 if interpreting() else 0
 
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: any small count exercises both code paths
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """SM count, cached per device (`kernels.launch.sm_count`); 4 under the interpreter (exercises both paths)."""
+    return sm_count(device, cpu_default=4)
 
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
                 softmax_scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
                 block_h: int | None = None, block_n: int = 32, num_warps: int = 4,
-                check_idx: bool = True) -> torch.Tensor:
+                check_idx: bool = False) -> torch.Tensor:
     """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
 
     Prefill (s > 1) and decode (s == 1) share one kernel: a program owns one query and `block_h` heads, so the
     gathered KV tile is loaded once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU
-    (decode), the k slots are split over `num_splits` programs (flash-decoding) and a second kernel merges the
-    partials and adds the sink.
+    (decode), the k slots are split over `num_splits` programs (flash-decoding); the last split program of each
+    (query, head block) merges the partials and adds the sink in the same launch. Always ONE launch; the
+    partials live in the stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless
+    check_idx=True.
 
     Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
         num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
         block_h: heads per program (default 16; a power of two >= 16 for tensor cores); block_n: slots per tile.
-        check_idx: verify idx ∈ {-1} ∪ [0, n) (one device sync). Out-of-range indices with check_idx=False
-            read out of bounds; only pass False when the caller built idx itself (benchmarks, CUDA graphs).
+        check_idx: True = verify idx ∈ {-1} ∪ [0, n) on the host and raise ValueError (one device sync: an
+            aminmax read back; not allowed inside CUDA-graph capture). Default False (decode hot path, CUDA
+            graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
+            and turns every output of its query and head block into NaN. Tests run with check_idx=True.
     Returns: o [b, s, h, hd] in q.dtype (fp32 accumulation; bf16 inputs multiply P in bf16, as official).
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -276,18 +287,15 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     chunk = triton.cdiv(n_tiles, num_splits) * block_n
     num_splits = max(1, triton.cdiv(k, chunk))
     split = num_splits > 1
-    pacc = pml = out  # unused placeholders when not splitting
+    sem = pacc = pml = out  # unused placeholders when not splitting
     if split:
-        pacc = torch.empty((b * s, num_splits, h, hd), dtype=torch.float32, device=q.device)
-        pml = torch.empty((b * s, num_splits, h, 2), dtype=torch.float32, device=q.device)
+        n_acc = b * s * num_splits * h * hd  # partials [b*s, splits, h, hd] then (m, l) [b*s, splits, h, 2]
+        sem, ws = workspace(q.device, b * s * n_hblk, n_acc + b * s * num_splits * h * 2)
+        pacc, pml = ws, ws[n_acc:]
     _sparse_attn_kernel[(b * s, n_hblk, num_splits)](
-        q, kv, attn_sink, idx, out, pacc, pml, s, h, k, chunk, num_splits,
+        q, kv, attn_sink, idx, out, pacc, pml, sem, s, h, n, k, chunk, num_splits,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
         out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
         num_warps=num_warps)
-    if split:
-        _sparse_attn_combine[(b * s, n_hblk)](attn_sink, out, pacc, pml, s, h, num_splits,
-                                              out.stride(0), out.stride(1), out.stride(2),
-                                              HD=hd, BLOCK_H=block_h, num_warps=num_warps)
     return out

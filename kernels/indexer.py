@@ -70,7 +70,7 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
         scores: [b, s, n] float32.
         k: number of slots to return (int >= 0); the caller passes min(index_topk, causal entries) or index_topk.
         n_valid: optional int32/int64 [b, s]: entries 0..n_valid-1 are eligible (causal); None = all n.
-        check: verify 0 <= n_valid <= n (one device sync).
+        check: verify 0 <= n_valid <= n (one device sync: an aminmax read back).
     Returns:
         idx: [b, s, k] int64 entry indices; slots j >= min(n_valid, n) hold -1.
     Raises:
@@ -91,9 +91,10 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
             raise ValueError(f"{where}: n_valid must be int32/int64 [b={b}, s={s}] on {scores.device}, got "
                              f"{getattr(n_valid, 'dtype', type(n_valid).__name__)} "
                              f"{tuple(getattr(n_valid, 'shape', ()))}")
-        if check and n_valid.numel() and (int(n_valid.min()) < 0 or int(n_valid.max()) > n):
-            raise ValueError(f"{where}: n_valid must lie in [0, n={n}], got min {int(n_valid.min())} "
-                             f"max {int(n_valid.max())}")
+        if check and n_valid.numel():
+            lo, hi = torch.stack(torch.aminmax(n_valid)).tolist()  # one device sync
+            if lo < 0 or hi > n:
+                raise ValueError(f"{where}: n_valid must lie in [0, n={n}], got min {lo} max {hi}")
         count = n_valid.long()
     kk = min(k, n)
     out = torch.full((b, s, k), -1, dtype=torch.int64, device=scores.device)

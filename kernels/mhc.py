@@ -12,17 +12,20 @@ Kernel plan (pre and head): a split-K mix kernel computes, per token block and K
 `fn @ X` (tensor cores in tf32x3, ≈fp32 accuracy) and the partial sum of squares into an fp32 workspace; a finish
 kernel (grid tokens × D-blocks) sums the partials in a fixed order (deterministic), applies the RMS scale,
 sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
-pre/head site; H is read twice (the second read walks tokens in reverse so the tail still in L2 is reused).
-`hc_post` is one single-pass launch.
+pre/head site at T > 64 (prefill); H is read twice (the second read walks tokens in reverse so the tail still
+in L2 is reused). At T <= 64 (decode) one launch does both: the split-K programs count themselves in a
+per-token-block semaphore and the last one to arrive finishes and collapses the block (`_hc_fused_kernel`).
+`hc_post` is one single-pass launch. Launchers never synchronise with the device: every check is on shapes,
+dtypes, devices and layouts (host metadata); the SM count is cached per device (`kernels.launch`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from kernels.launch import interpreting, sm_count, workspace
 
 _H_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -47,7 +50,7 @@ def _check(op: str, name: str, t, shape: tuple, dtype) -> None:
 
 def _check_layout(op: str, named: dict) -> None:
     """Launchers only, after all shape/dtype checks: contiguous, on a Triton device, all on the first one's device."""
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = interpreting()
     first = next(iter(named.values())).device
     for name, t in named.items():
         if not t.is_contiguous():
@@ -172,11 +175,9 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
-                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over one K-slice → mix[t, split, :], ss[t, split]."""
-    pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
+def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
+                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over K-slice pid_s → mix[t, pid_s, :], ss[t, pid_s]."""
     offs_t = pid_t * BT + tl.arange(0, BT)
     mask_t = offs_t < T
     offs_n = tl.arange(0, NP)
@@ -195,37 +196,39 @@ def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision="tf32x3")
         ss += tl.sum(x * x, axis=1)
-    out_row = offs_t.to(tl.int64) * tl.num_programs(1) + pid_s
+    out_row = offs_t.to(tl.int64) * n_split + pid_s
     tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
     tl.store(ss_ptr + out_row, ss, mask=mask_t)
 
 
 @triton.jit
-def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
-                      T, D, S, iters, hc_eps, norm_eps, inv_k,
-                      HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
-    """Sum split partials, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD), collapse one D-block of H."""
-    pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
-    pid_d = tl.program_id(1)
-    offs_t = pid_t * BT + tl.arange(0, BT)
+def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, t_first,
+                   T, D, S, iters, hc_eps, norm_eps, inv_k, d_lo, d_hi, write_pc,
+                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
+                   BTF: tl.constexpr, BD: tl.constexpr):
+    """Tokens t_first + [0, BTF) below T: sum the S split partials in a fixed order, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD;
+    post/comb written when write_pc), then collapse columns [d_lo, d_hi) of H in BD steps. Partials are read
+    with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch."""
+    offs_t = t_first + tl.arange(0, BTF)
     mask_t = offs_t < T
     j = tl.arange(0, HC)
     sp = tl.arange(0, SP)  # all split partials of a token at once, summed in a fixed order
-    row = offs_t.to(tl.int64)[:, None] * S + sp[None, :]  # [BT, SP]
+    row = offs_t.to(tl.int64)[:, None] * S + sp[None, :]  # [BTF, SP]
     mask_ts = mask_t[:, None] & (sp < S)[None, :]
     p = mix_ptr + row * NP
-    m_pre = tl.sum(tl.load(p[:, :, None] + j[None, None, :], mask=mask_ts[:, :, None], other=0.0), axis=1)
-    ss = tl.sum(tl.load(ss_ptr + row, mask=mask_ts, other=0.0), axis=1)
+    m_pre = tl.sum(tl.load(p[:, :, None] + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
+                           cache_modifier=".cg"), axis=1)
+    ss = tl.sum(tl.load(ss_ptr + row, mask=mask_ts, other=0.0, cache_modifier=".cg"), axis=1)
     rs = 1.0 / tl.sqrt_rn(ss * inv_k + norm_eps)
     pre = tl.sigmoid(m_pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :]) + hc_eps
     if not IS_HEAD:
-        if pid_d == 0:
-            m_post = tl.sum(tl.load(p[:, :, None] + HC + j[None, None, :], mask=mask_ts[:, :, None], other=0.0),
-                            axis=1)
+        if write_pc:
+            m_post = tl.sum(tl.load(p[:, :, None] + HC + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
+                                    cache_modifier=".cg"), axis=1)
             jj = tl.arange(0, HC * HC)
             m_comb = tl.reshape(tl.sum(tl.load(p[:, :, None] + 2 * HC + jj[None, None, :],
-                                               mask=mask_ts[:, :, None], other=0.0), axis=1), (BT, HC, HC))
+                                               mask=mask_ts[:, :, None], other=0.0, cache_modifier=".cg"),
+                                       axis=1), (BTF, HC, HC))
             post = 2.0 * tl.sigmoid(m_post * rs[:, None] * tl.load(scale_ptr + 1)
                                     + tl.load(base_ptr + HC + j)[None, :])
             tl.store(post_ptr + offs_t[:, None].to(tl.int64) * HC + j[None, :], post, mask=mask_t[:, None])
@@ -239,14 +242,65 @@ def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_p
                 c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
             tl.store(comb_ptr + offs_t[:, None, None].to(tl.int64) * (HC * HC) + j[None, :, None] * HC
                      + j[None, None, :], c, mask=mask_t[:, None, None])
-    offs_d = pid_d * BD + tl.arange(0, BD)
-    mask_d = offs_d < D
     hrow = offs_t.to(tl.int64) * (HC * D)
-    hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
-                 mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-    x = tl.sum(pre[:, :, None] * hv, axis=1)
-    tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x.to(x_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
+    for d0 in range(d_lo, d_hi, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        mask_d = offs_d < d_hi
+        hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
+                     mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        x = tl.sum(pre[:, :, None] * hv, axis=1)
+        tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x.to(x_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
+                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each."""
+    _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK)
+
+
+@triton.jit
+def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                      T, D, S, iters, hc_eps, norm_eps, inv_k,
+                      HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
+                      BT: tl.constexpr, BD: tl.constexpr):
+    """Prefill launch 2 of 2: grid (token blocks of BT, D-blocks of BD); D-block 0 also writes post/comb."""
+    pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
+    pid_d = tl.program_id(1)
+    d_lo = pid_d * BD
+    _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                   pid_t * BT, T, D, S, iters, hc_eps, norm_eps, inv_k,
+                   d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD)
+
+
+@triton.jit
+def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
+                     T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
+                     HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                     IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
+                     BD: tl.constexpr):
+    """Decode, ONE launch: grid (token blocks of BT, splits). Every program writes its split partial, then
+    counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its threads
+    are visible first); the program that arrives last finishes and collapses the whole block (BTF tokens at a
+    time, all D) and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not
+    in the interpreter's sequential grid."""
+    pid_t = tl.program_id(0)
+    n_split = tl.num_programs(1)
+    mix_ptr = ws_ptr
+    ss_ptr = ws_ptr + T * n_split * NP
+    _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, tl.program_id(1), n_split, T, K, K_PER_SPLIT,
+                 N_MIX, NP, BT, BK)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_split - 1:
+        t_hi = tl.minimum(pid_t * BT + BT, T)
+        for t0 in range(pid_t * BT, t_hi, BTF):
+            _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                           t0, t_hi, D, n_split, iters, hc_eps, norm_eps, inv_k,
+                           0, D, True, HC, NP, SP, IS_HEAD, BTF, BD)
+        tl.store(sem_ptr + pid_t, 0)
 
 
 @triton.jit
@@ -287,42 +341,66 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
     return out
 
 
-def _mix_launch(H: torch.Tensor, fn: torch.Tensor, n_mix: int, np_: int):
-    """Split-K partial projections; returns (mix [T, S, NP], ss [T, S], S), S ≤ 128 splits."""
-    T, hc, D = H.shape
-    K = hc * D
-    BT = 64 if T >= 1024 else 16
-    BK = 64
+ONE_LAUNCH_MAX_T = 64  # hc_pre / hc_head use the one-launch kernel up to this many tokens (decode)
+
+
+def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device) -> tuple[int, int]:
+    """(K elements per split, split count S ≤ 128): enough (token block, split) programs for ~2 waves."""
     n_tb, n_kb = triton.cdiv(T, BT), triton.cdiv(K, BK)
-    if H.is_cuda:
-        target = 2 * torch.cuda.get_device_properties(H.device).multi_processor_count
-    else:
-        target = 8  # interpreter: small, but enough to exercise the split-K path at test widths
+    target = 2 * sm_count(device, cpu_default=4)  # interpreter: 8, enough to exercise the split-K path
     per_split = triton.cdiv(n_kb, max(1, min(n_kb, 128, triton.cdiv(target, n_tb)))) * BK
-    S = triton.cdiv(K, per_split)
+    return per_split, triton.cdiv(K, per_split)
+
+
+def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_head, one_launch):
+    """Launch hc_pre (is_head False) or hc_head: one fused launch, or mix + finish (two launches)."""
+    T, hc, D = H.shape
+    K, n_mix = hc * D, (hc if is_head else (2 + hc) * hc)
+    np_ = max(16, triton.next_power_of_2(n_mix))
+    post = x if post is None else post  # post/comb pointers are unused when IS_HEAD
+    comb = x if comb is None else comb
+    consts = dict(HC=hc, NP=np_, IS_HEAD=is_head)
+    scalars = (iters, float(hc_eps), float(norm_eps), 1.0 / K)
+    BK = 64
+    if one_launch:
+        BT = 16
+        per_split, S = _split_k(T, K, BT, BK, H.device)
+        n_tb = triton.cdiv(T, BT)
+        sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
+        _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
+                                    N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=BT, BK=BK, BTF=2,
+                                    BD=min(2048, triton.next_power_of_2(D)), num_warps=8, **consts)
+        return
+    BT = 64 if T >= 1024 else 16
+    per_split, S = _split_k(T, K, BT, BK, H.device)
     mix = torch.empty((T, S, np_), dtype=torch.float32, device=H.device)
     ss = torch.empty((T, S), dtype=torch.float32, device=H.device)
-    _hc_mix_kernel[(n_tb, S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK, num_warps=4)
-    return mix, ss, S
+    _hc_mix_kernel[(triton.cdiv(T, BT), S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK,
+                                            num_warps=4)
+    BTF, BD = 2, min(1024, triton.next_power_of_2(D))
+    _hc_finish_kernel[(triton.cdiv(T, BTF), triton.cdiv(D, BD))](
+        H, mix, ss, base, scale, x, post, comb, T, D, S, *scalars, SP=triton.next_power_of_2(S), BT=BTF, BD=BD,
+        num_warps=4, **consts)
 
 
-def _finish_launch(H, mix, ss, S, base, scale, x, post, comb, iters, hc_eps, norm_eps, np_, is_head):
-    T, hc, D = H.shape
-    BT, BD = 2, min(1024, triton.next_power_of_2(D))
-    dummy = x  # post/comb pointers are unused when IS_HEAD
-    _hc_finish_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
-        H, mix, ss, base, scale, x, dummy if post is None else post, dummy if comb is None else comb,
-        T, D, S, iters, float(hc_eps), float(norm_eps), 1.0 / (hc * D),
-        HC=hc, NP=np_, SP=triton.next_power_of_2(S), IS_HEAD=is_head, BT=BT, BD=BD, num_warps=4)
+def _one_launch(op: str, one_launch, T: int) -> bool:
+    if one_launch is None:
+        return T <= ONE_LAUNCH_MAX_T
+    if not isinstance(one_launch, bool):
+        _fail(op, "one_launch", repr(one_launch), "None (automatic: T <= 64) or a bool")
+    return one_launch
 
 
 def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None):
-    """Triton `hc_pre_ref` (spec §4): same arguments, shapes, dtypes and results; two launches.
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None):
+    """Triton `hc_pre_ref` (spec §4): same arguments, shapes, dtypes and results.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1), hc a power of two; fn, base, scale as
     in `hc_pre_ref`, fp32 contiguous on H's device. `out=(x, post, comb)` optionally supplies the outputs
-    (checked like inputs). Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
+    (checked like inputs). `one_launch`: None = one fused launch when T <= ONE_LAUNCH_MAX_T (64, decode), else
+    split-K mix + finish (two launches); True/False forces a path (tests). No host-device sync; the one-launch
+    path uses the stream's cached workspace (`kernels.launch.workspace`).
+    Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value; never falls back to the reference.
     """
     T, hc, D = _check_mix_args("hc_pre", H, fn, base, scale, False, True,
@@ -334,11 +412,9 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     x = _out("hc_pre", "out[0] (x)", ox, (T, D), H.dtype, H)
     post = _out("hc_pre", "out[1] (post)", op, (T, hc), torch.float32, H)
     comb = _out("hc_pre", "out[2] (comb)", oc, (T, hc, hc), torch.float32, H)
-    if T == 0:
-        return x, post, comb
-    np_ = max(16, triton.next_power_of_2((2 + hc) * hc))
-    mix, ss, S = _mix_launch(H, fn, (2 + hc) * hc, np_)
-    _finish_launch(H, mix, ss, S, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, np_, False)
+    fused = _one_launch("hc_pre", one_launch, T)
+    if T:
+        _mix_sites(H, fn, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, False, fused)
     return x, post, comb
 
 
@@ -367,19 +443,17 @@ def hc_post(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-            hc_eps: float, norm_eps: float, out=None) -> torch.Tensor:
-    """Triton `hc_head_ref` (spec §9): same arguments and result; two launches.
+            hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None) -> torch.Tensor:
+    """Triton `hc_head_ref` (spec §9): same arguments and result.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
-    scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. Returns y. Raises ValueError naming the
-    argument and the bad value.
+    scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (one launch at
+    T <= 64). Returns y. Raises ValueError naming the argument and the bad value.
     """
     T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
     _check_hc("hc_head", hc)
     y = _out("hc_head", "out", out, (T, D), H.dtype, H)
-    if T == 0:
-        return y
-    np_ = max(16, triton.next_power_of_2(hc))
-    mix, ss, S = _mix_launch(H, fn, hc, np_)
-    _finish_launch(H, mix, ss, S, base, scale, y, None, None, 1, hc_eps, norm_eps, np_, True)
+    fused = _one_launch("hc_head", one_launch, T)
+    if T:
+        _mix_sites(H, fn, base, scale, y, None, None, 1, hc_eps, norm_eps, True, fused)
     return y

@@ -1,0 +1,70 @@
+"""Launch plumbing shared by the Triton launchers: cached device facts and stream-ordered workspaces.
+
+Why it exists (issue 6/7, launch overhead): the launchers used to ask the driver for the SM count, allocate
+their split-K workspaces and, for one-launch kernels, would need a zeroed semaphore array on every call. Here:
+
+* `sm_count(device)`: `torch.cuda.get_device_properties(i).multi_processor_count`, cached per device index
+  (`functools.lru_cache`; device properties do not change while a process runs).
+* `workspace(device, n_sem, n_scratch)`: one `(sem, scratch)` pair per (device, current stream):
+  `sem` int32 `[>= n_sem]`, all zero between launches (every kernel that takes it increments an entry once per
+  program and the last program of a group resets it to 0, so no memset launch is needed per call);
+  `scratch` fp32 `[>= n_scratch]`, uninitialised, for split partials written and read inside one launch.
+  Stream ordering makes the reuse safe: kernels of one stream run one after another. The pair is NOT safe for
+  two launches that run concurrently on one stream's workspace, i.e. two CUDA graphs captured on one stream and
+  replayed at the same time on two different streams; nothing in dsv4 does that.
+  Inside CUDA-graph capture a missing or too small pair is allocated for that call only (never cached), so a
+  capture without a warm-up on its stream still records correct (zero-initialised) buffers.
+
+This cache is the one piece of module state of the kernels; it holds device buffers only (no dtype, backend or
+rank), so the reference and the Triton backend still live side by side in one process (STYLE §4).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1, read at call time)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, cpu_default: int) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per index); `cpu_default` for interpreter tensors."""
+    if device.type != "cuda":
+        return cpu_default
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def workspace(device: torch.device, n_sem: int, n_scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(sem int32 [>= n_sem] all zero, scratch fp32 [>= n_scratch])` for the current stream of `device`.
+
+    The caller's kernel must leave every `sem` entry it touches at 0 when it ends (see the module docstring).
+    """
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        key = ("cuda", index, torch.cuda.current_stream(index).cuda_stream)
+    else:
+        key = (device.type, device.index, 0)
+    ws = _WORKSPACES.get(key)
+    if ws is not None and ws[0].numel() >= n_sem and ws[1].numel() >= n_scratch:
+        return ws
+    n_sem, n_scratch = max(n_sem, 256), max(n_scratch, 1 << 16)
+    if ws is not None:
+        n_sem, n_scratch = max(n_sem, ws[0].numel()), max(n_scratch, ws[1].numel())
+    fresh = (torch.zeros(n_sem, dtype=torch.int32, device=device),
+             torch.empty(n_scratch, dtype=torch.float32, device=device))
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return fresh  # recorded in the graph (its zero fill included); not cached for later eager calls
+    _WORKSPACES[key] = fresh
+    return fresh

@@ -1,0 +1,142 @@
+"""GPU: launch plumbing of the Triton kernels at DeepSeek-V4 sizes (issues 6/7).
+
+* one GPU activity (kernel, memset or copy) per decode call of every site, counted with torch.profiler;
+* the default launch path never synchronises with the host (torch.cuda.set_sync_debug_mode("error")), with a
+  negative control: `sparse_attn(check_idx=True)` does sync and must be caught;
+* CUDA-graph capture and replay with fresh inputs gives the reference result (workspace and semaphores are
+  reused across replays);
+* 100 back-to-back one-launch calls give bitwise the same result (semaphores reset by every launch);
+* the sync-free index guard (NaN) and the opt-in host check (ValueError) on CUDA.
+Tolerances (dsv4.testing table): bf16 rtol 1.6e-2 / atol 1e-2, fp32 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4.testing import assert_close, assert_equal
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
+
+HC, ITERS, EPS, D = 4, 20, 1e-6, 7168
+KW = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+
+
+def mix_inputs(T: int, head: bool):
+    K, n = HC * D, (HC if head else (2 + HC) * HC)
+    H = torch.randn(T, HC, D, device="cuda").bfloat16()
+    fn = torch.randn(n, K, device="cuda") / math.sqrt(K)
+    return H, fn, torch.randn(n, device="cuda") * 0.5, torch.rand(1 if head else 3, device="cuda") + 0.5
+
+
+def sites(T: int):
+    """name -> zero-argument call of each launcher at decode (T tokens / batch T), fresh inputs."""
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn
+    from kernels.indexer import indexer_scores
+    from kernels.mhc import hc_head, hc_post, hc_pre
+    pre, head = mix_inputs(T, False), mix_inputs(T, True)
+    a = torch.randn(T, D, device="cuda").bfloat16()
+    post, comb = torch.rand(T, HC, device="cuda") * 2, torch.rand(T, HC, HC, device="cuda")
+    q, kv, sink, idx = decode_case([4096] * T, 64, "csa", 512)
+    iq = torch.randn(T, 1, 64, 128, device="cuda").bfloat16()
+    iw, ik = torch.randn(T, 1, 64, device="cuda"), torch.randn(T, 1024, 128, device="cuda").bfloat16()
+    return {"hc_pre": lambda: hc_pre(*pre, **KW), "hc_head": lambda: hc_head(*head, hc_eps=EPS, norm_eps=EPS),
+            "hc_post": lambda: hc_post(a, pre[0], post, comb),
+            "sparse_attn": lambda: sparse_attn(q, kv, sink, idx, 512 ** -0.5),
+            "indexer_scores": lambda: indexer_scores(iq, iw, ik)}
+
+
+def gpu_activities(call) -> list[str]:
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@pytest.mark.parametrize("T", [1, 8, 64], ids=["T1", "T8", "T64"])
+def test_decode_is_one_launch_per_site(seed, T):
+    for name, call in sites(T).items():
+        acts = gpu_activities(call)
+        assert len(acts) == 1, f"{name} at T={T}: {len(acts)} GPU activities per call, expected 1: {acts}"
+
+
+def test_default_path_does_not_sync(seed):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn
+    calls = sites(8)
+    q, kv, sink, idx = decode_case([300], 64, "csa", 512)
+    for call in calls.values():
+        call()  # warm-up: compile, allocate the stream's workspace
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for call in calls.values():
+            call()
+        with pytest.raises(RuntimeError, match="synchroniz"):  # negative control: the opt-in check syncs
+            sparse_attn(q, kv, sink, idx, 0.05, check_idx=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_replay_matches_reference(seed):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    from kernels.mhc import hc_head, hc_head_ref, hc_pre, hc_pre_ref
+    pre, head = mix_inputs(3, False), mix_inputs(3, True)
+    att = decode_case([4096, 70, 9000], 128, "csa", 1024)
+    run = lambda: (hc_pre(*pre, **KW), hc_head(*head, hc_eps=EPS, norm_eps=EPS),  # noqa: E731
+                   sparse_attn(*att, 512 ** -0.5))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = run()
+    for step in range(2):
+        fresh = (*mix_inputs(3, False), *mix_inputs(3, True), *decode_case([4096, 70, 9000], 128, "csa", 1024)[:2])
+        for static, new in zip((*pre, *head, att[0], att[1]), fresh):
+            static.copy_(new)
+        g.replay()
+        torch.cuda.synchronize()
+        for name, got, want in zip(("x", "post", "comb"), outs[0], hc_pre_ref(*pre, **KW)):
+            assert_close(got, want, f"graph step {step} hc_pre {name}")
+        assert_close(outs[1], hc_head_ref(*head, hc_eps=EPS, norm_eps=EPS), f"graph step {step} hc_head")
+        assert_close(outs[2], sparse_attn_ref(*att, 512 ** -0.5), f"graph step {step} sparse_attn")
+
+
+def test_back_to_back_one_launch_calls_agree(seed):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn
+    from kernels.mhc import hc_pre
+    pre = mix_inputs(64, False)
+    att = decode_case([100, 3000, 9000], 64, "csa", 512)
+    first = hc_pre(*pre, **KW)
+    first_o = sparse_attn(*att, 512 ** -0.5, num_splits=40)
+    for _ in range(100):
+        last = hc_pre(*pre, **KW)
+        last_o = sparse_attn(*att, 512 ** -0.5, num_splits=40)
+    for name, a, b in zip(("x", "post", "comb"), last, first):
+        assert_equal(a, b, f"hc_pre {name} after 100 calls")
+    assert_equal(last_o, first_o, "sparse_attn split 40 after 100 calls")
+
+
+@pytest.mark.parametrize("splits", [1, 7], ids=["nosplit", "split7"])
+def test_bad_index_guard_on_cuda(seed, splits):
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    q, kv, sink, idx = decode_case([4096, 4096], 64, "csa", 512)
+    idx[1, 0, 3] = kv.shape[1]
+    got = sparse_attn(q, kv, sink, idx, 512 ** -0.5, num_splits=splits)
+    assert bool(torch.isnan(got[1]).all()), "the query with the out-of-range index must be NaN"
+    assert_close(got[0], sparse_attn_ref(q[:1], kv[:1], sink, idx[:1], 512 ** -0.5)[0], "the other query")
+    with pytest.raises(ValueError, match="idx values must be -1"):
+        sparse_attn(q, kv, sink, idx, 512 ** -0.5, num_splits=splits, check_idx=True)
