@@ -13,8 +13,9 @@ Kernel plan (pre and head): a split-K mix kernel computes, per token block and K
 kernel (grid tokens × D-blocks) sums the partials in a fixed order (deterministic), applies the RMS scale,
 sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
 pre/head site at T > 64 (prefill); H is read twice (the second read walks tokens in reverse so the tail still
-in L2 is reused). At T <= 64 (decode) one launch does both: the split-K programs count themselves in a
-per-token-block semaphore and the last one to arrive finishes and collapses the block (`_hc_fused_kernel`).
+in L2 is reused). At T <= 64 (decode) one launch does both: tokens go in blocks of 2, the split-K programs of
+a block count themselves in its semaphore and the last one to arrive finishes and collapses those 2 tokens
+(`_hc_fused_kernel`).
 `hc_post` is one single-pass launch. Launchers never synchronise with the device: every check is on shapes,
 dtypes, devices and layouts (host metadata); the SM count is cached per device (`kernels.launch`).
 """
@@ -176,10 +177,11 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 
 @triton.jit
 def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
-                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Partial `fn @ X` `[BT, NP]` and Σ X² `[BT]` over K-slice pid_s → mix[t, pid_s, :], ss[t, pid_s]."""
-    offs_t = pid_t * BT + tl.arange(0, BT)
-    mask_t = offs_t < T
+                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr):
+    """Partial `fn @ X` and Σ X² of tokens [pid_t·TOK, pid_t·TOK + TOK) over K-slice pid_s → mix[t, pid_s, :],
+    ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum); rows beyond TOK are masked (never loaded)."""
+    offs_t = pid_t * TOK + tl.arange(0, BT)
+    mask_t = (offs_t < T) & (tl.arange(0, BT) < TOK)
     offs_n = tl.arange(0, NP)
     mask_n = offs_n < N_MIX
     row = offs_t.to(tl.int64) * K
@@ -258,7 +260,7 @@ def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                    N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each."""
     _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK)
+                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT)
 
 
 @triton.jit
@@ -279,27 +281,26 @@ def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_p
 def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
                      T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
                      HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                     IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
+                     IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
                      BD: tl.constexpr):
-    """Decode, ONE launch: grid (token blocks of BT, splits). Every program writes its split partial, then
-    counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its threads
-    are visible first); the program that arrives last finishes and collapses the whole block (BTF tokens at a
-    time, all D) and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not
-    in the interpreter's sequential grid."""
+    """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
+    then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
+    threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
+    and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
+    interpreter's sequential grid. TOK is small (2) so that many programs share the collapse; the price is
+    that fn is re-read (from L2) once per token block."""
     pid_t = tl.program_id(0)
     n_split = tl.num_programs(1)
     mix_ptr = ws_ptr
     ss_ptr = ws_ptr + T * n_split * NP
     _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, tl.program_id(1), n_split, T, K, K_PER_SPLIT,
-                 N_MIX, NP, BT, BK)
+                 N_MIX, NP, BT, BK, TOK)
     tl.debug_barrier()
     arrived = tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
     if arrived == n_split - 1:
-        t_hi = tl.minimum(pid_t * BT + BT, T)
-        for t0 in range(pid_t * BT, t_hi, BTF):
-            _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
-                           t0, t_hi, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                           0, D, True, HC, NP, SP, IS_HEAD, BTF, BD)
+        _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                       pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
+                       0, D, True, HC, NP, SP, IS_HEAD, TOK, BD)
         tl.store(sem_ptr + pid_t, 0)
 
 
@@ -363,13 +364,13 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     scalars = (iters, float(hc_eps), float(norm_eps), 1.0 / K)
     BK = 64
     if one_launch:
-        BT = 16
-        per_split, S = _split_k(T, K, BT, BK, H.device)
-        n_tb = triton.cdiv(T, BT)
+        TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
+        per_split, S = _split_k(T, K, TOK, BK, H.device)
+        n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
         _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
-                                    N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=BT, BK=BK, BTF=2,
-                                    BD=min(2048, triton.next_power_of_2(D)), num_warps=8, **consts)
+                                    N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=16, BK=BK, TOK=TOK,
+                                    BD=min(1024, triton.next_power_of_2(D)), num_warps=4, **consts)
         return
     BT = 64 if T >= 1024 else 16
     per_split, S = _split_k(T, K, BT, BK, H.device)
