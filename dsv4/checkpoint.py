@@ -374,31 +374,49 @@ class Checkpoint:
 
 def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mtp: bool = False,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    progress: bool = True) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Open, validate and load a checkpoint as a dequantized official-name state dict.
+                    progress: bool = True, dequantize: bool = True) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Open, validate and load a checkpoint as an official-name state dict.
 
     Validation covers the whole checkpoint's headers against `expected_tensors(args, include_mtp=True)` (no
     unexpected tensor, every shape and dtype right) and requires every tensor that is loaded. Loaded: the
     globals (`embed`, `head`, `norm`, `hc_head_*`), main layers `< n_layers` (default all; callers pass
-    `dsv4.config.layers_from_env(...)`), and `mtp.*` only with `include_mtp`. No `.scale` entries are
-    returned: FP8/FP4 weights come dequantized. Every floating tensor is returned as `dtype` (so the F32
-    parameters hc_*, attn_sink, ape, gate.bias stay float32 when dtype is float32 and are cast to `dtype`
-    otherwise); `tid2eid` stays int64.
+    `dsv4.config.layers_from_env(...)`), and `mtp.*` only with `include_mtp`. Every floating non-quantized
+    tensor is returned as `dtype` (so the F32 parameters hc_*, attn_sink, ape, gate.bias stay float32 when
+    dtype is float32 and are cast to `dtype` otherwise); `tid2eid` stays int64.
+
+    `dequantize=True`: FP8/FP4 weights come dequantized to `dtype` (spec §2), no `.scale` entries.
+    `dequantize=False` (for `Transformer(weights="quantized")`): FP8 / FP4 weights come as stored (float8_e4m3fn
+    [out, in] / int8 [out, in/2]) together with their `.scale` (float8_e8m0fnu), untouched; the rest as above.
 
     Returns: (`args.with_layers(n_layers)` if n_layers is given else `args`, {name: tensor on `device`}).
     Raises: ValueError (n_layers outside 1..args.n_layers), FileNotFoundError, CheckpointError (see
-        `Checkpoint`, `Checkpoint.validate`, `Checkpoint.get`).
+        `Checkpoint`, `Checkpoint.validate`, `Checkpoint.get`; with `dequantize=False` also a checkpoint that
+        holds no FP8/FP4 weight: a bf16 checkpoint has nothing to keep quantized).
     """
     ck = Checkpoint(path)
     args = ck.args
     out_args = args if n_layers is None else args.with_layers(n_layers)
     want = expected_tensors(args, n_layers, include_mtp)
     ck.validate(expected_tensors(args, include_mtp=True), required=set(want))
-    names = sorted((n for n in want if not n.endswith(".scale")), key=lambda n: (str(ck.info(n)[2]), n))
+    raw = ("F8_E4M3", "I8", "F8_E8M0")
+    if not dequantize and not any(ck.info(n)[1] in raw for n in want):
+        raise CheckpointError(f"{ck.path}: dequantize=False, but the checkpoint holds no FP8/FP4 weight "
+                              f"(config.json dtype={args.dtype!r}, expert_dtype={args.expert_dtype!r}): a bf16 "
+                              "checkpoint has nothing to keep quantized")
+    names = sorted((n for n in want if not (dequantize and n.endswith(".scale"))),
+                   key=lambda n: (str(ck.info(n)[2]), n))
     if progress and len({ck.info(n)[2] for n in names}) > 1:
         from rich.progress import track
         names_iter = track(names, description=f"loading {len(names)} tensors from {ck.path.name}")
     else:
         names_iter = names
-    sd = {n: ck.get(n, dtype=dtype, device=device) for n in names_iter}
+
+    def one(n: str) -> torch.Tensor:
+        if not dequantize and ck.info(n)[1] in raw:
+            if not n.endswith(".scale"):
+                ck._scale_of(n)  # the F8_E8M0 .scale beside it (headers only)
+            return ck.get(n, dequantize=False, device=device)
+        return ck.get(n, dtype=dtype, device=device)
+
+    sd = {n: one(n) for n in names_iter}
     return out_args, dict(sorted(sd.items()))

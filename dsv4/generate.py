@@ -128,27 +128,35 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               backend: str = "reference", progress: bool = True) -> tuple[Transformer, int]:
+               backend: str = "reference", progress: bool = True, weights: str = "dequantized"
+               ) -> tuple[Transformer, int]:
     """Load the checkpoint directory `ckpt` honouring TEST_LAYERS; returns (model, effective layer count).
 
+    `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or "quantized" (kept FP8/FP4 +
+    ue8m0 scales on `device`, dequantized per use; same logits bit for bit, see `dsv4.resident`).
     Under a torchrun launch (WORLD_SIZE > 1) this rank's tensor/expert-parallel model is loaded instead
     (`dsv4.parallel.load_distributed_model`; each rank reads only its shards of the tensors, and on CUDA uses
     the device of its LOCAL_RANK). Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and
-    `dsv4.parallel.comm_from_env` raise.
+    `dsv4.parallel.comm_from_env` raise; CheckpointError for weights="quantized" on a bf16 checkpoint.
     """
     from dsv4.checkpoint import load_checkpoint
+    from dsv4.resident import WEIGHTS
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     if os.environ.get("WORLD_SIZE", "1") != "1":
         from dsv4.parallel import comm_from_env, load_distributed_model
 
         comm, rank_device = comm_from_env(device)
-        model, n = load_distributed_model(ckpt, comm, device=rank_device, dtype=dtype, backend=backend)
+        model, n = load_distributed_model(ckpt, comm, device=rank_device, dtype=dtype, backend=backend,
+                                          weights=weights)
         return model.eval().requires_grad_(False), n
 
     full = ModelArgs.from_hf_config(ckpt)
     n = layers_from_env(full.n_layers)
-    args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress)
-    model = Transformer(args, dtype=dtype, device=device, backend=backend)
+    args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
+                               dequantize=weights == "dequantized")
+    model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
     return model.eval().requires_grad_(False), n
 

@@ -98,20 +98,87 @@ class Linear(nn.Module):
     `quantized=True` marks a linear stored FP8/FP4 on disk: in bf16 mode its input is FP8-quantized first
     (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor,
     router, head): input and weight in fp32, output fp32.
+
+    Resident format `fmt` (spec §2; set by `hold`, which `Transformer(weights="quantized")` calls):
+        None    parameter `weight` [out, in] in `dtype` (fp32 with `fp32=True`): the dequantized model.
+        "fp8"   buffers `weight` float8_e4m3fn [out, in] + `scale` float8_e8m0fnu [ceil(out/128), ceil(in/128)]
+        "fp4"   buffers `weight` int8 [out, in/2] (two e2m1 codes, low nibble first) + `scale` float8_e8m0fnu
+                [out, in/32]
+    The buffers carry the official names, so the raw checkpoint tensors load without a rename. In "fp8" /
+    "fp4" the ATTRIBUTE `linear.weight` still reads as the [out, in] weight in the compute dtype, dequantized
+    on every access by `dsv4.quant` (a per-use temporary): `forward` and every caller that uses the weight
+    (e.g. the grouped `wo_a` einsum) compute exactly what the dequantized model computes. The stored codes
+    are `linear.codes` and the state dict's `<name>.weight`.
+
+    When `sim.resident == "quantized"` (set by `Transformer`) the parameter is created on the meta device, so
+    no full-precision copy is ever allocated; `hold` then gives the linear its storage.
     """
 
     def __init__(self, in_features: int, out_features: int, sim: _Sim, *, quantized: bool, fp32: bool = False,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.sim, self.quantized, self.fp32 = sim, quantized, fp32
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32 if fp32 else dtype))
+        self.fmt: str | None = None
+        self.compute_dtype = torch.float32 if fp32 else dtype
+        deferred = getattr(sim, "resident", "dequantized") == "quantized"
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.compute_dtype,
+                                               device="meta" if deferred else None))
+
+    def hold(self, fmt: str | None, device: str | torch.device) -> None:
+        """Give a deferred (meta) linear its storage on `device`: `fmt` None -> parameter [out, in] in the
+        compute dtype; "fp8" / "fp4" -> the on-disk buffers listed in the class docstring (uninitialised until
+        loaded). Raises ValueError for an unknown fmt, an FP4 width not divisible by 32, or a linear that
+        already holds storage."""
+        w = self._parameters.get("weight")
+        if self.fmt is not None or w is None or not w.is_meta:
+            raise ValueError("Linear.hold: the linear already holds its weight (only a deferred one can be held)")
+        out, inp = w.shape
+        del self.weight
+        if fmt is None:
+            self.weight = nn.Parameter(torch.empty(out, inp, dtype=self.compute_dtype, device=device))
+            return
+        from dsv4 import quant
+        if fmt == "fp8":
+            b = quant.FP8_BLOCK
+            codes = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(-(-out // b), -(-inp // b), dtype=torch.float8_e8m0fnu, device=device)
+        elif fmt == "fp4":
+            if inp % quant.FP4_BLOCK:
+                raise ValueError(f"Linear.hold('fp4'): in_features={inp} is not divisible by {quant.FP4_BLOCK}")
+            codes = torch.empty(out, inp // 2, dtype=torch.int8, device=device)
+            scale = torch.empty(out, inp // quant.FP4_BLOCK, dtype=torch.float8_e8m0fnu, device=device)
+        else:
+            raise ValueError(f"Linear.hold: fmt={fmt!r}, expected None, 'fp8' or 'fp4'")
+        self.register_buffer("weight", codes)
+        self.register_buffer("scale", scale)
+        self.fmt = fmt  # last: from here on the attribute `weight` dequantizes
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The stored weight tensor: the on-disk codes in "fp8" / "fp4", the parameter otherwise."""
+        return self._buffers["weight"] if self.fmt is not None else self._parameters["weight"]
+
+    def __getattr__(self, name: str):
+        if name == "weight" and self.__dict__.get("fmt") is not None:
+            return self.dequantized_weight()
+        return super().__getattr__(name)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[out, in] weight in the compute dtype: the parameter itself, or the codes dequantized now (fp8:
+        `quant.fp8_block_dequant`, fp4: `quant.fp4_dequant`; exact in fp32 and bf16)."""
+        if self.fmt is None:
+            return self._parameters["weight"]
+        from dsv4 import quant
+        deq = quant.fp8_block_dequant if self.fmt == "fp8" else quant.fp4_dequant
+        return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dequantized_weight()
         if self.fp32:
-            return x.float() @ self.weight.float().T
+            return x.float() @ w.float().T
         if self.quantized:
             x = self.sim.act(x)
-        return (x.float() @ self.weight.float().T).to(x.dtype)
+        return (x.float() @ w.float().T).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -561,18 +628,25 @@ class Transformer(nn.Module):
         dtype: torch.float32 (exact mode) or torch.bfloat16 (official numerics); see the module docstring.
         device: where parameters and state live.
         backend: "reference" or "triton" (`dsv4.backend.get_backend`; triton needs CUDA or TRITON_INTERPRET=1).
+        weights: "dequantized" (every weight a parameter in `dtype`) or "quantized" (every linear that is FP8 /
+            FP4 on disk, `wo_a` included, holds its on-disk codes + ue8m0 scales under the official names and
+            is dequantized to `dtype` per use; see `Linear`). Both compute the same logits bit for bit.
     Raises:
-        ValueError: unsupported dtype or backend.
+        ValueError: unsupported dtype, backend or weights mode; weights="quantized" for args whose checkpoint
+            holds no FP8/FP4 weight (a bf16 checkpoint).
     """
 
     def __init__(self, args: ModelArgs, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 backend: str = "reference"):
+                 backend: str = "reference", weights: str = "dequantized"):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
-        self.args, self.dtype = args, dtype
+        from dsv4.resident import check_weights_mode, hold_on_disk
+        check_weights_mode(weights, args)
+        self.args, self.dtype, self.weights = args, dtype, weights
         self.backend = get_backend(backend, torch.device(device))
         sim = _Sim(dtype == torch.bfloat16)
+        sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
         with torch.device(device):
             self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
             self.layers = nn.ModuleList(Block(args, i, sim, dtype) for i in range(args.n_layers))
@@ -583,25 +657,34 @@ class Transformer(nn.Module):
             self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
             self.hc_head = HcHead(args)
+        if weights == "quantized":
+            hold_on_disk(self, args, device)
 
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load an official-name state dict (from `dsv4.checkpoint.load_checkpoint`), casting each tensor to
-        the dtype of its parameter. Raises RuntimeError listing missing / unexpected keys and KeyError-free
-        shape mismatches (strict)."""
+        """Load an official-name state dict (from `dsv4.checkpoint.load_checkpoint`; with weights="quantized"
+        from `load_checkpoint(..., dequantize=False)`, which adds the `.scale` tensors), casting each
+        floating tensor to the dtype of its parameter. On-disk codes are never cast: a float8 / int8 tensor
+        must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else.
+        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, or such a dtype mismatch
+        (strict)."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
         if missing or unexpected:
-            raise RuntimeError(f"state dict does not match the model: missing={missing[:10]}"
-                               f"{'...' if len(missing) > 10 else ''} unexpected={unexpected[:10]}"
+            raise RuntimeError(f"state dict does not match the model (weights={self.weights!r}): missing="
+                               f"{missing[:10]}{'...' if len(missing) > 10 else ''} unexpected={unexpected[:10]}"
                                f"{'...' if len(unexpected) > 10 else ''}")
+        codes = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
         for k, v in state_dict.items():
             if tuple(v.shape) != tuple(own[k].shape):
                 raise RuntimeError(f"{k}: shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
+            if (v.dtype in codes or own[k].dtype in codes) and v.dtype != own[k].dtype:
+                raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's {own[k].dtype} "
+                                   f"(weights={self.weights!r}; on-disk codes are never cast)")
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
 
     def new_state(self, batch: int = 1) -> DecodeState:

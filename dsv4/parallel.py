@@ -41,10 +41,11 @@ from dsv4 import quant
 from dsv4.backend import get_backend
 from dsv4.config import ModelArgs
 from dsv4.model import Attention, Block, Expert, Gate, HcHead, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim
+from dsv4.resident import WEIGHTS, check_weights_mode, hold_on_disk
 
 __all__ = ["Comm", "comm_from_env", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
-           "expert_range", "ParallelTransformer", "build_model", "read_plan", "load_rank_state_dict",
-           "load_parallel_model", "load_distributed_model"]
+           "expert_range", "check_quantized_split", "ParallelTransformer", "build_model", "read_plan",
+           "load_rank_state_dict", "load_parallel_model", "load_distributed_model"]
 
 
 # ----------------------------------------------------------------------------------------------- comm
@@ -168,6 +169,27 @@ def _split_range(size: int, comm: Comm, name: str) -> tuple[int, int]:
     return comm.rank * n, n
 
 
+def check_quantized_split(args: ModelArgs, world_size: int) -> None:
+    """Weights resident quantized (`weights="quantized"`): every split FP8 tensor must be cut on a 128-row /
+    128-column block boundary, so that each rank holds whole 128x128 blocks and exactly their ue8m0 scales.
+
+    Raises ValueError naming the first tensor, its split dimension and the world size when a rank's part
+    (size / W) is not a multiple of 128. The published Flash and Pro shapes are aligned at W = 2, 4, 8.
+    """
+    from dsv4.checkpoint import expected_tensors
+
+    if world_size == 1:
+        return
+    b = quant.FP8_BLOCK
+    for name, (shape, dt) in expected_tensors(args).items():
+        kind, dim = shard_rule(name)
+        if kind == "split" and dt == "F8_E4M3" and (shape[dim] // world_size) % b:
+            raise ValueError(f"{name}: weights='quantized' keeps FP8 {b}x{b} blocks whole, but world_size="
+                             f"{world_size} splits its dim {dim} of {shape[dim]} into {shape[dim] // world_size} "
+                             f"per rank, not a multiple of {b} (load it with weights='dequantized', or use a world "
+                             f"size whose parts are multiples of {b})")
+
+
 def shard_tensor(name: str, t: torch.Tensor, args: ModelArgs, comm: Comm) -> torch.Tensor | None:
     """This rank's part of the FULL-PRECISION official tensor `name` (a view), or None if the rank does not
     hold it (another rank's expert). Not for `.scale` tensors (blocks may span ranks: see `read_plan`)."""
@@ -230,7 +252,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq = self.sim.act(x)
-        return self.comm.all_reduce(xq.float() @ self.weight.float().T).to(x.dtype)
+        return self.comm.all_reduce(xq.float() @ self.dequantized_weight().float().T).to(x.dtype)
 
 
 class ParallelIndexer(Indexer):
@@ -305,14 +327,18 @@ class ParallelTransformer(Transformer):
     """
 
     def __init__(self, args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", backend: str = "reference"):
+                 device: str | torch.device = "cpu", backend: str = "reference", weights: str = "dequantized"):
         nn.Module.__init__(self)
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
         attention_args(args, comm.world_size)  # divisibility check, before any allocation
-        self.args, self.dtype, self.comm = args, dtype, comm
+        check_weights_mode(weights, args)
+        if weights == "quantized":
+            check_quantized_split(args, comm.world_size)
+        self.args, self.dtype, self.comm, self.weights = args, dtype, comm, weights
         self.backend = get_backend(backend, torch.device(device))
         sim = _Sim(dtype == torch.bfloat16)
+        sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
         with torch.device(device):
             self.embed = VocabParallelEmbedding(args.vocab_size, args.dim, comm, dtype)
             self.layers = nn.ModuleList(ParallelBlock(args, i, sim, dtype, comm) for i in range(args.n_layers))
@@ -323,30 +349,45 @@ class ParallelTransformer(Transformer):
             self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
             self.hc_head = HcHead(args)
+        if weights == "quantized":
+            hold_on_disk(self, args, device)
 
 
 def build_model(args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", backend: str = "reference") -> Transformer:
-    """`Transformer` at world size 1 (the plain model), else `ParallelTransformer` for `comm.rank`."""
+                device: str | torch.device = "cpu", backend: str = "reference",
+                weights: str = "dequantized") -> Transformer:
+    """`Transformer` at world size 1 (the plain model), else `ParallelTransformer` for `comm.rank`; `weights` as
+    in `Transformer` (quantized needs `check_quantized_split`)."""
     if comm.world_size == 1:
-        return Transformer(args, dtype=dtype, device=device, backend=backend)
-    return ParallelTransformer(args, comm, dtype=dtype, device=device, backend=backend)
+        return Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)
+    return ParallelTransformer(args, comm, dtype=dtype, device=device, backend=backend, weights=weights)
 
 
 # ----------------------------------------------------------------------------------------------- loading
 def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[int, int, int] | None]:
-    """What rank `comm.rank` reads of each (non-`.scale`) official tensor: name -> (dim, start, length) for a
-    split tensor, None for a whole one; another rank's experts are absent. Shapes come from
-    `expected_tensors` (the on-disk [out, in] of FP8 weights; split tensors are never FP4)."""
+    """What rank `comm.rank` reads of each official tensor: name -> (dim, start, length) for a split tensor,
+    None for a whole one; another rank's experts are absent. Shapes come from `expected_tensors` (the on-disk
+    [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
+    gets the 128-blocks of its weight's part: (dim, start / 128, length / 128); ValueError naming the tensor and
+    the world size when that part is not block-aligned (`check_quantized_split`)."""
     from dsv4.checkpoint import expected_tensors
 
     inv = expected_tensors(args, include_mtp=any(n.startswith("mtp.") for n in names))
+    b = quant.FP8_BLOCK
     plan: dict[str, tuple[int, int, int] | None] = {}
     for name in names:
         kind, arg = shard_rule(name)
         if kind == "expert" and arg not in expert_range(args, comm):
             continue
-        if kind == "split":
+        if kind == "split" and name.endswith(".scale"):
+            weight = name.removesuffix(".scale") + ".weight"
+            start, n = _split_range(inv[weight][0][arg], comm, weight)
+            if start % b or n % b:
+                raise ValueError(f"{weight}: weights='quantized' keeps FP8 {b}x{b} blocks whole, but rank "
+                                 f"{comm.rank} of world_size={comm.world_size} owns {start}..{start + n} of dim "
+                                 f"{arg}, not {b}-block aligned")
+            plan[name] = (arg, start // b, n // b)
+        elif kind == "split":
             start, n = _split_range(inv[name][0][arg], comm, name)
             plan[name] = (arg, start, n)
         else:
@@ -354,21 +395,28 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
     return plan
 
 
+_CODES = ("F8_E4M3", "I8", "F8_E8M0")
+
+
 def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype,
-          device: str | torch.device) -> torch.Tensor:
-    """Tensor `name` (or its rows/columns `part`) dequantized to `dtype` on `device`, reading only that part."""
+          device: str | torch.device, raw: bool = False) -> torch.Tensor:
+    """Tensor `name` (or its rows/columns `part`) on `device`, reading only that part: dequantized to `dtype`,
+    or with `raw` (weights="quantized") FP8/FP4 codes and ue8m0 scales exactly as stored."""
+    shape, dt, f = ck.info(name)
+    keep = raw and dt in _CODES
     if part is None:
-        return ck.get(name, dtype=dtype, device=device)
+        return ck.get(name, dequantize=False, device=device) if keep else ck.get(name, dtype=dtype, device=device)
     from safetensors import safe_open
 
     dim, start, n = part
-    shape, dt, f = ck.info(name)
     if f not in handles:
         handles[f] = safe_open(str(f), framework="pt", device="cpu")
     sl = handles[f].get_slice(name)
-    raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+    part_raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+    if keep:
+        return part_raw
     if dt in ("BF16", "F32"):
-        return raw.to(dtype)
+        return part_raw.to(dtype)
     if dt != "F8_E4M3":
         from dsv4.checkpoint import CheckpointError
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
@@ -378,64 +426,88 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
     b0 = start // b
     s = s.narrow(dim, b0, -(-(start + n) // b) - b0).repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
     other = 1 - dim
-    s = s.repeat_interleave(b, other).narrow(other, 0, raw.shape[other])
-    return (raw.float() * s).to(dtype)
+    s = s.repeat_interleave(b, other).narrow(other, 0, part_raw.shape[other])
+    return (part_raw.float() * s).to(dtype)
 
 
-def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None = None,
-                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                         ) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Rank `comm.rank`'s dequantized state dict from a checkpoint directory, reading only what it owns
-    (`read_plan`: its rows / columns of split tensors through safetensors slices, its experts, the replicated
-    tensors). Validation and dtype rules are those of `dsv4.checkpoint.load_checkpoint` (main layers < n_layers,
-    no MTP). Raises what `Checkpoint` / `Checkpoint.validate` raise, ValueError for an indivisible layout.
-    """
-    from dsv4.checkpoint import Checkpoint, expected_tensors
+def _open_for(path: str | Path, comm: Comm, n_layers: int | None, weights: str):
+    """(Checkpoint, args, read plan) of rank `comm.rank`, validated; `.scale` planned only for "quantized"."""
+    from dsv4.checkpoint import Checkpoint, CheckpointError, expected_tensors
 
     ck = Checkpoint(path)
     args = ck.args if n_layers is None else ck.args.with_layers(n_layers)
     attention_args(args, comm.world_size)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     want = expected_tensors(ck.args, n_layers)
     ck.validate(expected_tensors(ck.args, include_mtp=True), required=set(want))
-    plan = read_plan(args, comm, sorted(n for n in want if not n.endswith(".scale")))
+    if weights == "quantized":
+        if not any(ck.info(n)[1] in ("F8_E4M3", "I8") for n in want):
+            raise CheckpointError(f"{ck.path}: weights='quantized', but the checkpoint holds no FP8/FP4 weight "
+                                  f"(config.json dtype={ck.args.dtype!r}, expert_dtype={ck.args.expert_dtype!r}): "
+                                  "a bf16 checkpoint has nothing to keep quantized")
+        check_quantized_split(args, comm.world_size)
+    names = sorted(n for n in want if weights == "quantized" or not n.endswith(".scale"))
+    return ck, args, read_plan(args, comm, names)
+
+
+def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None = None,
+                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                         weights: str = "dequantized") -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Rank `comm.rank`'s state dict from a checkpoint directory, reading only what it owns (`read_plan`: its
+    rows / columns of split tensors through safetensors slices, its experts, the replicated tensors).
+    weights="dequantized": FP8/FP4 dequantized to `dtype`, no `.scale`; "quantized": codes + `.scale` as stored
+    (the rank's whole 128-blocks). Validation and dtype rules are those of `dsv4.checkpoint.load_checkpoint`
+    (main layers < n_layers, no MTP). Raises what `Checkpoint` / `Checkpoint.validate` raise, ValueError for an
+    indivisible layout or (quantized) a split that is not 128-block aligned, CheckpointError for quantized on a
+    bf16 checkpoint.
+    """
+    ck, args, plan = _open_for(path, comm, n_layers, weights)
     handles: dict = {}
-    return args, {name: _read(ck, handles, name, part, dtype, device) for name, part in plan.items()}
+    raw = weights == "quantized"
+    return args, {name: _read(ck, handles, name, part, dtype, device, raw) for name, part in plan.items()}
 
 
 def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = None,
                         dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                        backend: str = "reference") -> Transformer:
+                        backend: str = "reference", weights: str = "dequantized") -> Transformer:
     """`build_model` + the rank's weights streamed into it one tensor at a time (peak host memory: one tensor).
-    Raises RuntimeError listing names the model and the read plan disagree on, plus what the loaders raise."""
-    from dsv4.checkpoint import Checkpoint, expected_tensors
-
-    ck = Checkpoint(path)
-    args = ck.args if n_layers is None else ck.args.with_layers(n_layers)
-    model = build_model(args, comm, dtype=dtype, device=device, backend=backend)
-    want = expected_tensors(ck.args, n_layers)
-    ck.validate(expected_tensors(ck.args, include_mtp=True), required=set(want))
-    plan = read_plan(args, comm, sorted(n for n in want if not n.endswith(".scale")))
+    `weights` as in `Transformer` / `load_rank_state_dict`. Raises RuntimeError listing names the model and the
+    read plan disagree on, or a stored code whose dtype differs from the model's buffer, plus what the loaders
+    raise."""
+    ck, args, plan = _open_for(path, comm, n_layers, weights)
+    model = build_model(args, comm, dtype=dtype, device=device, backend=backend, weights=weights)
     own = model.state_dict()
     if set(own) != set(plan):
         raise RuntimeError(f"rank {comm.rank}: model and read plan disagree: only in model "
                            f"{sorted(set(own) - set(plan))[:5]}, only in plan {sorted(set(plan) - set(own))[:5]}")
     handles: dict = {}
+    raw = weights == "quantized"
     with torch.no_grad():
         for name, part in plan.items():
-            t = _read(ck, handles, name, part, dtype if own[name].is_floating_point() else torch.float32, device)
+            t = _read(ck, handles, name, part, dtype if own[name].is_floating_point() else torch.float32, device,
+                      raw)
             if tuple(t.shape) != tuple(own[name].shape):
                 raise RuntimeError(f"{name}: rank {comm.rank} read shape {tuple(t.shape)}, model has "
                                    f"{tuple(own[name].shape)}")
+            if t.dtype in _TORCH_CODES and t.dtype != own[name].dtype:
+                raise RuntimeError(f"{name}: rank {comm.rank} read {t.dtype}, model holds {own[name].dtype} "
+                                   "(on-disk codes are never cast)")
             own[name].copy_(t.to(own[name].dtype))
     return model.eval()
 
 
+_TORCH_CODES = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+
+
 def load_distributed_model(ckpt: str | Path, comm: Comm, *, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                           backend: str = "reference") -> tuple[Transformer, int]:
+                           backend: str = "reference", weights: str = "dequantized") -> tuple[Transformer, int]:
     """`dsv4.generate.load_model` for a torchrun launch: the rank's model honouring TEST_LAYERS; returns (model,
-    effective main-layer count). At world size 1 this is the plain model loaded the same way."""
+    effective main-layer count). At world size 1 this is the plain model loaded the same way. `weights` as in
+    `Transformer`."""
     from dsv4.checkpoint import Checkpoint
     from dsv4.config import layers_from_env
 
     n = layers_from_env(Checkpoint(ckpt).args.n_layers)
-    return load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=device, backend=backend), n
+    return load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=device, backend=backend,
+                               weights=weights), n
