@@ -128,10 +128,10 @@ def yarn_mscale_applied(mp: MP) -> None:
 
     orig = Attention.__init__
 
-    def __init__(self, args, layer_id, sim, dtype):
-        orig(self, args, layer_id, sim, dtype)
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
         if self.ratio:
-            mscale = 0.1 * math.log(args.rope_factor) + 1.0
+            mscale = 0.1 * math.log(self.args.rope_factor) + 1.0
             self.scale = self.scale * mscale * mscale  # MUTANT
 
     mp.setattr(Attention, "__init__", __init__)
@@ -152,9 +152,9 @@ def window_off_by_one(mp: MP) -> None:
 
     orig = Attention.__init__
 
-    def __init__(self, args, layer_id, sim, dtype):
-        orig(self, args, layer_id, sim, dtype)
-        self.window = args.window_size + 1  # MUTANT
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
+        self.window = self.args.window_size + 1  # MUTANT
 
     mp.setattr(Attention, "__init__", __init__)
 
@@ -171,7 +171,7 @@ def attention_sink_dropped(mp: MP) -> None:
     mp.setattr(attention, "sparse_attn_ref", sparse_attn_ref)
 
 
-# ------------------------------------------------------------------------------------------------ compressor / indexer
+# ------------------------------------------------------------------------------------------ compressor / indexer
 def csa_overlap_state_lost(mp: MP) -> None:
     """After the prefill, the overlapping (CSA) compressor forgets the previous full window (slots 0..r-1),
     so the first entry completed by decode pools zeros / -inf instead of the prefill's last window."""
@@ -239,11 +239,12 @@ def hash_routing_ignored(mp: MP) -> None:
 
     orig = Gate.__init__
 
-    def __init__(self, args, layer_id):
-        orig(self, args, layer_id)
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
         if self.hash:  # MUTANT: route as a score layer; a non-persistent zero bias keeps the state dict intact
             self.hash = False
-            self.register_buffer("bias", torch.zeros(args.n_routed_experts), persistent=False)
+            self.register_buffer("bias", torch.zeros(self.weight.shape[0], device=self.weight.device),
+                                 persistent=False)
 
     mp.setattr(Gate, "__init__", __init__)
 
@@ -255,8 +256,8 @@ def swiglu_clamp_missing(mp: MP) -> None:
 
     orig = Expert.__init__
 
-    def __init__(self, dim, inter, limit, sim, dtype):
-        orig(self, dim, inter, limit, sim, dtype)
+    def __init__(self, *a, **kw):
+        orig(self, *a, **kw)
         self.limit = 0.0  # MUTANT
 
     mp.setattr(Expert, "__init__", __init__)
