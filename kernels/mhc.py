@@ -179,9 +179,11 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
                  N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr):
     """Partial `fn @ X` and Σ X² of tokens [pid_t·TOK, pid_t·TOK + TOK) over K-slice pid_s → mix[t, pid_s, :],
-    ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum); rows beyond TOK are masked (never loaded)."""
-    offs_t = pid_t * TOK + tl.arange(0, BT)
-    mask_t = (offs_t < T) & (tl.arange(0, BT) < TOK)
+    ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum; BT a multiple of TOK); a token sits in row
+    t mod BT whatever TOK is, the other rows are masked (never loaded), so TOK < BT computes every token's row
+    exactly as TOK = BT does (bitwise; the interpreter's numpy dot rounds by row position too)."""
+    offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
+    mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
     offs_n = tl.arange(0, NP)
     mask_n = offs_n < N_MIX
     row = offs_t.to(tl.int64) * K
@@ -362,18 +364,19 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     comb = x if comb is None else comb
     consts = dict(HC=hc, NP=np_, IS_HEAD=is_head)
     scalars = (iters, float(hc_eps), float(norm_eps), 1.0 / K)
-    BK = 64
+    BK, BT = 64, (64 if T >= 1024 else 16)
+    # The split count is that of the two-launch path (token blocks of BT) in both paths: every token's partial
+    # sums then cover the same K-slices in the same order, so both paths give bitwise the same outputs. (Splits
+    # sized for 2-token blocks made each program walk 50 K-tiles serially: 47-93 µs at T = 64, see RESULTS.md.)
+    per_split, S = _split_k(T, K, BT, BK, H.device)
     if one_launch:
         TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
-        per_split, S = _split_k(T, K, TOK, BK, H.device)
         n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
         _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
                                     N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=16, BK=BK, TOK=TOK,
                                     BD=min(1024, triton.next_power_of_2(D)), num_warps=4, **consts)
         return
-    BT = 64 if T >= 1024 else 16
-    per_split, S = _split_k(T, K, BT, BK, H.device)
     mix = torch.empty((T, S, np_), dtype=torch.float32, device=H.device)
     ss = torch.empty((T, S), dtype=torch.float32, device=H.device)
     _hc_mix_kernel[(triton.cdiv(T, BT), S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK,

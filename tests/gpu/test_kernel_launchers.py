@@ -140,3 +140,15 @@ def test_bad_index_guard_on_cuda(seed, splits):
     assert_close(got[0], sparse_attn_ref(q[:1], kv[:1], sink, idx[:1], 512 ** -0.5)[0], "the other query")
     with pytest.raises(ValueError, match="idx values must be -1"):
         sparse_attn(q, kv, sink, idx, 512 ** -0.5, num_splits=splits, check_idx=True)
+
+
+@pytest.mark.parametrize("T", [8, 64], ids=["T8", "T64"])
+def test_one_launch_bitwise_equals_two_launch(seed, T):
+    """Same split count and dot-row position per token in both mHC paths -> bitwise the same outputs."""
+    from kernels.mhc import hc_head, hc_pre
+    pre, head = mix_inputs(T, False), mix_inputs(T, True)
+    for name, a, b in zip(("x", "post", "comb"), hc_pre(*pre, **KW, one_launch=True),
+                          hc_pre(*pre, **KW, one_launch=False)):
+        assert_equal(a, b, f"hc_pre {name} one vs two launches, T={T}")
+    assert_equal(hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=True),
+                 hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=False), f"hc_head one vs two, T={T}")
