@@ -133,11 +133,11 @@ class Linear(nn.Module):
         if self.fmt is not None or w is None or not w.is_meta:
             raise ValueError("Linear.hold: the linear already holds its weight (only a deferred one can be held)")
         out, inp = w.shape
-        del self.weight
+        from dsv4 import quant
         if fmt is None:
+            del self.weight
             self.weight = nn.Parameter(torch.empty(out, inp, dtype=self.compute_dtype, device=device))
             return
-        from dsv4 import quant
         if fmt == "fp8":
             b = quant.FP8_BLOCK
             codes = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=device)
@@ -149,6 +149,7 @@ class Linear(nn.Module):
             scale = torch.empty(out, inp // quant.FP4_BLOCK, dtype=torch.float8_e8m0fnu, device=device)
         else:
             raise ValueError(f"Linear.hold: fmt={fmt!r}, expected None, 'fp8' or 'fp4'")
+        del self.weight
         self.register_buffer("weight", codes)
         self.register_buffer("scale", scale)
         self.fmt = fmt  # last: from here on the attribute `weight` dequantizes
