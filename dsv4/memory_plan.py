@@ -5,7 +5,7 @@ Two residency plans (bytes per tensor; "logical" = the dequantized [out, in] ele
                  bf16 (2 B/element), the fp32-compute linears (head, router gate, compressor wkv/wgate) and all
                  norms, hc_*, attn_sink, ape, gate.bias in fp32 (4 B), embed bf16, tid2eid int64, no scales.
     "quantized"  weights kept in their on-disk precision (FP8 e4m3 1 B + ue8m0 scale per 128x128 block; FP4 0.5 B +
-                 ue8m0 per 32), dequantized per use; attn.wo_a bf16 (the official convert.py dequantizes it);
+                 ue8m0 per 32), dequantized per use; attn.wo_a FP8 too (the official convert.py dequantizes it at convert time; we keep the on-disk codes);
                  everything else as in "bf16". Adds a transient: the largest per-use bf16 dequantization.
 Distribution (dsv4.parallel.shard_rule): split tensors / W, routed experts E / W per rank, the rest replicated.
 MTP blocks are not counted (the model never runs them) unless `include_mtp`. The decode state (`state_bytes`) is
@@ -60,9 +60,9 @@ def _resident(name: str, shape: tuple[int, ...], dt: str, resident: str) -> tupl
     """(bytes, held dtype) of one tensor under a plan; `.scale` tensors cost 0 in the bf16 plan."""
     quantized = dt in ("F8_E4M3", "I8")
     if name.endswith(".scale"):
-        keep = resident == "quantized" and ".attn.wo_a." not in name
+        keep = resident == "quantized"
         return (math.prod(shape) * DTYPE_BYTES[dt], dt) if keep else (0, "none")
-    if quantized and resident == "quantized" and ".attn.wo_a." not in name:
+    if quantized and resident == "quantized":
         return math.prod(shape) * DTYPE_BYTES[dt], dt
     if dt == "I64":
         return math.prod(shape) * 8, "I64"

@@ -104,11 +104,10 @@ class Linear(nn.Module):
         "fp8"   buffers `weight` float8_e4m3fn [out, in] + `scale` float8_e8m0fnu [ceil(out/128), ceil(in/128)]
         "fp4"   buffers `weight` int8 [out, in/2] (two e2m1 codes, low nibble first) + `scale` float8_e8m0fnu
                 [out, in/32]
-    The buffers carry the official names, so the raw checkpoint tensors load without a rename. In "fp8" /
-    "fp4" the ATTRIBUTE `linear.weight` still reads as the [out, in] weight in the compute dtype, dequantized
-    on every access by `dsv4.quant` (a per-use temporary): `forward` and every caller that uses the weight
-    (e.g. the grouped `wo_a` einsum) compute exactly what the dequantized model computes. The stored codes
-    are `linear.codes` and the state dict's `<name>.weight`.
+    The buffers carry the official names, so the raw checkpoint tensors load without a rename. Whoever needs
+    the [out, in] weight in the compute dtype (`forward`, the grouped `wo_a` einsum) calls
+    `dequantized_weight()`, which dequantizes the codes per use with `dsv4.quant` (a temporary), so both
+    formats compute exactly what the dequantized model computes. The stored tensor is `linear.codes`.
 
     When `sim.resident == "quantized"` (set by `Transformer`) the parameter is created on the meta device, so
     no full-precision copy is ever allocated; `hold` then gives the linear its storage.
@@ -152,17 +151,12 @@ class Linear(nn.Module):
         del self.weight
         self.register_buffer("weight", codes)
         self.register_buffer("scale", scale)
-        self.fmt = fmt  # last: from here on the attribute `weight` dequantizes
+        self.fmt = fmt
 
     @property
     def codes(self) -> torch.Tensor:
         """The stored weight tensor: the on-disk codes in "fp8" / "fp4", the parameter otherwise."""
         return self._buffers["weight"] if self.fmt is not None else self._parameters["weight"]
-
-    def __getattr__(self, name: str):
-        if name == "weight" and self.__dict__.get("fmt") is not None:
-            return self.dequantized_weight()
-        return super().__getattr__(name)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the compute dtype: the parameter itself, or the codes dequantized now (fp8:
@@ -479,7 +473,7 @@ class Attention(nn.Module):
         o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
         o = torch.cat((o[..., :-self.rd], apply_rope(o[..., -self.rd:], pos, self.inv_freq, inverse=True)), -1)
         o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
-        wa = self.wo_a.weight.view(self.groups, -1, o.shape[-1])
+        wa = self.wo_a.dequantized_weight().view(self.groups, -1, o.shape[-1])
         z = torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(x.dtype)
         return self.wo_b(z.flatten(2))
 

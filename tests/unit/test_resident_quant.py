@@ -3,7 +3,7 @@
 Criteria: quantized-resident logits EQUAL the dequantized model's bit for bit (same `dsv4.quant` dequantization,
 same fp32 matmul; prefill at every position and 3 greedy decode steps, fp32 and bf16); the bytes held per family
 (F8_E4M3 codes, I8 FP4 codes, F8_E8M0 scales) equal the checkpoint's, and a bf16 model's bytes per dtype equal
-`memory_plan.rank_memory(..., "quantized")` with wo_a held FP8 (`_plan_bytes`); world size 2 (gloo)
+`memory_plan.rank_memory(..., "quantized")` (`_plan_bytes`; wo_a held FP8 as on disk); world size 2 (gloo)
 quantized equals world size 2 dequantized bitwise and world size 1 to atol 2e-5 / rtol 1e-5 (the tolerance of
 tests/unit/test_parallel.py: only the summation order of the reductions differs).
 
@@ -79,17 +79,8 @@ def _bytes(sd: dict[str, torch.Tensor]) -> dict[str, int]:
 
 
 def _plan_bytes(args, world: int, rank: int) -> dict[str, int]:
-    """`rank_memory(..., "quantized").by_dtype` (a bf16 model) with attn.wo_a moved: the plan keeps wo_a in bf16
-    (official convert.py); the model holds wo_a FP8 + scale as on disk (a 1/W row share of each)."""
-    from dsv4.checkpoint import expected_tensors
-
-    got = dict(rank_memory(args, world, rank, "quantized").by_dtype)
-    for name, (shape, dt) in expected_tensors(args).items():
-        if ".attn.wo_a." in name:
-            got[dt] = got.get(dt, 0) + shape[0] // world * shape[1]
-            if dt == "F8_E4M3":
-                got["BF16"] -= 2 * shape[0] // world * shape[1]
-    return dict(sorted(got.items()))
+    """`rank_memory(..., "quantized").by_dtype`: the plan, which holds every FP8/FP4 tensor as on disk."""
+    return dict(sorted(rank_memory(args, world, rank, "quantized").by_dtype.items()))
 
 
 # ------------------------------------------------------------------------------------------- world size 1
@@ -103,7 +94,7 @@ def test_quantized_resident_logits_equal_dequantized_bitwise(tiny_ckpt, dtype):
     for step, (x, y) in enumerate(zip(a, b)):
         assert_equal(y, x, f"{dtype} quantized-resident logits step {step}")
     wo_a = qnt.layers[1].attn.wo_a
-    assert wo_a.fmt == "fp8" and wo_a.codes.dtype == torch.float8_e4m3fn and wo_a.weight.dtype == dtype
+    assert wo_a.fmt == "fp8" and wo_a.codes.dtype == torch.float8_e4m3fn and wo_a.dequantized_weight().dtype == dtype
     assert qnt.layers[1].ffn.experts[0].w2.codes.dtype == torch.int8 and qnt.head.fmt is None
 
 
@@ -136,7 +127,7 @@ def test_held_bytes_equal_checkpoint_and_memory_plan(tiny_ckpt):
     assert fp32 > 3 * sum(held.values())  # FP8 is 4x smaller than fp32, FP4 8x, scales add < 1/30
 
 
-def test_linear_dequantizes_on_every_access():
+def test_linear_dequantizes_per_use():
     from dsv4 import quant
 
     sim = _Sim(False)
@@ -147,7 +138,8 @@ def test_linear_dequantizes_on_every_access():
     q, s = quant.fp8_block_quant(torch.randn(130, 256, generator=torch.Generator().manual_seed(1)))
     lin.load_state_dict({"weight": q, "scale": s})
     assert lin.state_dict()["weight"].dtype == torch.float8_e4m3fn and tuple(lin.scale.shape) == (2, 2)
-    assert_equal(lin.weight, quant.fp8_block_dequant(q, s), "Linear.weight (dequantized per access)")
+    assert lin.codes is lin.weight and lin.codes.dtype == torch.float8_e4m3fn
+    assert_equal(lin.dequantized_weight(), quant.fp8_block_dequant(q, s), "Linear.dequantized_weight()")
     x = torch.randn(3, 256)
     assert_equal(lin(x), x @ quant.fp8_block_dequant(q, s).T, "Linear fp8 forward")
     with pytest.raises(ValueError, match="already holds"):
