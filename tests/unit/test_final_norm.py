@@ -101,3 +101,13 @@ def test_bf16_model_passes(tiny_ckpt):
     m, _ = load_model(tiny_ckpt, dtype=torch.bfloat16, progress=False)
     r = final_norm_check(m, PROMPT, decode_steps=1)
     assert r.passed, (r.verdict, r.comparisons)
+
+
+def test_nonfinite_weights_are_named_not_blamed_on_the_norm(model):
+    """NaN weights make every comparison fail; the verdict must say non-finite, and the norm still ran."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        m.hc_head_fn.fill_(float("nan"))
+    r = final_norm_check(m, PROMPT, decode_steps=1)
+    assert not r.passed and "non-finite" in r.verdict
+    assert r.chain_ok and r.norm_calls == r.steps == 2
