@@ -169,8 +169,10 @@ class ModelArgs:
 
         Raises:
             FileNotFoundError: the path has no config.json.
-            ValueError: a required key is missing, has the wrong type, or a value is unsupported (the message
-                names the file and key); `num_key_value_heads != 1`; `rope_scaling` not YaRN.
+            ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
+                key is missing, has the wrong type, or a value is unsupported (the message names the file and
+                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; a value `ModelArgs` rejects (its
+                message, prefixed with the config file when read from one).
         """
         src = "<dict>"
         if isinstance(path_or_dict, dict):
@@ -183,9 +185,12 @@ class ModelArgs:
                 raise FileNotFoundError(f"{p}: no config.json (expected an HF-style DeepSeek-V4 config)")
             src = str(p)
             try:
-                cfg = json.loads(p.read_text())
-            except json.JSONDecodeError as e:
+                cfg = json.loads(p.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{src}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{src}: top level is a JSON {type(cfg).__name__}, expected a JSON object "
+                             "(one HF-style DeepSeek-V4 config, not a list of them)")
 
         def get(key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
             if key not in cfg:
@@ -209,19 +214,31 @@ class ModelArgs:
             rs = rp.get("compress") if isinstance(rp, dict) else None
         if rs is None:
             raise ValueError(f"{src}: missing key 'rope_scaling' (YaRN parameters for compressed layers)")
+        if not isinstance(rs, dict):
+            raise ValueError(f"{src}: key 'rope_parameters.compress'={rs!r} has type {type(rs).__name__}, "
+                             "expected a JSON object (YaRN parameters)")
         rtype = rs.get("type", rs.get("rope_type"))
         if rtype != "yarn":
             raise ValueError(f"{src}: rope_scaling.type={rtype!r}, expected 'yarn'")
         for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
             if k not in rs:
                 raise ValueError(f"{src}: missing key 'rope_scaling.{k}'")
+            v = rs[k]
+            integral = isinstance(v, int) or isinstance(v, float) and v.is_integer()
+            if isinstance(v, bool) or not isinstance(v, num) or k != "factor" and not integral:
+                raise ValueError(f"{src}: key 'rope_scaling.{k}'={v!r} has type {type(v).__name__}, expected "
+                                 f"{'a number' if k == 'factor' else 'an integer'}")
         q = cfg.get("quantization_config")
+        if q is not None and not isinstance(q, dict):
+            raise ValueError(f"{src}: key 'quantization_config'={q!r} has type {type(q).__name__}, expected a "
+                             "JSON object (absent for a bf16 checkpoint)")
         if q is None:
             dtype, scale_fmt = "bf16", None
         else:
             if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"{src}: quantization_config={q!r}, expected quant_method 'fp8', fmt 'e4m3'")
-            if list(q.get("weight_block_size", [128, 128])) != [128, 128]:
+            wbs = q.get("weight_block_size", [128, 128])
+            if not isinstance(wbs, (list, tuple)) or list(wbs) != [128, 128]:
                 raise ValueError(f"{src}: quantization_config.weight_block_size="
                                  f"{q.get('weight_block_size')!r}, expected [128, 128]")
             dtype, scale_fmt = "fp8", q.get("scale_fmt", "ue8m0")
@@ -231,7 +248,7 @@ class ModelArgs:
             expert_dtype = "fp4" if dtype == "fp8" else "bf16"
         n_layers = get("num_hidden_layers", int)
         ratios = get("compress_ratios", list)
-        return cls(
+        fields = dict(
             vocab_size=get("vocab_size", int),
             dim=get("hidden_size", int),
             moe_inter_dim=get("moe_intermediate_size", int),
@@ -271,6 +288,12 @@ class ModelArgs:
             bos_token_id=get("bos_token_id", int, 0),
             eos_token_id=get("eos_token_id", int, 1),
         )
+        try:
+            return cls(**fields)
+        except ValueError as e:  # name the file the bad value came from
+            if src == "<dict>":
+                raise
+            raise ValueError(f"{src}: {e}") from None
 
     def to_hf_config(self) -> dict[str, Any]:
         """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,38 @@ def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
     p.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=f"{p}: .*{message}"):
         ModelArgs.from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("LIST", r"top level is a JSON list, expected a JSON object"),
+    ('"deepseek_v4"', r"top level is a JSON str, expected a JSON object"),
+    ("{", r"not valid JSON"),
+], ids=["list", "string", "broken"])
+def test_config_file_not_an_object(tmp_path, text, message):
+    p = tmp_path / "config.json"
+    p.write_text(f"[{FLASH.read_text()}]" if text == "LIST" else text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
+        ModelArgs.from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(num_attention_heads=60), r"ModelArgs.o_groups=8: expected a divisor of n_heads \(60\)"),
+    (lambda c: c.update(compress_ratios=[0, 0, 4]), r"ModelArgs.compress_ratios=.*: expected at least n_layers=43"),
+    (lambda c: c.update(quantization_config=[128, 128]), r"key 'quantization_config'=\[128, 128\] has type list"),
+    (lambda c: c["rope_scaling"].update(beta_fast="32"), r"key 'rope_scaling.beta_fast'='32' has type str"),
+    (lambda c: c["rope_scaling"].update(original_max_position_embeddings=65536.5),
+     r"key 'rope_scaling.original_max_position_embeddings'=65536.5 has type float, expected an integer"),
+], ids=["model_args", "ratios", "quant_list", "beta_str", "orig_len_fraction"])
+def test_model_args_errors_name_the_config_file(tmp_path, edit, message):
+    cfg = json.loads(FLASH.read_text())
+    edit(cfg)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
+        ModelArgs.from_hf_config(p)
+    if message.startswith("ModelArgs"):  # a dict has no file to name: ModelArgs' own message, unprefixed
+        with pytest.raises(ValueError, match=f"^{message}"):
+            ModelArgs.from_hf_config(cfg)
 
 
 def test_missing_config_file(tmp_path):
