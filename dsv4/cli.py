@@ -24,14 +24,60 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _non_negative_float(text: str) -> float:
+def _temperature(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not >= 0")
+    if not (v >= 0 and v != float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
     return v
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is visible on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a cpu or cuda device")
+    return text
+
+
+def _json_out(text: str) -> Path:
+    p = Path(text)
+    if p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
+    if not p.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: directory {str(p.parent)!r} does not exist")
+    return p
+
+
+def _text(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("the prompt is not valid UTF-8 text") from None
+    return text
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=_device, default="cpu", help="torch device (default cpu)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 = the official numerics (default); fp32 = exact mode")
+    p.add_argument("--backend", choices=("reference", "triton"), default="reference",
+                   help="hot-path implementation (triton needs CUDA)")
+    p.add_argument("--weights", choices=("dequantized", "quantized"), default="dequantized",
+                   help="hold FP8/FP4 weights dequantized, or as on disk and dequantize per use")
+    think = p.add_mutually_exclusive_group()
+    think.add_argument("--thinking", dest="thinking", action="store_true", default=True,
+                       help="thinking mode (default, as DeepSeek's API): the prompt ends in <think>")
+    think.add_argument("--no-thinking", dest="thinking", action="store_false",
+                       help="chat mode: the prompt ends in </think>")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,26 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run both decisive tests (prompt format, final norm) and print the report")
     d.add_argument("--ckpt", type=Path, default=None,
                    help="checkpoint directory (default: $DSV4_CKPT, else a tiny checkpoint built on the fly)")
-    d.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
+    d.add_argument("--prompt", type=_text, default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
     d.add_argument("--decode-steps", type=_positive_int, default=2, help="decode steps after prefill (>= 1)")
-    d.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the report as JSON")
-    d.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    d.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="bf16 = the official numerics (default); fp32 = exact mode")
-    think = d.add_mutually_exclusive_group()
-    think.add_argument("--thinking", dest="thinking", action="store_true", default=True)
-    think.add_argument("--no-thinking", dest="thinking", action="store_false")
+    d.add_argument("--json", type=_json_out, default=None, metavar="FILE", help="also write the report as JSON")
+    _model_options(d)
 
     g = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one user prompt")
     g.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
-    g.add_argument("--prompt", required=True, help="user prompt text")
+    g.add_argument("--prompt", type=_text, required=True, help="user prompt text")
     g.add_argument("--max-tokens", type=_positive_int, default=64)
-    g.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    g.add_argument("--device", default="cpu")
-    think = g.add_mutually_exclusive_group()
-    think.add_argument("--thinking", dest="thinking", action="store_true", default=True)
-    think.add_argument("--no-thinking", dest="thinking", action="store_false")
+    _model_options(g)
 
     t = sub.add_parser("make-tiny", allow_abbrev=False,
                        help="write a tiny random DeepSeek-V4 checkpoint in the official on-disk layout")
@@ -88,17 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         from dsv4.diagnose import run_diagnose
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
                             json_path=args.json, thinking=args.thinking, device=args.device,
-                            dtype=args.dtype)
+                            dtype=args.dtype, backend=args.backend, weights=args.weights)
     if args.command == "generate":
         from dsv4.generate import run_generate
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,
                             temperature=args.temperature, thinking=args.thinking, seed=args.seed,
-                            device=args.device)
+                            device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
     if args.command == "make-tiny":
         from dsv4.tiny import make_tiny
         try:
             out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
-        except (FileExistsError, ValueError) as e:
+        except (OSError, ValueError) as e:
             print(f"dsv4 make-tiny: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote tiny DeepSeek-V4 checkpoint ({args.variant}) to {out}")

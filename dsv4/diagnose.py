@@ -225,7 +225,7 @@ def format_final_norm_report(r) -> str:
 
 
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
-                 device: str, dtype: str = "bf16") -> int:
+                 device: str, dtype: str = "bf16", backend: str = "reference", weights: str = "dequantized") -> int:
     """See `_run_diagnose`; under torchrun only rank 0 prints and writes the JSON report (every rank computes)."""
     import contextlib
     import io
@@ -233,13 +233,13 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
     from dsv4.generate import is_rank_zero
 
     if is_rank_zero():
-        return _run_diagnose(ckpt, prompt, decode_steps, json_path, thinking, device, dtype)
+        return _run_diagnose(ckpt, prompt, decode_steps, json_path, thinking, device, dtype, backend, weights)
     with contextlib.redirect_stdout(io.StringIO()):
-        return _run_diagnose(ckpt, prompt, decode_steps, None, thinking, device, dtype)
+        return _run_diagnose(ckpt, prompt, decode_steps, None, thinking, device, dtype, backend, weights)
 
 
 def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
-                  device: str, dtype: str) -> int:
+                  device: str, dtype: str, backend: str, weights: str) -> int:
     """Entry point of `dsv4 diagnose`: both decisive tests on one checkpoint, printed as one labelled report.
 
     Checkpoint: `ckpt`, else `$DSV4_CKPT`, else a tiny random checkpoint built in a temporary directory.
@@ -267,7 +267,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                 path = make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
             ident = _checkpoint_identity(path, built)
             tok = load_tokenizer(path)
-            model, n_layers = load_model(path, device=device, dtype=torch_dtype)
+            model, n_layers = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             print(f"dsv4 diagnose: error: {e}")
             return EXIT_ERROR
@@ -276,7 +276,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
             print(f"{k}: {v}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         print(f"TEST_LAYERS in effect: {n_layers} of {ident['n_layers']} main layers | dtype {dtype} | "
-              f"device {device} | backend {model.backend.name} | world size {world}\n")
+              f"device {device} | backend {model.backend.name} | weights {weights} | world size {world}\n")
         diff = template_diff(tok, prompt, thinking=thinking)
         # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder)
         fed = prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
@@ -296,6 +296,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
               "RESULT: HARD STOP - no kernel, mHC or residual change is authorized until these pass")
         if json_path is not None:
             report = {"checkpoint": ident, "test_layers": n_layers, "dtype": dtype, "device": device,
+                      "backend": model.backend.name, "weights": weights,
                       "test1_template": {**diff.to_json(), "fed_ids": fed, "passed": test1_ok,
                                          "top1_hand_rolled": top_hand, "top1_template": top_tmpl},
                       "test2_final_norm": r.to_dict(), "passed": passed}

@@ -173,7 +173,8 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
 
 
 def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature: float, thinking: bool,
-                 seed: int, device: str) -> int:
+                 seed: int, device: str, dtype: str = "bf16", backend: str = "reference",
+                 weights: str = "dequantized") -> int:
     """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input."""
     from rich.console import Console
 
@@ -185,13 +186,14 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         if path is None:
             raise FileNotFoundError(f"no checkpoint: pass --ckpt DIR or set {CKPT_ENV} "
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
-        model, n = load_model(path, device=device)
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
         tok = load_tokenizer(path)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         console.print(f"[bold red]error:[/] {e}")
         return 2
     console.print(f"checkpoint {path} | TEST_LAYERS={n} of {ModelArgs.from_hf_config(path).n_layers} | "
-                  f"thinking={thinking} | T={temperature}")
+                  f"thinking={thinking} | T={temperature} | {dtype} | {backend} | weights {weights}")
     res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
                    temperature=temperature, thinking=thinking, seed=seed,
                    on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()) if is_rank_zero() else None)

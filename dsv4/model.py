@@ -703,6 +703,11 @@ class Transformer(nn.Module):
         """
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected [b, s] with s >= 1")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids dtype {input_ids.dtype}: expected torch.int64 (or int32) token ids")
+        if input_ids.shape[0] != state.layers[0].ring.shape[0]:
+            raise ValueError(f"input_ids batch {input_ids.shape[0]} != the state's batch "
+                             f"{state.layers[0].ring.shape[0]} (make it with new_state({input_ids.shape[0]}))")
         if state.pos > 0 and input_ids.shape[1] != 1:
             raise ValueError(f"state at position {state.pos}: decode takes one token per call, "
                              f"got {input_ids.shape[1]} (chunked prefill is not supported, as officially)")

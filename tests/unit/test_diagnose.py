@@ -93,3 +93,28 @@ def test_diagnose_builds_a_tiny_checkpoint_by_default(capsys, monkeypatch):
     status, out = _run(capsys, "--dtype", "fp32", "--decode-steps", "1")
     assert status == EXIT_PASS, out
     assert "tiny checkpoint built on the fly" in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["generate", "--prompt", "x", "--temperature", "inf"], "not a finite number"),
+    (["diagnose", "--device", "bogus"], "not a torch device"),
+    (["diagnose", "--json", "/nonexistent-dir/r.json"], "does not exist"),
+    (["diagnose", "--json", "/tmp"], "is a directory"),
+    (["diagnose", "--prompt", "\udc80"], "not valid UTF-8"),
+])
+def test_cli_rejects_bad_values_before_loading(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_make_tiny_unwritable_target(capsys):
+    assert main(["make-tiny", "/proc/dsv4-cannot-write-here"]) == 2
+    assert "dsv4 make-tiny: error" in capsys.readouterr().err
+
+
+def test_diagnose_with_quantized_resident_weights(tiny_ckpt, capsys):
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--weights", "quantized", "--dtype", "fp32",
+                       "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    assert "weights quantized" in out

@@ -141,3 +141,17 @@ def test_prefill_equals_decode_with_exact_indexer_ties():
     model = Transformer(args)
     model.load_weights(sd)
     _decode_vs_prefill(model, torch.randint(0, VOCAB, (1, 28)), 5)
+
+
+def test_forward_rejects_bad_input(topk4):
+    args, ours, _ = topk4
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        ours(torch.ones(1, 3), ours.new_state(1))
+    with pytest.raises(ValueError, match="batch 2 != the state's batch 1"):
+        ours(torch.ones(2, 3, dtype=torch.long), ours.new_state(1))
+    with pytest.raises(ValueError, match=r"outside \[0, 512\)"):
+        ours(torch.tensor([[1, 512]]), ours.new_state(1))
+    st = ours.new_state(1)
+    ours(torch.tensor([[1, 2]]), st)
+    with pytest.raises(ValueError, match="decode takes one token per call"):
+        ours(torch.tensor([[1, 2]]), st)
