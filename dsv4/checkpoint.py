@@ -28,7 +28,7 @@ from dsv4.config import ModelArgs
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes"]
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -163,8 +163,9 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Parse and check one safetensors header: name -> (dtype string, shape).
 
     Raises CheckpointError naming the file for: a file shorter than its header, invalid JSON, an unknown dtype,
-    a tensor whose byte range does not match its shape, data that ends before the header says (truncated) or
-    trailing bytes after it.
+    a tensor whose byte range does not match its shape, data that ends before the header says (truncated),
+    trailing bytes after it, and byte ranges that overlap or leave a gap (safetensors stores the tensors
+    back to back from data byte 0; the message names both tensors).
     """
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -181,27 +182,91 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
-    data_len, end_max, last = size - 8 - n, 0, None
+    data_len = size - 8 - n
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
         try:
-            dt, shape, (begin, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+            dt, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ints = [*shape, begin, end]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r}") from None
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r} (expected dtype, "
+                                  "shape and data_offsets [begin, end])") from None
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+            raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r} (shape and "
+                                  "data_offsets must be non-negative integers)")
         if dt not in DTYPE_BYTES:
             raise CheckpointError(f"{path}: tensor {name}: unknown safetensors dtype {dt!r}")
-        if end - begin != math.prod(shape) * DTYPE_BYTES[dt] or begin < 0:
+        shape = tuple(shape)
+        if end - begin != math.prod(shape) * DTYPE_BYTES[dt]:
             raise CheckpointError(f"{path}: tensor {name}: data_offsets {begin}..{end} do not hold shape "
                                   f"{list(shape)} of {dt} ({math.prod(shape) * DTYPE_BYTES[dt]} bytes)")
-        if end > end_max:
-            end_max, last = end, name
+        spans.append((begin, end, name))
         out[name] = (dt, shape)
-    if end_max > data_len:
-        raise CheckpointError(f"{path}: truncated: tensor {last} ends at data byte {end_max}, but the file holds "
+    spans.sort()
+    pos, prev = 0, None
+    for begin, end, name in spans:
+        if begin != pos:
+            after = f"tensor {prev} (data bytes ..{pos})" if prev else "the start of the data section"
+            what = f"overlap {after}" if begin < pos else f"leave a {begin - pos}-byte gap after {after}"
+            raise CheckpointError(f"{path}: tensor {name}: data_offsets {begin}..{end} {what}; expected the "
+                                  f"tensors back to back, this one starting at data byte {pos}")
+        pos, prev = end, name
+    if pos > data_len:
+        raise CheckpointError(f"{path}: truncated: tensor {prev} ends at data byte {pos}, but the file holds "
                               f"only {data_len} data bytes ({size} bytes in all)")
-    if end_max < data_len:
-        raise CheckpointError(f"{path}: {data_len - end_max} unexpected trailing bytes after the last tensor")
+    if pos < data_len:
+        raise CheckpointError(f"{path}: {data_len - pos} unexpected trailing bytes after the last tensor")
     return out
+
+
+def _shard_name_ok(shard: object) -> bool:
+    """A plain file name (no directory part, not absolute, not `.`/`..`), so the shard lies in the directory."""
+    return (isinstance(shard, str) and shard not in ("", ".", "..") and "/" not in shard and "\\" not in shard
+            and "\0" not in shard and Path(shard).name == shard and not Path(shard).is_absolute())
+
+
+def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
+    """Parse and check `model.safetensors.index.json`: (weight_map {tensor name: shard file name}, total_size).
+
+    `total_size` (bytes, `metadata.total_size`) is None when the index has no metadata. Shard names are not
+    checked for existence here (`Checkpoint` does that), only for form.
+
+    Raises:
+        CheckpointError (naming the index file): not UTF-8 JSON; the top level is not an object; no
+            `weight_map` object; a tensor name or shard that is not a string; a shard that is not a plain file
+            name inside the checkpoint directory (`../x.safetensors`, `/abs/x.safetensors`, `sub/x`: the path
+            escape is refused, naming the tensor); `metadata` not an object; `total_size` not a
+            non-negative integer.
+    """
+    index = Path(index)
+    try:
+        doc = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e}); expected {{\"metadata\": {{\"total_size\": N}}, "
+                              f"\"weight_map\": {{tensor: shard}}}}") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{index}: top level is a JSON {type(doc).__name__}, expected an object with a "
+                              "'weight_map' object")
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict):
+        got = "no 'weight_map' key" if weight_map is None else f"'weight_map' is a {type(weight_map).__name__}"
+        raise CheckpointError(f"{index}: {got}, expected a 'weight_map' object {{tensor name: shard file}}")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index}: weight_map[{name!r}]={shard!r}, expected a shard file name (string)")
+        if not _shard_name_ok(shard):
+            raise CheckpointError(f"{index}: weight_map[{name!r}]={shard!r}: expected a plain file name inside "
+                                  f"the checkpoint directory {index.parent} (no directory part, not absolute)")
+    meta = doc.get("metadata", {})
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{index}: 'metadata'={meta!r}, expected an object with 'total_size'")
+    total = meta.get("total_size")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise CheckpointError(f"{index}: metadata.total_size={total!r}, expected a non-negative integer (bytes)")
+    return weight_map, total
 
 
 class Checkpoint:
@@ -212,9 +277,12 @@ class Checkpoint:
 
     Raises (from the constructor):
         FileNotFoundError: no config.json, or neither an index nor `model.safetensors`.
-        CheckpointError: the index names a shard that does not exist; the index and a shard disagree about a
-            tensor (missing from its shard, or a shard holding a tensor the index does not list); a truncated
-            or malformed shard; `total_size` different from the sum of the tensors' bytes.
+        CheckpointError: a malformed index (see `read_index`; a shard name that is not a plain file name in
+            the directory is refused, never read); the index names a shard that does not exist (checked for
+            every shard before any header is read); the index and a shard disagree about a tensor (missing
+            from its shard, or a shard holding a tensor the index does not list); a truncated or malformed
+            shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
+            sum of the tensors' bytes.
     """
 
     def __init__(self, path: str | Path):
@@ -236,20 +304,18 @@ class Checkpoint:
             raise FileNotFoundError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
     def _open_index(self, index: Path) -> None:
-        try:
-            doc = json.loads(index.read_text())
-            weight_map = doc["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' object ({e!r})") from None
+        weight_map, total = read_index(index)
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
             by_shard.setdefault(shard, []).append(name)
-        self.shards = []
-        for shard, names in sorted(by_shard.items()):
+        for shard, names in sorted(by_shard.items()):  # every named shard exists before any header is read
             f = self.path / shard
             if not f.is_file():
                 raise CheckpointError(f"{index}: weight_map maps {len(names)} tensors (e.g. {names[0]}) to shard "
                                       f"{shard}, but {f} does not exist")
+        self.shards = []
+        for shard, names in sorted(by_shard.items()):
+            f = self.path / shard
             self.shards.append(f)
             header = _read_header(f)
             for name in names:
@@ -258,11 +324,11 @@ class Checkpoint:
                 self._meta[name] = (f, *header[name])
             stray = sorted(set(header) - set(names))
             if stray:
+                elsewhere = f"; the index maps it to {weight_map[stray[0]]}" if stray[0] in weight_map else ""
                 raise CheckpointError(f"{f}: holds {len(stray)} tensors that {INDEX_FILE} does not map to this "
-                                      f"shard (e.g. {stray[0]})")
-        total = (doc.get("metadata") or {}).get("total_size")
+                                      f"shard (e.g. {stray[0]}{elsewhere})")
         actual = sum(math.prod(s) * DTYPE_BYTES[dt] for _, dt, s in self._meta.values())
-        if total is not None and int(total) != actual:
+        if total is not None and total != actual:
             raise CheckpointError(f"{index}: metadata.total_size={total}, but the shards' tensors hold {actual} bytes")
 
     # ------------------------------------------------------------------ metadata

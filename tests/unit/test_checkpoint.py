@@ -7,6 +7,8 @@ consistent, so only the intended fault is present) and matches the error message
 from __future__ import annotations
 
 import json
+import re
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -234,4 +236,82 @@ def test_total_size_and_missing_files(tiny_ckpt, copy_ckpt):
         Checkpoint(d)
     (d / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
+        Checkpoint(d)
+
+
+# ------------------------------------------------------------------------------------------- hostile input
+def _write_index(d: Path, doc) -> Path:
+    (d / INDEX_FILE).write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return d / INDEX_FILE
+
+
+@pytest.mark.parametrize("doc,message", [
+    ([], r"top level is a JSON list, expected an object with a 'weight_map' object"),
+    ("{", r"not valid JSON \(.*\); expected"),
+    ({"weight_map": []}, r"'weight_map' is a list, expected a 'weight_map' object"),
+    ({"metadata": {}}, r"no 'weight_map' key"),
+    ({"weight_map": {"embed.weight": 3}}, r"weight_map\['embed.weight'\]=3, expected a shard file name"),
+    ({"weight_map": {}, "metadata": {"total_size": "12"}}, r"metadata.total_size='12', expected a non-negative"),
+], ids=["list", "broken_json", "map_list", "no_map", "shard_int", "total_str"])
+def test_malformed_index_names_the_file(tiny_ckpt, copy_ckpt, doc, message):
+    d = copy_ckpt(tiny_ckpt)
+    index = _write_index(d, doc)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(index))}: {message}"):
+        Checkpoint(d)
+
+
+def test_index_names_missing_shard_before_reading_headers(tiny_ckpt, copy_ckpt):
+    d = copy_ckpt(tiny_ckpt)
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["weight_map"]["embed.weight"] = "model-00009-of-00004.safetensors"  # shard 00001 still holds it
+    _write_index(d, index)
+    with pytest.raises(CheckpointError, match=r"index.json: weight_map maps 1 tensors \(e.g. embed.weight\) to "
+                                              r"shard model-00009-of-00004.safetensors, but .* does not exist"):
+        Checkpoint(d)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "subdir"])
+def test_shard_outside_the_directory_is_refused(tiny_ckpt, copy_ckpt, where):
+    d = copy_ckpt(tiny_ckpt)
+    good = "model-00004-of-00004.safetensors"
+    evil = {"parent": d.parent / "evil.safetensors", "absolute": d.parent / "abs" / "evil.safetensors",
+            "subdir": d / "sub" / "evil.safetensors"}[where]
+    evil.parent.mkdir(exist_ok=True)
+    (d / good).rename(evil)  # a real, valid shard: only the name in the index is wrong
+    name = {"parent": "../evil.safetensors", "absolute": str(evil), "subdir": "sub/evil.safetensors"}[where]
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["weight_map"] = {k: name if v == good else v for k, v in index["weight_map"].items()}
+    _write_index(d, index)
+    with pytest.raises(CheckpointError, match=rf"weight_map\['mtp.0.\S+'\]='{re.escape(name)}': expected a "
+                                              r"plain file name inside the checkpoint directory"):
+        Checkpoint(d)
+
+
+def _rewrite_header(f: Path, edit) -> None:
+    """Apply `edit(header dict)` to a shard's JSON header, keeping the data bytes."""
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    f.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+
+
+@pytest.mark.parametrize("shift,message", [(-1, "overlap tensor {a}"), (1, "leave a 1-byte gap after tensor {a}")],
+                         ids=["overlap", "gap"])
+def test_shard_offsets_back_to_back(tiny_ckpt, copy_ckpt, shift, message):
+    d = copy_ckpt(tiny_ckpt)
+    f = d / "model-00001-of-00004.safetensors"
+    names = []
+
+    def edit(h):
+        a, b = sorted((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"])[:2]
+        h[b]["data_offsets"] = [o + shift for o in h[b]["data_offsets"]]
+        names.extend([a, b])
+
+    _rewrite_header(f, edit)
+    a, b = names
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(f))}: tensor {b}: data_offsets \d+..\d+ "
+                                              rf"{message.format(a=a)} \(data bytes ..\d+\); expected the tensors "
+                                              r"back to back"):
         Checkpoint(d)
