@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from dsv4 import quant
 from dsv4.checkpoint import INDEX_FILE, TORCH_DTYPES, expected_tensors, inventory_bytes
@@ -195,6 +195,7 @@ def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
     `model-0000K-of-0000N.safetensors` (globals | layers 0-1 | layers 2-3 | mtp.0), tokenizer.json and
     tokenizer_config.json (the real ones). Tensors in the real dtypes, quantized from
     `random_state_dict(args, seed)`. Deterministic (byte-identical for one seed); ~40 MB, about a second.
+    Every file is created with mode 0666 minus the process umask (0644 under umask 022).
 
     Returns: the directory. Raises ValueError (unknown variant), FileExistsError (non-empty `out_dir`).
     """
@@ -211,7 +212,9 @@ def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
         groups[_shard_of(name, args.n_layers)][name] = t
     weight_map = {}
     for fname, group in zip(shard_names, groups):
-        save_file(group, str(out / fname), metadata={"format": "pt"})
+        # safetensors' save_file creates 0600 files; write_bytes gives the shards the same mode as every other
+        # file here (0666 minus the umask, 0644 under the usual umask 022)
+        (out / fname).write_bytes(save(group, metadata={"format": "pt"}))
         weight_map.update(dict.fromkeys(group, fname))
     index = {"metadata": {"total_size": inventory_bytes(expected_tensors(args, include_mtp=True))},
              "weight_map": dict(sorted(weight_map.items()))}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -148,6 +150,17 @@ def test_deterministic_and_seeded(tmp_path, tiny_ckpt):
         make_tiny(again)
     with pytest.raises(ValueError, match="variant='fp4': expected one of"):
         make_tiny(tmp_path / "x", "fp4")
+
+
+def test_file_modes_follow_umask(tmp_path):
+    """Shards get the same mode as config.json & co (safetensors' save_file alone would make them 0600)."""
+    old = os.umask(0o027)
+    try:
+        d = make_tiny(tmp_path / "m", "bf16")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in d.iterdir()}
+    assert len(modes) == 9 and modes == dict.fromkeys(modes, oct(0o640)), modes
 
 
 def test_cli_make_tiny(tmp_path, capsys):
