@@ -87,8 +87,11 @@ def load_tokenizer(path: str | Path | None = None):
         to ours and `dsv4_template_source` (a `TemplateSource`) saying where everything came from.
     Raises:
         FileNotFoundError: `path` is not a directory or lacks one of the two files (names it).
-        ValueError: `tokenizer_config.json` is not valid JSON, or the loaded vocabulary does not map the
-            format's special strings to their ids (names the string, expected and actual ids).
+        ValueError: either file is not valid UTF-8 JSON or not a JSON object, `tokenizer.json` lacks an
+            `added_tokens` list or a `model` object, transformers / tokenizers cannot build a tokenizer from
+            the files (its error, with both file names), or the loaded vocabulary does not map the format's
+            special strings to their ids (names the string, expected and actual ids). Every message names
+            the file.
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -98,22 +101,38 @@ def load_tokenizer(path: str | Path | None = None):
     for name in _FILES:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"tokenizer directory {folder} has no {name}")
-    try:
-        cfg = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{folder / 'tokenizer_config.json'}: not valid JSON ({e})") from None
+    cfg = _json_object(folder / "tokenizer_config.json")
     ignored = []
     if cfg.get("chat_template"):
         ignored.append("tokenizer_config.json:chat_template")
     if (folder / "chat_template.jinja").is_file():
         ignored.append("chat_template.jinja")
-    tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+    except Exception as e:  # KeyError/TypeError/tokenizers' bare Exception from deep inside the parsers
+        tj = _json_object(folder / "tokenizer.json")  # parsed only on failure (~0.25 s): name what is wrong
+        if not isinstance(tj.get("added_tokens"), list) or not isinstance(tj.get("model"), dict):
+            raise ValueError(f"{folder / 'tokenizer.json'}: expected a HF tokenizers file with an 'added_tokens' "
+                             f"list and a 'model' object, got keys {sorted(tj)[:8]}") from None
+        raise ValueError(f"{folder}: transformers could not build a tokenizer from tokenizer.json + "
+                         f"tokenizer_config.json ({type(e).__name__}: {e})") from None
     _check_special_ids(tok, folder)
     tok.chat_template = chat_template_text()
     tok.dsv4_template_source = TemplateSource(str(folder), TEMPLATE_NAME, tuple(ignored))
     if ignored:
         log.warning("using %s; the checkpoint's own template (%s) is ignored", TEMPLATE_NAME, ", ".join(ignored))
     return tok
+
+
+def _json_object(path: Path) -> dict:
+    """`path` parsed as a JSON object; ValueError naming the file when it is not UTF-8 JSON or not an object."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: top level is a JSON {type(doc).__name__}, expected a JSON object")
+    return doc
 
 
 _EXPECTED_IDS = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1, "<｜User｜>": 128803,
@@ -123,7 +142,11 @@ _EXPECTED_IDS = {"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜
 
 def _check_special_ids(tok, folder: Path) -> None:
     for text, want in _EXPECTED_IDS.items():
-        got = tok.encode(text, add_special_tokens=False)
+        try:
+            got = tok.encode(text, add_special_tokens=False)
+        except Exception as e:  # e.g. a non-integer model_max_length in tokenizer_config.json
+            raise ValueError(f"{folder}: the tokenizer built from tokenizer.json + tokenizer_config.json cannot "
+                             f"encode {text!r} ({type(e).__name__}: {e})") from None
         if got != [want]:
             raise ValueError(f"{folder / 'tokenizer.json'}: {text!r} encodes to {got}, expected [{want}] "
                              "(not a DeepSeek-V4 tokenizer?)")

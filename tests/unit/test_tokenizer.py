@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -62,6 +63,24 @@ def test_missing_files_raise(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         load_tokenizer(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("fname,text,match", [
+    ("tokenizer.json", "{}", r"tokenizer.json: expected a HF tokenizers file with an 'added_tokens' list"),
+    ("tokenizer.json", "[]", r"tokenizer.json: top level is a JSON list, expected a JSON object"),
+    ("tokenizer.json", "{", r"tokenizer.json: not valid JSON"),
+    ("tokenizer.json", '{"added_tokens": [], "model": {"type": 3}}',
+     r"could not build a tokenizer from tokenizer.json \+ tokenizer_config.json \(Exception: "),
+    ("tokenizer_config.json", "[]", r"tokenizer_config.json: top level is a JSON list, expected a JSON object"),
+    ("tokenizer_config.json", '{"model_max_length": "x"}', r"cannot encode .*\(TypeError: "),
+], ids=["tj_empty", "tj_list", "tj_broken", "tj_bad_model", "tc_list", "tc_max_len_str"])
+def test_broken_tokenizer_files_raise_value_error_naming_the_file(tmp_path, fname, text, match):
+    src = packaged_tokenizer_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, tmp_path / f)
+    (tmp_path / fname).write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}.*{match}"):
         load_tokenizer(tmp_path)
 
 
