@@ -12,6 +12,8 @@ module raises `ValueError` naming `messages[i].field` (or `context[i].field`) in
   * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
   * content or reasoning_content that is not a string (tool content may also be a list of parts);
   * a tool call without `function.name`/`function.arguments`;
+  * `tools` that is not a list of OpenAI tools `{"type": "function", "function": {"name": str, ...}}` (a bare
+    `{"name": ...}` would render as `null`/crash; the message names `messages[i].tools[j]`);
   * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
 Deliberate extensions, identical in `dsv4/chat_template.jinja`:
   * `content: None` is treated as absent (transformers drops None-valued keys before the template);
@@ -27,12 +29,14 @@ tokenizer maps them to their special ids. `special_strings_in_messages` finds th
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import logging
 import re
 from typing import Any
 
 __all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
+           "PROMPT_KWARGS",
            "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
            "TASK_TOKENS", "SPECIAL_STRINGS"]
 
@@ -105,6 +109,18 @@ def _content(msg: dict, where: str, *, allow_list: bool = False) -> Any:
                      f"got {type(c).__name__}")
 
 
+def _check_tools(tools: Any, where: str) -> None:
+    """The OpenAI tool shape; the same checks and messages as the template's `check_tools` macro."""
+    if isinstance(tools, (str, dict)) or not isinstance(tools, (list, tuple)):
+        raise ValueError(f'{where}: expected a list of tools [{{"type": "function", "function": {{...}}}}]')
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            got = f"keys {_json(list(t))}" if isinstance(t, dict) else "a non-object value"
+            raise ValueError(f'{where}[{j}]: expected {{"type": "function", "function": {{"name": str, '
+                             f'"description": str, "parameters": JSON schema}}}} (the OpenAI tool shape), got {got}')
+
+
 def _validate(messages: list, name: str, check_arguments: bool) -> None:
     if not isinstance(messages, list):
         raise ValueError(f"{name}: expected a list of message dicts, got {type(messages).__name__}")
@@ -127,6 +143,8 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
                              f"{type(m['reasoning_content']).__name__}")
         if role == "tool":
             _content(m, where, allow_list=True)
+        if m.get("tools"):
+            _check_tools(m["tools"], f"{where}.tools")
         for j, tc in enumerate(m.get("tool_calls") or []):
             fn = tc.get("function") if isinstance(tc, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
@@ -446,6 +464,10 @@ def special_strings_in_messages(messages: list[dict]) -> list[tuple[int, str, st
     return found
 
 
+PROMPT_KWARGS = ("reasoning_effort", "drop_thinking", "context", "add_default_bos_token", "tools",
+                 "add_generation_prompt", "sanitize_control_tokens")
+
+
 def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> list[int]:
     """Token ids of the DeepSeek-V4 prompt for `messages` — the only way dsv4 builds model input.
 
@@ -460,13 +482,24 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         **kw: `reasoning_effort`, `drop_thinking`, `context`, `add_default_bos_token`, `tools` (HF style),
             `add_generation_prompt` — forwarded to the template; `sanitize_control_tokens=True` (transformers)
             tokenises special strings inside message text as plain text — NOT what the official encoder does,
-            so off by default.
+            so off by default. Any other keyword (a typo such as `reasoning_efort`, Qwen's `enable_thinking`)
+            is an error: the template would silently ignore it.
     Returns:
         list[int] of length s (the prompt), ids < vocab size; no special tokens are added beyond the format's.
     Raises:
-        ValueError: the tokenizer does not carry the dsv4 template, or the messages are invalid (the
-            template's error, naming the message index and field).
+        ValueError: an unknown keyword argument (names it and lists the accepted ones); the tokenizer does
+            not carry the dsv4 template; the messages are invalid (the template's error, naming the message
+            index and field).
     """
+    unknown = sorted(set(kw) - set(PROMPT_KWARGS))
+    if unknown:
+        hints = [f"{m[0]!r} for {k!r}" for k in unknown if k != "enable_thinking"
+                 and (m := difflib.get_close_matches(k, PROMPT_KWARGS, 1))]
+        if "enable_thinking" in unknown:
+            hints.append("thinking=True/False for 'enable_thinking'")
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise ValueError(f"prompt_ids: unknown keyword argument(s) {', '.join(map(repr, unknown))}{hint}; accepted: "
+                         f"thinking, {', '.join(PROMPT_KWARGS)}")
     if getattr(tokenizer, "dsv4_template_source", None) is None:
         raise ValueError("prompt_ids: tokenizer has no dsv4 chat template attached (attribute "
                          "dsv4_template_source missing); load it with dsv4.tokenizer.load_tokenizer")

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+from jinja2.exceptions import TemplateError
 
 from dsv4.diagnose import format_template_report, hand_rolled_ids, template_diff
 from dsv4.encoding import EOS, THINK_END, encode_messages, parse_message_from_completion_text, prompt_ids
@@ -156,3 +157,33 @@ def test_report_does_not_hide_special_strings_in_the_prompt(tok):
     d = template_diff(tok, "hi <｜Assistant｜> there", thinking=False)
     assert d.special_in_prompt == ["<｜Assistant｜>"] and d.template_ids.count(128804) == 2
     assert "WARNING: the prompt contains special strings ['<｜Assistant｜>']" in format_template_report(d)
+
+
+def test_enable_thinking_is_refused_not_ignored(tok):
+    msgs = SEED["chat"]["messages"]
+    with pytest.raises(TemplateError, match=r"enable_thinking: not a variable of the dsv4 template.*use thinking="):
+        tok.apply_chat_template(msgs, enable_thinking=False, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(msgs, thinking=False, add_generation_prompt=True, tokenize=False) == \
+        SEED["chat"]["prompt"]
+
+
+BARE = [{"name": "f", "parameters": {"type": "object"}}]  # the function schema without the OpenAI wrapper
+
+
+def test_tools_kwarg_shape_is_checked(tok):
+    msgs = SEED["thinking"]["messages"]
+    with pytest.raises(TemplateError, match=r'^tools\[0\]: expected \{"type": "function", "function": \{"name": str, '
+                                            r'.*\(the OpenAI tool shape\), got keys \["name", "parameters"\]$'):
+        tok.apply_chat_template(msgs, tools=BARE, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.mark.parametrize("tools", [BARE, [{"type": "function", "function": {"name": 5}}], [{"function": "f"}],
+                                   {"type": "function"}, "f"], ids=["bare", "name_int", "fn_str", "dict", "str"])
+def test_message_tools_shape_same_error_in_template_and_encoder(tok, tools):
+    msgs = [{"role": "system", "content": "", "tools": tools}, *SEED["thinking"]["messages"]]
+    with pytest.raises(ValueError) as enc:
+        encode_messages(msgs, "thinking")
+    with pytest.raises(TemplateError) as tmpl:
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert str(enc.value) == str(tmpl.value) and str(enc.value).startswith("messages[0].tools")
+

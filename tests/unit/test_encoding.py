@@ -11,6 +11,7 @@ from dsv4.encoding import (ASSISTANT, BOS, DSML, EOS, USER, encode_messages, par
                            special_strings_in_messages)
 
 U = {"role": "user", "content": "q"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 
 
 def _call(cid, args, name="f"):
@@ -132,6 +133,13 @@ def test_empty_and_none_contents():
     ([U, {"role": "assistant", "content": "a", "reasoning_content": 3}], {}, r"messages\[1\]\.reasoning_content"),
     ([U], {"context": [{"role": "oops"}]}, r"context\[0\]\.role"),
     ([U], {"reasoning_effort": "low"}, r"reasoning_effort: 'low'"),
+    ([{"role": "system", "content": "", "tools": [{"name": "f"}]}, U], {},
+     r'messages\[0\]\.tools\[0\]: expected \{"type": "function", "function": \{"name": str.*got keys \["name"\]'),
+    ([{"role": "system", "content": "", "tools": [TOOL, "f"]}, U], {}, r"messages\[0\]\.tools\[1\]: .*got a non-object"),
+    ([{"role": "system", "content": "", "tools": [{"function": {"description": "no name"}}]}, U], {},
+     r'messages\[0\]\.tools\[0\]: expected .*got keys \["function"\]'),
+    ([{"role": "system", "content": "", "tools": TOOL}, U], {}, r"messages\[0\]\.tools: expected a list of tools"),
+    ([U], {"context": [{"role": "system", "content": "", "tools": [{"name": "f"}]}]}, r"context\[0\]\.tools\[0\]"),
 ])
 def test_invalid_input_raises_value_error(msgs, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -241,3 +241,17 @@ def test_thinking_defaults_to_true_and_must_be_bool(tok):
     assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True).endswith("<think>")
     with pytest.raises(ValueError, match="thinking: expected a bool"):
         prompt_ids(tok, msgs, thinking="yes")
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"reasoning_efort": "max"}, r"unknown keyword argument\(s\) 'reasoning_efort' \(did you mean 'reasoning_effort'"),
+    ({"enable_thinking": False}, r"'enable_thinking' \(did you mean thinking=True/False"),
+    ({"tokenize": False, "zzz": 1}, r"'tokenize', 'zzz'; accepted: thinking, reasoning_effort, drop_thinking, "
+                                    r"context, add_default_bos_token, tools, add_generation_prompt"),
+], ids=["typo", "enable_thinking", "two"])
+def test_prompt_ids_rejects_unknown_keywords(tok, kw, match):
+    msgs = [{"role": "user", "content": "q"}]
+    with pytest.raises(ValueError, match=match):
+        prompt_ids(tok, msgs, **kw)
+    assert prompt_ids(tok, msgs, reasoning_effort="max") != prompt_ids(tok, msgs)  # the spelled-out one acts
+
