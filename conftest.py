@@ -1,13 +1,20 @@
 """Root pytest configuration: per-test seeds, the HARD STOP banner and the JSON report's hard-stop summary.
 
 A failing test marked `hardstop` ends the run with a banner naming the tests and the rule. When
-pytest-json-report is active (`--json-report`), the report gains `hardstop` (tests, failures, passed) and
-`git_commit`, which `dsv4 gate` reads.
+pytest-json-report is active (`--json-report`), the report gains what `dsv4 gate` reads:
+
+- `hardstop`: `tests` (hard-stop node ids that ran), `failed`, `deselected` (hard-stop node ids deselected
+  by `-k`, `--deselect` or a conftest hook), `passed`, `rule`;
+- `git_commit`: HEAD when the session started, or None outside git or when HEAD moved during the run;
+- `git_dirty`: whether tracked files had uncommitted changes or untracked, non-ignored files existed at the
+  start or the end of the session (the report file itself excluded; None outside git), and
+  `git_dirty_files`, the paths that made it dirty. A report vouches for a commit only when this is False.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,24 +22,72 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 HARD_STOP_RULE = "no kernel, mHC or residual change is authorized until these pass"
 
-_hardstop: dict[str, str] = {}
+# Per-session state (pytest runs one session per process).
+_hardstop: dict[str, str] = {}  # nodeid -> outcome
+_deselected: set[str] = set()  # deselected hard-stop node ids
+_start: dict[str, object] = {}  # at session start: report (file path), commit, dirty
 
-def pytest_configure(config):
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
     # The CPU tests run tiny models: intra-op threading costs far more than it gains (measured 14x slower
-    # per decode step with 2 threads on a loaded 2-core machine), so run torch single-threaded.
-    import torch
+    # per decode step with 2 threads on a loaded 2-core machine), so run torch single-threaded. Done once
+    # torch is loaded (by the tests), not by importing it here: pytest runs that need no torch, such as the
+    # gate's own subprocesses on throwaway repositories, then start in a fraction of a second.
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
-    torch.set_num_threads(1)
-  # nodeid -> outcome; per-session (pytest runs one session per process)
+
+def _git(*args: str, cwd: Path = ROOT) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
 
 
 def git_commit(cwd: Path = ROOT) -> str | None:
     """The HEAD commit of the repository holding this file, or None outside git."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+    out = _git("rev-parse", "HEAD", cwd=cwd)
+    return out.strip() or None if out else None
+
+
+def git_dirty_files(cwd: Path = ROOT, exclude: Path | None = None) -> list[str] | None:
+    """Repository-relative paths of tracked files with uncommitted changes (staged or not, both sides of a
+    rename) and of untracked, non-ignored files; `exclude` (an absolute path) is left out. None outside git."""
+    top = _git("rev-parse", "--show-toplevel", cwd=cwd)
+    out = _git("status", "--porcelain=v1", "-z", "--untracked-files=all", cwd=cwd)
+    if top is None or out is None:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    top_dir = Path(top.strip())
+    entries = out.split("\0")
+    files, i = [], 0
+    while i < len(entries):
+        entry, i = entries[i], i + 1
+        if not entry:
+            continue
+        files.append(entry[3:])
+        if "R" in entry[:2] or "C" in entry[:2]:  # -z: the source path follows as its own entry
+            files.append(entries[i])
+            i += 1
+    skip = exclude.resolve() if exclude is not None else None
+    return sorted({f for f in files if (top_dir / f).resolve() != skip})
+
+
+def _report_file(config) -> Path | None:
+    path = getattr(config.option, "json_report_file", None) if getattr(config.option, "json_report", False) else None
+    return Path(config.invocation_params.dir, path).resolve() if path else None
+
+
+def pytest_sessionstart(session):
+    _start["report"] = _report_file(session.config)
+    _start["commit"] = git_commit()
+    _start["dirty"] = git_dirty_files(exclude=_start["report"])
+
+
+def pytest_deselected(items):
+    _deselected.update(item.nodeid for item in items if item.get_closest_marker("hardstop") is not None)
 
 
 @pytest.fixture
@@ -79,7 +134,16 @@ def pytest_json_modifyreport(json_report):
     json_report["hardstop"] = {
         "tests": sorted(_hardstop),
         "failed": failed,
-        "passed": not failed and bool(_hardstop),
+        "deselected": sorted(_deselected),
+        "passed": not failed and bool(_hardstop) and not _deselected,
         "rule": HARD_STOP_RULE,
     }
-    json_report["git_commit"] = git_commit()
+    start_commit, start_dirty = _start.get("commit"), _start.get("dirty")
+    end_commit = git_commit()
+    end_dirty = git_dirty_files(exclude=_start.get("report"))
+    json_report["git_commit"] = start_commit if start_commit == end_commit else None
+    if start_dirty is None or end_dirty is None:
+        json_report["git_dirty"], json_report["git_dirty_files"] = None, []
+    else:
+        dirty = sorted(set(start_dirty) | set(end_dirty))
+        json_report["git_dirty"], json_report["git_dirty_files"] = bool(dirty), dirty

@@ -1,25 +1,34 @@
 """The hard-stop merge gate behind `dsv4 gate --base REF [--report FILE]` (issue 5, item 5).
 
 A change that touches a protected path (`[tool.dsv4.gate] protected` in pyproject.toml: the kernels, the
-model, mHC and attention code) is allowed only with a green run of the `hardstop` tests for the commit
-being merged. Without `--report` the gate runs them itself::
+package, the tests and their pytest plumbing, CI) is allowed only with a green run of the `hardstop` tests for
+the commit being merged. Without `--report` the gate runs them itself::
 
     TRITON_INTERPRET=1 python -m pytest -m hardstop tests/unit -q -p no:cacheprovider \\
         --json-report --json-report-file=<tmp>
 
-and reads the report that the root conftest.py extends with `hardstop` and `git_commit`.
+and reads the report that the root conftest.py extends with `hardstop`, `git_commit` and `git_dirty`.
+
+The expected set of hard-stop tests comes from the merge base, never from the run under test: the gate
+collects `-m hardstop tests/unit` in a temporary worktree of the merge base of BASE and HEAD, and every one of
+those node ids must have run and passed at HEAD. One that is missing (removed, renamed, deselected, ignored)
+blocks: a maintainer must approve removing a hard-stop test (a merge past the required check).
+Hard-stop tests new at HEAD must pass too.
 
 What counts as changed: `git diff --no-renames --name-only BASE...HEAD` (the change since the merge base,
 both sides of a rename) plus the working tree's uncommitted and untracked, non-ignored files. A report
-vouches for a commit, not for a working tree, so uncommitted changes under a protected path block.
+vouches for a commit, not for a working tree: uncommitted changes under a protected path block, and so does
+a report whose run saw any uncommitted or untracked file (`git_dirty`).
 
 Protected patterns: the union of pyproject.toml's list in the working tree and at BASE, so a change cannot
 unprotect a path in the same change that edits it. Glob semantics per path segment: `*`, `?`, `[...]` never
 cross `/`; a whole segment `**` matches zero or more segments (`kernels/**` is everything under kernels/).
 
 It fails closed: a missing, unreadable or non-JSON report, one without the hard-stop summary, with no
-hard-stop test, with a hard-stop test that did not pass (failed, errored, skipped, xfailed), with collection
-errors, from a run that stopped early, or made for another commit blocks the change.
+hard-stop test, missing a hard-stop test of the merge base, with a deselected hard-stop test or one that did
+not pass (failed, errored, skipped, xfailed), with collection errors, from a run that stopped early, made
+for another commit or from a dirty working tree blocks the change; so does a merge base whose hard-stop
+tests cannot be collected.
 
 Exit statuses of `run_gate`: 0 allowed, 3 blocked, 2 usage or git error (unknown ref, not a repository,
 pyproject without the protected list).
@@ -50,10 +59,26 @@ EXIT_USAGE = 2
 EXIT_BLOCKED = 3
 HARD_STOP_RULE = "no kernel, mHC or residual change is authorized until these pass"
 PYTEST_ARGS = ("-m", "hardstop", "tests/unit", "-q", "-p", "no:cacheprovider")
+REMOVAL_RULE = "a maintainer must approve removing a hard-stop test"
+# A pytest plugin the gate loads (-p) into the collect-only run at the merge base: it writes the selected
+# node ids as JSON, which is robust to the base's verbosity options (unlike parsing `-q` output).
+_COLLECT_PLUGIN = """\
+import json
+import os
+
+
+def pytest_collection_finish(session):
+    with open(os.environ["DSV4_GATE_COLLECTED"], "w") as f:
+        json.dump([item.nodeid for item in session.items], f)
+"""
 
 
 class GateError(Exception):
     """Usage or git error (exit status 2): unknown ref, not a repository, bad pyproject."""
+
+
+class BaseCollectionError(Exception):
+    """The merge base's hard-stop tests could not be collected (the gate blocks: exit status 3)."""
 
 
 @dataclass(frozen=True)
@@ -62,8 +87,8 @@ class GateDecision:
 
     allowed: whether the change may merge. reason: one sentence saying why. protected_changes: changed
     paths matching a protected pattern. failing_tests: hard-stop node ids that did not pass, with their
-    outcome in parentheses. report_commit / head_commit: the commit the report was made for and HEAD
-    (None when not looked at).
+    outcome (or `deselected`, `missing`) in parentheses. report_commit / head_commit: the commit the
+    report was made for and HEAD (None when not looked at).
     """
 
     allowed: bool
@@ -195,6 +220,47 @@ def match_protected(files: list[str], patterns: list[str]) -> list[str]:
     return [f for f in files if any(_match_segments(p, f.split("/")) for p in pats)]
 
 
+def merge_base(repo: Path, base: str) -> str:
+    """The merge base of `base` and HEAD in `repo`. Raises GateError when they share no history."""
+    out = _git_run(repo, "merge-base", resolve_commit(repo, base), "HEAD")
+    if out.returncode != 0 or not out.stdout.strip():
+        raise GateError(f"base ref {base!r} shares no history with HEAD in {repo}")
+    return out.stdout.strip()
+
+
+def collect_hardstop_ids(repo: Path, commit: str) -> list[str]:
+    """The hard-stop unit test node ids of `commit`: `pytest --collect-only -m hardstop tests/unit` run in a
+    temporary `git worktree` of that commit (removed afterwards), with its own conftest and pytest config.
+
+    Empty when `commit` has no tests/unit directory. Raises BaseCollectionError, with the tail of pytest's
+    output, when collection fails (import or collection errors, a pytest exit status other than 0 or 5).
+    """
+    if _git_run(repo, "cat-file", "-e", f"{commit}:tests/unit").returncode != 0:
+        return []
+    with tempfile.TemporaryDirectory(prefix="dsv4-gate-base-") as tmp:
+        tree, out_file = Path(tmp) / "tree", Path(tmp) / "collected.json"
+        (Path(tmp) / "dsv4_gate_collect.py").write_text(_COLLECT_PLUGIN)
+        _git(repo, "worktree", "add", "--detach", "--quiet", str(tree), commit)
+        try:
+            env = {**os.environ, "TRITON_INTERPRET": "1", "DSV4_GATE_COLLECTED": str(out_file),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
+            cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "hardstop", "tests/unit",
+                   "-p", "no:cacheprovider", "-p", "dsv4_gate_collect"]
+            try:
+                proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise BaseCollectionError(f"collecting the hard-stop tests of base {commit[:12]} failed: {e}")
+            if proc.returncode not in (0, 5) or not out_file.exists():  # 5: no test selected
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+                raise BaseCollectionError(f"collecting the hard-stop tests of base {commit[:12]} failed "
+                                          f"(pytest exit status {proc.returncode}):\n{tail}")
+            ids = json.loads(out_file.read_text())
+        finally:
+            _git_run(repo, "worktree", "remove", "--force", str(tree))
+            _git_run(repo, "worktree", "prune")
+    return sorted(ids)
+
+
 def load_report(path: Path) -> dict:
     """Parse a pytest-json-report file. Raises ValueError saying why it is missing, unreadable or not JSON."""
     try:
@@ -210,27 +276,45 @@ def load_report(path: Path) -> dict:
     return data
 
 
-def judge_report(report: dict, head_commit: str) -> tuple[str | None, list[str]]:
-    """Check a pytest-json-report dict as a green hard-stop run for `head_commit`.
+def judge_report(report: dict, head_commit: str, expected: list[str] = ()) -> tuple[str | None, list[str]]:
+    """Check a pytest-json-report dict as a green hard-stop run for `head_commit` from a clean tree.
 
-    Returns (problem, failing_tests): problem is None when the run is green, else a sentence saying why
-    not; failing_tests are hard-stop node ids that did not pass, each with its outcome in parentheses.
+    `expected`: the hard-stop node ids of the merge base; each must have run and passed. Returns (problem,
+    failing_tests): problem is None when the run is green, else a sentence saying why not; failing_tests are
+    hard-stop node ids that did not pass, each with its outcome (or `deselected`, `missing`) in parentheses.
     """
     hs = report.get("hardstop")
-    if not isinstance(hs, dict) or not isinstance(hs.get("tests"), list) or not isinstance(hs.get("failed"), list):
+    if not isinstance(hs, dict) or not all(isinstance(hs.get(k), list) for k in ("tests", "failed", "deselected")):
         return ("the report has no hard-stop summary (run pytest from the repository root, whose conftest.py "
                 "adds it, with --json-report)"), []
     commit = report.get("git_commit")
     if not isinstance(commit, str) or not commit:
-        return "the report names no git commit (it was not made inside the repository)", []
+        return ("the report names no git commit (it was not made inside the repository, or HEAD moved during "
+                "the run)"), []
     if commit != head_commit:
         return f"the report is stale: it was made for commit {commit}, HEAD is {head_commit}", []
-    if not hs["tests"]:
-        return "no hard-stop test ran in the reported run", []
+    dirty = report.get("git_dirty")
+    if dirty is not False:
+        if dirty is not True:
+            return "the report does not say whether the working tree was clean (git_dirty missing)", []
+        files = report.get("git_dirty_files")
+        files = files if isinstance(files, list) else ["?"]
+        shown = ", ".join(map(str, files[:10])) + (" ..." if len(files) > 10 else "")
+        return (f"the report was made from a working tree with uncommitted or untracked files ({shown}): it "
+                f"does not vouch for commit {commit}"), []
+    ran = set(hs["tests"])
     outcomes = {t.get("nodeid"): t.get("outcome") for t in report.get("tests", []) if isinstance(t, dict)}
+    deselected = [f"{n} (deselected)" for n in hs["deselected"]]
+    missing = [f"{n} (missing: a hard-stop test of the base that did not run)" for n in expected
+               if n not in ran and n not in hs["deselected"]]
     failing = [f"{n} (failed)" for n in hs["failed"]]
     failing += [f"{n} ({outcomes.get(n, 'no result in report')})" for n in hs["tests"]
                 if n not in hs["failed"] and outcomes.get(n) != "passed"]
+    if deselected or missing:
+        return (f"{len(deselected) + len(missing)} hard-stop test(s) did not run (removed, renamed or deselected); "
+                f"{REMOVAL_RULE}"), deselected + missing + failing
+    if not hs["tests"]:
+        return "no hard-stop test ran in the reported run", []
     if failing:
         return f"{len(failing)} hard-stop test(s) did not pass", failing
     if hs.get("passed") is not True:
@@ -243,9 +327,9 @@ def judge_report(report: dict, head_commit: str) -> tuple[str | None, list[str]]
         return f"the reported pytest run ended with exit status {exitcode} (interrupted or unusable)", []
     s = report.get("summary", {})
     if isinstance(s, dict) and isinstance(s.get("collected"), int):
-        ran, selected = s.get("total", 0), s["collected"] - s.get("deselected", 0)
-        if ran < selected:
-            return f"the reported run stopped early: {ran} of {selected} selected tests ran", []
+        ran_n, selected = s.get("total", 0), s["collected"] - s.get("deselected", 0)
+        if ran_n < selected:
+            return f"the reported run stopped early: {ran_n} of {selected} selected tests ran", []
     return None, []
 
 
@@ -261,11 +345,12 @@ def run_hardstop_tests(repo: Path, report_file: Path) -> int:
 
 
 def evaluate(base: str, report: Path | None = None, repo: Path | None = None,
-             runner=run_hardstop_tests) -> GateDecision:
+             runner=run_hardstop_tests, collector=collect_hardstop_ids) -> GateDecision:
     """Decide whether the change from `base` to HEAD (plus the working tree) may merge.
 
-    `report`: a pytest-json-report file of a hard-stop run; None runs the tests via `runner(repo, file)`
-    (only when a protected path changed). Raises GateError on usage or git errors.
+    `report`: a pytest-json-report file of a hard-stop run; None runs the tests via `runner(repo, file)`.
+    `collector(repo, commit)` gives the merge base's hard-stop node ids. Both are used only when a protected
+    path changed. Raises GateError on usage or git errors.
     """
     repo = repo_root(repo)
     changed = changed_files(base, repo)
@@ -278,6 +363,11 @@ def evaluate(base: str, report: Path | None = None, repo: Path | None = None,
     if dirty:
         return GateDecision(False, "protected files have uncommitted changes (a hard-stop report vouches for "
                                    f"a commit, not a working tree): {', '.join(dirty)}", protected, [], None, head)
+    base_commit = merge_base(repo, base)
+    try:
+        expected = collector(repo, base_commit)
+    except BaseCollectionError as e:
+        return GateDecision(False, str(e), protected, [], None, head)
     with tempfile.TemporaryDirectory(prefix="dsv4-gate-") as tmp:
         if report is None:
             report = Path(tmp) / "hardstop.json"
@@ -289,13 +379,13 @@ def evaluate(base: str, report: Path | None = None, repo: Path | None = None,
             data = load_report(report)
         except ValueError as e:
             return GateDecision(False, str(e), protected, [], None, head)
-    problem, failing = judge_report(data, head)
+    problem, failing = judge_report(data, head, expected)
     commit = data.get("git_commit") if isinstance(data.get("git_commit"), str) else None
     if problem:
         return GateDecision(False, problem, protected, failing, commit, head)
     n = len(data["hardstop"]["tests"])
-    return GateDecision(True, f"green hard-stop run for HEAD {head[:12]} ({n} test(s) passed)",
-                        protected, [], commit, head)
+    return GateDecision(True, f"green hard-stop run for HEAD {head[:12]} ({n} test(s) passed, including all "
+                              f"{len(expected)} of merge base {base_commit[:12]})", protected, [], commit, head)
 
 
 def _console(stderr: bool = False) -> Console:

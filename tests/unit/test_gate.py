@@ -1,89 +1,28 @@
-"""`dsv4 gate` on throwaway git repositories (issue 5, item 5).
-
-Each test builds a repository in a tmp dir with a pyproject.toml protecting `kernels/**` and
-`dsv4/model.py`, commits a change, and checks the decision. Reports are written in the exact shape the root
-conftest.py plus pytest-json-report produce; `test_end_to_end_*` makes them for real by running pytest with
-a copy of our root conftest.py on a trivial test file.
+"""`dsv4 gate` on throwaway git repositories (issue 5, item 5): path matching, changed files and the checks
+of a hard-stop report, on reports written in conftest's exact shape (gate_support.py). The real pytest chain
+(our conftest, the gate's own runs at HEAD and at the merge base, the bypasses it closes) is in
+test_gate_bypass.py.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dsv4 import gate
-from dsv4.gate import GateError, evaluate, match_protected, protected_patterns, run_gate
+from dsv4.gate import (BaseCollectionError, GateError, evaluate, match_protected, protected_patterns,
+                       run_gate)
+from tests.unit.gate_support import (HS_TEST, PYPROJECT, ROOT, commit, git, make_repo, never_run, no_base_tests,
+                                     write_report)
 
-ROOT = Path(__file__).resolve().parents[2]
-PYPROJECT = """\
-[tool.pytest.ini_options]
-addopts = "--strict-markers"
-markers = ["hardstop: decisive test", "gpu: cuda", "slow: slow", "mutants: mutants"]
-
-[tool.dsv4.gate]
-protected = ["kernels/**", "dsv4/model.py"]
-"""
-HS_TEST = "tests/unit/test_hs.py::test_kernel_value"
-
-
-def git(repo: Path, *args: str) -> str:
-    cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false", *args]
-    return subprocess.run(cmd, cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def commit(repo: Path, files: dict[str, str | None], msg: str = "change") -> str:
-    """Write (or, for None, delete) `files`, commit everything, return the new HEAD."""
-    for name, text in files.items():
-        p = repo / name
-        if text is None:
-            p.unlink()
-        else:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", msg)
-    return git(repo, "rev-parse", "HEAD")
+pytestmark = pytest.mark.hardstop  # the gate itself: a change must not weaken it and pass in the same step
 
 
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
-    """A repository whose first commit is tagged `base`."""
-    r = tmp_path / "repo"
-    r.mkdir()
-    git(r, "init", "-q", "-b", "main")
-    commit(r, {"pyproject.toml": PYPROJECT, ".gitignore": "__pycache__/\n", "kernels/add.py": "X = 1\n",
-               "dsv4/model.py": "M = 1\n", "docs/notes.md": "notes\n"}, "base")
-    git(r, "tag", "base")
-    return r
-
-
-def write_report(path: Path, commit_id: str | None, outcomes: dict[str, str], **extra) -> Path:
-    """A pytest-json-report file of a `-m hardstop` run whose tests had `outcomes`, in conftest's shape."""
-    failed = sorted(n for n, o in outcomes.items() if o == "failed")
-    counts: dict[str, int] = {}
-    for o in outcomes.values():
-        counts[o] = counts.get(o, 0) + 1
-    report = {
-        "exitcode": 1 if failed else 0,
-        "summary": {**counts, "total": len(outcomes), "collected": len(outcomes)},
-        "collectors": [{"nodeid": "", "outcome": "passed", "result": []}],
-        "tests": [{"nodeid": n, "outcome": o, "keywords": [n.split("::")[-1], "hardstop"]} for n, o in outcomes.items()],
-        "hardstop": {"tests": sorted(outcomes), "failed": failed, "passed": not failed and bool(outcomes),
-                     "rule": gate.HARD_STOP_RULE},
-        "git_commit": commit_id,
-    }
-    report.update(extra)
-    path.write_text(json.dumps(report))
-    return path
-
-
-def never_run(repo, report_file):
-    raise AssertionError("the gate ran the hard-stop tests although it did not need to")
+    return make_repo(tmp_path)
 
 
 @pytest.mark.parametrize("path, pattern, expected", [
@@ -107,7 +46,7 @@ def test_match_protected_glob_semantics(path, pattern, expected):
 
 
 def test_protected_patterns_read_and_validated(repo: Path):
-    assert protected_patterns(repo) == ["kernels/**", "dsv4/model.py"]
+    assert protected_patterns(repo) == ["kernels/**", "dsv4/model.py", "tests/**", "**/conftest.py"]
     bad = {"protected = []": "non-empty list", 'protected = "kernels/**"': "non-empty list",
            'protected = ["/kernels/**"]': "'/kernels/**'", "protected = [3]": "3", "[oops": "not valid TOML"}
     for body, needle in bad.items():
@@ -141,7 +80,7 @@ def test_unknown_base_ref_is_a_usage_error(repo: Path, monkeypatch, capsys):
 
 def test_unprotected_change_allowed_without_a_report(repo: Path, monkeypatch, capsys):
     commit(repo, {"docs/notes.md": "more notes\n", "dsv4/cli.py": "C = 1\n"})
-    d = evaluate("base", None, repo, runner=never_run)
+    d = evaluate("base", None, repo, runner=never_run, collector=no_base_tests)
     assert d.allowed and d.protected_changes == [], d
     monkeypatch.chdir(repo)
     monkeypatch.setattr(gate, "run_hardstop_tests", never_run)
@@ -162,7 +101,7 @@ def test_protected_change_with_red_report_is_blocked(repo: Path, tmp_path: Path,
 def test_protected_change_with_green_report_for_head_is_allowed(repo: Path, tmp_path: Path, monkeypatch, capsys):
     head = commit(repo, {"kernels/add.py": "X = 2\n", "dsv4/model.py": "M = 2\n"})
     rep = write_report(tmp_path / "r.json", head, {HS_TEST: "passed"})
-    d = evaluate("base", rep, repo, runner=never_run)
+    d = evaluate("base", rep, repo, runner=never_run, collector=no_base_tests)
     assert d.allowed and d.protected_changes == ["dsv4/model.py", "kernels/add.py"]
     assert d.report_commit == d.head_commit == head
     monkeypatch.chdir(repo)
@@ -174,7 +113,7 @@ def test_stale_report_is_blocked(repo: Path, tmp_path: Path):
     old = commit(repo, {"kernels/add.py": "X = 2\n"})
     rep = write_report(tmp_path / "r.json", old, {HS_TEST: "passed"})
     head = commit(repo, {"kernels/add.py": "X = 3\n"})
-    d = evaluate("base", rep, repo, runner=never_run)
+    d = evaluate("base", rep, repo, runner=never_run, collector=no_base_tests)
     assert not d.allowed and "stale" in d.reason and old in d.reason and head in d.reason
 
 
@@ -216,7 +155,7 @@ def test_bad_reports_fail_closed(repo: Path, tmp_path: Path, case: str, needle: 
         write_report(p, head, green, summary={"passed": 1, "total": 1, "collected": 5, "deselected": 2})
     elif case == "interrupted":
         write_report(p, head, green, exitcode=2)
-    d = evaluate("base", p, repo, runner=never_run)
+    d = evaluate("base", p, repo, runner=never_run, collector=no_base_tests)
     assert not d.allowed, d
     assert needle in d.reason or needle in d.failing_tests, d
 
@@ -224,59 +163,91 @@ def test_bad_reports_fail_closed(repo: Path, tmp_path: Path, case: str, needle: 
 def test_uncommitted_protected_change_is_blocked_even_with_green_report(repo: Path, tmp_path: Path):
     head = commit(repo, {"kernels/add.py": "X = 2\n"})
     rep = write_report(tmp_path / "r.json", head, {HS_TEST: "passed"})
-    assert evaluate("base", rep, repo, runner=never_run).allowed
+    assert evaluate("base", rep, repo, runner=never_run, collector=no_base_tests).allowed
     (repo / "kernels/new.py").write_text("Y = 1\n")  # untracked, under kernels/
-    d = evaluate("base", rep, repo, runner=never_run)
+    d = evaluate("base", rep, repo, runner=never_run, collector=no_base_tests)
     assert not d.allowed and "uncommitted" in d.reason and "kernels/new.py" in d.reason
 
 
 def test_change_cannot_drop_its_own_protection(repo: Path):
     commit(repo, {"pyproject.toml": PYPROJECT.replace('"kernels/**", ', ""), "kernels/add.py": "X = 2\n"})
-    assert protected_patterns(repo) == ["dsv4/model.py"]
-    d = evaluate("base", repo / "absent.json", repo, runner=never_run)
+    assert protected_patterns(repo) == ["dsv4/model.py", "tests/**", "**/conftest.py"]
+    d = evaluate("base", repo / "absent.json", repo, runner=never_run, collector=no_base_tests)
     assert not d.allowed and d.protected_changes == ["kernels/add.py"], d
 
 
-TRIVIAL_TEST = """\
-import pytest
-from pathlib import Path
+@pytest.mark.parametrize("path", [
+    "conftest.py", "tests/conftest.py", "tests/unit/conftest.py", "tests/gpu/conftest.py", "kernels/conftest.py",
+    "tests/unit/test_generate_gate.py", "tests/unit/test_diagnose.py", "tests/unit/test_hardstop_banner.py",
+    "tests/unit/test_gate.py", "tests/unit/test_final_norm.py", "tests/unit/test_brand_new.py",
+    "tests/mutants/patches.py", "dsv4/diagnose.py", "dsv4/tokenizer.py", "dsv4/generate.py", "dsv4/resident.py",
+    "dsv4/testing.py", "dsv4/model.py", "kernels/mhc.py", "pyproject.toml", "pytest.ini", "tox.ini", "setup.cfg",
+    "fixtures/golden/dsv4_prompts.json", ".ci/run", ".github/workflows/gate.yml",
+])
+def test_repository_protects_everything_that_decides_a_hard_stop(path: str):
+    """Our own pyproject.toml: every path the hostile tester changed unnoticed, and its neighbours."""
+    assert match_protected([path], protected_patterns(ROOT)) == [path]
 
 
-@pytest.mark.hardstop
-def test_kernel_value():
-    assert Path("kernels/add.py").read_text() == "X = 1\\n", "kernels/add.py changed its value"
+@pytest.mark.parametrize("path", ["README.md", "docs/mutants.md", "benchmarks/bench_mhc.py", "benchmarks/RESULTS.md"])
+def test_repository_leaves_docs_and_benchmarks_unprotected(path: str):
+    assert match_protected([path], protected_patterns(ROOT)) == []
 
 
-def test_unrelated_failure_does_not_count():
-    assert False
-"""
+def test_base_hardstop_test_missing_at_head_is_blocked_naming_it(repo: Path, tmp_path: Path):
+    head = commit(repo, {"kernels/add.py": "X = 2\n"})
+    gone = "tests/unit/test_hs.py::test_removed"
+    rep = write_report(tmp_path / "r.json", head, {HS_TEST: "passed"})
+    d = evaluate("base", rep, repo, runner=never_run, collector=lambda r, c: [HS_TEST, gone])
+    assert not d.allowed and gate.REMOVAL_RULE in d.reason, d
+    assert d.failing_tests == [f"{gone} (missing: a hard-stop test of the base that did not run)"]
+    d = evaluate("base", rep, repo, runner=never_run, collector=lambda r, c: [HS_TEST])
+    assert d.allowed and "including all 1 of merge base" in d.reason, d
 
 
-def test_end_to_end_conftest_report_gate(repo: Path, tmp_path: Path, monkeypatch, capsys):
-    """Real chain: our root conftest.py in the repo, the gate runs pytest itself, reads its JSON report."""
-    shutil.copy(ROOT / "conftest.py", repo / "conftest.py")
-    commit(repo, {"tests/unit/test_hs.py": TRIVIAL_TEST}, "tests")
+def test_collector_sees_the_merge_base_not_the_tag(repo: Path, tmp_path: Path):
+    fork = git(repo, "rev-parse", "HEAD")
+    git(repo, "checkout", "-q", "-b", "side")
+    head = commit(repo, {"kernels/add.py": "X = 2\n"})
+    git(repo, "checkout", "-q", "main")
+    commit(repo, {"docs/notes.md": "later on main\n"})
     git(repo, "tag", "-f", "base")
-    # Faster startup: only the json-report plugin (the gate's command line is unchanged).
-    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("PYTEST_PLUGINS", "pytest_jsonreport.plugin")
-    monkeypatch.chdir(repo)
+    git(repo, "checkout", "-q", "side")
+    seen = []
+    rep = write_report(tmp_path / "r.json", head, {HS_TEST: "passed"})
+    assert evaluate("base", rep, repo, runner=never_run, collector=lambda r, c: seen.append(c) or []).allowed
+    assert seen == [fork]
 
-    commit(repo, {"kernels/add.py": "X = 2\n"}, "break the kernel")
-    assert run_gate("base", None) == gate.EXIT_BLOCKED
-    out = capsys.readouterr().out
-    assert "HARD STOP" in out and f"{HS_TEST} (failed)" in out and gate.HARD_STOP_RULE in out
-    assert "test_unrelated_failure_does_not_count (" not in out
 
-    head = commit(repo, {"kernels/add.py": "X = 1\n", "kernels/extra.py": "Z = 0\n"}, "fix the kernel")
-    assert run_gate("base", None) == 0
-    assert f"green hard-stop run for HEAD {head[:12]}" in capsys.readouterr().out
+@pytest.mark.parametrize("case, needle", [
+    ("deselected", f"{HS_TEST} (deselected)"),
+    ("dirty", "uncommitted or untracked files (dsv4/model.py, notes.txt)"),
+    ("dirty_unknown", "git_dirty missing"),
+    ("new_test_fails", "tests/unit/test_new.py::test_new (failed)"),
+])
+def test_reports_that_do_not_vouch_for_a_clean_complete_run_are_blocked(repo: Path, tmp_path: Path, case, needle):
+    head = commit(repo, {"kernels/add.py": "X = 2\n"})
+    p = tmp_path / "r.json"
+    green = {HS_TEST: "passed"}
+    if case == "deselected":
+        write_report(p, head, {}, hardstop={"tests": [], "failed": [], "deselected": [HS_TEST], "passed": False})
+    elif case == "dirty":
+        write_report(p, head, green, git_dirty=True, git_dirty_files=["dsv4/model.py", "notes.txt"])
+    elif case == "dirty_unknown":
+        write_report(p, head, green, git_dirty=None)
+    elif case == "new_test_fails":
+        write_report(p, head, {**green, "tests/unit/test_new.py::test_new": "failed"})
+    d = evaluate("base", p, repo, runner=never_run, collector=lambda r, c: [HS_TEST])
+    assert not d.allowed, d
+    assert needle in d.reason or needle in d.failing_tests, d
 
-    # The same report, made explicitly, is accepted for HEAD and refused once HEAD moves on.
-    rep = tmp_path / "hs.json"
-    subprocess.run([sys.executable, "-m", "pytest", *gate.PYTEST_ARGS, "--json-report",
-                    f"--json-report-file={rep}"], cwd=repo, capture_output=True, check=False)
-    assert json.loads(rep.read_text())["git_commit"] == head
-    assert evaluate("base", rep, repo, runner=never_run).allowed
-    commit(repo, {"kernels/extra.py": "Z = 1\n"}, "later")
-    assert "stale" in evaluate("base", rep, repo, runner=never_run).reason
+
+def test_base_that_cannot_be_collected_blocks(repo: Path, tmp_path: Path):
+    head = commit(repo, {"kernels/add.py": "X = 2\n"})
+    rep = write_report(tmp_path / "r.json", head, {HS_TEST: "passed"})
+
+    def broken(r, c):
+        raise BaseCollectionError(f"collecting the hard-stop tests of base {c[:12]} failed (pytest exit status 2)")
+
+    d = evaluate("base", rep, repo, runner=never_run, collector=broken)
+    assert not d.allowed and "exit status 2" in d.reason, d

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.hardstop  # the report fields `dsv4 gate` trusts: a change must not weaken them
+
 ROOT = Path(__file__).resolve().parents[2]
 RULE = "no kernel, mHC or residual change is authorized until these pass"
 INI = """\
@@ -73,14 +75,25 @@ def test_hs_passes():
 def test_plain_fails():
     assert False
 """
+MOVES_HEAD = """\
+import subprocess
 
 
-def run_pytest(where: Path, test_src: str, git: bool) -> tuple[subprocess.CompletedProcess, dict, str | None]:
-    """Run pytest with our conftest on `test_src` in `where`; return the process, the JSON report, HEAD."""
+def test_commits_during_the_run():
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "moved"], check=True)
+"""
+
+
+def run_pytest(where: Path, test_src: str, git: bool, args: tuple[str, ...] = (),
+               dirty: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, dict, str | None]:
+    """Run pytest with our conftest on `test_src` in `where` (committed to a fresh git repository when `git`,
+    then `dirty` files written uncommitted); return the process, the JSON report and HEAD."""
     where.mkdir()
     shutil.copy(ROOT / "conftest.py", where / "conftest.py")
     (where / "pyproject.toml").write_text(INI)
     (where / "test_x.py").write_text(test_src)
+    (where / ".gitignore").write_text("__pycache__/\n")
     env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTEST_PLUGINS": "pytest_jsonreport.plugin",
            "GIT_CEILING_DIRECTORIES": str(where.parent), "COLUMNS": "200"}
     head = None
@@ -91,8 +104,11 @@ def run_pytest(where: Path, test_src: str, git: bool) -> tuple[subprocess.Comple
         subprocess.run([*g, "commit", "-q", "-m", "x"], cwd=where, check=True)
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, check=True, capture_output=True,
                               text=True).stdout.strip()
+    for name, text in (dirty or {}).items():
+        (where / name).write_text(text)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--json-report",
-                           "--json-report-file=report.json"], cwd=where, env=env, capture_output=True, text=True)
+                           "--json-report-file=report.json", *args], cwd=where, env=env, capture_output=True,
+                          text=True)
     report = json.loads((where / "report.json").read_text())
     return proc, report, head
 
@@ -105,6 +121,16 @@ def mixed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def green(tmp_path_factory):
     return run_pytest(tmp_path_factory.mktemp("banner") / "green", GREEN, git=False)
+
+
+@pytest.fixture(scope="module")
+def dirty_deselected(tmp_path_factory):
+    """GREEN committed, then edited and a note added uncommitted; a stale report.json from an earlier run
+    lies in the tree; `-k` deselects the hard-stop test and a plain one."""
+    dirty = {"test_x.py": GREEN + "\n\ndef test_plain_passes():\n    pass\n", "notes.txt": "scratch\n",
+             "report.json": "{}"}
+    return run_pytest(tmp_path_factory.mktemp("banner") / "dirty", GREEN, git=True, dirty=dirty,
+                      args=("-k", "not test_hs_passes and not test_plain_fails"))
 
 
 def banner_lines(out: str) -> list[str]:
@@ -132,10 +158,12 @@ def test_json_report_hardstop_summary_and_commit(mixed):
         "tests": ["test_x.py::test_hs_fails", "test_x.py::test_hs_param[1]", "test_x.py::test_hs_param[2]",
                   "test_x.py::test_hs_passes", "test_x.py::test_hs_setup_error", "test_x.py::test_hs_skips"],
         "failed": ["test_x.py::test_hs_fails", "test_x.py::test_hs_param[2]", "test_x.py::test_hs_setup_error"],
+        "deselected": [],
         "passed": False,
         "rule": RULE,
     }
     assert head and report["git_commit"] == head
+    assert report["git_dirty"] is False and report["git_dirty_files"] == []  # __pycache__/ is ignored
     outcomes = {t["nodeid"]: t["outcome"] for t in report["tests"]}
     assert outcomes["test_x.py::test_hs_skips"] == "skipped"  # what `dsv4 gate` cross-checks: skipped is not green
     assert outcomes["test_x.py::test_hs_setup_error"] == "error"
@@ -146,6 +174,21 @@ def test_passing_hardstop_and_failing_plain_test_give_no_banner(green):
     assert proc.returncode == 1, proc.stdout  # test_plain_fails did fail ...
     assert "test_plain_fails" in proc.stdout
     assert "HARD STOP" not in proc.stdout and banner_lines(proc.stdout) == []  # ... but it is not a hard stop
-    assert report["hardstop"] == {"tests": ["test_x.py::test_hs_passes"], "failed": [], "passed": True,
-                                  "rule": RULE}
-    assert report["git_commit"] is None  # outside a git repository
+    assert report["hardstop"] == {"tests": ["test_x.py::test_hs_passes"], "failed": [], "deselected": [],
+                                  "passed": True, "rule": RULE}
+    assert report["git_commit"] is None and report["git_dirty"] is None  # outside a git repository
+
+
+def test_dirty_tree_and_deselected_hardstop_tests_are_recorded(dirty_deselected):
+    proc, report, head = dirty_deselected
+    assert proc.returncode == 0, proc.stdout  # only test_plain_passes ran
+    assert report["git_commit"] == head
+    assert report["git_dirty"] is True and report["git_dirty_files"] == ["notes.txt", "test_x.py"]  # not report.json
+    assert report["hardstop"] == {"tests": [], "failed": [], "deselected": ["test_x.py::test_hs_passes"],
+                                  "passed": False, "rule": RULE}
+
+
+def test_head_moving_during_the_run_leaves_the_report_without_a_commit(tmp_path):
+    proc, report, head = run_pytest(tmp_path / "moves", MOVES_HEAD, git=True)
+    assert proc.returncode == 0, proc.stdout
+    assert head and report["git_commit"] is None  # the start commit is not what the tree holds at the end
