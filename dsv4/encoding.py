@@ -36,8 +36,7 @@ import re
 from typing import Any
 
 __all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
-           "PROMPT_KWARGS",
-           "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
+           "PROMPT_KWARGS", "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
            "TASK_TOKENS", "SPECIAL_STRINGS"]
 
 log = logging.getLogger(__name__)

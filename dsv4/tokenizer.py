@@ -15,7 +15,8 @@ equals `dsv4.encoding.encode_messages(messages, "thinking" if thinking else "cha
 default, as in DeepSeek's API and servers). `tools=` (HF style) attaches the tools to `messages[0]` when it
 is a system message without tools, else to a new empty system message put first; `add_generation_prompt=False`
 leaves out the transition after the final message (`<｜Assistant｜><think>`/`</think>`/task token);
-`context=` and `add_default_bos_token=` are accepted as template variables. Note that transformers copies a
+`context=` and `add_default_bos_token=` are accepted as template variables; `enable_thinking=` (another
+family's switch, which would be ignored) and tools not of the OpenAI shape raise. Note that transformers copies a
 message's `thinking`/`reasoning` key into `reasoning_content` before rendering (encode_messages reads only
 `reasoning_content`).
 """
