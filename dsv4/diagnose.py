@@ -187,8 +187,10 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
     def digest(p: Path) -> str | None:
         return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else None
 
+    from dsv4.checkpoint import read_index
+
     idx = path / "model.safetensors.index.json"
-    total = json.loads(idx.read_text()).get("metadata", {}).get("total_size") if idx.is_file() else None
+    total = read_index(idx)[1] if idx.is_file() else None
     return {"path": str(path), "source": "tiny checkpoint built on the fly (random weights, seed 0)" if built
             else "given checkpoint", "config_sha256": digest(path / "config.json"),
             "index_sha256": digest(idx), "total_size": total,

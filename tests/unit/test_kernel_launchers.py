@@ -67,6 +67,7 @@ def test_hc_head_one_launch(seed, T):
     assert_equal(y, hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS, one_launch=False), "y one vs two")
 
 
+@needs_triton
 def test_one_launch_flag_is_checked():
     H, fn, base, scale = make_mix(2, 16, head=True)
     with pytest.raises(ValueError, match="hc_head: one_launch is 1; expected None"):
