@@ -143,12 +143,18 @@ def test_bad_index_guard_on_cuda(seed, splits):
 
 
 @pytest.mark.parametrize("T", [8, 64], ids=["T8", "T64"])
-def test_one_launch_bitwise_equals_two_launch(seed, T):
-    """Same split count and dot-row position per token in both mHC paths -> bitwise the same outputs."""
-    from kernels.mhc import hc_head, hc_pre
+def test_one_launch_agrees_with_two_launch(seed, T):
+    """Both mHC paths against each other and the reference. Not bitwise on CUDA: the fused path's tf32x3 dot
+    tiles reduce in another order than the two-launch K-split, so x (rounded once to bf16) can differ by one
+    bf16 ulp (measured on an H200: 3 of 8x4096 elements at T=8). Tolerances: the dsv4.testing table per dtype
+    (bf16 x/y 1.6e-2 rel; fp32 post/comb 1e-5)."""
+    from kernels.mhc import hc_head, hc_head_ref, hc_pre, hc_pre_ref
     pre, head = mix_inputs(T, False), mix_inputs(T, True)
-    for name, a, b in zip(("x", "post", "comb"), hc_pre(*pre, **KW, one_launch=True),
-                          hc_pre(*pre, **KW, one_launch=False)):
-        assert_equal(a, b, f"hc_pre {name} one vs two launches, T={T}")
-    assert_equal(hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=True),
-                 hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=False), f"hc_head one vs two, T={T}")
+    ref = hc_pre_ref(*pre, **KW)
+    for name, a, b, r in zip(("x", "post", "comb"), hc_pre(*pre, **KW, one_launch=True),
+                             hc_pre(*pre, **KW, one_launch=False), ref):
+        assert_close(a, b, f"hc_pre {name} one vs two launches, T={T}")
+        assert_close(a, r, f"hc_pre {name} one launch vs reference, T={T}")
+    one = hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=True)
+    assert_close(one, hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=False), f"hc_head one vs two, T={T}")
+    assert_close(one, hc_head_ref(*head, hc_eps=EPS, norm_eps=EPS), f"hc_head one vs reference, T={T}")
