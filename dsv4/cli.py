@@ -122,6 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` console script; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Under torchrun, leave the process group cleanly (a live gloo/NCCL group at interpreter exit aborts
+    the process with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "diagnose":
         from dsv4.diagnose import run_diagnose
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
