@@ -643,10 +643,10 @@ class Transformer(nn.Module):
         sim = _Sim(dtype == torch.bfloat16)
         sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
         with torch.device(device):
-            self.embed = nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
-            self.layers = nn.ModuleList(Block(args, i, sim, dtype) for i in range(args.n_layers))
+            self.embed = self._make_embed(args, dtype)
+            self.layers = nn.ModuleList(self._make_block(args, i, sim, dtype) for i in range(args.n_layers))
             self.norm = RMSNorm(args.dim, args.norm_eps)
-            self.head = Linear(args.dim, args.vocab_size, sim, quantized=False, fp32=True)
+            self.head = self._make_head(args, sim)
             hc = args.hc_mult
             self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
             self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
@@ -654,6 +654,16 @@ class Transformer(nn.Module):
             self.hc_head = HcHead(args)
         if weights == "quantized":
             hold_on_disk(self, args, device)
+
+    # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.
+    def _make_embed(self, args: ModelArgs, dtype: torch.dtype) -> nn.Module:
+        return nn.Embedding(args.vocab_size, args.dim, dtype=dtype)
+
+    def _make_block(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype) -> nn.Module:
+        return Block(args, layer_id, sim, dtype)
+
+    def _make_head(self, args: ModelArgs, sim: _Sim) -> nn.Module:
+        return Linear(args.dim, args.vocab_size, sim, quantized=False, fp32=True)
 
     @property
     def device(self) -> torch.device:

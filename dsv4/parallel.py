@@ -38,10 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4 import quant
-from dsv4.backend import get_backend
 from dsv4.config import ModelArgs
-from dsv4.model import Attention, Block, Expert, Gate, HcHead, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim
-from dsv4.resident import WEIGHTS, check_weights_mode, hold_on_disk
+from dsv4.model import Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim
+from dsv4.resident import WEIGHTS
 
 __all__ = ["Comm", "comm_from_env", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
            "expert_range", "check_quantized_split", "ParallelTransformer", "build_model", "read_plan",
@@ -328,29 +327,21 @@ class ParallelTransformer(Transformer):
 
     def __init__(self, args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", backend: str = "reference", weights: str = "dequantized"):
-        nn.Module.__init__(self)
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
         attention_args(args, comm.world_size)  # divisibility check, before any allocation
-        check_weights_mode(weights, args)
         if weights == "quantized":
             check_quantized_split(args, comm.world_size)
-        self.args, self.dtype, self.comm, self.weights = args, dtype, comm, weights
-        self.backend = get_backend(backend, torch.device(device))
-        sim = _Sim(dtype == torch.bfloat16)
-        sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
-        with torch.device(device):
-            self.embed = VocabParallelEmbedding(args.vocab_size, args.dim, comm, dtype)
-            self.layers = nn.ModuleList(ParallelBlock(args, i, sim, dtype, comm) for i in range(args.n_layers))
-            self.norm = RMSNorm(args.dim, args.norm_eps)
-            self.head = VocabParallelHead(args.dim, args.vocab_size, sim, comm)
-            hc = args.hc_mult
-            self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
-            self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
-            self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
-            self.hc_head = HcHead(args)
-        if weights == "quantized":
-            hold_on_disk(self, args, device)
+        self._comm = comm  # read by the factories below, which Transformer.__init__ calls
+        super().__init__(args, dtype=dtype, device=device, backend=backend, weights=weights)
+        self.comm = comm
+
+    def _make_embed(self, args: ModelArgs, dtype: torch.dtype) -> nn.Module:
+        return VocabParallelEmbedding(args.vocab_size, args.dim, self._comm, dtype)
+
+    def _make_block(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype) -> nn.Module:
+        return ParallelBlock(args, layer_id, sim, dtype, self._comm)
+
+    def _make_head(self, args: ModelArgs, sim: _Sim) -> nn.Module:
+        return VocabParallelHead(args.dim, args.vocab_size, sim, self._comm)
 
 
 def build_model(args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float32,
