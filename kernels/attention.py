@@ -73,6 +73,10 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
                     softmax_scale: float) -> torch.Tensor:
     """Reference sparse attention with sink (spec §5), fp32 maths, output in q.dtype.
 
+    Numerics follow the official kernel: fp32 logits, max and sums; for bf16 inputs the probabilities are
+    rounded to bf16 before the P.V product (fp32 accumulation), as the official kernel does; fp32 inputs stay
+    fp32 throughout (the exact mode).
+
     Args:
         q: [b, s, h, hd] bfloat16 or float32 queries.
         kv: [b, n, hd] same dtype; shared key and value rows (window ring / raw tokens, then compressed entries).
@@ -96,7 +100,8 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
     m = torch.maximum(logits.amax(dim=-1, keepdim=True), sink) if logits.shape[-1] else sink.expand(b, s, h, 1)
     p = torch.exp(logits - m)                                                  # exp(-inf) = 0 for empty slots
     denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - m)
-    o = torch.einsum("bshk,bskd->bshd", p, rows) / denom
+    pv = p.to(torch.bfloat16).float() if q.dtype == torch.bfloat16 else p        # official: bf16 P before P.V
+    o = torch.einsum("bshk,bskd->bshd", pv, rows) / denom
     return o.to(q.dtype)
 
 
