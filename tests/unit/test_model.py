@@ -23,6 +23,8 @@ from dsv4.model import Transformer
 from dsv4.testing import assert_close
 from dsv4.tiny import random_state_dict, tiny_args
 
+pytestmark = pytest.mark.hardstop  # the reference model's independent anchors (transformers parity, prefill == decode)
+
 VOCAB = 512  # a small vocab keeps the HF oracle fast; the real-vocab tiny checkpoint is covered elsewhere
 LOGIT_ATOL = 5e-5  # see module docstring
 DECODE_ATOL = 2e-5  # same model, same ops; only the attention key order / summation length differ

@@ -26,6 +26,8 @@ from dsv4.parallel import (Comm, ParallelTransformer, attention_args, build_mode
 from dsv4.testing import assert_close, assert_equal
 from dsv4.tiny import random_state_dict, tiny_args
 
+pytestmark = pytest.mark.hardstop  # tensor/expert parallel model equals world size 1
+
 VOCAB, SEED, PROMPT_LEN, DECODE = 512, 3, 40, 3  # 40 tokens: 10 CSA entries > index_topk 4, window 8 wrapped
 ATOL, RTOL = 2e-5, 1e-5  # see module docstring
 CKPT_PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]

@@ -15,6 +15,8 @@ import torch
 from dsv4 import quant
 from dsv4.testing import assert_equal
 
+pytestmark = pytest.mark.hardstop  # checkpoint number formats (kills ue8m0_raw_byte, fp4_nibbles_swapped)
+
 NAN = float("nan")
 
 

@@ -23,6 +23,8 @@ from dsv4.model import Transformer, apply_rope, rope_inv_freq
 from dsv4.testing import assert_close
 from dsv4.tiny import tiny_args
 
+pytestmark = pytest.mark.hardstop  # RoPE per layer type (kills the RoPE mutants)
+
 FLASH = Path(__file__).resolve().parents[2] / "fixtures" / "configs" / "deepseek_v4_flash.config.json"
 
 
