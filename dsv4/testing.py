@@ -84,3 +84,21 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> Non
 def seed_for(test_id: str, base: int = 0) -> int:
     """Deterministic per-test seed: base + hash of the test id (STYLE §10)."""
     return base + int.from_bytes(hashlib.sha256(test_id.encode()).digest()[:4], "little")
+
+
+def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2, timeout: int = 240) -> list:
+    """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC SCRIPT OUT *ARGS` and return
+    what each rank saved with `torch.save(obj, f"{OUT}.{rank}")`, by rank. OUT = out_dir / "res"; run in `cwd`.
+
+    Raises AssertionError with the tail of stdout/stderr when torchrun exits non-zero.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = Path(out_dir) / "res"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), str(out), *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return [torch.load(f"{out}.{r}") for r in range(nproc)]

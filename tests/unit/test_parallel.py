@@ -11,7 +11,6 @@ This file is also the rank worker: `torchrun --nproc_per_node 2 tests/unit/test_
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from dsv4.config import ModelArgs
 from dsv4.model import Transformer
 from dsv4.parallel import (Comm, ParallelTransformer, attention_args, build_model, comm_from_env,
                            load_parallel_model, load_rank_state_dict, read_plan, shard_rule, shard_state_dict)
-from dsv4.testing import assert_close, assert_equal
+from dsv4.testing import torchrun_workers, assert_close, assert_equal
 from dsv4.tiny import random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # tensor/expert parallel model equals world size 1
@@ -70,12 +69,7 @@ def _worker(out: str, ckpt: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, tiny_ckpt):
-    out = tmp_path_factory.mktemp("par") / "res"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, str(out), str(tiny_ckpt)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    return torchrun_workers(__file__, tmp_path_factory.mktemp("par"), tiny_ckpt, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

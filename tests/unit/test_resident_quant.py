@@ -15,7 +15,6 @@ part is 128 rows / columns). This file is also the rank worker: `torchrun --npro
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from dsv4.model import Linear, Transformer, _Sim
 from dsv4.parallel import (Comm, ParallelTransformer, check_quantized_split, comm_from_env, load_parallel_model,
                            load_rank_state_dict)
 from dsv4.resident import held_bytes
-from dsv4.testing import assert_close, assert_equal
+from dsv4.testing import torchrun_workers, assert_close, assert_equal
 from dsv4.tiny import quantize_state_dict, random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # quantized-resident weights compute the same logits
@@ -216,12 +215,7 @@ def _worker(out: str, ckpt: str) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, aligned_ckpt):
-    out = tmp_path_factory.mktemp("rq") / "res"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           __file__, str(out), str(aligned_ckpt)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
-    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
-    return [torch.load(f"{out}.{r}") for r in range(2)]
+    return torchrun_workers(__file__, tmp_path_factory.mktemp("rq"), aligned_ckpt, cwd=ROOT)
 
 
 def test_world2_quantized_equals_world2_dequantized_and_world1(world2, aligned_ckpt):
