@@ -102,3 +102,27 @@ def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2,
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return [torch.load(f"{out}.{r}") for r in range(nproc)]
+
+
+def greedy_logits(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """[prefill logits at every position [b, s, V]] + the logits [b, V] of `steps` greedy decode steps, from a
+    fresh decode state of `model` (a `dsv4.model.Transformer` or its parallel subclass)."""
+    st = model.new_state(ids.shape[0])
+    out = [model(ids, st, all_logits=True)]
+    x = out[0][:, -1].argmax(-1, keepdim=True)
+    for _ in range(steps):
+        out.append(model(x, st))
+        x = out[-1].argmax(-1, keepdim=True)
+    return out
+
+
+def require_gpus(n: int, *, nccl: bool = False) -> None:
+    """pytest.skip with a stated reason unless n CUDA devices (and, with nccl, the NCCL backend) are visible."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available (these tests need a GPU)")
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
+    if nccl and not torch.distributed.is_nccl_available():
+        pytest.skip("torch.distributed has no NCCL backend in this build")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.testing import assert_close, assert_equal
+from dsv4.testing import assert_close, assert_equal, require_gpus
 
 pytestmark = pytest.mark.gpu
 
@@ -31,14 +31,6 @@ ATOL, RTOL = 2e-5, 1e-5
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]
 
-
-def _gpus_or_skip(n: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available: the parallel model's NCCL tests need GPUs")
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs for world size {n}, {torch.cuda.device_count()} visible")
-    if not torch.distributed.is_nccl_available():
-        pytest.skip("torch.distributed has no NCCL backend in this build")
 
 
 def _run(model, ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
@@ -97,7 +89,7 @@ def _torchrun(n: int, *argv: str, timeout: int) -> None:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory, tiny_ckpt):
-    _gpus_or_skip(2)
+    require_gpus(2, nccl=True)
     out = tmp_path_factory.mktemp("par_gpu") / "res"
     _torchrun(2, "tiny", str(out), str(tiny_ckpt), timeout=600)
     return [torch.load(f"{out}.{r}") for r in range(2)]
@@ -108,7 +100,7 @@ def world1(tiny_ckpt):
     from dsv4.generate import load_model
     from dsv4.model import Transformer
 
-    _gpus_or_skip(2)
+    require_gpus(2, nccl=True)
     args, sd, ids = _small()
     m = Transformer(args, device="cuda:0")
     m.load_weights({k: v.to("cuda:0") for k, v in sd.items()})
@@ -151,7 +143,7 @@ def test_real_checkpoint_final_norm_distributed(tmp_path):
     ckpt = os.environ.get("DSV4_CKPT")
     if not ckpt:
         pytest.skip("DSV4_CKPT is not set: no real checkpoint to run distributed")
-    _gpus_or_skip(2)
+    require_gpus(2, nccl=True)
     n = torch.cuda.device_count()
     _torchrun(n, "real", str(tmp_path / "res"), ckpt, timeout=3600)
     res = [torch.load(f"{tmp_path / 'res'}.{r}") for r in range(n)]

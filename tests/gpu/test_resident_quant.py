@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the torchrun worker runs this file as a script
     sys.path.insert(0, str(ROOT))
 
-from dsv4.testing import assert_close, assert_equal  # noqa: E402
+from dsv4.testing import assert_close, assert_equal, require_gpus  # noqa: E402
 from tests.unit.test_resident_quant import _ids, _run, aligned_ckpt  # noqa: E402,F401  (fixture re-used)
 
 pytestmark = pytest.mark.gpu
@@ -35,12 +35,6 @@ ATOL, RTOL = 2e-5, 1e-5
 MODES = ("dequantized", "quantized")
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]
 
-
-def _gpus_or_skip(n: int) -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available: the quantized-resident GPU tests need a GPU")
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs for world size {n}, {torch.cuda.device_count()} visible")
 
 
 def _measure(load, ids: torch.Tensor, dev) -> tuple[list[torch.Tensor], int, int]:
@@ -60,7 +54,7 @@ def _measure(load, ids: torch.Tensor, dev) -> tuple[list[torch.Tensor], int, int
 def test_quantized_resident_equals_dequantized_on_cuda(tiny_ckpt, dtype):
     from dsv4.generate import load_model
 
-    _gpus_or_skip(1)
+    require_gpus(1)
     ids = _ids(129280)
     res = {w: _measure(lambda w=w: load_model(tiny_ckpt, device="cuda:0", dtype=dtype, progress=False,
                                              weights=w)[0], ids, "cuda:0") for w in MODES}
@@ -108,7 +102,7 @@ def _report(res: list[dict], unit: int, label: str) -> None:
 def test_world2_quantized_on_two_gpus(tmp_path, aligned_ckpt):
     from dsv4.generate import load_model
 
-    _gpus_or_skip(2)
+    require_gpus(2)
     res = _torchrun(2, "tiny", str(tmp_path / "res"), str(aligned_ckpt), timeout=600)
     _report(res, 2**20, "aligned tiny fp32")
     w1 = _run(load_model(aligned_ckpt, device="cuda:0", progress=False, weights="quantized")[0], _ids(512).cuda())
@@ -126,7 +120,7 @@ def test_real_checkpoint_both_modes_on_all_gpus(tmp_path):
     ckpt = os.environ.get("DSV4_CKPT")
     if not ckpt:
         pytest.skip("DSV4_CKPT is not set: no real checkpoint")
-    _gpus_or_skip(1)
+    require_gpus(1)
     n = torch.cuda.device_count()
     res = _torchrun(n, "real", str(tmp_path / "res"), ckpt, timeout=3600)
     _report(res, 2**30, "real bf16")

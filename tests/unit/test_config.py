@@ -86,6 +86,15 @@ def test_bad_ratio_entry_is_named():
         dataclasses.replace(a, compress_ratios=a.compress_ratios[:43] + (2,))
 
 
+def _edited_flash(tmp_path, edit) -> Path:
+    """The published Flash config.json with `edit(cfg)` applied, written to tmp_path/config.json."""
+    cfg = json.loads(FLASH.read_text())
+    edit(cfg)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.pop("hidden_size"), "missing key 'hidden_size'"),
     (lambda c: c.update(num_key_value_heads=8), "num_key_value_heads=8, expected 1"),
@@ -96,10 +105,7 @@ def test_bad_ratio_entry_is_named():
      r"weight_block_size=\[64, 64\], expected \[128, 128\]"),
 ], ids=["missing", "kv_heads", "rope", "type", "model_type", "block"])
 def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
-    cfg = json.loads(FLASH.read_text())
-    edit(cfg)
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps(cfg))
+    p = _edited_flash(tmp_path, edit)
     with pytest.raises(ValueError, match=f"{p}: .*{message}"):
         ModelArgs.from_hf_config(tmp_path)
 
@@ -125,15 +131,12 @@ def test_config_file_not_an_object(tmp_path, text, message):
      r"key 'rope_scaling.original_max_position_embeddings'=65536.5 has type float, expected an integer"),
 ], ids=["model_args", "ratios", "quant_list", "beta_str", "orig_len_fraction"])
 def test_model_args_errors_name_the_config_file(tmp_path, edit, message):
-    cfg = json.loads(FLASH.read_text())
-    edit(cfg)
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps(cfg))
+    p = _edited_flash(tmp_path, edit)
     with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
         ModelArgs.from_hf_config(p)
     if message.startswith("ModelArgs"):  # a dict has no file to name: ModelArgs' own message, unprefixed
         with pytest.raises(ValueError, match=f"^{message}"):
-            ModelArgs.from_hf_config(cfg)
+            ModelArgs.from_hf_config(json.loads(p.read_text()))
 
 
 def test_missing_config_file(tmp_path):

@@ -22,7 +22,7 @@ from dsv4.config import ModelArgs
 from dsv4.model import Transformer
 from dsv4.parallel import (Comm, ParallelTransformer, attention_args, build_model, comm_from_env,
                            load_parallel_model, load_rank_state_dict, read_plan, shard_rule, shard_state_dict)
-from dsv4.testing import torchrun_workers, assert_close, assert_equal
+from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal
 from dsv4.tiny import random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # tensor/expert parallel model equals world size 1
@@ -40,15 +40,9 @@ def _small():
     return args, sd, ids
 
 
-def _run(model, ids) -> list[torch.Tensor]:
+def _run(model, ids: torch.Tensor) -> list[torch.Tensor]:
     """Prefill logits at every position, then DECODE greedy steps' logits."""
-    st = model.new_state(1)
-    out = [model(ids, st, all_logits=True)]
-    x = out[0][:, -1].argmax(-1, keepdim=True)
-    for _ in range(DECODE):
-        out.append(model(x, st))
-        x = out[-1].argmax(-1, keepdim=True)
-    return out
+    return greedy_logits(model, ids, DECODE)
 
 
 def _worker(out: str, ckpt: str) -> None:

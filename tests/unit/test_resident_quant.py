@@ -28,7 +28,7 @@ from dsv4.model import Linear, Transformer, _Sim
 from dsv4.parallel import (Comm, ParallelTransformer, check_quantized_split, comm_from_env, load_parallel_model,
                            load_rank_state_dict)
 from dsv4.resident import held_bytes
-from dsv4.testing import torchrun_workers, assert_close, assert_equal
+from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal
 from dsv4.tiny import quantize_state_dict, random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # quantized-resident weights compute the same logits
@@ -45,13 +45,7 @@ def _ids(vocab: int) -> torch.Tensor:
 
 def _run(model, ids: torch.Tensor) -> list[torch.Tensor]:
     """Prefill logits at every position, then DECODE greedy steps' logits."""
-    st = model.new_state(1)
-    out = [model(ids, st, all_logits=True)]
-    x = out[0][:, -1].argmax(-1, keepdim=True)
-    for _ in range(DECODE):
-        out.append(model(x, st))
-        x = out[-1].argmax(-1, keepdim=True)
-    return out
+    return greedy_logits(model, ids, DECODE)
 
 
 def _aligned_args():
