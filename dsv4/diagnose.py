@@ -201,8 +201,11 @@ def _top1(model, tokenizer, ids: list[int]) -> dict:
     import torch
 
     logits = model(torch.tensor([ids], device=model.device), model.new_state(1))
-    tok = int(logits.argmax(-1))
-    return {"id": tok, "token": tokenizer.decode([tok]), "logit": float(logits[0, tok])}
+    return _token(tokenizer, int(logits.argmax(-1)))
+
+
+def _token(tokenizer, tok: int) -> dict:
+    return {"id": tok, "token": tokenizer.decode([tok])}
 
 
 def format_final_norm_report(r) -> str:
@@ -283,14 +286,15 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder)
         fed = prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
         test1_ok = diff.template_equals_encoder and fed == diff.encoder_ids
-        top_hand, top_tmpl = _top1(model, tok, diff.hand_rolled_ids), _top1(model, tok, fed)
+        # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
+        r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
+        top_hand, top_tmpl = _top1(model, tok, diff.hand_rolled_ids), _token(tok, r.greedy_ids[0])
         print(format_template_report(diff))
         print(f"greedy top-1 with the hand-rolled prompt: {top_hand['id']} {json.dumps(top_hand['token'])}")
         print(f"greedy top-1 after switching to the template: {top_tmpl['id']} {json.dumps(top_tmpl['token'])}")
         if not test1_ok:
             print("Test 1 HARD STOP: the ids fed to the model are not the official prompt format")
         print()
-        r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
         print(format_final_norm_report(r))
         passed = test1_ok and r.passed
         print()

@@ -71,6 +71,7 @@ class FinalNormReport:
     rule: str
     passed: bool
     residual_max_abs_per_layer: list[float] = field(default_factory=list)
+    greedy_ids: list[int] = field(default_factory=list)  # argmax after the prefill and each decode step
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,7 +159,7 @@ def final_norm_check(model: Transformer, prompt_ids: list[int], decode_steps: in
     trace = ResidualTrace(capture_last=True).bind(model)
     rec = _ChainRecorder(model)
     problems: list[str] = []
-    norm_calls, nonfinite_steps = 0, []
+    norm_calls, nonfinite_steps, greedy = 0, [], []
     try:
         state = model.new_state(1)
         x = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
@@ -170,6 +171,7 @@ def final_norm_check(model: Transformer, prompt_ids: list[int], decode_steps: in
             if not bool(torch.isfinite(logits).all()):
                 nonfinite_steps.append(step)
             x = logits.argmax(-1, keepdim=True)
+            greedy.append(int(x[0, 0]))
     finally:
         rec.remove()
     X = trace.last_residual  # [1, hc, d]
@@ -206,4 +208,4 @@ def final_norm_check(model: Transformer, prompt_ids: list[int], decode_steps: in
         logits_match_model=logits_match, x_max_abs=float(Xf.abs().max()), x_rms=float(Xf.pow(2).mean().sqrt()),
         x_stream_rms=[float(v) for v in Xf[0].pow(2).mean(-1).sqrt()], eps_allowance=eps_allow,
         comparisons=comps, test_layers=test_layers, verdict=verdict, rule=rule, passed=passed,
-        residual_max_abs_per_layer=trace.max_abs[-1] if trace.max_abs else [])
+        residual_max_abs_per_layer=trace.max_abs[-1] if trace.max_abs else [], greedy_ids=greedy)
