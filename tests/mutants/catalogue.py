@@ -18,6 +18,7 @@ __all__ = ["Mutant", "MUTANTS", "get"]
 
 HF17 = "tests/unit/test_model.py::test_hf_parity_prefill[17]"  # transformers' DeepseekV4, fp32 logits, 17 tokens
 FINAL_NORM = "tests/unit/test_final_norm.py::test_final_norm_passes_on_the_model"  # Test 2 (hard stop)
+BF16 = "tests/unit/test_bf16_numerics.py::"  # the bf16 numerics invariants (issue 17)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,33 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.ue8m0_read_as_byte, ("tests/unit/test_quant.py::test_e8m0_is_an_exponent_not_a_number",)),
     Mutant("fp4_nibbles_swapped", "FP4 nibble order swapped when unpacking",
            patches.fp4_nibbles_swapped, ("tests/unit/test_quant.py::test_fp4_dequant_hand_block_both_nibbles",)),
+    # issue 17: bf16 numerics, fp32-compute linears, the template's tools=, the sampler, kernel-only terms
+    Mutant("act_quant_skipped", "FP8 activation quantization skipped before the FP8/FP4 linears (bf16 mode)",
+           patches.act_quant_skipped, (BF16 + "test_quantized_linears_consume_fp8_activations",)),
+    Mutant("kv_fp8_skipped", "FP8 rounding of the KV nope channels skipped (bf16 mode)",
+           patches.kv_fp8_skipped, (BF16 + "test_window_kv_nope_is_fp8_and_rope_is_not_rounded",)),
+    Mutant("indexer_fp4_block_16", "indexer FP4 rounding in the wrong block size (16 channels instead of 32)",
+           patches.indexer_fp4_block_16, (BF16 + "test_indexer_q_and_keys_are_fp4_in_32_channel_blocks",)),
+    Mutant("indexer_weight_scale_after_scoring", "indexer weight scale applied after the bf16 rounding / scoring",
+           patches.indexer_weight_scale_after_scoring,
+           (BF16 + "test_indexer_weight_scale_applied_before_the_bf16_rounding",)),
+    Mutant("router_logits_bf16", "router logits computed in bf16 instead of fp32",
+           patches.router_logits_bf16, (BF16 + "test_router_computes_in_fp32",)),
+    Mutant("fp32_linear_in_bf16", "compressor / head linears computed in bf16 instead of fp32",
+           patches.fp32_linear_in_bf16, (BF16 + "test_compressor_and_head_compute_in_fp32",)),
+    Mutant("hf_tools_misplaced", "HF tools= placed elsewhere than a first system message by the template",
+           patches.hf_tools_misplaced,
+           ("tests/unit/test_tools_kwarg_gate.py::test_tools_kwarg_equals_encoder_with_documented_system_message"
+            "[no_system-thinking]",)),
+    Mutant("sampler_noise_multiplied", "temperature sampling draws from the wrong distribution",
+           patches.sampler_noise_multiplied,
+           ("tests/unit/test_sampler.py::test_sampled_distribution_matches_softmax[0.6]",)),
+    Mutant("hc_eps_dropped_in_kernel", "a small constant term (hc_eps) dropped from a Triton kernel only",
+           patches.hc_eps_dropped_in_kernel,
+           ("tests/unit/test_kernel_edges.py::test_hc_pre_saturated[20-bf16-one_launch]",
+            "tests/unit/test_kernel_edges.py::test_hc_head_edges[saturated-fp32-two_launch]")),
+    Mutant("sink_dropped_in_kernel", "attention sink dropped from the Triton kernel only",
+           patches.sink_dropped_in_kernel, ("tests/unit/test_kernel_edges.py::test_sparse_attn_edges[1-fp32]",)),
 ]}
 
 

@@ -286,3 +286,160 @@ def fp4_nibbles_swapped(mp: MP) -> None:
         return orig(swapped.view(weight.dtype), scale, out_dtype, block)
 
     mp.setattr(quant, "fp4_dequant", fp4_dequant)
+
+
+# ------------------------------------------------------------------------------- bf16 numerics (issue 17)
+def act_quant_skipped(mp: MP) -> None:
+    """bf16 mode feeds the FP8/FP4 linears their bf16 input: the FP8 activation quantization (e4m3, 128-channel
+    ue8m0 blocks) before the GEMM is skipped."""
+    from dsv4.model import _Sim
+
+    mp.setattr(_Sim, "act", lambda self, x: x)  # MUTANT: no act_quant
+
+
+def kv_fp8_skipped(mp: MP) -> None:
+    """bf16 mode skips the e4m3 rounding of the KV nope channels ([F0] behaviour instead of the current [F1]
+    QAT simulation): window KV and compressed entries keep their bf16 values."""
+    from dsv4.model import _Sim
+
+    mp.setattr(_Sim, "kv_nope", lambda self, x: x)  # MUTANT: no FP8 rounding
+
+
+def indexer_fp4_block_16(mp: MP) -> None:
+    """Indexer queries and keys are FP4-rounded in 16-channel blocks instead of 32."""
+    from dsv4.model import _Sim
+
+    def fp4(self, x):
+        return self._quant.fp4_act_quant_sim(x, 16) if self.enabled else x  # MUTANT: block 16
+
+    mp.setattr(_Sim, "fp4", fp4)
+
+
+def indexer_weight_scale_after_scoring(mp: MP) -> None:
+    """The indexer weight scale 128^-0.5 * 64^-0.5 is applied to the fp32 scores after the scoring instead of
+    to weights_proj(x) before its bf16 rounding (top-k order unchanged up to rounding)."""
+    from dsv4.model import Indexer
+
+    orig_init, orig_reduce = Indexer.__init__, Indexer.reduce_scores
+
+    def __init__(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        self.true_scale, self.weight_scale = self.weight_scale, 1.0  # MUTANT: w unscaled ...
+
+    def reduce_scores(self, scores):
+        return orig_reduce(self, scores) * self.true_scale  # MUTANT: ... and the scores scaled instead
+
+    mp.setattr(Indexer, "__init__", __init__)
+    mp.setattr(Indexer, "reduce_scores", reduce_scores)
+
+
+def router_logits_bf16(mp: MP) -> None:
+    """Router logits computed in the activation dtype (HF's numerics: bf16 weight, bf16 product) instead of
+    `x.float() @ W.float()^T`; the rest of `Gate.forward` unchanged (a copy of it)."""
+    import torch.nn.functional as F
+
+    from dsv4.model import Gate
+
+    def forward(self, x, input_ids):
+        logits = (x @ self.weight.to(x.dtype).T).float()  # MUTANT: was x.float() @ self.weight.float().T
+        if self.score_func == "softmax":
+            scores = logits.softmax(-1)
+        elif self.score_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = F.softplus(logits).sqrt()
+        ids = self.tid2eid[input_ids] if self.hash else (scores + self.bias).topk(self.topk, dim=-1).indices
+        w = scores.gather(1, ids)
+        if self.score_func != "softmax":
+            w = w / w.sum(-1, keepdim=True)
+        return w * self.route_scale, ids
+
+    mp.setattr(Gate, "forward", forward)
+
+
+def fp32_linear_in_bf16(mp: MP) -> None:
+    """The official fp32-compute linears (compressor wkv / wgate, head) compute in the activation dtype and
+    only cast the result to fp32."""
+    from dsv4.model import Linear
+
+    orig = Linear.forward
+
+    def forward(self, x):
+        if self.fp32 and x.dtype != torch.float32:
+            return (x @ self.dequantized_weight().to(x.dtype).T).float()  # MUTANT: bf16 matmul
+        return orig(self, x)
+
+    mp.setattr(Linear, "forward", forward)
+
+
+# ------------------------------------------------------------------------------ template / sampler (issue 17)
+def hf_tools_misplaced(mp: MP) -> None:
+    """`apply_chat_template(messages, tools=T)` without a system message appends the new system message carrying
+    T AFTER the conversation instead of putting it first (the template edited, the encoder untouched)."""
+    from dsv4 import tokenizer
+
+    orig = tokenizer.chat_template_text
+    old = "{%- set msgs_raw = [{'role': 'system', 'content': '', 'tools': tools}] + messages -%}"
+    new = "{%- set msgs_raw = messages + [{'role': 'system', 'content': '', 'tools': tools}] -%}"  # MUTANT
+
+    def chat_template_text():
+        text = orig()
+        assert text.count(old) == 1, "hf_tools_misplaced: the template's tools= line changed; update the mutant"
+        return text.replace(old, new)
+
+    mp.setattr(tokenizer, "chat_template_text", chat_template_text)
+
+
+def sampler_noise_multiplied(mp: MP) -> None:
+    """The exponential race multiplies the probabilities by the Exp(1) noise instead of dividing:
+    argmax(p * E) is not a draw from p."""
+    from dsv4 import generate
+
+    def sample(logits, temperature, generator=None):
+        if not (temperature >= 0 and temperature != float("inf")):
+            raise ValueError(f"temperature={temperature}: expected a finite number >= 0")
+        if temperature == 0:
+            return logits.argmax(-1)
+        probs = (logits / max(temperature, 1e-5)).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)
+        return (probs * noise).argmax(-1)  # MUTANT: was probs / noise
+
+    mp.setattr(generate, "sample", sample)
+
+
+# ------------------------------------------------------------------------------ kernel-only terms (issue 17)
+def _jit_source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
+    """Replace the `@triton.jit` function `module.name` by a copy of its source with `old` -> `new` (exactly one
+    occurrence, else AssertionError: the kernel changed, update the mutant). The copy is written to a temporary
+    file (Triton's interpreter re-reads kernel source) and executed in a copy of the module's namespace;
+    callers look the function up in the module at call time, so they run the mutant."""
+    import inspect
+    import tempfile
+    import textwrap
+    from pathlib import Path
+
+    src = textwrap.dedent(inspect.getsource(getattr(module, name).fn))
+    assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times; update the mutant"
+    path = Path(tempfile.mkdtemp(prefix="dsv4_mutant_")) / f"{name}.py"
+    path.write_text(src.replace(old, new), encoding="utf-8")
+    ns = dict(vars(module))
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), ns)
+    mp.setattr(module, name, ns[name])
+
+
+def hc_eps_dropped_in_kernel(mp: MP) -> None:
+    """The Triton mHC finish step (shared by hc_pre and hc_head, both launch paths) computes the pre weights as
+    sigmoid(...) without `+ hc_eps`; the torch reference keeps it (a ~1e-6 term random inputs never see)."""
+    from kernels import mhc
+
+    _jit_source_mutant(mp, mhc, "_finish_tokens", "+ tl.load(base_ptr + j)[None, :]) + hc_eps",
+                       "+ tl.load(base_ptr + j)[None, :])  # MUTANT: no + hc_eps")
+
+
+def sink_dropped_in_kernel(mp: MP) -> None:
+    """The Triton sparse-attention kernel leaves the sink term e^(sink - m) out of the final softmax denominator
+    (the one-program path; the running max still starts at the sink); the reference keeps it."""
+    from kernels import attention
+
+    _jit_source_mutant(mp, attention, "_sparse_attn_kernel", "o = acc / (l + tl.exp2(sink - m))[:, None]",
+                       "o = acc / l[:, None]  # MUTANT: no sink term")
