@@ -196,7 +196,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
 
     from dsv4.tokenizer import load_tokenizer
 
-    console = Console(stderr=True, quiet=not is_rank_zero())
+    console = Console(stderr=True, quiet=not is_rank_zero(), soft_wrap=True)  # no wrapping inside a line
     try:
         path = resolve_ckpt(ckpt)
         if path is None:
