@@ -340,10 +340,10 @@ IMPLEMENTED_RELEASE = ("the April 2026 DeepSeek-V4 release (DeepSeek-V4-Flash / 
 
 _DSPARK_DIFF = (
     "a DSpark speculative-decoding drafter (tensors mtp.0..2.* with main_proj, markov_head, confidence_head) "
-    "replaces the single MTP block, so compress_ratios carries one entry per drafter block; the re-releases "
-    "ship new weights and a new prompt encoder: reasoning_effort has three levels (low = no preamble and the "
-    "default, high = the April 'max' preamble, max = a new 'Beyond maximum' preamble), so April prompts are "
-    "wrong for them")
+    "replaces the single MTP block, so compress_ratios carries one entry per drafter block; the 0731/0813 "
+    "re-releases ship new weights, and 0731's prompt encoder changed: reasoning_effort has three levels (low = "
+    "no preamble and the default, high = the April 'max' preamble, max = a new 'Beyond maximum' preamble), so "
+    "April prompts are wrong for it")
 _V41_DIFF = (
     "a different architecture (CSA2 attention with shared compressed KV across layers, single-pass mHC, Engram "
     "memory modules, a vision encoder; a composite config with text_config / vision_config) and a different "

@@ -5,8 +5,12 @@ Test 1 (this part): the prompt format. The legacy hand-rolled prompt
 model's input must come from the official format (`dsv4.encoding.prompt_ids`, i.e. the dsv4 chat template,
 equal to `encode_messages`). `template_diff` builds both, aligns the id sequences (difflib) and names every
 difference with its token strings; for the seed prompt it reads: extra "\\n\\n" (id 271) after <｜User｜>, and
-<think> (id 128821, thinking mode) / </think> (id 128822, chat mode) missing at the end.
-Test 2 (the final norm) lives in `dsv4.final_norm` and is re-exported here; `run_diagnose` runs both.
+<think> (id 128821, thinking mode) / </think> (id 128822, chat mode) missing at the end. Test 1's decision
+("the prompt was the bug": after switching to the template the expected answer comes back and the loop is
+gone) is automated: `greedy_continuation` continues both prompts, `loop_measure` measures each for loops, and
+`continuation_verdict` states the verdict in one line (reported, not gated).
+Test 2 (the final norm) lives in `dsv4.final_norm` and is re-exported here; `run_diagnose` runs both. The
+report also says what produced it (`environment`: versions, git commit, world size).
 """
 
 from __future__ import annotations
