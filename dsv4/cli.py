@@ -73,6 +73,12 @@ def _text(text: str) -> str:
     return text
 
 
+def _expect(text: str) -> str:
+    if not _text(text).strip():
+        raise argparse.ArgumentTypeError("expected a non-empty answer text (an empty one is in every continuation)")
+    return text
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=_device, default="cpu", help="torch device: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
@@ -126,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--continue-tokens", type=_positive_int, default=DEFAULT_CONTINUE_TOKENS, metavar="N",
                    help=f"Test 1: greedy continuation length for both prompts (>= 1, default "
                         f"{DEFAULT_CONTINUE_TOKENS}; stops early at EOS)")
-    d.add_argument("--expect", type=_text, default=None, metavar="TEXT",
+    d.add_argument("--expect", type=_expect, default=None, metavar="TEXT",
                    help="Test 1: the answer the prompt should produce (e.g. Paris); the report says whether each "
                         "continuation contains it (case-insensitive)")
     _model_options(d)

@@ -103,10 +103,13 @@ def test_help_describes_every_option_and_the_exit_codes(capsys):
             assert piece in cap.out, (name, piece)
     code, cap = _exit(["--help"], capsys)
     assert code == 0 and "exit status: 0" in cap.out
+    from dsv4 import cli, diagnose
+    assert cli.DEFAULT_CONTINUE_TOKENS == diagnose.DEFAULT_CONTINUE_TOKENS  # one default, written twice
 
 
 @pytest.mark.parametrize("argv", [
-    ["diagnose", "--continue-tokens", "0"], ["diagnose", "--expect"], ["diagnose", "--json", "/tmp"],
+    ["diagnose", "--continue-tokens", "0"], ["diagnose", "--expect"], ["diagnose", "--expect", " "],
+    ["diagnose", "--json", "/tmp"],
     ["diagnose", "--ckpt", "/nonexistent-dsv4"], ["generate", "--prompt", "x"], ["generate"],
     ["generate", "--prompt", "x", "--temperature", "nan"], ["make-tiny", "/proc/dsv4-cannot-write-here"],
     ["make-tiny", "--variant", "fp16", "x"], ["gate"], ["diagnose", "--thinking", "--no-thinking"],
