@@ -472,8 +472,10 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
     names = sorted((n for n in want if not (dequantize and n.endswith(".scale"))),
                    key=lambda n: (str(ck.info(n)[2]), n))
     if progress and len({ck.info(n)[2] for n in names}) > 1:
+        from rich.console import Console
         from rich.progress import track
-        names_iter = track(names, description=f"loading {len(names)} tensors from {ck.path.name}")
+        names_iter = track(names, description=f"loading {len(names)} tensors from {ck.path.name}",
+                           console=Console(stderr=True))  # stderr: stdout carries the report / completion
     else:
         names_iter = names
 

@@ -1,17 +1,31 @@
 """The `dsv4` command line: `diagnose` (the main job), `generate`, `make-tiny`, `gate`.
 
-Arguments are parsed strictly: unknown arguments, abbreviations and stray positionals (such as a
-`TEST_LAYERS=10` typed after the command) are errors, never swallowed. `TEST_LAYERS` is read from the
-environment only.
+Arguments are parsed strictly: unknown arguments, abbreviations and stray positionals are errors, never
+swallowed; a stray `NAME=value` argument (such as `TEST_LAYERS=10` typed after the command) is named as an
+environment variable with the right spelling (`TEST_LAYERS=10 dsv4 diagnose`). `TEST_LAYERS` and `DSV4_CKPT`
+are read from the environment only. Arguments are checked before torch is imported (an argument error comes
+back at once), and the runtime checks that need no weights (`--device cuda` without a GPU, `--backend triton`
+where it cannot run) come before any weight is read. Every error line reads `dsv4 COMMAND: error: ...` on
+stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 
 DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_CONTINUE_TOKENS = 32  # = dsv4.diagnose.DEFAULT_CONTINUE_TOKENS (not imported: it would import torch)
+EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad input (arguments, environment, "
+              "missing or invalid checkpoint files, git errors); 3 = hard stop (diagnose: a decisive test failed) / "
+              "blocked (gate)")
+ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "
+               "main layers (a canonical integer 1..n_layers); TRITON_INTERPRET=1 = run the triton backend on CPU "
+               "(tests)")
+_ENV_ARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _positive_int(text: str) -> int:
@@ -35,16 +49,10 @@ def _temperature(text: str) -> float:
 
 
 def _device(text: str) -> str:
-    import torch
-
-    try:
-        dev = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is visible on this machine")
-    if dev.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a cpu or cuda device")
+    """Syntax only (no torch import while parsing); whether CUDA is there is checked by `_check_runtime`."""
+    if not re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]*))?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device dsv4 runs on (expected cpu, cuda or "
+                                         "cuda:N)")
     return text
 
 
@@ -65,14 +73,22 @@ def _text(text: str) -> str:
     return text
 
 
+def _expect(text: str) -> str:
+    if not _text(text).strip():
+        raise argparse.ArgumentTypeError("expected a non-empty answer text (an empty one is in every continuation)")
+    return text
+
+
 def _model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=_device, default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", type=_device, default="cpu", help="torch device: cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="bf16 = the official numerics (default); fp32 = exact mode")
     p.add_argument("--backend", choices=("reference", "triton"), default="reference",
-                   help="hot-path implementation (triton needs CUDA)")
+                   help="hot-path implementation: reference = plain torch (default); triton = the kernels "
+                        "(needs --device cuda, or TRITON_INTERPRET=1 on CPU)")
     p.add_argument("--weights", choices=("dequantized", "quantized"), default="dequantized",
-                   help="hold FP8/FP4 weights dequantized, or as on disk and dequantize per use")
+                   help="dequantized = FP8/FP4 weights held in --dtype (default); quantized = kept as on disk and "
+                        "dequantized per use (needed for Pro)")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=True,
                        help="thinking mode (default, as DeepSeek's API): the prompt ends in <think>")
@@ -80,48 +96,132 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                        help="chat mode: the prompt ends in </think>")
 
 
+def _subparser(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, allow_abbrev=False, help=help, description=description,
+                          epilog=f"{EXIT_CODES}\n{ENVIRONMENT}", formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# help for options whose definition lines stay as they are (kept apart so additions to them merge cleanly)
+_OPTION_HELP = {
+    ("make-tiny", "out_dir"): "directory to write (created if missing; must be empty: make-tiny never overwrites)",
+    ("make-tiny", "variant"): "fp8 = FP8 weights + FP4 experts with ue8m0 scales, as released (default); "
+                              "bf16 = unquantized",
+    ("make-tiny", "seed"): "seed of the random weights (default 0; same seed, same bytes)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (exposed for tests)."""
+    """The full argument parser (exposed for tests). Every option carries a help text; `--help` of each
+    command lists the exit codes and the environment variables."""
     p = argparse.ArgumentParser(prog="dsv4", allow_abbrev=False,
                                 description="DeepSeek-V4 inference people can trust.",
-                                epilog="Environment: DSV4_CKPT (default checkpoint directory), "
-                                       "TEST_LAYERS (load only the first N main layers).")
+                                epilog=f"{EXIT_CODES}\n{ENVIRONMENT}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("diagnose", allow_abbrev=False,
-                       help="run both decisive tests (prompt format, final norm) and print the report")
+    d = _subparser(sub, "diagnose", help="run both decisive tests (prompt format, final norm) and print the report",
+                   description="Test 1: the hand-rolled prompt vs the official format (token-id diff, greedy "
+                               "continuations with a loop measure, the verdict); Test 2: the final norm runs and "
+                               "the logits are invariant to the residual's magnitude.")
     d.add_argument("--ckpt", type=Path, default=None,
                    help="checkpoint directory (default: $DSV4_CKPT, else a tiny checkpoint built on the fly)")
     d.add_argument("--prompt", type=_text, default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
-    d.add_argument("--decode-steps", type=_positive_int, default=2, help="decode steps after prefill (>= 1)")
+    d.add_argument("--decode-steps", type=_positive_int, default=2, help="Test 2: decode steps after prefill (>= 1, "
+                   "default 2)")
     d.add_argument("--json", type=_json_out, default=None, metavar="FILE", help="also write the report as JSON")
+    d.add_argument("--continue-tokens", type=_positive_int, default=DEFAULT_CONTINUE_TOKENS, metavar="N",
+                   help=f"Test 1: greedy continuation length for both prompts (>= 1, default "
+                        f"{DEFAULT_CONTINUE_TOKENS}; stops early at EOS)")
+    d.add_argument("--expect", type=_expect, default=None, metavar="TEXT",
+                   help="Test 1: the answer the prompt should produce (e.g. Paris); the report says whether each "
+                        "continuation contains it (case-insensitive)")
     _model_options(d)
 
-    g = sub.add_parser("generate", allow_abbrev=False, help="generate a completion for one user prompt")
+    g = _subparser(sub, "generate", help="generate a completion for one user prompt",
+                   description="Stream a completion to stdout (through the official prompt format), then the parsed "
+                               "message, or the partial result when --max-tokens cut it, on stderr.")
     g.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
     g.add_argument("--prompt", type=_text, required=True, help="user prompt text")
-    g.add_argument("--max-tokens", type=_positive_int, default=64)
+    g.add_argument("--max-tokens", type=_positive_int, default=64,
+                   help="stop after N generated tokens (>= 1, default 64) if no EOS came before")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     _model_options(g)
 
-    t = sub.add_parser("make-tiny", allow_abbrev=False,
-                       help="write a tiny random DeepSeek-V4 checkpoint in the official on-disk layout")
+    t = _subparser(sub, "make-tiny",
+                   help="write a tiny random DeepSeek-V4 checkpoint in the official on-disk layout",
+                   description="Write a ~40 MB random checkpoint in the official layout (config.json, index, "
+                               "shards, real tokenizer files) with every feature at tiny width.")
     t.add_argument("out_dir", type=Path)
     t.add_argument("--variant", choices=("fp8", "bf16"), default="fp8")
     t.add_argument("--seed", type=int, default=0)
 
-    gt = sub.add_parser("gate", allow_abbrev=False,
-                        help="merge gate: block protected changes without a green hard-stop run")
+    gt = _subparser(sub, "gate", help="merge gate: block protected changes without a green hard-stop run",
+                    description="List the files changed since the merge base with --base; if a protected one "
+                                "changed, require a green hard-stop run for the current commit.")
     gt.add_argument("--base", required=True, help="git ref the change is compared against")
     gt.add_argument("--report", type=Path, default=None,
                     help="pytest-json-report file of a hard-stop run (default: run the hard-stop tests now)")
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.help is None:
+                action.help = _OPTION_HELP.get((name, action.dest))
+    p.dsv4_subparsers = dict(sub.choices)
     return p
 
 
+def _env_hint(arg: str, command: str | None) -> str:
+    return (f"{arg!r} is an environment variable, not an argument: put it before the command, "
+            f"`{arg} dsv4 {command or 'COMMAND'}` (TEST_LAYERS and DSV4_CKPT are read from the environment only)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse `argv` strictly (see the module docstring), without importing torch. On an error prints usage and
+    `dsv4 COMMAND: error: ...` to stderr and raises SystemExit(2)."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and _ENV_ARG.match(argv[0]):
+        command = next((a for a in argv if a in parser.dsv4_subparsers), None)
+        (parser.dsv4_subparsers[command] if command else parser).error(_env_hint(argv[0], command))
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = parser.dsv4_subparsers[args.command]
+        env = [a for a in extra if _ENV_ARG.match(a)]
+        sub.error(_env_hint(env[0], args.command) if env else f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def _check_runtime(args: argparse.Namespace) -> str | None:
+    """What makes the chosen --device / --backend unusable here, checked before any weight is read; None if fine."""
+    device, backend = getattr(args, "device", None), getattr(args, "backend", None)
+    if device is None:
+        return None
+    if backend == "triton":
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return ("--backend triton: the triton package is not installed (pip install 'dsv4[triton]'); "
+                    "or use --backend reference")
+        if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            return (f"--backend triton needs --device cuda (got --device {device}); on CPU the kernels run only "
+                    "in the interpreter, with TRITON_INTERPRET=1 in the environment. Use --backend reference on CPU")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"--device {device}: no CUDA device is visible on this machine (use --device cpu)"
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            return f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `dsv4` console script; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES)."""
+    args = parse_args(argv)
+    problem = _check_runtime(args)
+    if problem is not None:
+        build_parser().dsv4_subparsers[args.command].error(problem)
     try:
         return _dispatch(args)
     finally:
@@ -131,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 def _close_process_group() -> None:
     """Under torchrun, leave the process group cleanly (a live gloo/NCCL group at interpreter exit aborts
     the process with "terminate called without an active exception")."""
+    if "torch.distributed" not in sys.modules:  # never initialised; do not import torch just to check
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -143,7 +245,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from dsv4.diagnose import run_diagnose
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
                             json_path=args.json, thinking=args.thinking, device=args.device,
-                            dtype=args.dtype, backend=args.backend, weights=args.weights)
+                            dtype=args.dtype, backend=args.backend, weights=args.weights,
+                            continue_tokens=args.continue_tokens, expect=args.expect)
     if args.command == "generate":
         from dsv4.generate import run_generate
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,

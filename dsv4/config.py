@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV"]
+__all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
+           "IMPLEMENTED_RELEASE"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -169,6 +170,9 @@ class ModelArgs:
 
         Raises:
             FileNotFoundError: the path has no config.json.
+            UnsupportedRevisionError (a ValueError): the config belongs to a known later revision (V4.1, a DSpark
+                re-release such as V4-Flash-0731, or more `compress_ratios` entries than main layers + MTP
+                blocks); the message names the revision, the evidence and what differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
                 key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; a value `ModelArgs` rejects (its
@@ -202,6 +206,9 @@ class ModelArgs:
                 raise ValueError(f"{src}: key {key!r}={v!r} has type {type(v).__name__}, expected {typ}")
             return v
 
+        found = detect_revision(cfg)
+        if found is not None:
+            raise UnsupportedRevisionError(src, *found)
         mt = cfg.get("model_type")
         if mt is not None and mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
@@ -326,20 +333,98 @@ class ModelArgs:
         return cfg
 
 
+# ------------------------------------------------------------------ later revisions (refused by name)
+
+IMPLEMENTED_RELEASE = ("the April 2026 DeepSeek-V4 release (DeepSeek-V4-Flash / DeepSeek-V4-Pro of 24 April 2026: "
+                       "one MTP block, the April prompt encoder)")
+
+_DSPARK_DIFF = (
+    "a DSpark speculative-decoding drafter (tensors mtp.0..2.* with main_proj, markov_head, confidence_head) "
+    "replaces the single MTP block, so compress_ratios carries one entry per drafter block; the 0731/0813 "
+    "re-releases ship new weights, and 0731's prompt encoder changed: reasoning_effort has three levels (low = "
+    "no preamble and the default, high = the April 'max' preamble, max = a new 'Beyond maximum' preamble), so "
+    "April prompts are wrong for it")
+_V41_DIFF = (
+    "a different architecture (CSA2 attention with shared compressed KV across layers, single-pass mHC, Engram "
+    "memory modules, a vision encoder; a composite config with text_config / vision_config) and a different "
+    "prompt encoder")
+
+
+class UnsupportedRevisionError(ValueError):
+    """config.json belongs to a known DeepSeek-V4 revision that dsv4 does not implement.
+
+    Attributes:
+        source: the config file (or "<dict>").
+        revision: the revision's name, e.g. "DeepSeek-V4-Flash-0731 (or DeepSeek-V4-Flash-DSpark)".
+        evidence: the config keys/values that identify it.
+        differences: what differs from the April release dsv4 implements.
+    """
+
+    def __init__(self, source: str, revision: str, evidence: list[str], differences: str) -> None:
+        self.source, self.revision, self.evidence, self.differences = source, revision, evidence, differences
+        super().__init__(f"{source}: this is {revision} ({'; '.join(evidence)}), not the release dsv4 implements: "
+                         f"dsv4 implements {IMPLEMENTED_RELEASE}. What differs: {differences}.")
+
+
+def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
+    """Recognise a config.json of a known later DeepSeek-V4 revision; None for the April release.
+
+    Public facts used (the reference spec's variant warning and the public model cards / serving-engine notes):
+      * V4.1 (Sept 2026): `model_type` "deepseek_v41" (or "deepseek_v41_text"), architecture
+        `DeepseekV41ForCausalLM`, a composite config whose `text_config` has that model_type.
+      * DSpark re-releases (V4-Flash-0731, V4-Pro-0813, and the -DSpark checkpoints): the April keys plus
+        `dspark_*` keys (0731: dspark_block_size 5, dspark_noise_token_id 128799, dspark_target_layer_ids
+        [40, 41, 42], dspark_markov_rank 256) and 46 `compress_ratios` for 43 main layers. config.json alone
+        cannot tell 0731 from the -DSpark checkpoint (same layout); the geometry tells Flash from Pro.
+      * Any config with more `compress_ratios` entries than `num_hidden_layers + num_nextn_predict_layers`
+        (the April layout: one per main layer, then one per MTP block) is a later layout, named as such.
+    Returns:
+        (revision name, evidence strings, what differs), or None.
+    """
+    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    types = {str(cfg.get("model_type")), str(text_cfg.get("model_type"))}
+    archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
+    v41 = sorted(t for t in types if t.startswith("deepseek_v41")) + [a for a in archs if "V41" in a]
+    if v41:
+        return "DeepSeek-V4.1", [f"model_type/architectures {v41}"], _V41_DIFF
+    dspark = sorted(k for k in cfg if isinstance(k, str) and k.startswith("dspark"))
+    ratios, n, mtp = cfg.get("compress_ratios"), cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers", 0)
+    extra = (isinstance(ratios, list) and isinstance(n, int) and isinstance(mtp, int) and not isinstance(n, bool)
+             and len(ratios) > n + mtp)
+    if not dspark and not extra:
+        return None
+    evidence = [f"keys {dspark}"] if dspark else []
+    if extra:
+        evidence.append(f"compress_ratios has {len(ratios)} entries for {n} main layers + {mtp} MTP block(s), "
+                        f"the April layout has {n + mtp}")
+    geometry = {4096: "Flash", 7168: "Pro"}.get(cfg.get("hidden_size"))
+    if not dspark:
+        return ("a later DeepSeek-V4 revision (extra compress_ratios entries, as in the DSpark re-releases)",
+                evidence, _DSPARK_DIFF)
+    name = {"Flash": "DeepSeek-V4-Flash-0731 (or DeepSeek-V4-Flash-DSpark: same config layout)",
+            "Pro": "DeepSeek-V4-Pro-0813 or DeepSeek-V4-Pro-DSpark (a DSpark revision of Pro)"}.get(
+        geometry, "a DSpark revision of DeepSeek-V4 (V4-Flash-0731 / V4-Pro-0813 / -DSpark)")
+    return name, evidence, _DSPARK_DIFF
+
+
 def layers_from_env(n_layers: int, environ: dict[str, str] | None = None) -> int:
     """Number of main layers to load/run, from the `TEST_LAYERS` environment variable (never a CLI arg).
 
     Returns `n_layers` when the variable is unset or empty.
 
     Raises:
-        ValueError: `TEST_LAYERS` is not an integer, or not in 1..n_layers (the message quotes the value).
+        ValueError: `TEST_LAYERS` is not a canonical decimal integer (" 2", "+2", "02", "1_0" are refused, as
+            are "two" and "1.5"), or not in 1..n_layers (the message quotes the value).
     """
     env = os.environ if environ is None else environ
-    raw = env.get(TEST_LAYERS_ENV, "").strip()
+    raw = env.get(TEST_LAYERS_ENV, "")
     if raw == "":
         return n_layers
-    if not raw.isascii() or not raw.isdigit():  # int() would also take "+5", "1_0", " 7"
-        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers}")
+    # canonical decimal only: int() would also take "+5", "1_0", " 7", "07", "٣" (a stray space or sign in a
+    # shell script is a typo, not a layer count)
+    if not (raw.isascii() and raw.isdigit() and str(int(raw)) == raw):
+        raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers} "
+                         "(canonical decimal: no spaces, sign, leading zeros or underscores)")
     n = int(raw)
     if not 1 <= n <= n_layers:
         raise ValueError(f"{TEST_LAYERS_ENV}={raw!r}: expected an integer in 1..{n_layers} "

@@ -20,6 +20,23 @@ Deliberate extensions, identical in `dsv4/chat_template.jinja`:
   * tool-call `arguments` given as a dict (the HuggingFace convention) render exactly as the same
     dict given as its JSON string; arguments that are a JSON string but not an object render as one
     parameter named `arguments` holding the raw string (the official encoder crashes on those).
+  * an empty `messages` list raises `EmptyConversationError` (the official encoder returns a bare BOS;
+    transformers' `apply_chat_template` raises its own error): `encode_messages([])`, `prompt_ids(tok, [])`
+    and `tok.apply_chat_template([])` raise the same error (tests/unit/test_truncated_completion.py).
+Deliberate differences of `parse_message_from_completion_text` (strict where the official parser is lenient
+by accident; tests/unit/test_truncated_completion.py):
+  * a tool-call block complete but not followed by EOS: the official parser accepts it; dsv4 raises
+    "missing the end-of-sentence token" (the model never finished its turn);
+  * a text cut right after the block opener `\n\n<｜DSML｜tool_calls`: the official parser returns the
+    message with no tool calls; dsv4 raises;
+  * a text cut inside an invoke, right after its header: the official parser returns a call with no
+    arguments; dsv4 raises "missing </｜DSML｜invoke";
+  * a text cut after a complete parameter: the official parser returns the call with only the parameters
+    so far (a call with arguments missing); dsv4 raises.
+  A completion stopped by a token limit is not malformed: `parse_truncated_completion` returns what was
+  generated so far (`TruncatedCompletion`: reasoning, content, the raw tool-call markup, where the cut came
+  and why), and never turns cut markup into tool calls. `dsv4.generate.generate` uses it when it stops at
+  `max_tokens`.
 Special-token strings inside message text are not escaped (neither does the official encoder): the
 tokenizer maps them to their special ids. `special_strings_in_messages` finds them; `prompt_ids` logs them.
 
@@ -33,9 +50,11 @@ import difflib
 import json
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
+           "EmptyConversationError", "TruncatedCompletion", "parse_truncated_completion",
            "PROMPT_KWARGS", "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
            "TASK_TOKENS", "SPECIAL_STRINGS"]
 
@@ -96,6 +115,17 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 class _DuplicateKey(Exception):
     pass
+
+
+class EmptyConversationError(ValueError):
+    """`messages` is empty: there is no turn to render. Raised alike by `encode_messages([])`,
+    `prompt_ids(tok, [])` and `tok.apply_chat_template([])` (tokenizer from `dsv4.tokenizer.load_tokenizer`).
+    The official encoder returns a bare BOS here and transformers raises its own "empty conversation" error;
+    dsv4 raises this one everywhere, so the three entry points agree."""
+
+    def __init__(self) -> None:
+        super().__init__("messages: empty conversation, nothing to render (give at least one message; the "
+                         "official encoder would return a bare BOS, after which no assistant turn can follow)")
 
 
 # ---------------------------------------------------------------- validation
@@ -335,11 +365,14 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
     Returns:
         The prompt string; tokenise it with `add_special_tokens=False`.
     Raises:
+        EmptyConversationError (a ValueError): `messages` is empty (the official encoder returns a bare BOS).
         ValueError: naming `messages[i].field` / `context[i].field` (see the module docstring), or the bad
             `thinking_mode` / `reasoning_effort` value.
     """
     if thinking_mode not in MODES:
         raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
+    if isinstance(messages, (list, tuple)) and not messages:
+        raise EmptyConversationError()
     if reasoning_effort not in EFFORTS:
         raise ValueError(f"reasoning_effort: {reasoning_effort!r} is not one of {EFFORTS}")
     context = context or []
@@ -377,12 +410,13 @@ def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
                                           f"</{DSML}invoke")
     while True:
         i, gap, stop = _until(text, i, [invoke, end_tag])
+        if stop is None:
+            raise ValueError(f"completion.tool_calls: the text ends inside the tool-call block, missing {end_tag!r} "
+                             "(cut off by a token limit? parse_truncated_completion reads such a text)")
         if gap != ">\n":
             raise ValueError(f"completion.tool_calls: expected '>\\n' before {stop!r}, got {gap!r}")
         if stop == end_tag:
             return i, calls
-        if stop is None:
-            raise ValueError(f"completion.tool_calls: missing {end_tag!r}")
         i, head, stop = _until(text, i, [param, invoke_end])
         m = re.fullmatch(r'\s*name="(.*?)">\n\n?', head, flags=re.DOTALL)  # a call without parameters ends '\n\n'
         if m is None:
@@ -448,6 +482,87 @@ def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
 
 
+@dataclass(frozen=True)
+class TruncatedCompletion:
+    """A completion cut off by a token limit before its EOS: what was generated so far, and why it ends.
+
+    Distinct from a malformed completion (which raises ValueError): a truncated text is a valid prefix so far.
+    It is never a message to act on: `tool_calls_text` is kept raw and never parsed into tool calls (a call cut
+    off after some parameters would run with arguments missing; see the module docstring).
+
+    Attributes:
+        reasoning_content: the reasoning so far (thinking mode; "" in chat mode).
+        content: the content so far ("" when the cut came inside the reasoning).
+        tool_calls_text: the raw tool-call markup after `"\n\n<｜DSML｜tool_calls"` ("" when none started).
+        cut_in: where the limit struck: "reasoning_content", "content" or "tool_calls".
+        reason: why the text ends, e.g. "max_tokens=64 reached before the end-of-sentence token".
+    """
+    reasoning_content: str
+    content: str
+    tool_calls_text: str
+    cut_in: str
+    reason: str
+
+
+def parse_truncated_completion(text: str, thinking_mode: str,
+                               reason: str = "the token limit was reached before the end-of-sentence token"
+                               ) -> TruncatedCompletion:
+    """The partial result of a completion stopped by a token limit (no EOS): reasoning / content so far.
+
+    Same reading as `parse_message_from_completion_text` up to the cut: in thinking mode the reasoning runs to
+    `</think>`; the content runs to `"\n\n<｜DSML｜tool_calls"`; a content tail that is a cut-off piece of that
+    opener (holding `｜DSML｜`) counts as the start of the tool-call block.
+
+    Args:
+        text: the decoded generated text (no EOS in it).
+        thinking_mode: "thinking" or "chat".
+        reason: stored in `TruncatedCompletion.reason`.
+    Returns:
+        `TruncatedCompletion`.
+    Raises:
+        ValueError: bad `thinking_mode` or `text` not a string; `text` holds EOS (it is not truncated: use
+            `parse_message_from_completion_text`); malformed before the cut: tool calls before `</think>` in
+            thinking mode, a special token (BOS/EOS/<think>/</think>/｜DSML｜) inside reasoning or content, or
+            BOS/<think>/</think> or text after `</｜DSML｜tool_calls>` in the tool-call markup.
+    """
+    if thinking_mode not in MODES:
+        raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
+    if not isinstance(text, str):
+        raise ValueError(f"completion: expected a string, got {type(text).__name__}")
+    if EOS in text:
+        raise ValueError("completion: holds the end-of-sentence token, so it is not truncated "
+                         "(parse it with parse_message_from_completion_text)")
+    calls_open = f"\n\n<{DSML}tool_calls"
+    i, reasoning, content, calls_text, cut_in = 0, "", "", "", "content"
+    if thinking_mode == "thinking":
+        i, reasoning, stop = _until(text, 0, [THINK_END, calls_open])
+        if stop == calls_open:
+            raise ValueError("completion.reasoning_content: tool calls before </think> in thinking mode")
+        if stop is None:
+            cut_in = "reasoning_content"
+    if cut_in == "content":
+        i, content, stop = _until(text, i, [calls_open])
+        if stop == calls_open:
+            cut_in, calls_text = "tool_calls", text[i:]
+        else:  # a cut inside the opener itself: "...\n\n<｜DSML｜tool"
+            for k in range(len(calls_open) - 1, 0, -1):
+                if DSML in calls_open[:k] and content.endswith(calls_open[:k]):
+                    cut_in, content = "tool_calls", content[:-k]
+                    break
+    for field, value in (("content", content), ("reasoning_content", reasoning)):
+        for sp in (BOS, EOS, THINK_START, THINK_END, DSML):
+            if sp in value:
+                raise ValueError(f"completion.{field}: unexpected special token {sp!r}")
+    for sp in (BOS, THINK_START, THINK_END):
+        if sp in calls_text:
+            raise ValueError(f"completion.tool_calls: unexpected special token {sp!r}")
+    end_tag = f"</{DSML}tool_calls>"
+    if end_tag in calls_text and calls_text.split(end_tag, 1)[1]:
+        raise ValueError(f"completion.tool_calls: unexpected text after the tool calls: "
+                         f"{calls_text.split(end_tag, 1)[1]!r}")
+    return TruncatedCompletion(reasoning, content, calls_text, cut_in, reason)
+
+
 # ---------------------------------------------------------------- the one prompt path
 
 def special_strings_in_messages(messages: list[dict]) -> list[tuple[int, str, str]]:
@@ -486,6 +601,9 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
     Returns:
         list[int] of length s (the prompt), ids < vocab size; no special tokens are added beyond the format's.
     Raises:
+        EmptyConversationError (a ValueError): `messages` is empty (as `encode_messages([])`).
+        UnsupportedRevisionError (a ValueError, `dsv4.config`): the tokenizer's checkpoint names a later
+            revision (its config.json beside the tokenizer files): the April texts would be wrong for it.
         ValueError: an unknown keyword argument (names it and lists the accepted ones); the tokenizer does
             not carry the dsv4 template; the messages are invalid (the template's error, naming the message
             index and field).
@@ -504,6 +622,12 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
                          "dsv4_template_source missing); load it with dsv4.tokenizer.load_tokenizer")
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking: expected a bool, got {thinking!r}")
+    revision = getattr(tokenizer.dsv4_template_source, "revision", None)
+    if revision is not None:
+        from dsv4.config import UnsupportedRevisionError
+        raise UnsupportedRevisionError(*revision)
+    if isinstance(messages, (list, tuple)) and not messages:
+        raise EmptyConversationError()
     for i, field, sp in special_strings_in_messages(messages):
         log.warning("messages[%d].%s contains the special string %r: it is tokenised as the special token, "
                     "as the official encoder does", i, field, sp)

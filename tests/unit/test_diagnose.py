@@ -65,17 +65,17 @@ def test_diagnose_hard_stops_on_hand_rolled_prompt(tiny_ckpt, capsys, monkeypatc
     assert "Test 1 HARD STOP: the ids fed to the model are not the official prompt format" in out
 
 
-@pytest.mark.parametrize("value", ["0", "5", "two", "-1", "+2", "1_0"])
+@pytest.mark.parametrize("value", ["0", "5", "two", "-1", "+2", "1_0", " 2", "02"])
 def test_diagnose_rejects_bad_test_layers(tiny_ckpt, capsys, monkeypatch, value):
     monkeypatch.setenv("TEST_LAYERS", value)
-    status, out = _run(capsys, "--ckpt", str(tiny_ckpt))
-    assert status == EXIT_ERROR
-    assert f"TEST_LAYERS={value!r}" in out and "1..4" in out
+    assert main(["diagnose", "--ckpt", str(tiny_ckpt)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"dsv4 diagnose: error: ") and f"TEST_LAYERS={value!r}" in err and "1..4" in err
 
 
 def test_diagnose_missing_checkpoint(tmp_path, capsys):
-    status, out = _run(capsys, "--ckpt", str(tmp_path / "nope"))
-    assert status == EXIT_ERROR and "not a checkpoint directory" in out
+    assert main(["diagnose", "--ckpt", str(tmp_path / "nope")]) == EXIT_ERROR
+    assert "dsv4 diagnose: error: --ckpt=" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["diagnose", "TEST_LAYERS=10"], ["diagnose", "--decode-step", "2"],

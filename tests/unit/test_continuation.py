@@ -1,0 +1,180 @@
+"""Test 1's decision, automated: the loop measure on hand-made id sequences, the verdict rule, and the
+`dsv4 diagnose` report (text + JSON) on the tiny checkpoint: greedy continuations of both prompts, their loop
+measure, `--expect`, the one-line verdict, and what produced the report (versions, commit, rebuild)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import dsv4
+from dsv4.cli import main
+from dsv4.diagnose import (EXIT_PASS, TINY_REBUILD, VERDICTS, Continuation, LoopMeasure, continuation_verdict,
+                           loop_measure)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---------------------------------------------------------------- the loop measure on hand-made sequences
+
+def test_real_loop_one_word_after_a_wrong_first_token():
+    ids = [101, 205] + [7] * 30  # the incident: a wrong first token, then one word forever
+    m = loop_measure(ids)
+    assert (m.period, m.run_length, m.repeats) == (1, 30, 30.0)
+    assert m.distinct_share == pytest.approx(3 / 32) and m.looping
+
+
+def test_real_loop_on_a_phrase():
+    ids = [9, 8] + [50, 51, 52] * 10  # 32 ids: two tokens, then a three-token phrase looping
+    m = loop_measure(ids)
+    assert m.period == 3 and m.run_length == 30 and m.repeats == 10.0 and m.looping
+
+
+@pytest.mark.parametrize("ids,why", [
+    ([11, 12, 13, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], "a doubled word"),
+    ([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23], "a phrase restated once (2 repeats, not 3)"),
+    ([5, 1, 2, 5, 3, 4, 5, 6, 7, 5, 8, 9, 10, 5, 11, 12], "a recurring function word (not periodic)"),
+    ([40, 41, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57], "a short alternation"),
+])
+def test_benign_repetition_is_not_a_loop(ids, why):
+    m = loop_measure(ids)
+    assert not m.looping, (why, m)
+    assert m.distinct_share > 0.5
+
+
+def test_no_repetition_at_all():
+    m = loop_measure(list(range(1000, 1032)))
+    assert m == LoopMeasure(32, 1.0, 0, 0, 0.0, False)
+
+
+def test_thresholds_at_their_edges():
+    # a period-4 unit 3 times = 12 tokens: a loop when it covers half the window (n = 24), not when less (n = 26)
+    unit = [70, 71, 72, 73]
+    fresh = list(range(200, 214))
+    assert loop_measure(unit * 3 + fresh[:12]).looping
+    assert not loop_measure(unit * 3 + fresh[:14]).looping
+    # covering half the window but only 2 full periods: not a loop
+    assert not loop_measure([70, 71, 72, 73, 74, 75] * 2 + fresh[:12]).looping
+    # no clean period but fewer than a quarter distinct ids: degenerate (three ids in an irregular order)
+    irregular = [1, 2, 1, 3, 3, 2, 1, 1, 2, 3, 1, 2, 2, 3, 1, 3, 2, 1, 3, 3]
+    m = loop_measure(irregular)
+    assert m.run_length < len(irregular) / 2 and m.distinct_share == 3 / 20 and m.looping
+
+
+def test_loop_measure_rejects_non_ids():
+    with pytest.raises(ValueError, match="expected a list of int token ids"):
+        loop_measure(["a", "b"])
+
+
+# ---------------------------------------------------------------- the verdict rule
+
+def _cont(ids, text="", expected=None):
+    return Continuation(ids, text, "max_tokens", loop_measure(ids), expected)
+
+
+LOOP, FINE = [3, 4] + [9] * 14, list(range(500, 516))
+
+
+@pytest.mark.parametrize("hand,tmpl,expect,verdict", [
+    (_cont(LOOP, expected=False), _cont(FINE, expected=True), "Paris", "prompt fixed"),
+    (_cont(LOOP), _cont(FINE), None, "prompt fixed"),
+    (_cont(FINE, expected=False), _cont(FINE, expected=True), "Paris", "prompt fixed"),
+    (_cont(LOOP, expected=False), _cont(LOOP, expected=True), "Paris", "still degenerate"),
+    (_cont(LOOP, expected=False), _cont(FINE, expected=False), "Paris", "expected answer absent"),
+    (_cont(FINE, expected=True), _cont(FINE, expected=True), "Paris", "no degeneration with either prompt"),
+    (_cont(FINE), _cont(FINE), None, "no degeneration with either prompt"),
+])
+def test_verdict_rule(hand, tmpl, expect, verdict):
+    got, line = continuation_verdict(hand, tmpl, expect)
+    assert got == verdict and got in VERDICTS
+    assert line.startswith(verdict + ":") and "\n" not in line
+
+
+# ---------------------------------------------------------------- the report on the tiny checkpoint
+
+def _diagnose(capsys, tmp_path, *args):
+    out_json = tmp_path / "r.json"
+    status = main(["diagnose", "--json", str(out_json), *args])
+    return status, capsys.readouterr().out, json.loads(out_json.read_text())
+
+
+def test_report_continuations_loop_measure_expect_and_verdict(tiny_ckpt, tmp_path, capsys):
+    status, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "12",
+                                 "--expect", "Paris", "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    c = rep["test1_template"]["continuation"]
+    assert c["tokens_requested"] == 12 and c["expect"] == "Paris"
+    for name in ("hand_rolled", "template"):
+        k = c[name]
+        assert 1 <= len(k["ids"]) <= 12 and (k["stop"] == "eos") == (k["ids"][-1] == 1)
+        body = k["ids"][:-1] if k["stop"] == "eos" else k["ids"]
+        assert k["loop"] == loop_measure(body).__dict__  # the JSON carries the measure of the ids it carries
+        assert k["contains_expected"] == ("paris" in k["text"].casefold())
+    # the continuation starts with each prompt's greedy top-1 (the template's comes from Test 2's prefill)
+    assert c["template"]["ids"][0] == rep["test1_template"]["top1_template"]["id"]
+    assert c["hand_rolled"]["ids"][0] == rep["test1_template"]["top1_hand_rolled"]["id"]
+    hand, tmpl = (Continuation(**{**c[n], "loop": LoopMeasure(**c[n]["loop"])}) for n in ("hand_rolled", "template"))
+    verdict, line = continuation_verdict(hand, tmpl, "Paris")
+    assert (c["verdict"], c["verdict_line"]) == (verdict, line)
+    assert f"Test 1 verdict: {line}" in out
+    assert 'expected answer "Paris" (case-insensitive): hand-rolled' in out
+    assert "greedy continuation (12 tokens max, stops at EOS)" in out
+    assert out.count("tokens, stop ") == 2
+
+
+def test_expect_found_in_the_template_continuation(tiny_ckpt, tmp_path, capsys):
+    _, _, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "3", "--dtype", "fp32",
+                          "--decode-steps", "1")
+    text = rep["test1_template"]["continuation"]["template"]["text"]
+    word = text.strip()[:3] or text[:3]  # a piece of what the tiny model really says, in other case
+    if word.swapcase().casefold() == word.casefold():
+        word = word.swapcase()
+    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "3", "--dtype", "fp32",
+                            "--decode-steps", "1", "--expect", word)
+    c = rep["test1_template"]["continuation"]
+    assert c["template"]["contains_expected"] is True
+    assert c["verdict"] in ("prompt fixed", "still degenerate", "no degeneration with either prompt")
+
+
+def test_report_environment_commit_and_world_size(tiny_ckpt, tmp_path, capsys):
+    import torch
+    import transformers
+
+    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "1", "--dtype", "fp32",
+                            "--decode-steps", "1")
+    env = rep["environment"]
+    assert env["dsv4"] == dsv4.__version__ and env["world_size"] == rep["world_size"] == 1
+    assert env["torch"] == torch.__version__ and env["transformers"] == transformers.__version__
+    try:
+        import triton
+        assert env["triton"] == triton.__version__
+    except ImportError:
+        assert env["triton"] is None
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0 and Path(dsv4.__file__).resolve().parent == REPO / "dsv4":
+        assert env["git_commit"] == head.stdout.strip() and isinstance(env["git_dirty"], bool)
+    else:  # not run from a checkout (an installed copy): no commit is claimed
+        assert env["git_commit"] is None
+    assert re.search(rf"software: dsv4 {re.escape(dsv4.__version__)} \(.*\) \| python .* \| torch "
+                     rf"{re.escape(torch.__version__)} \|", out)
+    assert "rebuild" not in rep["checkpoint"]  # a given checkpoint is not rebuilt
+
+
+def test_on_the_fly_checkpoint_says_how_to_rebuild_it(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    import hashlib
+
+    monkeypatch.delenv("DSV4_CKPT", raising=False)
+    monkeypatch.delenv("TEST_LAYERS", raising=False)
+    status, out, rep = _diagnose(capsys, tmp_path, "--continue-tokens", "1", "--dtype", "fp32", "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    ck = rep["checkpoint"]
+    assert ck["rebuild"].startswith(TINY_REBUILD) and f"rebuild: {TINY_REBUILD}" in out
+    assert not Path(ck["path"]).exists()  # deleted when the run ended, hence the rebuild command
+    # the command rebuilds the same bytes: tiny_ckpt is `make_tiny(..., variant="fp8", seed=0)`
+    assert TINY_REBUILD == "dsv4 make-tiny DIR --variant fp8 --seed 0"
+    for key, name in (("config_sha256", "config.json"), ("index_sha256", "model.safetensors.index.json")):
+        assert ck[key] == hashlib.sha256((tiny_ckpt / name).read_bytes()).hexdigest()[:16]
