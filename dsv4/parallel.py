@@ -404,6 +404,8 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
         handles[f] = safe_open(str(f), framework="pt", device="cpu")
     sl = handles[f].get_slice(name)
     part_raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+    from dsv4.checkpoint import check_values
+    check_values(part_raw, dt, name, f, offset=(start, 0) if dim == 0 else (0, start))
     if keep:
         return part_raw
     if dt in ("BF16", "F32"):
@@ -413,7 +415,8 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
                               "or F8_E4M3")
     b = quant.FP8_BLOCK
-    s = quant.e8m0_to_float(ck.get_quantized(name, device=device)[1])  # [ceil(out/128), ceil(in/128)]
+    # only the scale (the whole weight would be read again: not rank-local, and its bytes are not this rank's)
+    s = quant.e8m0_to_float(ck._raw(ck._scale_of(name), device))  # [ceil(out/128), ceil(in/128)]
     b0 = start // b
     s = s.narrow(dim, b0, -(-(start + n) // b) - b0).repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
     other = 1 - dim
