@@ -6,7 +6,8 @@ spec §11): `model.safetensors.index.json` + `model-0000K-of-0000M.safetensors` 
 (globals first, each main layer starting a new shard, no shard above `max_shard_bytes`, MTP last; Flash: 46
 shards of ~3.5 GB in the release, 45 here with all 43 layers), official names and dtypes (FP8 e4m3 + ue8m0
 128x128 block scales, FP4 e2m1 experts + ue8m0 per 32, BF16 / F32 / I64), config.json, generation_config.json
-and the real tokenizer files.
+and the real tokenizer files, plus `dsv4_synth.json` (generator, version, geometry, layers, seed: the weights are
+random, not a trained model).
 
 Values. Every tensor is a deterministic function of (seed, tensor name) only: `synth_tensor(args, name, seed)`.
 The generator is a counter-based hash (splitmix64 of the element's flat index, keyed by sha256(seed, name)) in
@@ -49,11 +50,13 @@ from dsv4 import quant
 from dsv4.checkpoint import DTYPE_BYTES, INDEX_FILE, TORCH_DTYPES, expected_tensors
 from dsv4.config import ModelArgs
 
-__all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "geometry_config", "geometry_args", "synth_tensor",
+__all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "PROVENANCE_FILE", "SYNTH_VERSION", "geometry_config", "geometry_args", "synth_tensor",
            "synth_quantized", "ShardPlan", "plan_shards", "BuildReport", "make_checkpoint", "checkpoint_bytes"]
 
 GEOMETRIES = ("tiny", "flash", "pro")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+PROVENANCE_FILE = "dsv4_synth.json"  # beside config.json: says the weights are synthetic, with geometry and seed
+SYNTH_VERSION = 1  # bump when a value changes: a loader synthesizing tensors must match the files it stands for
 DEFAULT_SHARD_BYTES = 4_000_000_000  # a Flash main layer (~3.6 GB) fits one shard, as in the release
 
 # ---------------------------------------------------------------------------------------------- geometry
@@ -409,7 +412,7 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     Checks up front that the file system holding `out_dir` has the shards' bytes + 256 MiB free and says how much
     it needs (`log`); `dry_run` writes headers and holes instead of data (needs sparse-file support, checked).
     Files are written in this order: shards (each fsync'ed), then config.json, generation_config.json, tokenizer
-    files and the index last, so an interrupted build has no index and fails to open.
+    files, `dsv4_synth.json` and the index last, so an interrupted build has no index and fails to open.
 
     Returns a `BuildReport` (throughput = shard bytes / wall time including fsync).
     Raises ValueError (geometry / layers / max_shard_bytes), FileExistsError (`out_dir` not empty), OSError (not
@@ -455,6 +458,11 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     tok = tokenizer_dir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok / f, out / f)
+    prov = {"generator": "dsv4.synth", "version": SYNTH_VERSION, "geometry": geometry, "layers": args.n_layers,
+            "seed": seed, "include_mtp": include_mtp, "dry_run": dry_run,
+            "note": "random weights at the released geometry (not a trained model); tensor data left as holes"
+            if dry_run else "random weights at the released geometry (not a trained model)"}
+    (out / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
     index = {"metadata": {"total_size": sum(p.data_bytes for p in plans)},
              "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
