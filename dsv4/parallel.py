@@ -370,7 +370,9 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
         kind, arg = shard_rule(name)
         if kind == "expert" and arg not in expert_range(args, comm):
             continue
-        if kind == "split" and name.endswith(".scale"):
+        if kind == "split" and comm.world_size == 1:  # the whole tensor (no block alignment needed)
+            plan[name] = None
+        elif kind == "split" and name.endswith(".scale"):
             weight = name.removesuffix(".scale") + ".weight"
             start, n = _split_range(inv[weight][0][arg], comm, weight)
             if start % b or n % b:
