@@ -8,8 +8,9 @@ loads the checkpoint through `dsv4.parallel.load_parallel_model` (rank-local rea
 bf16 numerics, TEST_LAYERS honoured) and records:
     weights      bytes of the rank's state dict (what dsv4.memory_plan models) vs `rank_memory(...).weights`;
                  must agree within 5 % (exit 1 otherwise: fix the plan)
-    held / peak  torch.cuda.memory_allocated after the load / max_memory_allocated through load + run (minus what
-                 was allocated before), vs the plan's peak (weights + per-use dequantization temporary)
+    held / peak  torch.cuda.memory_allocated after the load / max_memory_allocated through load + prefill + decode
+                 (minus what was allocated before), vs the plan's peak (weights + per-use dequantization
+                 temporary; activations and decode state are not in the plan)
     load         wall time of the load, bytes the rank read from disk (its parts of the shards, from the read
                  plan) and GB/s; the shards' pages are dropped from the page cache first (posix_fadvise
                  DONTNEED; clean pages only, so this is a cold read when the checkpoint was fsync'ed)
@@ -138,6 +139,11 @@ def _worker(ckpt: Path, out: Path, modes: list[str], decode_steps: int) -> None:
     comm, dev = comm_from_env("cuda")
     rows = [measure(ckpt, comm, dev, m, decode_steps) for m in modes]
     torch.save(rows, out / f"w{comm.world_size}.rank{comm.rank}.pt")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave the NCCL group cleanly (an open group aborts at interpreter exit)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _fmt_table(rows: list[dict]) -> str:
