@@ -357,8 +357,8 @@ def build_model(args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float
 # ----------------------------------------------------------------------------------------------- loading
 def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[int, int, int] | None]:
     """What rank `comm.rank` reads of each official tensor: name -> (dim, start, length) for a split tensor,
-    None for a whole one; another rank's experts are absent. Shapes come from `expected_tensors` (the on-disk
-    [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
+    None for a whole one (every tensor at world size 1); another rank's experts are absent. Shapes come from
+    `expected_tensors` (the on-disk [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
     gets the 128-blocks of its weight's part: (dim, start / 128, length / 128); ValueError naming the tensor and
     the world size when that part is not block-aligned (`check_quantized_split`)."""
     from dsv4.checkpoint import expected_tensors
