@@ -12,7 +12,9 @@ Quantized weights (spec §2, decoded by `dsv4.quant`):
 
 Everything here fails closed: a missing or unexpected tensor, a wrong shape or dtype, an index naming a
 missing shard, a truncated shard, a scale that is not F8_E8M0 -> `CheckpointError` naming the tensor, the
-file and what was expected. Nothing is renamed, cast or skipped silently.
+file and what was expected. Nothing is renamed, cast or skipped silently. Every tensor read is checked for bytes
+that decode to NaN (`check_values`: ue8m0 0xFF, e4m3 0x7F/0xFF, non-finite BF16/F32) and `tid2eid` for expert
+ids outside 0..n_routed_experts-1, on the device it is loaded to; the error names tensor, file and first index.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dsv4.config import ModelArgs
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index"]
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -156,6 +158,67 @@ def expected_tensors(args: ModelArgs, n_layers: int | None = None, include_mtp: 
 def inventory_bytes(inv: Inventory) -> int:
     """Total data bytes of an inventory (what `model.safetensors.index.json` calls `total_size`)."""
     return sum(math.prod(shape) * DTYPE_BYTES[dt] for shape, dt in inv.values())
+
+
+# ---------------------------------------------------------------------------------------------- values
+_BAD_VALUE = {"F8_E8M0": "ue8m0 scale byte 0xFF (NaN)", "F8_E4M3": "e4m3 NaN code (0x7F / 0xFF)",
+              "BF16": "non-finite value (NaN / inf)", "F32": "non-finite value (NaN / inf)"}
+
+
+def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: tuple[int, ...] = (),
+                 n_experts: int | None = None) -> None:
+    """Fail closed on bytes that decode to NaN (reference spec §2): a ue8m0 scale byte 0xFF, an e4m3fn code with
+    all exponent and mantissa bits set (0x7F / 0xFF), a non-finite BF16 / F32 value. FP4 e2m1 (I8) and I64 have
+    no NaN encoding and are not checked here.
+
+    Runs where `t` lives (the target device while loading): one or two reductions per tensor (max of the bytes;
+    a float32 sum for BF16 / F32), the exact mask only when they flag something; cost measured at real size by
+    benchmarks/measure_real_width.py. `offset` is added to the reported index when
+    `t` is a slice (rows / columns of a tensor split across ranks). With `n_experts`, an I64 tensor (`tid2eid`)
+    must hold expert ids in 0..n_experts-1 (a wrong id would route tokens to another expert, or index out of range).
+
+    Args: t: the on-disk tensor (float8_e8m0fnu / float8_e4m3fn / bfloat16 / float32), any shape; dt: its
+        safetensors dtype string; name, file: for the message.
+    Raises CheckpointError naming the file, the tensor, the first bad index (in the full tensor) and how many
+    elements are bad.
+    """
+    what = _BAD_VALUE.get(dt)
+    if dt == "I64" and n_experts is not None:
+        what = f"expert id outside 0..{n_experts - 1}"
+    if what is None or t.numel() == 0:
+        return
+    # fast screen (one or two reductions), then the exact mask only when something is suspect
+    if dt == "I64":
+        suspect = int(t.min()) < 0 or int(t.max()) >= n_experts
+    elif dt == "F8_E8M0":
+        suspect = int(t.view(torch.uint8).max()) == 0xFF
+    elif dt == "F8_E4M3":  # 0xFF is the largest byte, 0x7F the largest int8
+        suspect = int(t.view(torch.uint8).max()) == 0xFF or int(t.view(torch.int8).max()) == 0x7F
+    else:  # NaN / inf propagate into the sum (an overflowing sum of finite values is cleared below)
+        suspect = not bool(torch.isfinite(t.sum(dtype=torch.float32)))
+    if not suspect:
+        return
+    if dt == "I64":
+        bad = (t < 0) | (t >= n_experts)
+    elif dt == "F8_E8M0":
+        bad = t.view(torch.uint8) == 0xFF
+    elif dt == "F8_E4M3":
+        bad = (t.view(torch.uint8) & 0x7F) == 0x7F
+    else:
+        bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return
+    flat = int(torch.nonzero(bad.reshape(-1))[0])
+    idx = []
+    for size in reversed(t.shape):
+        idx.append(flat % size)
+        flat //= size
+    idx = idx[::-1]
+    for d, o in enumerate(offset):
+        idx[d] += o
+    raise CheckpointError(f"{file}: tensor {name}: {what} at index {idx} ({int(bad.sum())} bad of "
+                          f"{t.numel()}{' in the part read' if any(offset) else ''}); the checkpoint is corrupt, "
+                          "refusing to load it")
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -379,7 +442,10 @@ class Checkpoint:
         if f not in self._handles:
             from safetensors import safe_open
             self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
-        return self._handles[f].get_tensor(name).to(device)
+        t = self._handles[f].get_tensor(name).to(device)
+        check_values(t, self._meta[name][1], name, f,
+                     n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
+        return t
 
     def _scale_of(self, name: str) -> str:
         scale = name.removesuffix(".weight") + ".scale"
@@ -398,7 +464,8 @@ class Checkpoint:
 
         FP8: (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/128), ceil(in/128)]);
         FP4: (int8 [out, in/2] two e2m1 codes per byte, low nibble first, float8_e8m0fnu [out, in/32]).
-        Raises KeyError (absent) / CheckpointError (no `.scale`, or a scale that is not F8_E8M0).
+        Raises KeyError (absent) / CheckpointError (no `.scale`, or a scale that is not F8_E8M0; a NaN code or
+        scale byte, see `check_values`).
         """
         scale = self._scale_of(name)
         return self._raw(name, device), self._raw(scale, device)
@@ -412,7 +479,8 @@ class Checkpoint:
         BF16/F32 cast to `dtype`; I64 (`tid2eid`) returned as int64 whatever `dtype` is. Dequantization runs
         on `device`.
 
-        Raises KeyError (absent), CheckpointError (missing/mis-typed/mis-shaped scale, unsupported dtype).
+        Raises KeyError (absent), CheckpointError (missing/mis-typed/mis-shaped scale, unsupported dtype, bytes
+        that decode to NaN or an out-of-range expert id: `check_values`, checked on `device` before dequantizing).
         """
         shape, dt, f = self.info(name)
         if not dequantize:
@@ -456,7 +524,8 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
 
     Returns: (`args.with_layers(n_layers)` if n_layers is given else `args`, {name: tensor on `device`}).
     Raises: ValueError (n_layers outside 1..args.n_layers), FileNotFoundError, CheckpointError (see
-        `Checkpoint`, `Checkpoint.validate`, `Checkpoint.get`; with `dequantize=False` also a checkpoint that
+        `Checkpoint`, `Checkpoint.validate`, `Checkpoint.get`; every loaded tensor is checked by `check_values`
+        in both modes; with `dequantize=False` also a checkpoint that
         holds no FP8/FP4 weight: a bf16 checkpoint has nothing to keep quantized).
     """
     ck = Checkpoint(path)

@@ -156,6 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--variant", choices=("fp8", "bf16"), default="fp8")
     t.add_argument("--seed", type=int, default=0)
 
+    mc = _subparser(sub, "make-checkpoint",
+                    help="write a random checkpoint at the released Flash/Pro geometry (or tiny), first N layers, "
+                         "in the official on-disk layout, streamed shard by shard",
+                    description="Write a synthetic checkpoint at the published Flash/Pro geometry (first N main "
+                                "layers + embed, head, hc_head, MTP) as index + shards in the official formats; "
+                                "values are a function of (seed, tensor name) only.")
+    mc.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
+    mc.add_argument("--geometry", choices=("tiny", "flash", "pro"), default="flash",
+                    help="published config to follow (fixtures/configs; default flash)")
+    mc.add_argument("--layers", type=_positive_int, default=None,
+                    help="keep the first N main layers (default: all; Flash 4 = SWA, SWA, CSA, HCA, ~20 GB)")
+    mc.add_argument("--seed", type=int, default=0, help="values are a function of (seed, tensor name) only")
+    mc.add_argument("--device", type=_device, default=None,
+                    help="where values are generated (default cuda when visible, else cpu); same bytes either way")
+    mc.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP block (mtp.0.*)")
+    mc.add_argument("--shard-gb", type=float, default=4.0, help="largest shard in GB (default 4.0)")
+    mc.add_argument("--dry-run", action="store_true",
+                    help="write index, configs and every shard's header; tensor data left as holes (no disk used)")
+
     gt = _subparser(sub, "gate", help="merge gate: block protected changes without a green hard-stop run",
                     description="List the files changed since the merge base with --base; if a protected one "
                                 "changed, require a green hard-stop run for the current commit.")
@@ -261,10 +280,32 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote tiny DeepSeek-V4 checkpoint ({args.variant}) to {out}")
         return 0
+    if args.command == "make-checkpoint":
+        return _make_checkpoint(args)
     if args.command == "gate":
         from dsv4.gate import run_gate
         return run_gate(base=args.base, report=args.report)
     raise AssertionError(args.command)  # argparse enforces the choices
+
+
+def _make_checkpoint(args: argparse.Namespace) -> int:
+    """`dsv4 make-checkpoint`: exit 0 written, 2 bad input / not enough disk / write error (message on stderr)."""
+    import torch
+
+    from dsv4.synth import make_checkpoint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not (args.shard_gb > 0 and args.shard_gb != float("inf")):
+        print(f"dsv4 make-checkpoint: error: --shard-gb {args.shard_gb}: expected a finite number > 0",
+              file=sys.stderr)
+        return 2
+    try:
+        make_checkpoint(args.out_dir, args.geometry, args.layers, seed=args.seed, include_mtp=args.mtp,
+                        device=device, dry_run=args.dry_run, max_shard_bytes=int(args.shard_gb * 1e9))
+    except (OSError, ValueError) as e:
+        print(f"dsv4 make-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -406,8 +406,16 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
 
     idx = path / "model.safetensors.index.json"
     total = read_index(idx)[1] if idx.is_file() else None
-    ident = {"path": str(path), "source": "tiny checkpoint built on the fly (random weights, seed 0)" if built
-             else "given checkpoint", "config_sha256": digest(path / "config.json"),
+    source = "tiny checkpoint built on the fly (random weights, seed 0)" if built else "given checkpoint"
+    prov = path / "dsv4_synth.json"  # written by `dsv4 make-checkpoint` (dsv4.synth.PROVENANCE_FILE)
+    if not built and prov.is_file():
+        try:
+            p = json.loads(prov.read_text())
+            source = (f"synthetic checkpoint by dsv4 make-checkpoint ({p['geometry']} geometry, {p['layers']} layers, "
+                      f"seed {p['seed']}: random weights, not a trained model)")
+        except (ValueError, KeyError, TypeError):
+            source = f"given checkpoint ({prov.name} present but unreadable)"
+    ident = {"path": str(path), "source": source, "config_sha256": digest(path / "config.json"),
              "index_sha256": digest(idx), "total_size": total,
              "n_layers": ModelArgs.from_hf_config(path).n_layers}
     if built:  # the temporary directory is deleted when the run ends: say how to get the same bytes back

@@ -171,7 +171,7 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     full = ModelArgs.from_hf_config(ckpt)
     n = layers_from_env(full.n_layers)
     args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
-                               dequantize=weights == "dequantized")
+                               dequantize=weights == "dequantized", device=device)  # dequantized on `device`
     model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
     return model.eval().requires_grad_(False), n

@@ -357,8 +357,8 @@ def build_model(args: ModelArgs, comm: Comm, *, dtype: torch.dtype = torch.float
 # ----------------------------------------------------------------------------------------------- loading
 def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[int, int, int] | None]:
     """What rank `comm.rank` reads of each official tensor: name -> (dim, start, length) for a split tensor,
-    None for a whole one; another rank's experts are absent. Shapes come from `expected_tensors` (the on-disk
-    [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
+    None for a whole one (every tensor at world size 1); another rank's experts are absent. Shapes come from
+    `expected_tensors` (the on-disk [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
     gets the 128-blocks of its weight's part: (dim, start / 128, length / 128); ValueError naming the tensor and
     the world size when that part is not block-aligned (`check_quantized_split`)."""
     from dsv4.checkpoint import expected_tensors
@@ -370,7 +370,9 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
         kind, arg = shard_rule(name)
         if kind == "expert" and arg not in expert_range(args, comm):
             continue
-        if kind == "split" and name.endswith(".scale"):
+        if kind == "split" and comm.world_size == 1:  # the whole tensor (no block alignment needed)
+            plan[name] = None
+        elif kind == "split" and name.endswith(".scale"):
             weight = name.removesuffix(".scale") + ".weight"
             start, n = _split_range(inv[weight][0][arg], comm, weight)
             if start % b or n % b:
@@ -404,6 +406,8 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
         handles[f] = safe_open(str(f), framework="pt", device="cpu")
     sl = handles[f].get_slice(name)
     part_raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+    from dsv4.checkpoint import check_values
+    check_values(part_raw, dt, name, f, offset=(start, 0) if dim == 0 else (0, start))
     if keep:
         return part_raw
     if dt in ("BF16", "F32"):
@@ -413,7 +417,8 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
                               "or F8_E4M3")
     b = quant.FP8_BLOCK
-    s = quant.e8m0_to_float(ck.get_quantized(name, device=device)[1])  # [ceil(out/128), ceil(in/128)]
+    # only the scale (the whole weight would be read again: not rank-local, and its bytes are not this rank's)
+    s = quant.e8m0_to_float(ck._raw(ck._scale_of(name), device))  # [ceil(out/128), ceil(in/128)]
     b0 = start // b
     s = s.narrow(dim, b0, -(-(start + n) // b) - b0).repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
     other = 1 - dim

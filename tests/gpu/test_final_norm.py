@@ -1,23 +1,24 @@
 """Test 2 on CUDA (hard stop): the final norm runs and logits are invariant to |X|.
 
-Runs on the checkpoint named by DSV4_CKPT (real weights; bf16 numerics) or, when unset, on the tiny
-checkpoint built for the session. TEST_LAYERS (environment only) limits the main layers loaded. Works alone:
+Runs on the tiny checkpoint built for the session (fp32) and on the real-width checkpoint (bf16 numerics):
+DSV4_CKPT when set (released weights), else a Flash-geometry checkpoint of 4 layers built once per session on the
+GPU (tests/gpu/real_width.py; skipped with the reason when disk or GPU memory is too small). Both backends, both
+weight modes. TEST_LAYERS (environment only) limits the main layers loaded. Works alone:
 
-    DSV4_CKPT=/path/to/DeepSeek-V4-Flash TEST_LAYERS=2 pytest tests/gpu/test_final_norm.py
+    DSV4_CKPT=/path/to/DeepSeek-V4-Flash TEST_LAYERS=2 pytest tests/gpu/test_final_norm.py -k real
 
-(A full Flash/Pro checkpoint needs the multi-GPU model of issue 9; on one GPU use a small TEST_LAYERS.)
+(A full Flash/Pro checkpoint needs the multi-GPU model; on one GPU use a small TEST_LAYERS.)
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4.final_norm import final_norm_check
-from dsv4.generate import CKPT_ENV, load_model
+from dsv4.generate import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
@@ -25,19 +26,27 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]  # gold ids of the seed prompt
 
 
-@pytest.fixture(scope="module")
-def ckpt(request) -> Path:
-    env = os.environ.get(CKPT_ENV)
-    if env:
-        return Path(env)
-    return request.getfixturevalue("tiny_ckpt")
+@pytest.fixture(scope="module", params=["tiny", "real"])
+def ckpt(request) -> tuple[Path, torch.dtype]:
+    """(checkpoint, dtype): the tiny one in fp32 (exact mode), the real-width one in bf16 (official numerics)."""
+    if request.param == "tiny":
+        return request.getfixturevalue("tiny_ckpt"), torch.float32
+    return request.getfixturevalue("real_ckpt"), torch.bfloat16
 
 
+def _load(ckpt, backend: str, weights: str):
+    path, dtype = ckpt
+    if dtype == torch.bfloat16:  # real width: load_model holds the state dict beside the model
+        from tests.gpu.real_width import require_gpu_memory
+        require_gpu_memory(path, weights, streamed=False)
+    model, n = load_model(path, device="cuda", dtype=dtype, backend=backend, progress=False, weights=weights)
+    return model, n
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "quantized"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_final_norm_on_cuda(ckpt, backend):
-    real = bool(os.environ.get(CKPT_ENV))
-    dtype = torch.bfloat16 if real else torch.float32
-    model, n = load_model(ckpt, device="cuda", dtype=dtype, backend=backend, progress=real)
+def test_final_norm_on_cuda(ckpt, backend, weights):
+    model, n = _load(ckpt, backend, weights)
     r = final_norm_check(model, PROMPT, decode_steps=2, test_layers=n)
     assert r.passed, f"{r.verdict}; problems={r.chain_problems}; comparisons={r.comparisons}"
     assert r.norm_calls == 3
@@ -46,8 +55,7 @@ def test_final_norm_on_cuda(ckpt, backend):
 def test_negative_control_on_cuda(ckpt):
     """The same check fails on CUDA when the final norm is removed (guards against a check that cannot fail)."""
     from torch import nn
-    model, n = load_model(ckpt, device="cuda", dtype=torch.float32 if not os.environ.get(CKPT_ENV) else torch.bfloat16,
-                          progress=False)
+    model, n = _load(ckpt, "reference", "quantized")
     model.norm = nn.Identity()
     r = final_norm_check(model, PROMPT, decode_steps=1, test_layers=n)
     assert not r.passed and r.comparisons[0].rel_l2 > 0.5

@@ -1,7 +1,8 @@
 """Tensor + expert parallel model on GPUs (NCCL, launched by torchrun): world size 2 against world size 1.
 
 Run on a machine with >= 2 GPUs:   pytest -q -s tests/gpu/test_parallel.py
-With a real checkpoint (all visible GPUs, TEST_LAYERS honoured):
+With the real-width checkpoint (DSV4_CKPT, else a Flash-geometry one built for the session; all visible GPUs,
+TEST_LAYERS honoured):
     DSV4_CKPT=/path/to/DeepSeek-V4-Flash TEST_LAYERS=4 pytest -q -s tests/gpu/test_parallel.py -k real
 This file is also the rank worker (`torchrun --nproc_per_node N tests/gpu/test_parallel.py MODE OUT [CKPT]`).
 
@@ -15,7 +16,6 @@ a layer-2 routing), so bf16 world-size parity is reported (agreement printed), n
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,7 +73,8 @@ def _worker(mode: str, out: str, ckpt: str) -> None:
         from dsv4.checkpoint import Checkpoint
 
         n = layers_from_env(Checkpoint(ckpt).args.n_layers)
-        m = load_parallel_model(ckpt, comm, n_layers=n, dtype=torch.bfloat16, device=dev)
+        weights = mode.partition(":")[2] or "dequantized"
+        m = load_parallel_model(ckpt, comm, n_layers=n, dtype=torch.bfloat16, device=dev, weights=weights)
         res["final_norm"] = final_norm_check(m, PROMPT, decode_steps=2, test_layers=n).to_dict()
         res["param_bytes"] = sum(t.numel() * t.element_size() for t in m.state_dict().values())
     res["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
@@ -138,14 +139,17 @@ def test_world2_bf16_ranks_agree_and_final_norm_passes(world1, world2):
 
 
 @pytest.mark.slow
-def test_real_checkpoint_final_norm_distributed(tmp_path):
-    """The final-norm check on a real checkpoint, spread over every visible GPU (bf16, TEST_LAYERS honoured)."""
-    ckpt = os.environ.get("DSV4_CKPT")
-    if not ckpt:
-        pytest.skip("DSV4_CKPT is not set: no real checkpoint to run distributed")
+@pytest.mark.parametrize("weights", ["dequantized", "quantized"])
+def test_real_checkpoint_final_norm_distributed(tmp_path, request, weights):
+    """The final-norm check on the real-width checkpoint (DSV4_CKPT, else the Flash-geometry one built for the
+    session), spread over every visible GPU (bf16, TEST_LAYERS honoured), in both weight modes."""
+    from tests.gpu.real_width import require_gpu_memory
+
     require_gpus(2, nccl=True)
     n = torch.cuda.device_count()
-    _torchrun(n, "real", str(tmp_path / "res"), ckpt, timeout=3600)
+    ckpt = str(request.getfixturevalue("real_ckpt"))
+    require_gpu_memory(Path(ckpt), weights, world_size=n)
+    _torchrun(n, f"real:{weights}", str(tmp_path / "res"), ckpt, timeout=3600)
     res = [torch.load(f"{tmp_path / 'res'}.{r}") for r in range(n)]
     for r, w in enumerate(res):
         print(f"rank {r}: peak GPU memory {w['peak_bytes'] / 2**30:.2f} GiB, "

@@ -4,6 +4,7 @@ the GPU memory each mode takes (printed; run with -s).
     pytest -q -s tests/gpu/test_resident_quant.py                          # 1 GPU: tiny; >= 2 GPUs: also W=2
     DSV4_CKPT=/path/to/DeepSeek-V4-Flash TEST_LAYERS=4 pytest -q -s tests/gpu/test_resident_quant.py -k real
                                                                            # every visible GPU, both modes
+                                                                           # (no DSV4_CKPT: Flash geometry, 4 layers)
 
 Criteria: quantized vs dequantized logits bitwise equal (same `dsv4.quant` dequantization to the compute dtype,
 then the same matmul) in fp32 and bf16, prefill at every position + 3 greedy decode steps; at world size 2 also
@@ -14,7 +15,6 @@ This file is also the rank worker (`torchrun --nproc_per_node N THIS MODE OUT CK
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -114,14 +114,16 @@ def test_world2_quantized_on_two_gpus(tmp_path, aligned_ckpt):
 
 
 @pytest.mark.slow
-def test_real_checkpoint_both_modes_on_all_gpus(tmp_path):
-    """Real checkpoint (DSV4_CKPT, bf16, TEST_LAYERS honoured) on every visible GPU: the quantized-resident model
-    gives the dequantized model's logits bit for bit; per-rank held / peak memory of both modes printed."""
-    ckpt = os.environ.get("DSV4_CKPT")
-    if not ckpt:
-        pytest.skip("DSV4_CKPT is not set: no real checkpoint")
+def test_real_checkpoint_both_modes_on_all_gpus(tmp_path, request):
+    """Real-width checkpoint (DSV4_CKPT, else the Flash-geometry one built for the session; bf16, TEST_LAYERS
+    honoured) on every visible GPU: the quantized-resident model gives the dequantized model's logits bit for
+    bit; per-rank held / peak memory of both modes printed."""
+    from tests.gpu.real_width import require_gpu_memory
+
     require_gpus(1)
     n = torch.cuda.device_count()
+    ckpt = str(request.getfixturevalue("real_ckpt"))
+    require_gpu_memory(Path(ckpt), "dequantized", world_size=n)
     res = _torchrun(n, "real", str(tmp_path / "res"), ckpt, timeout=3600)
     _report(res, 2**30, "real bf16")
     for r, w in enumerate(res):

@@ -1,0 +1,29 @@
+"""Fixtures of the GPU tests: the real-width checkpoint (see tests/gpu/real_width.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_ckpt(tmp_path_factory):
+    """`$DSV4_CKPT`, else a Flash-geometry checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU
+    once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
+    directories); skips with the reason when there is no GPU or not enough disk."""
+    env = os.environ.get("DSV4_CKPT")
+    if env:
+        if not Path(env).is_dir():
+            raise FileNotFoundError(f"DSV4_CKPT={env}: not a checkpoint directory")
+        yield Path(env)
+        return
+    from tests.gpu.real_width import build_real_ckpt
+
+    base = tmp_path_factory.mktemp("real_width")
+    try:
+        yield build_real_ckpt(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,129 @@
+"""Corrupt bytes fail closed: a checkpoint byte that decodes to NaN (ue8m0 scale 0xFF, e4m3fn code 0x7F / 0xFF,
+a non-finite BF16 value) or a `tid2eid` expert id out of range makes every loader raise CheckpointError naming
+the tensor, the shard file and the first bad index, in both weight modes and in the rank-local (split) reader.
+
+Each case flips bytes of one tensor in a private copy of the tiny checkpoint at a fresh random position; the
+negative control is the untouched checkpoint, which every loader accepts (and the same loaders without the check
+would have returned NaN weights: `test_flip_reaches_the_weights` shows the flipped byte lands in the tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from dsv4.parallel import Comm, load_rank_state_dict
+from tests.unit.test_resident_quant import aligned_ckpt  # noqa: F401  (fixture: 128-aligned splits at W=2)
+
+MODES = {"dequantized": True, "quantized": False}
+
+
+def _locate(ckpt: Path, name: str) -> tuple[Path, int, str, list[int]]:
+    """(shard file, absolute byte offset of the tensor's data, dtype string, shape) from the safetensors header."""
+    f = Checkpoint(ckpt).info(name)[2]
+    with f.open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        head = json.loads(fh.read(n))
+    e = head[name]
+    return f, 8 + n + e["data_offsets"][0], e["dtype"], e["shape"]
+
+
+def _poke(ckpt: Path, name: str, index: tuple[int, ...], data: bytes) -> None:
+    """Overwrite the element at `index` of tensor `name` with `data` (its raw little-endian bytes)."""
+    f, off, dt, shape = _locate(ckpt, name)
+    flat = 0
+    for i, s in zip(index, shape):
+        flat = flat * s + i
+    with f.open("r+b") as fh:
+        fh.seek(off + flat * len(data))
+        fh.write(data)
+
+
+def _random_index(shape: list[int], rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(s) for s in shape)
+
+
+CASES = [  # (tensor, bytes written, what the message says)
+    ("layers.1.ffn.experts.3.w2.scale", b"\xff", "ue8m0 scale byte 0xFF"),   # FP4 expert scale
+    ("layers.0.attn.wq_b.scale", b"\xff", "ue8m0 scale byte 0xFF"),          # FP8 128x128 block scale
+    ("layers.2.attn.wo_a.weight", b"\x7f", "e4m3 NaN code"),                 # +NaN e4m3fn code
+    ("layers.0.attn.wq_a.weight", b"\xff", "e4m3 NaN code"),                 # -NaN e4m3fn code
+    ("layers.3.attn_norm.weight", struct.pack("<H", 0x7FC0), "non-finite"),  # a BF16 NaN
+    ("layers.0.ffn.gate.tid2eid", struct.pack("<q", 8), "expert id outside 0..7"),
+]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("name,data,what", CASES, ids=[c[0].split(".", 2)[-1] + f"={c[1].hex()}" for c in CASES])
+def test_loader_fails_closed(tiny_ckpt, copy_ckpt, mode, name, data, what):
+    ck = copy_ckpt(tiny_ckpt)
+    rng = random.Random(f"{name}/{mode}/{random.random()}")
+    shape = _locate(ck, name)[3]
+    idx = _random_index(shape, rng)
+    _poke(ck, name, idx, data)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(ck, progress=False, dequantize=MODES[mode])
+    msg = str(e.value)
+    f = Checkpoint(ck).info(name)[2]
+    assert f"{f}: tensor {name}: {what}" in msg and f"at index {list(idx)}" in msg and "1 bad" in msg, msg
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_untouched_checkpoint_loads(tiny_ckpt, mode):
+    """Negative control: the same loaders accept the checkpoint as built (no false alarm on valid bytes, incl. the
+    ue8m0 byte 0x00 = 2^-127 and the e4m3 codes 0x7E / 0xFE = +-448, which are not NaN)."""
+    _, sd = load_checkpoint(tiny_ckpt, progress=False, dequantize=MODES[mode])
+    floats = [v for v in sd.values() if v.dtype in (torch.float32, torch.bfloat16)]
+    assert floats and all(bool(torch.isfinite(v).all()) for v in floats)
+
+
+def test_edge_codes_are_not_nan(tiny_ckpt, copy_ckpt):
+    """The largest finite codes sit next to NaN: 0x7E / 0xFE (e4m3 +-448) and 0xFE (ue8m0 2^127) must load."""
+    ck = copy_ckpt(tiny_ckpt)
+    _poke(ck, "layers.0.attn.wq_a.weight", (0, 0), b"\x7e")
+    _poke(ck, "layers.0.attn.wq_a.weight", (0, 1), b"\xfe")
+    _poke(ck, "layers.0.attn.wq_b.scale", (0, 0), b"\x00")
+    _, sd = load_checkpoint(ck, progress=False, dequantize=False)
+    w = sd["layers.0.attn.wq_a.weight"].float()
+    assert w[0, 0] == 448.0 and w[0, 1] == -448.0
+    assert sd["layers.0.attn.wq_b.scale"].view(torch.uint8)[0, 0] == 0
+
+
+def test_flip_reaches_the_weights(tiny_ckpt, copy_ckpt):
+    """The poke lands in the tensor the loader returns: read without the check, the weight holds the NaNs (32 for
+    one FP4 scale byte: one scale covers 32 inputs), so the CheckpointError above is what stands between them and
+    the model."""
+    from safetensors import safe_open
+
+    from dsv4 import quant
+
+    ck = copy_ckpt(tiny_ckpt)
+    name = "layers.1.ffn.experts.3.w2.scale"
+    _poke(ck, name, (5, 1), b"\xff")
+    f = Checkpoint(ck).info(name)[2]
+    with safe_open(str(f), "pt") as h:
+        w = quant.fp4_dequant(h.get_tensor(name.replace(".scale", ".weight")), h.get_tensor(name))
+    assert int(torch.isnan(w).sum()) == 32 and bool(torch.isnan(w[5, 32:64]).all())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rank_local_reader_reports_the_full_tensor_index(tiny_ckpt, aligned_ckpt, copy_ckpt, mode):
+    """World size 2: wq_b is split by rows; a NaN code in rank 1's half fails rank 1's load with the index in the
+    full tensor, and rank 0, which never reads those bytes, loads. (quantized: the 128-aligned tiny checkpoint,
+    since quantized splits keep 128x128 blocks whole.)"""
+    ck = copy_ckpt(tiny_ckpt if mode == "dequantized" else aligned_ckpt)
+    name = "layers.1.attn.wq_b.weight"
+    out, inp = _locate(ck, name)[3]
+    rng = random.Random()
+    idx = (rng.randrange(out // 2, out), rng.randrange(inp))
+    _poke(ck, name, idx, b"\x7f")
+    load_rank_state_dict(ck, Comm(0, 2), weights=mode)
+    with pytest.raises(CheckpointError, match=rf"tensor {name}: e4m3 NaN code \(0x7F / 0xFF\) at index "
+                                              rf"\[{idx[0]}, {idx[1]}\]"):
+        load_rank_state_dict(ck, Comm(1, 2), weights=mode)
