@@ -214,8 +214,8 @@ def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing
     and idx written once (the fp32 scores stay in L2: not counted). Speedups only when the picks equal
     `indexer_topk_ref` on the kernel's own scores and the scores match the reference (fp32 tolerance)."""
     from dsv4.testing import assert_close, assert_equal
-    cols = ("topk", "batch", "ctx", "MB", "one launch graph / hot µs", "2 launches graph µs",
-            "top-k graph µs", "ref top-k graph µs", "% of copy (one launch)", "ref eager µs",
+    cols = ("topk", "batch", "ctx", "MB", "one launch graph / hot µs", "one launch 16 warps graph µs",
+            "2 launches graph µs", "top-k graph µs", "top-k unsorted graph µs", "ref top-k graph µs", "% of copy (one launch)", "ref eager µs",
             "ref graph µs", "× ref eager (one launch graph)", "× ref graph", "correct")
     for line in ("", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
         emit_line(line)
@@ -236,12 +236,16 @@ def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing
                 scores = indexer_scores(q, w, k)
                 alone = lambda: indexer_topk(scores, kk, nv)  # noqa: E731
                 ref_alone = lambda: indexer_topk_ref(scores, kk, nv, check=False)  # noqa: E731
+                one16 = lambda: indexer_select(q, w, k, kk, nv, scores=sc, num_warps=16)  # noqa: E731
+                unsorted = lambda: indexer_topk(scores, kk, nv, sorted_picks=False)  # noqa: E731
                 try:
                     got = one()
                     assert_close(sc, indexer_scores_ref(q, w, k), "scores", dtype=torch.float32, rtol=1e-4,
                                  atol=1e-4 * float(sc.abs().max()))
                     assert_equal(got, indexer_topk_ref(sc, kk, nv), "select picks")
                     assert_equal(alone(), indexer_topk_ref(scores, kk, nv), "top-k picks")
+                    assert_equal(one16(), got, "select picks (16 warps)")
+                    assert_equal(unsorted(), got.sort(-1).values, "unsorted picks (all valid: no -1)")
                     ok = True
                 except AssertionError as exc:
                     ok = False
@@ -255,6 +259,8 @@ def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing
                 g1, h1 = timing.graph(one, 20.0)
                 g2, _ = timing.graph(two, 20.0)
                 ga, _ = timing.graph(alone, 10.0)
+                g16, _ = timing.graph(one16, 20.0)
+                gu, _ = timing.graph(unsorted, 10.0)
                 try:
                     gra = f"{timing.graph(ref_alone, 100.0)[0]:.1f}"
                 except Exception as exc:
@@ -262,7 +268,8 @@ def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing
                 nbytes = k.numel() * 2 + q.numel() * 2 + w.numel() * 4 + b * kk * 8
                 gbs = nbytes / (g1 * 1e-6) / 1e9 if g1 > 0 else float("nan")
                 emit_line("| " + " | ".join(str(x) for x in (
-                    topk, b, ctx, f"{nbytes / 1e6:.2f}", f"{g1:.1f} / {h1:.1f}", f"{g2:.1f}", f"{ga:.1f}", gra,
+                    topk, b, ctx, f"{nbytes / 1e6:.2f}", f"{g1:.1f} / {h1:.1f}", f"{g16:.1f}", f"{g2:.1f}",
+                    f"{ga:.1f}", f"{gu:.1f}", gra,
                     f"{gbs / copy_bw:.0%}", f"{t_ref:.1f}", f"{g_ref:.1f}",
                     f"{t_ref / g1:.1f}x" if ok else "-", f"{g_ref / g1:.1f}x" if ok else "-",
                     "yes" if ok else "NO")) + " |")

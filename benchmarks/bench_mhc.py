@@ -77,13 +77,19 @@ def cases(T: int, D: int, device: str = "cuda"):
     def two_launches(*args, **kwargs):
         return hc_post_pre(*args, one_launch=False, **kwargs)
 
+    def fused_8w(*args, **kwargs):
+        return hc_post_pre(*args, one_launch=True, num_warps=8, block_d=2048, **kwargs)
+
     return [
         ("hc_pre", hc_pre, hc_pre_ref, (H, fn, base, scale), kw, pre_bytes, check_pre),
         ("hc_post", hc_post, hc_post_ref, (a, H, post, comb), {}, post_bytes, check_one("H_new")),
         ("hc_head", hc_head, hc_head_ref, (H, fh, bh, sh), dict(hc_eps=EPS, norm_eps=EPS), head_bytes,
          check_one("y")),
-        ("hc_post_pre", hc_post_pre, hc_post_pre_ref, boundary_args, kw, boundary_bytes, check_boundary),
+        ("hc_post_pre", lambda *x, **k: hc_post_pre(*x, one_launch=True, **k), hc_post_pre_ref, boundary_args, kw,
+         boundary_bytes, check_boundary),
         ("hc_post+hc_pre (2 launches)", two_launches, hc_post_pre_ref, boundary_args, kw, boundary_bytes,
+         check_boundary),
+        ("hc_post_pre (8 warps, BD 2048)", fused_8w, hc_post_pre_ref, boundary_args, kw, boundary_bytes,
          check_boundary),
     ]
 

@@ -197,82 +197,110 @@ TOPK_ROW_IN_REGISTERS = 16384  # rows up to this many entries (64k context at ra
 if triton is not None:
 
     @triton.jit
-    def _ordered_keys(row_ptr, offs, count):
-        """(u, ordered, eligible) of entries `offs` of one score row: `ordered` int32 is monotone in the score
-        (-0.0 == +0.0, NaN below -inf, as `indexer_topk_ref`), `u` uint32 the same order unsigned; entries >=
-        count are not eligible. Loaded with `.cg` (L2): in the fused kernel other programs wrote the row."""
+    def _row_keys(row_ptr, offs, count):
+        """uint32 key of entries `offs` of one score row: 0 for entries >= count (not eligible), else 1 + the
+        score's order-preserving unsigned bits (-0.0 == +0.0; NaN -> 1, below -inf; as `indexer_topk_ref`).
+        Loaded with `.cg` (L2): in the fused kernel other programs of the launch wrote the row."""
         ok = offs < count
         x = tl.load(row_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
         x = tl.where(x == 0.0, 0.0, x)                                   # -0.0 -> +0.0
         bits = x.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)          # monotone signed int32
         ordered = tl.where(x != x, -2147483648, ordered)                 # NaN: below -inf's key
-        u = ordered.to(tl.uint32, bitcast=True) ^ 2147483648            # signed order -> unsigned order
-        return u, ordered, ok
+        u = (ordered.to(tl.uint32, bitcast=True) ^ 2147483648) + 1      # unsigned order, >= 1 (max +inf + 1)
+        return tl.where(ok, u, 0)
+
+    @triton.jit
+    def _count3(u, c1, c2, c3):
+        """(#u >= c1, #u >= c2, #u >= c3) in ONE reduction: three 21-bit fields of an int64 sum (a chunk holds
+        at most TOPK_ROW_IN_REGISTERS = 2^14 < 2^21 entries)."""
+        packed = ((u >= c1).to(tl.int64) + ((u >= c2).to(tl.int64) << 21) + ((u >= c3).to(tl.int64) << 42))
+        tot = tl.sum(packed, axis=0)
+        return (tot & 0x1FFFFF).to(tl.int32), ((tot >> 21) & 0x1FFFFF).to(tl.int32), (tot >> 42).to(tl.int32)
 
     @triton.jit
     def _topk_row(row_ptr, out_ptr, count, k, N, BLOCK: tl.constexpr, KP: tl.constexpr,
-                  IN_REGISTERS: tl.constexpr):
-        """Top-k of one row (scores at row_ptr, `count` eligible entries of N) written to out_ptr[0:k] in
-        `indexer_topk_ref`'s order. Sync-free radix select: the k-th largest unsigned key `thr` is built bit by
-        bit (32 counting reductions over the row); every key > thr is taken, keys == thr are taken in index
-        order until k are chosen; the chosen (ordered key, index) pairs are compacted into out (scratch) and
-        sorted descending by the unique int64 (ordered << 32) | (2^31 - 1 - index). IN_REGISTERS: the row
-        (N <= BLOCK) is loaded once and kept in registers; otherwise every pass re-reads it in BLOCK chunks."""
+                  IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+        """Top-k of one row (scores at row_ptr, `count` eligible entries of N) written to out_ptr[0:k].
+
+        Sync-free radix select: the k-th largest key `thr` is built two bits per pass (three counts packed in
+        one reduction, 16 passes); keys > thr are taken, keys == thr in index order until k are chosen, so
+        ties go to the lower index. SORTED: the picks in `indexer_topk_ref`'s order (score desc, index asc):
+        the chosen (ordered key, index) pairs are compacted into out (scratch) and sorted descending by the
+        unique int64 (ordered << 32) | (2^31 - 1 - index). Not SORTED: the same set in ascending index order
+        (no sort). Slots >= min(k, count, N) hold -1. IN_REGISTERS: the row (N <= BLOCK) is loaded once and
+        kept in registers; otherwise every pass re-reads it in BLOCK chunks."""
         kk = tl.minimum(tl.minimum(k, count), N)
         offs0 = tl.arange(0, BLOCK)
         if IN_REGISTERS:
-            u, ordered, ok = _ordered_keys(row_ptr, offs0, count)
+            u = _row_keys(row_ptr, offs0, count)
         thr = tl.zeros([], dtype=tl.uint32)
-        for i in range(32):
-            cand = thr | (tl.full([], 1, tl.uint32) << (tl.full([], 31, tl.int32) - i).to(tl.uint32))
+        for i in range(16):
+            lo = (tl.full([], 30, tl.int32) - 2 * i).to(tl.uint32)
+            c1 = thr | (tl.full([], 1, tl.uint32) << lo)
+            c2 = thr | (tl.full([], 2, tl.uint32) << lo)
+            c3 = thr | (tl.full([], 3, tl.uint32) << lo)
             if IN_REGISTERS:
-                cnt = tl.sum(((u >= cand) & ok).to(tl.int32), axis=0)
+                n1, n2, n3 = _count3(u, c1, c2, c3)
             else:
-                cnt = tl.zeros([], dtype=tl.int32)
+                n1 = tl.zeros([], dtype=tl.int32)
+                n2 = tl.zeros([], dtype=tl.int32)
+                n3 = tl.zeros([], dtype=tl.int32)
                 for c0 in range(0, N, BLOCK):
-                    uc, _, okc = _ordered_keys(row_ptr, c0 + offs0, count)
-                    cnt += tl.sum(((uc >= cand) & okc).to(tl.int32), axis=0)
-            thr = tl.where(cnt >= kk, cand, thr)
+                    m1, m2, m3 = _count3(_row_keys(row_ptr, c0 + offs0, count), c1, c2, c3)
+                    n1 += m1
+                    n2 += m2
+                    n3 += m3
+            thr = tl.where(n3 >= kk, c3, tl.where(n2 >= kk, c2, tl.where(n1 >= kk, c1, thr)))
+        # kk >= 1 makes thr >= 1 (count(u >= 1) = count >= kk), so u == thr never matches an ineligible entry
         if IN_REGISTERS:
-            gt = (u > thr) & ok
+            gt = u > thr
             need_eq = kk - tl.sum(gt.to(tl.int32), axis=0)
-            eq = (u == thr) & ok
+            eq = u == thr
             sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
             pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            key = (ordered.to(tl.int64) << 32) | (2147483647 - offs0).to(tl.int64)
-            tl.store(out_ptr + pos, key, mask=sel)
+            if SORTED:
+                ordered = ((u - 1) ^ 2147483648).to(tl.int32, bitcast=True)
+                key = (ordered.to(tl.int64) << 32) | (2147483647 - offs0).to(tl.int64)
+                tl.store(out_ptr + pos, key, mask=sel)
+            else:
+                tl.store(out_ptr + pos, offs0.to(tl.int64), mask=sel)
         else:
             n_gt = tl.zeros([], dtype=tl.int32)
             for c0 in range(0, N, BLOCK):
-                uc, _, okc = _ordered_keys(row_ptr, c0 + offs0, count)
-                n_gt += tl.sum(((uc > thr) & okc).to(tl.int32), axis=0)
+                n_gt += tl.sum((_row_keys(row_ptr, c0 + offs0, count) > thr).to(tl.int32), axis=0)
             need_eq = kk - n_gt
             seen_eq = tl.zeros([], dtype=tl.int32)
             seen_sel = tl.zeros([], dtype=tl.int32)
             for c0 in range(0, N, BLOCK):
                 offs = c0 + offs0
-                uc, oc, okc = _ordered_keys(row_ptr, offs, count)
-                eq = (uc == thr) & okc
-                eq_rank = seen_eq + tl.cumsum(eq.to(tl.int32), axis=0)
-                sel = ((uc > thr) & okc) | (eq & (eq_rank <= need_eq))
+                uc = _row_keys(row_ptr, offs, count)
+                eq = uc == thr
+                sel = (uc > thr) | (eq & (seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
                 pos = seen_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                key = (oc.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
-                tl.store(out_ptr + pos, key, mask=sel)
+                if SORTED:
+                    ordered = ((uc - 1) ^ 2147483648).to(tl.int32, bitcast=True)
+                    key = (ordered.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+                    tl.store(out_ptr + pos, key, mask=sel)
+                else:
+                    tl.store(out_ptr + pos, offs.to(tl.int64), mask=sel)
                 seen_eq += tl.sum(eq.to(tl.int32), axis=0)
                 seen_sel += tl.sum(sel.to(tl.int32), axis=0)
-        tl.debug_barrier()                       # compacted keys of all threads are in out before reloading
         slot = tl.arange(0, KP)
-        v = tl.load(out_ptr + slot, mask=slot < kk, other=-9223372036854775807 - 1)
-        v = tl.sort(v, descending=True)
-        idx = 2147483647 - (v & 0xFFFFFFFF)
-        tl.debug_barrier()                       # every thread has read its keys before any slot is rewritten
-        tl.store(out_ptr + slot, tl.where(slot < kk, idx, -1), mask=slot < k)
+        if SORTED:
+            tl.debug_barrier()                   # compacted keys of all threads are in out before reloading
+            v = tl.load(out_ptr + slot, mask=slot < kk, other=-9223372036854775807 - 1)
+            v = tl.sort(v, descending=True)
+            idx = 2147483647 - (v & 0xFFFFFFFF)
+            tl.debug_barrier()                   # every thread has read its keys before any slot is rewritten
+            tl.store(out_ptr + slot, tl.where(slot < kk, idx, -1), mask=slot < k)
+        else:
+            tl.store(out_ptr + slot, tl.full([KP], -1, tl.int64), mask=(slot >= kk) & (slot < k))
 
     @triton.jit
     def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos,
                              HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
-                             IN_REGISTERS: tl.constexpr):
+                             IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
         """One program per query row (b, t). A count outside [0, N] (no host check) fills the row with -2:
         not a valid index and not the empty marker -1, so `sparse_attn`'s guard turns that query into NaN."""
         pid = tl.program_id(0)
@@ -287,14 +315,14 @@ if triton is not None:
             slot = tl.arange(0, KP)
             tl.store(out_ptr + slot, tl.full([KP], -2, tl.int64), mask=slot < k)
         else:
-            _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS)
+            _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
 
     @triton.jit
     def _indexer_select_kernel(Q, W, K, SC, NV, OUT, SEM, S, H, N, CHUNK, k,
                                sqb, sqs, sqh, swb, sws, skb, skn, sob, sos, snb, sns, sib, sis,
                                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                                HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
-                               IN_REGISTERS: tl.constexpr):
+                               IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
         """Scores + top-k in ONE launch: grid (b*s rows, chunks of CHUNK keys). Each program scores its chunk
         into SC (as `_indexer_scores_kernel`), then counts itself in SEM[row] (acq_rel atomic after a CTA
         barrier); the last program of a row selects its top-k (`_topk_row`, reading SC through L2) and resets
@@ -329,7 +357,7 @@ if triton is not None:
                 slot = tl.arange(0, KP)
                 tl.store(out_ptr + slot, tl.full([KP], -2, tl.int64), mask=slot < k)
             else:
-                _topk_row(SC + b * sob + t * sos, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS)
+                _topk_row(SC + b * sob + t * sos, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
             tl.store(counter, 0)
 
 
@@ -362,10 +390,11 @@ def _topk_config(n: int, k: int) -> tuple[int, int, bool]:
 
 
 def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,
-                 out: torch.Tensor | None = None, check: bool = False, num_warps: int | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, check: bool = False, num_warps: int | None = None,
+                 sorted_picks: bool = True) -> torch.Tensor:
     """Triton `indexer_topk_ref` (spec §7 steps 4-7): same arguments, same picks in the same order, bitwise.
 
-    One program per query row: a 32-pass radix select of the k-th largest key (counting reductions over the
+    One program per query row: a radix select of the k-th largest key (16 passes of 3 packed counts over the
     row, kept in registers up to TOPK_ROW_IN_REGISTERS = 16384 entries, re-read in chunks beyond), the ties at
     that key taken toward the lower index, the k picks sorted by (score desc, index asc). One launch, no host
     sync unless check=True.
@@ -374,7 +403,8 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
         [b, s] or None). Keyword-only: `out` int64 [b, s, k] contiguous (tests poison it); `check` True =
         verify 0 <= n_valid <= n on the host (one sync, ValueError); default False: a row whose n_valid lies
         outside [0, n] gets -2 in every slot (not an index and not the empty marker -1: `sparse_attn` turns
-        such a query into NaN); `num_warps` default from the row length.
+        such a query into NaN); `num_warps` default from the row length; `sorted_picks` False = the same set
+        of picks in ascending entry order (skips the final sort; attention does not depend on the order).
     Returns: idx [b, s, k] int64, slots j >= min(n_valid, n) hold -1.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -398,14 +428,14 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
     _indexer_topk_kernel[(b * s,)](scores, nv, out, s, n, k, scores.stride(0), scores.stride(1),
                                    nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
                                    HAS_NV=n_valid is not None, BLOCK=block, KP=kp, IN_REGISTERS=in_regs,
-                                   num_warps=warps)
+                                   SORTED=bool(sorted_picks), num_warps=warps)
     return out
 
 
 def indexer_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k: int,
                    n_valid: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
                    out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 8,
-                   programs_per_row: int | None = None) -> torch.Tensor:
+                   programs_per_row: int | None = None, sorted_picks: bool = True) -> torch.Tensor:
     """Whole CSA selection in ONE launch: `indexer_topk_ref(indexer_scores_ref(q, weights, keys), k, n_valid)`.
 
     The scoring programs of a query row write its fp32 scores (to `scores`, or the stream workspace), count
@@ -416,7 +446,8 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
     Args: q, weights, keys as `indexer_scores_ref` (keys = its `k` [b, n, d]); k, n_valid as
         `indexer_topk_ref`. Keyword-only: `scores` optional contiguous float32 [b, s, n] receiving the scores;
         `out` optional contiguous int64 [b, s, k]; tuning block_n / num_warps / programs_per_row as
-        `indexer_scores`. A row whose n_valid lies outside [0, n] gets -2 in every slot (see `indexer_topk`).
+        `indexer_scores`; `sorted_picks` as `indexer_topk`. A row whose n_valid lies outside [0, n] gets -2
+        in every slot (see `indexer_topk`).
     Returns: idx [b, s, k] int64 as `indexer_topk_ref`.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -458,5 +489,5 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
                                  nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
                                  D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=block_n,
                                  DOT=dot_mode(q.dtype), HAS_NV=n_valid is not None, BLOCK=block, KP=kp,
-                                 IN_REGISTERS=in_regs, num_warps=num_warps)
+                                 IN_REGISTERS=in_regs, SORTED=bool(sorted_picks), num_warps=num_warps)
     return out

@@ -418,6 +418,8 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
 
 
 ONE_LAUNCH_MAX_T = 64  # hc_pre / hc_head use the one-launch kernel up to this many tokens (decode)
+POST_PRE_ONE_LAUNCH_MAX_T = 4  # hc_post_pre fuses up to this many tokens; beyond, hc_post + hc_pre were faster
+                               # on H200 (RESULTS.md, issue 14: T 8 equal or slower, T 64 2-4x slower)
 
 
 def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device) -> tuple[int, int]:
@@ -538,14 +540,15 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                out=None, one_launch: bool | None = None):
+                out=None, one_launch: bool | None = None, num_warps: int = 4, block_d: int | None = None):
     """Triton `hc_post_pre_ref`: one site's hc_post fused with the next site's hc_pre (issue 14).
 
     a `[T, D]`, H `[T, hc, D]`, post `[T, hc]`, comb `[T, hc, hc]` as `hc_post`; fn, base, scale the next
     site's, as `hc_pre`. `out=(H_new, x, post_next, comb_next)` optionally supplies the outputs (H_new must not
-    alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= ONE_LAUNCH_MAX_T (decode),
-    else `hc_post` then `hc_pre`; True/False forces a path. Equal to the two launches within the dtype
-    tolerance (the projection's partial sums are split differently). No host-device sync.
+    alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= POST_PRE_ONE_LAUNCH_MAX_T (4),
+    else `hc_post` then `hc_pre` (its own path choice); True/False forces a path. Equal to the two launches
+    within the dtype tolerance (the projection's partial sums are split differently). No host-device sync.
+    Tuning: `num_warps` of the fused kernel, `block_d` its collapse width (default min(1024, D)).
     Returns `(H_new [T, hc, D] H.dtype, x [T, D] H.dtype, post_next [T, hc] fp32, comb_next [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value.
     """
@@ -568,10 +571,14 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     comb2 = _out(op, "out[3] (comb_next)", oc, (T, hc, hc), torch.float32, H)
     if T == 0:
         return h_new, x, post2, comb2
+    if block_d is not None and (not isinstance(block_d, int) or block_d < 16 or block_d & (block_d - 1)):
+        _fail(op, "block_d", repr(block_d), "None or a power of two >= 16")
+    if one_launch is None:
+        one_launch = T <= POST_PRE_ONE_LAUNCH_MAX_T
     if not _one_launch(op, one_launch, T):
         hc_post(a, H, post, comb, out=h_new)
         hc_pre(h_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
-               out=(x, post2, comb2), one_launch=False)
+               out=(x, post2, comb2))
         return h_new, x, post2, comb2
     n_mix = (2 + hc) * hc
     np_ = max(16, triton.next_power_of_2(n_mix))
@@ -584,5 +591,6 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     _hc_post_pre_kernel[(n_tb, S)](a, H, post, comb, h_new, fn, base, scale, x, post2, comb2, ws, sem,
                                    T, D, hc * D, cols, sinkhorn_iters, float(hc_eps), float(norm_eps),
                                    1.0 / (hc * D), HC=hc, N_MIX=n_mix, NP=np_, SP=triton.next_power_of_2(S),
-                                   BT=16, BC=BC, TOK=TOK, BD=min(1024, triton.next_power_of_2(D)), num_warps=4)
+                                   BT=16, BC=BC, TOK=TOK, BD=block_d or min(1024, triton.next_power_of_2(D)),
+                                   num_warps=num_warps)
     return h_new, x, post2, comb2

@@ -114,13 +114,14 @@ def test_hc_post_pre_gpu(seed, T, D):
     _, fn, base, scale = make(T, D, (2 + HC) * HC, 3)
     a = torch.randn(T, D, device="cuda").bfloat16()
     out = (nan(T, HC, D, dtype=H.dtype), nan(T, D, dtype=H.dtype), nan(T, HC), nan(T, HC, HC))
-    h_new, x, post2, comb2 = hc_post_pre(a, H, post, comb, fn, base, scale, out=out, **kw)
+    h_new, x, post2, comb2 = hc_post_pre(a, H, post, comb, fn, base, scale, out=out, one_launch=True, **kw)
     assert_close(h_new, hc_post_ref(a, H, post, comb), "H_new")
     for name, g, w in zip(("x", "post", "comb"), (x, post2, comb2), hc_pre_ref(h_new, fn, base, scale, **kw)):
         assert_close(g, w, name)
     two = hc_pre(hc_post(a, H, post, comb), fn, base, scale, **kw)
-    for name, g, w in zip(("x", "post", "comb"), (x, post2, comb2), two):
-        assert_close(g, w, f"{name} vs two launches")
+    for name, g, w in zip(("x", "post", "comb"), (x, post2, comb2), two):  # both within tol of the reference:
+        r, t = (2e-5, 2e-5) if name != "x" else (None, None)               # twice the fp32 tolerance apart
+        assert_close(g, w, f"{name} vs two launches", rtol=r, atol=t)
 
 
 def test_hc_post_pre_is_one_launch():

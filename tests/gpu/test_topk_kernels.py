@@ -54,6 +54,9 @@ def test_topk_decode_equals_ref(seed, kind, n, k):
     got = indexer_topk(sc, k, n_valid, out=out)
     assert_equal(got, indexer_topk_ref(sc, k, n_valid), f"indexer_topk n={n} k={k} {kind}")
     assert_equal(indexer_topk(sc, k), indexer_topk_ref(sc, k), f"indexer_topk n={n} k={k} {kind} (no n_valid)")
+    unsorted = indexer_topk(sc, k, n_valid, sorted_picks=False)  # same set, ascending entry order, -1 last
+    want = got.masked_fill(got < 0, 1 << 40).sort(-1).values
+    assert_equal(unsorted, want.masked_fill(want == 1 << 40, -1), f"indexer_topk unsorted n={n} k={k} {kind}")
 
 
 @pytest.mark.hardstop
