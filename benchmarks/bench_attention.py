@@ -1,7 +1,8 @@
 """Decode sparse attention and indexer-scan benchmark at DeepSeek-V4 Flash/Pro shapes (H200), plus the index-set
 builders the GPU tests share (STYLE §12).
 
-Run: `PYTHONPATH=. python benchmarks/bench_attention.py --markdown out.md`
+Run: `PYTHONPATH=. python benchmarks/bench_attention.py --markdown out.md [--what attn,indexer,select]`
+("select": the whole CSA selection, scores + top-k, issue 14; see `bench_selection`).
 
 Shapes: Flash = 64 heads, window 128 + top-512 (CSA); Pro = 128 heads, window 128 + top-1024; hd 512 bf16,
 batch 1-64, contexts 4k and 64k (the context only sizes the pool the top-k is drawn from). Indexer: 64 heads x 128,

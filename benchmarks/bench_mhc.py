@@ -1,6 +1,8 @@
 """Benchmark the Triton mHC kernels (hc_pre, hc_post, hc_head) against the bandwidth floor (CUDA only).
 
 Shapes: decode T ∈ {1, 8, 64, 256} and prefill T = 4096 at D ∈ {4096, 7168}, hc = 4, bf16 streams.
+Ops: hc_pre, hc_post, hc_head, and (issue 14) the layer boundary hc_post_pre forced to one launch, as
+hc_post + hc_pre (its fallback), and one launch with 8 warps / a 2048-wide collapse; `--ops` selects.
 Per call (see benchmarks/graph_timing.py): "eager µs" = one launcher call timed by do_bench (L2 flushed; host
 time when the launcher's Python outlasts its kernels); "graph µs" = GPU time per call from a CUDA graph of the
 call with an L2 flush before each call, flush time subtracted; "hot µs" = graph replay back to back, L2 warm.

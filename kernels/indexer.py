@@ -1,8 +1,10 @@
 """Lightning-indexer scoring and top-k selection for CSA layers (spec §7).
 
 Reading order (STYLE §1): `indexer_scores_ref`, `indexer_topk_ref` (plain torch, the executable spec), the
-`@triton.jit` scoring kernel and its launcher `indexer_scores`. Top-k has no Triton kernel: `indexer_topk_ref`
-is THE selection used by the reference model and the Triton backend alike, so the tie rule cannot drift.
+`@triton.jit` scoring kernel and its launcher `indexer_scores`, then (issue 14) the Triton top-k
+`indexer_topk` and the one-launch selection `indexer_select`. `indexer_topk_ref` is THE tie rule: the Triton
+top-k returns its picks bitwise, order included (hard-stop tests with exact ties, tests/unit and tests/gpu), so
+the reference model and the Triton backend select the same entries.
 
 Dimension legend: b batch, s queries, H indexer heads (64), d indexer head dim (128), n compressed keys.
     scores[b, t, n] = sum_h weights[b, t, h] * ReLU(q[b, t, h] . k[b, n])      (fp32 maths, fp32 out)
