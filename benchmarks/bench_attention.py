@@ -1,7 +1,8 @@
 """Decode sparse attention and indexer-scan benchmark at DeepSeek-V4 Flash/Pro shapes (H200), plus the index-set
 builders the GPU tests share (STYLE §12).
 
-Run: `PYTHONPATH=. python benchmarks/bench_attention.py --markdown out.md`
+Run: `PYTHONPATH=. python benchmarks/bench_attention.py --markdown out.md [--what attn,indexer,select]`
+("select": the whole CSA selection, scores + top-k, issue 14; see `bench_selection`).
 
 Shapes: Flash = 64 heads, window 128 + top-512 (CSA); Pro = 128 heads, window 128 + top-1024; hd 512 bf16,
 batch 1-64, contexts 4k and 64k (the context only sizes the pool the top-k is drawn from). Indexer: 64 heads x 128,
@@ -24,7 +25,7 @@ import sys
 import torch
 
 from kernels.attention import sparse_attn, sparse_attn_ref
-from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_topk_ref
+from kernels.indexer import indexer_scores, indexer_scores_ref, indexer_select, indexer_topk, indexer_topk_ref
 
 WINDOW = 128
 HD = 512
@@ -206,6 +207,75 @@ def bench_indexer(emit, copy_bw: float, batches, contexts, timing: Timing, devic
                   "yes" if ok else "NO"))
 
 
+def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing, device="cuda") -> None:
+    """The whole CSA selection (issue 14): decode, one query per sequence, all ctx/4 entries causal.
+    Columns: "one launch" = `indexer_select` (scores + top-k); "2 launches" = `indexer_scores` then
+    `indexer_topk`; "top-k" = `indexer_topk` alone on given scores; reference = `indexer_scores_ref` +
+    `indexer_topk_ref(check=False)` (eager µs, and graph µs when it captures). MB = keys + q + weights read
+    and idx written once (the fp32 scores stay in L2: not counted). Speedups only when the picks equal
+    `indexer_topk_ref` on the kernel's own scores and the scores match the reference (fp32 tolerance)."""
+    from dsv4.testing import assert_close, assert_equal
+    cols = ("topk", "batch", "ctx", "MB", "one launch graph / hot µs", "one launch 16 warps graph µs",
+            "2 launches graph µs", "top-k graph µs", "top-k unsorted graph µs", "ref top-k graph µs", "% of copy (one launch)", "ref eager µs",
+            "ref graph µs", "× ref eager (one launch graph)", "× ref graph", "correct")
+    for line in ("", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
+        emit_line(line)
+    gen = torch.Generator(device=device).manual_seed(2)
+    for topk in (512, 1024):
+        for ctx in contexts:
+            for b in batches:
+                n = ctx // 4
+                q = torch.randn(b, 1, 64, 128, device=device, generator=gen).bfloat16()
+                w = torch.randn(b, 1, 64, device=device, generator=gen) * (128 ** -0.5 * 64 ** -0.5)
+                k = torch.randn(b, n, 128, device=device, generator=gen).bfloat16()
+                nv = torch.full((b, 1), n, device=device, dtype=torch.int64)
+                kk = min(topk, n)
+                sc = torch.empty(b, 1, n, device=device)
+                ref = lambda: indexer_topk_ref(indexer_scores_ref(q, w, k), kk, nv, check=False)  # noqa: E731
+                one = lambda: indexer_select(q, w, k, kk, nv, scores=sc)  # noqa: E731
+                two = lambda: indexer_topk(indexer_scores(q, w, k), kk, nv)  # noqa: E731
+                scores = indexer_scores(q, w, k)
+                alone = lambda: indexer_topk(scores, kk, nv)  # noqa: E731
+                ref_alone = lambda: indexer_topk_ref(scores, kk, nv, check=False)  # noqa: E731
+                one16 = lambda: indexer_select(q, w, k, kk, nv, scores=sc, num_warps=16)  # noqa: E731
+                unsorted = lambda: indexer_topk(scores, kk, nv, sorted_picks=False)  # noqa: E731
+                try:
+                    got = one()
+                    assert_close(sc, indexer_scores_ref(q, w, k), "scores", dtype=torch.float32, rtol=1e-4,
+                                 atol=1e-4 * float(sc.abs().max()))
+                    assert_equal(got, indexer_topk_ref(sc, kk, nv), "select picks")
+                    assert_equal(alone(), indexer_topk_ref(scores, kk, nv), "top-k picks")
+                    assert_equal(one16(), got, "select picks (16 warps)")
+                    assert_equal(unsorted(), got.sort(-1).values, "unsorted picks (all valid: no -1)")
+                    ok = True
+                except AssertionError as exc:
+                    ok = False
+                    print(f"  WRONG: {exc}"[:300])
+                t_ref = timing.eager(ref)
+                try:
+                    g_ref = timing.graph(ref, t_ref)[0]
+                except Exception as exc:  # recorded, never hidden
+                    print(f"  reference graph capture failed: {type(exc).__name__}: {exc}"[:200])
+                    g_ref = float("nan")
+                g1, h1 = timing.graph(one, 20.0)
+                g2, _ = timing.graph(two, 20.0)
+                ga, _ = timing.graph(alone, 10.0)
+                g16, _ = timing.graph(one16, 20.0)
+                gu, _ = timing.graph(unsorted, 10.0)
+                try:
+                    gra = f"{timing.graph(ref_alone, 100.0)[0]:.1f}"
+                except Exception as exc:
+                    gra = f"capture error {type(exc).__name__}"
+                nbytes = k.numel() * 2 + q.numel() * 2 + w.numel() * 4 + b * kk * 8
+                gbs = nbytes / (g1 * 1e-6) / 1e9 if g1 > 0 else float("nan")
+                emit_line("| " + " | ".join(str(x) for x in (
+                    topk, b, ctx, f"{nbytes / 1e6:.2f}", f"{g1:.1f} / {h1:.1f}", f"{g16:.1f}", f"{g2:.1f}",
+                    f"{ga:.1f}", f"{gu:.1f}", gra,
+                    f"{gbs / copy_bw:.0%}", f"{t_ref:.1f}", f"{g_ref:.1f}",
+                    f"{t_ref / g1:.1f}x" if ok else "-", f"{g_ref / g1:.1f}x" if ok else "-",
+                    "yes" if ok else "NO")) + " |")
+
+
 def copy_bandwidth(device="cuda") -> float:
     """GB/s of a 1 GiB device-to-device copy (16 MiB in --smoke), counting read + write."""
     if device == "cuda":
@@ -221,6 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--markdown", help="write the result table here")
     p.add_argument("--batches", default="1,4,16,32,64")
     p.add_argument("--contexts", default="4096,65536")
+    p.add_argument("--what", default="attn,indexer,select", help="tables to run: attn, indexer, select")
     p.add_argument("--smoke", action="store_true",
                    help="CPU under TRITON_INTERPRET=1: batch 1, context 4096, default config only; checks the script")
     a = p.parse_args(argv)
@@ -256,8 +327,13 @@ def main(argv=None) -> int:
         emit_line("| " + " | ".join(str(x) for x in row) + " |")
 
     timing = Timing(device)
-    bench_attention(emit, bw, batches, contexts, timing, device, configs=[None] if a.smoke else None)
-    bench_indexer(emit, bw, batches, contexts, timing, device)
+    what = a.what.split(",")
+    if "attn" in what:
+        bench_attention(emit, bw, batches, contexts, timing, device, configs=[None] if a.smoke else None)
+    if "indexer" in what:
+        bench_indexer(emit, bw, batches, contexts, timing, device)
+    if "select" in what:
+        bench_selection(emit_line, bw, batches, contexts, timing, device)
     return 0
 
 

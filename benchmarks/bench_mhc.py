@@ -1,6 +1,8 @@
 """Benchmark the Triton mHC kernels (hc_pre, hc_post, hc_head) against the bandwidth floor (CUDA only).
 
 Shapes: decode T ∈ {1, 8, 64, 256} and prefill T = 4096 at D ∈ {4096, 7168}, hc = 4, bf16 streams.
+Ops: hc_pre, hc_post, hc_head, and (issue 14) the layer boundary hc_post_pre forced to one launch, as
+hc_post + hc_pre (its fallback), and one launch with 8 warps / a 2048-wide collapse; `--ops` selects.
 Per call (see benchmarks/graph_timing.py): "eager µs" = one launcher call timed by do_bench (L2 flushed; host
 time when the launcher's Python outlasts its kernels); "graph µs" = GPU time per call from a CUDA graph of the
 call with an L2 flush before each call, flush time subtracted; "hot µs" = graph replay back to back, L2 warm.
@@ -25,7 +27,8 @@ import triton
 
 from benchmarks.graph_timing import GraphTimer, copy_bandwidth, eager_us
 from dsv4.testing import assert_close
-from kernels.mhc import hc_head, hc_head_ref, hc_post, hc_post_ref, hc_pre, hc_pre_ref
+from kernels.mhc import (hc_head, hc_head_ref, hc_post, hc_post_pre, hc_post_pre_ref, hc_post_ref, hc_pre,
+                         hc_pre_ref)
 
 HC, ITERS, EPS = 4, 20, 1e-6
 TS = [1, 8, 64, 256, 4096]
@@ -64,18 +67,39 @@ def cases(T: int, D: int, device: str = "cuda"):
     def check_one(name):
         return lambda g, w: assert_close(g, w, name)
 
+    fn2 = torch.randn((2 + HC) * HC, K, device=device) / math.sqrt(K)
+    boundary_args = (a, H, post, comb, fn2, base, scale)
+    boundary_bytes = post_bytes + fn2.numel() * 4 + 27 * 4 + T * D * e + T * (HC + HC * HC) * 4
+
+    def check_boundary(got, want):  # H_new vs hc_post_ref; the rest vs hc_pre_ref of the kernel's own H_new
+        assert_close(got[0], want[0], "H_new")
+        for name, g, w in zip(("x", "post", "comb"), got[1:], hc_pre_ref(got[0], fn2, base, scale, **kw)):
+            assert_close(g, w, name)
+
+    def two_launches(*args, **kwargs):
+        return hc_post_pre(*args, one_launch=False, **kwargs)
+
+    def fused_8w(*args, **kwargs):
+        return hc_post_pre(*args, one_launch=True, num_warps=8, block_d=2048, **kwargs)
+
     return [
         ("hc_pre", hc_pre, hc_pre_ref, (H, fn, base, scale), kw, pre_bytes, check_pre),
         ("hc_post", hc_post, hc_post_ref, (a, H, post, comb), {}, post_bytes, check_one("H_new")),
         ("hc_head", hc_head, hc_head_ref, (H, fh, bh, sh), dict(hc_eps=EPS, norm_eps=EPS), head_bytes,
          check_one("y")),
+        ("hc_post_pre", lambda *x, **k: hc_post_pre(*x, one_launch=True, **k), hc_post_pre_ref, boundary_args, kw,
+         boundary_bytes, check_boundary),
+        ("hc_post+hc_pre (2 launches)", two_launches, hc_post_pre_ref, boundary_args, kw, boundary_bytes,
+         check_boundary),
+        ("hc_post_pre (8 warps, BD 2048)", fused_8w, hc_post_pre_ref, boundary_args, kw, boundary_bytes,
+         check_boundary),
     ]
 
 
 def compiled_refs():
     opts = dict(dynamic=True)
     return {"hc_pre": torch.compile(hc_pre_ref, **opts), "hc_post": torch.compile(hc_post_ref, **opts),
-            "hc_head": torch.compile(hc_head_ref, **opts)}
+            "hc_head": torch.compile(hc_head_ref, **opts), "hc_post_pre": torch.compile(hc_post_pre_ref, **opts)}
 
 
 def main() -> None:
@@ -85,6 +109,7 @@ def main() -> None:
                     help="measure torch.compile of the reference until this many seconds have gone (0: never)")
     ap.add_argument("--ts", default=",".join(map(str, TS)), help="token counts T")
     ap.add_argument("--ds", default=",".join(map(str, DS)), help="model widths D")
+    ap.add_argument("--ops", default="", help="comma-separated op names to run (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mhc.py needs a CUDA GPU; none is visible")
@@ -114,6 +139,8 @@ def main() -> None:
     for D in map(int, args.ds.split(",")):
         for T in map(int, args.ts.split(",")):
             for op, tri_fn, ref_fn, fargs, fkw, nbytes, check in cases(T, D):
+                if args.ops and op.split(" ")[0] not in args.ops.split(","):
+                    continue
                 tri = lambda f=tri_fn, x=fargs, k=fkw: f(*x, **k)  # noqa: E731
                 ref = lambda f=ref_fn, x=fargs, k=fkw: f(*x, **k)  # noqa: E731
                 try:
@@ -131,7 +158,7 @@ def main() -> None:
                     n_txt = f"{kernels_per_call(tri)}, {kernels_per_call(ref)}"
                 except Exception as err:  # the profiler is optional evidence; say why it is missing
                     n_txt = f"profiler error {type(err).__name__}"
-                if comp and time.time() - start < args.compile_budget_s:
+                if comp and op in comp and time.time() - start < args.compile_budget_s:
                     try:
                         c_txt = f"{eager_us(lambda f=comp[op], x=fargs, k=fkw: f(*x, **k)):.1f}"
                     except Exception as err:  # recorded in the table, never hidden

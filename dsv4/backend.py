@@ -30,6 +30,11 @@ class Backend:
     hc_head: Callable
     sparse_attn: Callable
     indexer_scores: Callable
+    # issue 14: top-k selection (None = the model's shared `indexer_topk_ref`, looked up in dsv4.model at call
+    # time, as the reference backend does) and the fused decode layer boundary
+    # `hc_post_pre(a, H, post, comb, fn, base, scale, ...)` = hc_post of one site then hc_pre of the next.
+    indexer_topk: Callable | None = None
+    hc_post_pre: Callable | None = None
 
 
 def get_backend(name: str, device: torch.device) -> Backend:
@@ -43,7 +48,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
 
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
-                       attention.sparse_attn_ref, indexer.indexer_scores_ref)
+                       attention.sparse_attn_ref, indexer.indexer_scores_ref,
+                       indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -53,5 +59,5 @@ def get_backend(name: str, device: torch.device) -> Backend:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
-                       indexer.indexer_scores)
+                       indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

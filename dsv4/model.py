@@ -14,8 +14,9 @@ Numerics (`dtype` argument of `Transformer`):
 
 The hot paths (mHC pre/post/head, sparse attention, indexer scoring) go through a `Backend`
 (`dsv4/backend.py`): the reference backend is the `*_ref` maths in `kernels/`, the triton backend their
-kernels. Top-k selection is one shared function (`kernels.indexer.indexer_topk_ref`) so that prefill and
-decode break ties by one rule.
+kernels. Top-k selection follows one rule in prefill and decode (`kernels.indexer.indexer_topk_ref`; the
+triton backend's `indexer_topk` returns the same picks bitwise, tested). At decode the triton backend fuses
+each hc_post with the next site's hc_pre (`Block.forward_deferred`, one launch per layer boundary).
 
 Decode state (`DecodeState`, made by `Transformer.new_state`) holds, per layer, the window ring, the
 compressed entries, the compressor buffers (with the CSA overlap window) and the indexer keys. A new state
@@ -377,7 +378,7 @@ class Indexer(nn.Module):
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])  # causal entries per query, spec §7.4
         k = min(self.topk, int(n_valid.max()))
-        return indexer_topk_ref(scores, k, n_valid.expand(b, s))
+        return (backend.indexer_topk or indexer_topk_ref)(scores, k, n_valid.expand(b, s))
 
 
 class Attention(nn.Module):
@@ -598,6 +599,28 @@ class Block(nn.Module):
         H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), start_pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids), backend)
 
+    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, start_pos: int, input_ids: torch.Tensor,
+                         st: LayerState, backend: Backend) -> tuple[torch.Tensor, tuple]:
+        """`forward` with each site's hc_post deferred into the next site's hc_pre (`backend.hc_post_pre`:
+        one launch per layer boundary at decode; issue 14). Same maths as `forward`.
+
+        H [b, s, hc, dim] streams still missing the hc_post of `pending` = (a [b*s, dim], post, comb) of the
+        previous site (None before the first layer). Returns (H, pending) in the same convention; the caller
+        applies the last pending hc_post (`Transformer._layers_deferred`).
+        """
+        b, s, hc, d = H.shape
+        Hf, a = H.reshape(b * s, hc, d), self.args
+        kw = dict(sinkhorn_iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps, norm_eps=a.norm_eps)
+        for site, body in (("attn", lambda x: self.attn(self.attn_norm(x), start_pos, st, backend)),
+                           ("ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))):
+            params = [getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale")]
+            if pending is None:
+                x, post, comb = backend.hc_pre(Hf, *params, **kw)
+            else:
+                Hf, x, post, comb = backend.hc_post_pre(pending[0], Hf, pending[1], pending[2], *params, **kw)
+            pending = (body(x.view(b, s, d)).reshape(b * s, d), post, comb)
+        return Hf.view(b, s, hc, d), pending
+
 
 class HcHead(nn.Module):
     """Collapse of the hc streams before the final norm (spec §9). Parameterless module (the parameters are
@@ -702,6 +725,24 @@ class Transformer(nn.Module):
         y = self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend)
         return self.head(self.norm(y))
 
+    def _defer_hc_post(self, H: torch.Tensor, observer) -> bool:
+        """Fused layer boundaries: triton backend, decode-sized T = b*s <= `POST_PRE_ONE_LAUNCH_MAX_T` (where
+        the fused kernel runs) and no residual observer (it needs each layer's finished H)."""
+        from kernels.mhc import POST_PRE_ONE_LAUNCH_MAX_T
+        return (self.backend.name == "triton" and observer is None
+                and H.shape[0] * H.shape[1] <= POST_PRE_ONE_LAUNCH_MAX_T)
+
+    def _layers_deferred(self, H: torch.Tensor, start: int, input_ids: torch.Tensor,
+                         state: DecodeState) -> torch.Tensor:
+        """All blocks via `Block.forward_deferred`, then the last site's hc_post. Same result as the loop
+        over `Block.forward` (within the dtype tolerance: the fused projection sums in another order)."""
+        pending = None
+        for layer, st in zip(self.layers, state.layers):
+            H, pending = layer.forward_deferred(H, pending, start, input_ids, st, self.backend)
+        b, s, hc, d = H.shape
+        a, post, comb = pending
+        return self.backend.hc_post(a, H.reshape(b * s, hc, d), post, comb).view(b, s, hc, d)
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
                 observer: ResidualObserver | None = None) -> torch.Tensor:
@@ -727,10 +768,13 @@ class Transformer(nn.Module):
         start = state.pos
         x = self.embed(input_ids)
         H = x.unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
-        for layer, st in zip(self.layers, state.layers):
-            H = layer(H, start, input_ids, st, self.backend)
-            if observer is not None:
-                observer(layer.layer_id, H)
+        if self._defer_hc_post(H, observer):
+            H = self._layers_deferred(H, start, input_ids, state)
+        else:
+            for layer, st in zip(self.layers, state.layers):
+                H = layer(H, start, input_ids, st, self.backend)
+                if observer is not None:
+                    observer(layer.layer_id, H)
         state.pos += input_ids.shape[1]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]

@@ -1,8 +1,10 @@
 """Lightning-indexer scoring and top-k selection for CSA layers (spec §7).
 
 Reading order (STYLE §1): `indexer_scores_ref`, `indexer_topk_ref` (plain torch, the executable spec), the
-`@triton.jit` scoring kernel and its launcher `indexer_scores`. Top-k has no Triton kernel: `indexer_topk_ref`
-is THE selection used by the reference model and the Triton backend alike, so the tie rule cannot drift.
+`@triton.jit` scoring kernel and its launcher `indexer_scores`, then (issue 14) the Triton top-k
+`indexer_topk` and the one-launch selection `indexer_select`. `indexer_topk_ref` is THE tie rule: the Triton
+top-k returns its picks bitwise, order included (hard-stop tests with exact ties, tests/unit and tests/gpu), so
+the reference model and the Triton backend select the same entries.
 
 Dimension legend: b batch, s queries, H indexer heads (64), d indexer head dim (128), n compressed keys.
     scores[b, t, n] = sum_h weights[b, t, h] * ReLU(q[b, t, h] . k[b, n])      (fp32 maths, fp32 out)
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import _check_launch_device, _num_sms, dot_mode, triton, tl
+from kernels.launch import workspace
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -183,4 +186,310 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, o
                                  q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
                                  k.stride(0), k.stride(1), out.stride(0), out.stride(1),
                                  D=d, BLOCK_H=block_h, BLOCK_N=block_n, DOT=dot_mode(q.dtype), num_warps=num_warps)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Top-k selection on the GPU (issue 14): the exact rule of `indexer_topk_ref`, no host sync
+# ---------------------------------------------------------------------------------------------------------
+
+TOPK_ROW_IN_REGISTERS = 16384  # rows up to this many entries (64k context at ratio 4) stay in registers
+
+
+if triton is not None:
+
+    @triton.jit
+    def _row_keys(row_ptr, offs, count):
+        """uint32 key of entries `offs` of one score row: 0 for entries >= count (not eligible), else 1 + the
+        score's order-preserving unsigned bits (-0.0 == +0.0; NaN -> 1, below -inf; as `indexer_topk_ref`).
+        Loaded with `.cg` (L2): in the fused kernel other programs of the launch wrote the row."""
+        ok = offs < count
+        x = tl.load(row_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        x = tl.where(x == 0.0, 0.0, x)                                   # -0.0 -> +0.0
+        bits = x.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)          # monotone signed int32
+        ordered = tl.where(x != x, -2147483648, ordered)                 # NaN: below -inf's key
+        u = (ordered.to(tl.uint32, bitcast=True) ^ 2147483648) + 1      # unsigned order, >= 1 (max +inf + 1)
+        return tl.where(ok, u, 0)
+
+    @triton.jit
+    def _count3(u, c1, c2, c3):
+        """(#u >= c1, #u >= c2, #u >= c3) in ONE reduction: three 21-bit fields of an int64 sum (a chunk holds
+        at most TOPK_ROW_IN_REGISTERS = 2^14 < 2^21 entries)."""
+        packed = ((u >= c1).to(tl.int64) + ((u >= c2).to(tl.int64) << 21) + ((u >= c3).to(tl.int64) << 42))
+        tot = tl.sum(packed, axis=0)
+        return (tot & 0x1FFFFF).to(tl.int32), ((tot >> 21) & 0x1FFFFF).to(tl.int32), (tot >> 42).to(tl.int32)
+
+    @triton.jit
+    def _topk_row(row_ptr, out_ptr, count, k, N, BLOCK: tl.constexpr, KP: tl.constexpr,
+                  IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+        """Top-k of one row (scores at row_ptr, `count` eligible entries of N) written to out_ptr[0:k].
+
+        Sync-free radix select: the k-th largest key `thr` is built two bits per pass (three counts packed in
+        one reduction, 16 passes); keys > thr are taken, keys == thr in index order until k are chosen, so
+        ties go to the lower index. SORTED: the picks in `indexer_topk_ref`'s order (score desc, index asc):
+        the chosen (ordered key, index) pairs are compacted into out (scratch) and sorted descending by the
+        unique int64 (ordered << 32) | (2^31 - 1 - index). Not SORTED: the same set in ascending index order
+        (no sort). Slots >= min(k, count, N) hold -1. IN_REGISTERS: the row (N <= BLOCK) is loaded once and
+        kept in registers; otherwise every pass re-reads it in BLOCK chunks."""
+        kk = tl.minimum(tl.minimum(k, count), N)
+        offs0 = tl.arange(0, BLOCK)
+        if IN_REGISTERS:
+            u = _row_keys(row_ptr, offs0, count)
+        thr = tl.zeros([], dtype=tl.uint32)
+        for i in range(16):
+            lo = (tl.full([], 30, tl.int32) - 2 * i).to(tl.uint32)
+            c1 = thr | (tl.full([], 1, tl.uint32) << lo)
+            c2 = thr | (tl.full([], 2, tl.uint32) << lo)
+            c3 = thr | (tl.full([], 3, tl.uint32) << lo)
+            if IN_REGISTERS:
+                n1, n2, n3 = _count3(u, c1, c2, c3)
+            else:
+                n1 = tl.zeros([], dtype=tl.int32)
+                n2 = tl.zeros([], dtype=tl.int32)
+                n3 = tl.zeros([], dtype=tl.int32)
+                for c0 in range(0, N, BLOCK):
+                    m1, m2, m3 = _count3(_row_keys(row_ptr, c0 + offs0, count), c1, c2, c3)
+                    n1 += m1
+                    n2 += m2
+                    n3 += m3
+            thr = tl.where(n3 >= kk, c3, tl.where(n2 >= kk, c2, tl.where(n1 >= kk, c1, thr)))
+        # kk >= 1 makes thr >= 1 (count(u >= 1) = count >= kk), so u == thr never matches an ineligible entry
+        if IN_REGISTERS:
+            gt = u > thr
+            need_eq = kk - tl.sum(gt.to(tl.int32), axis=0)
+            eq = u == thr
+            sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            if SORTED:
+                ordered = ((u - 1) ^ 2147483648).to(tl.int32, bitcast=True)
+                key = (ordered.to(tl.int64) << 32) | (2147483647 - offs0).to(tl.int64)
+                tl.store(out_ptr + pos, key, mask=sel)
+            else:
+                tl.store(out_ptr + pos, offs0.to(tl.int64), mask=sel)
+        else:
+            n_gt = tl.zeros([], dtype=tl.int32)
+            for c0 in range(0, N, BLOCK):
+                n_gt += tl.sum((_row_keys(row_ptr, c0 + offs0, count) > thr).to(tl.int32), axis=0)
+            need_eq = kk - n_gt
+            seen_eq = tl.zeros([], dtype=tl.int32)
+            seen_sel = tl.zeros([], dtype=tl.int32)
+            for c0 in range(0, N, BLOCK):
+                offs = c0 + offs0
+                uc = _row_keys(row_ptr, offs, count)
+                eq = uc == thr
+                sel = (uc > thr) | (eq & (seen_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= need_eq))
+                pos = seen_sel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                if SORTED:
+                    ordered = ((uc - 1) ^ 2147483648).to(tl.int32, bitcast=True)
+                    key = (ordered.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
+                    tl.store(out_ptr + pos, key, mask=sel)
+                else:
+                    tl.store(out_ptr + pos, offs.to(tl.int64), mask=sel)
+                seen_eq += tl.sum(eq.to(tl.int32), axis=0)
+                seen_sel += tl.sum(sel.to(tl.int32), axis=0)
+        slot = tl.arange(0, KP)
+        if SORTED:
+            tl.debug_barrier()                   # compacted keys of all threads are in out before reloading
+            v = tl.load(out_ptr + slot, mask=slot < kk, other=-9223372036854775807 - 1)
+            v = tl.sort(v, descending=True)
+            idx = 2147483647 - (v & 0xFFFFFFFF)
+            tl.debug_barrier()                   # every thread has read its keys before any slot is rewritten
+            tl.store(out_ptr + slot, tl.where(slot < kk, idx, -1), mask=slot < k)
+        else:
+            tl.store(out_ptr + slot, tl.full([KP], -1, tl.int64), mask=(slot >= kk) & (slot < k))
+
+    @triton.jit
+    def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos,
+                             HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                             IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+        """One program per query row (b, t). A count outside [0, N] (no host check) fills the row with -2:
+        not a valid index and not the empty marker -1, so `sparse_attn`'s guard turns that query into NaN."""
+        pid = tl.program_id(0)
+        b = (pid // S).to(tl.int64)
+        t = (pid % S).to(tl.int64)
+        out_ptr = OUT + b * sob + t * sos
+        if HAS_NV:
+            count = tl.load(NV + b * snb + t * sns).to(tl.int32)
+        else:
+            count = N
+        if (count < 0) | (count > N):
+            slot = tl.arange(0, KP)
+            tl.store(out_ptr + slot, tl.full([KP], -2, tl.int64), mask=slot < k)
+        else:
+            _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
+
+    @triton.jit
+    def _indexer_select_kernel(Q, W, K, SC, NV, OUT, SEM, S, H, N, CHUNK, k,
+                               sqb, sqs, sqh, swb, sws, skb, skn, sob, sos, snb, sns, sib, sis,
+                               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                               HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
+                               IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+        """Scores + top-k in ONE launch: grid (b*s rows, chunks of CHUNK keys). Each program scores its chunk
+        into SC (as `_indexer_scores_kernel`), then counts itself in SEM[row] (acq_rel atomic after a CTA
+        barrier); the last program of a row selects its top-k (`_topk_row`, reading SC through L2) and resets
+        the counter. No spin-wait, no host sync."""
+        pid_bs = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        dd = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + dd[None, :], mask=hmask[:, None], other=0.0)
+        w = tl.load(W + b * swb + t * sws + heads, mask=hmask, other=0.0).to(tl.float32)
+        start = pid_n * CHUNK
+        end = tl.minimum(start + CHUNK, N)
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs < end
+            kt = tl.load(K + b * skb + offs[:, None].to(tl.int64) * skn + dd[None, :], mask=nmask[:, None],
+                         other=0.0)
+            sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0) * w[:, None]
+            tl.store(SC + b * sob + t * sos + offs, tl.sum(sc, axis=0), mask=nmask)
+        tl.debug_barrier()
+        counter = SEM + pid_bs
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
+            if HAS_NV:
+                count = tl.load(NV + b * snb + t * sns).to(tl.int32)
+            else:
+                count = N
+            out_ptr = OUT + b * sib + t * sis
+            if (count < 0) | (count > N):
+                slot = tl.arange(0, KP)
+                tl.store(out_ptr + slot, tl.full([KP], -2, tl.int64), mask=slot < k)
+            else:
+                _topk_row(SC + b * sob + t * sos, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
+            tl.store(counter, 0)
+
+
+def _check_topk_args(shape: tuple, device, k, n_valid, where: str) -> None:
+    """k and n_valid checks shared by the top-k launchers (host metadata only, no sync)."""
+    b, s, _ = shape
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ValueError(f"{where}: k must be an int >= 0, got {k!r}")
+    if n_valid is not None and (not isinstance(n_valid, torch.Tensor) or n_valid.shape != (b, s)
+                                or n_valid.dtype not in (torch.int32, torch.int64) or n_valid.device != device):
+        raise ValueError(f"{where}: n_valid must be int32/int64 [b={b}, s={s}] on {device}, got "
+                         f"{getattr(n_valid, 'dtype', type(n_valid).__name__)} {tuple(getattr(n_valid, 'shape', ()))}")
+
+
+def _topk_out(out, b: int, s: int, k: int, device, where: str) -> torch.Tensor:
+    if out is None:
+        return torch.empty((b, s, k), dtype=torch.int64, device=device)
+    if out.shape != (b, s, k) or out.dtype != torch.int64 or out.device != device or not out.is_contiguous():
+        raise ValueError(f"{where}: out must be contiguous int64 {(b, s, k)} on {device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def _topk_config(n: int, k: int) -> tuple[int, int, bool]:
+    """(BLOCK, KP, IN_REGISTERS): the whole row in one register tile up to TOPK_ROW_IN_REGISTERS entries,
+    else chunks of 4096; KP = k rounded up to a power of two (the sort width)."""
+    in_regs = n <= TOPK_ROW_IN_REGISTERS
+    block = max(16, triton.next_power_of_2(max(n, 1))) if in_regs else 4096
+    return block, max(16, triton.next_power_of_2(max(k, 1))), in_regs
+
+
+def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None, check: bool = False, num_warps: int | None = None,
+                 sorted_picks: bool = True) -> torch.Tensor:
+    """Triton `indexer_topk_ref` (spec §7 steps 4-7): same arguments, same picks in the same order, bitwise.
+
+    One program per query row: a radix select of the k-th largest key (16 passes of 3 packed counts over the
+    row, kept in registers up to TOPK_ROW_IN_REGISTERS = 16384 entries, re-read in chunks beyond), the ties at
+    that key taken toward the lower index, the k picks sorted by (score desc, index asc). One launch, no host
+    sync unless check=True.
+
+    Args: as `indexer_topk_ref` (scores [b, s, n] float32, stride 1 in n; k int >= 0; n_valid int32/int64
+        [b, s] or None). Keyword-only: `out` int64 [b, s, k] contiguous (tests poison it); `check` True =
+        verify 0 <= n_valid <= n on the host (one sync, ValueError); default False: a row whose n_valid lies
+        outside [0, n] gets -2 in every slot (not an index and not the empty marker -1: `sparse_attn` turns
+        such a query into NaN); `num_warps` default from the row length; `sorted_picks` False = the same set
+        of picks in ascending entry order (skips the final sort; attention does not depend on the order).
+    Returns: idx [b, s, k] int64, slots j >= min(n_valid, n) hold -1.
+    Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
+    """
+    where = "kernels.indexer.indexer_topk"
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or scores.dtype != torch.float32:
+        raise ValueError(f"{where}: scores must be float32 [b, s, n], got "
+                         f"{getattr(scores, 'dtype', type(scores).__name__)} {tuple(getattr(scores, 'shape', ()))}")
+    _check_topk_args(tuple(scores.shape), scores.device, k, n_valid, where)
+    _check_launch_device({"scores": scores, **({"n_valid": n_valid} if n_valid is not None else {})}, where)
+    b, s, n = scores.shape
+    if check and n_valid is not None and n_valid.numel():
+        lo, hi = torch.stack(torch.aminmax(n_valid)).tolist()  # one device sync (opt-in)
+        if lo < 0 or hi > n:
+            raise ValueError(f"{where}: n_valid must lie in [0, n={n}], got min {lo} max {hi}")
+    out = _topk_out(out, b, s, k, scores.device, where)
+    if b * s == 0 or k == 0:
+        return out
+    block, kp, in_regs = _topk_config(n, k)
+    warps = num_warps or (max(4, min(16, block // 1024)) if in_regs else 16)
+    nv = n_valid if n_valid is not None else scores
+    _indexer_topk_kernel[(b * s,)](scores, nv, out, s, n, k, scores.stride(0), scores.stride(1),
+                                   nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
+                                   HAS_NV=n_valid is not None, BLOCK=block, KP=kp, IN_REGISTERS=in_regs,
+                                   SORTED=bool(sorted_picks), num_warps=warps)
+    return out
+
+
+def indexer_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k: int,
+                   n_valid: torch.Tensor | None = None, *, scores: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 8,
+                   programs_per_row: int | None = None, sorted_picks: bool = True) -> torch.Tensor:
+    """Whole CSA selection in ONE launch: `indexer_topk_ref(indexer_scores_ref(q, weights, keys), k, n_valid)`.
+
+    The scoring programs of a query row write its fp32 scores (to `scores`, or the stream workspace), count
+    themselves in a per-row semaphore, and the last one to arrive runs the top-k of that row (same kernel
+    code as `indexer_topk`); no host sync. World size 1 only: with head-parallel indexers the partial scores
+    must be summed across ranks before the top-k (`indexer_scores` + all-reduce + `indexer_topk`).
+
+    Args: q, weights, keys as `indexer_scores_ref` (keys = its `k` [b, n, d]); k, n_valid as
+        `indexer_topk_ref`. Keyword-only: `scores` optional contiguous float32 [b, s, n] receiving the scores;
+        `out` optional contiguous int64 [b, s, k]; tuning block_n / num_warps / programs_per_row as
+        `indexer_scores`; `sorted_picks` as `indexer_topk`. A row whose n_valid lies outside [0, n] gets -2
+        in every slot (see `indexer_topk`).
+    Returns: idx [b, s, k] int64 as `indexer_topk_ref`.
+    Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
+    """
+    where = "kernels.indexer.indexer_select"
+    _check_scores_inputs(q, weights, keys, where)
+    b, s, h, d = q.shape
+    n = keys.shape[1]
+    _check_topk_args((b, s, n), q.device, k, n_valid, where)
+    tensors = {"q": q, "weights": weights, "keys": keys, **({"n_valid": n_valid} if n_valid is not None else {})}
+    _check_launch_device(tensors, where)
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"{where}: indexer head dim d must be a power of two >= 16, got {d}")
+    if h > 128:
+        raise ValueError(f"{where}: at most 128 indexer heads fit one program, got H={h}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{where}: block_n must be a power of two >= 16, got {block_n}")
+    out = _topk_out(out, b, s, k, q.device, where)
+    if b * s == 0 or k == 0:
+        return out
+    tiles = max(1, triton.cdiv(n, block_n))
+    if programs_per_row is None:
+        programs_per_row = max(1, min(tiles, triton.cdiv(4 * _num_sms(q.device), b * s)))
+    if not isinstance(programs_per_row, int) or programs_per_row < 1:
+        raise ValueError(f"{where}: programs_per_row must be an int >= 1, got {programs_per_row!r}")
+    chunk = triton.cdiv(tiles, programs_per_row) * block_n
+    grid = (b * s, max(1, triton.cdiv(n, chunk)))
+    sem, ws = workspace(q.device, b * s, 0 if scores is not None else b * s * n)
+    if scores is None:
+        scores = ws[: b * s * n].view(b, s, n)
+    elif (scores.shape != (b, s, n) or scores.dtype != torch.float32 or scores.device != q.device
+          or not scores.is_contiguous()):
+        raise ValueError(f"{where}: scores must be contiguous float32 {(b, s, n)} on {q.device}, got "
+                         f"{scores.dtype} {tuple(scores.shape)} on {scores.device}")
+    block, kp, in_regs = _topk_config(n, k)
+    nv = n_valid if n_valid is not None else out
+    _indexer_select_kernel[grid](q, weights, keys, scores, nv, out, sem, s, h, n, chunk, k,
+                                 q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+                                 keys.stride(0), keys.stride(1), scores.stride(0), scores.stride(1),
+                                 nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
+                                 D=d, BLOCK_H=max(16, triton.next_power_of_2(h)), BLOCK_N=block_n,
+                                 DOT=dot_mode(q.dtype), HAS_NV=n_valid is not None, BLOCK=block, KP=kp,
+                                 IN_REGISTERS=in_regs, SORTED=bool(sorted_picks), num_warps=num_warps)
     return out

@@ -171,6 +171,18 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     return (pre.unsqueeze(-1) * H.float()).sum(1).to(H.dtype)
 
 
+def hc_post_pre_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                    base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int, hc_eps: float,
+                    norm_eps: float):
+    """A layer-site boundary (spec §4 step 7 then steps 1–5 of the next site): `hc_post_ref` of one site
+    followed by `hc_pre_ref` of the next, on the rounded H_new. Returns `(H_new, x, post_next, comb_next)`,
+    shapes and dtypes as those two functions (`fn`, `base`, `scale` are the next site's). Raises ValueError
+    naming a bad argument."""
+    H_new = hc_post_ref(a, H, post, comb)
+    return (H_new, *hc_pre_ref(H_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                               norm_eps=norm_eps))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
@@ -209,10 +221,11 @@ def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_
 def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, t_first,
                    T, D, S, iters, hc_eps, norm_eps, inv_k, d_lo, d_hi, write_pc,
                    HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
-                   BTF: tl.constexpr, BD: tl.constexpr):
+                   BTF: tl.constexpr, BD: tl.constexpr, HCACHE: tl.constexpr):
     """Tokens t_first + [0, BTF) below T: sum the S split partials in a fixed order, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD;
     post/comb written when write_pc), then collapse columns [d_lo, d_hi) of H in BD steps. Partials are read
-    with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch."""
+    with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch; HCACHE is
+    the cache modifier of the H loads (".cg" when other programs of this launch wrote H, else "")."""
     offs_t = t_first + tl.arange(0, BTF)
     mask_t = offs_t < T
     j = tl.arange(0, HC)
@@ -251,7 +264,8 @@ def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr,
         offs_d = d0 + tl.arange(0, BD)
         mask_d = offs_d < d_hi
         hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
-                     mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+                     mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0,
+                     cache_modifier=HCACHE).to(tl.float32)
         x = tl.sum(pre[:, :, None] * hv, axis=1)
         tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x.to(x_ptr.dtype.element_ty),
                  mask=mask_t[:, None] & mask_d[None, :])
@@ -276,7 +290,7 @@ def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_p
     d_lo = pid_d * BD
     _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                    pid_t * BT, T, D, S, iters, hc_eps, norm_eps, inv_k,
-                   d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD)
+                   d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "")
 
 
 @triton.jit
@@ -302,7 +316,7 @@ def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_p
     if arrived == n_split - 1:
         _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                        pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                       0, D, True, HC, NP, SP, IS_HEAD, TOK, BD)
+                       0, D, True, HC, NP, SP, IS_HEAD, TOK, BD, "")
         tl.store(sem_ptr + pid_t, 0)
 
 
@@ -327,6 +341,65 @@ def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
         tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
+                        comb2_ptr, ws_ptr, sem_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
+                        HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                        BT: tl.constexpr, BC: tl.constexpr, TOK: tl.constexpr, BD: tl.constexpr):
+    """Decode layer boundary, ONE launch: hc_post of one site and hc_pre of the next (issue 14).
+
+    Grid (token blocks of TOK tokens, column splits of COLS columns of D). A program computes H_new (= the
+    hc_post formula of `_hc_post_kernel`, fp32, rounded once to H's dtype and written) for its tokens, all
+    hc streams and its columns, and from those rounded values the partial projection `fn @ X` (tf32x3) and
+    Σ X² of the next hc_pre (X = H_new stream-major, so stream k of column c is K-index k·D + c). It writes
+    the partials like `_mix_partial`, counts itself in sem[token block] (acq_rel atomic after a CTA barrier),
+    and the last program of a block finishes it (`_finish_tokens`, reading H_new through L2) and resets the
+    counter. Token rows sit in a BT >= 16 row dot, other rows masked (as in `_mix_partial`)."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
+    mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
+    t64 = offs_t.to(tl.int64)
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_MIX
+    j = tl.arange(0, HC)
+    c_lo = pid_s * COLS
+    c_hi = tl.minimum(c_lo + COLS, D)
+    acc = tl.zeros([BT, NP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    hrow = t64 * (HC * D)
+    for c0 in range(c_lo, c_hi, BC):
+        cols = c0 + tl.arange(0, BC)
+        mc = cols < c_hi
+        m2 = mask_t[:, None] & mc[None, :]
+        a = tl.load(a_ptr + t64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + cols[None, None, :],
+                     mask=m2[:, None, :], other=0.0).to(tl.float32)
+        for k in tl.static_range(HC):
+            pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
+            ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None],
+                         other=0.0)
+            y = (pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)).to(hn_ptr.dtype.element_ty)
+            tl.store(hn_ptr + hrow[:, None] + k * D + cols[None, :], y, mask=m2)
+            yf = y.to(tl.float32)
+            w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + k * D + cols[:, None],
+                        mask=mask_n[None, :] & mc[:, None], other=0.0)
+            acc = tl.dot(yf, w, acc, input_precision="tf32x3")
+            ss += tl.sum(yf * yf, axis=1)
+    mix_ptr = ws_ptr
+    ss_ptr = ws_ptr + T * n_split * NP
+    out_row = t64 * n_split + pid_s
+    tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
+    tl.store(ss_ptr + out_row, ss, mask=mask_t)
+    tl.debug_barrier()
+    if tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+        _finish_tokens(hn_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr, comb2_ptr,
+                       pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
+                       0, D, True, HC, NP, SP, False, TOK, BD, ".cg")
+        tl.store(sem_ptr + pid_t, 0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launchers (same signatures and results as the references; optional `out=` lets tests poison outputs)
 # ---------------------------------------------------------------------------------------------------------
@@ -345,6 +418,8 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
 
 
 ONE_LAUNCH_MAX_T = 64  # hc_pre / hc_head use the one-launch kernel up to this many tokens (decode)
+POST_PRE_ONE_LAUNCH_MAX_T = 4  # hc_post_pre fuses up to this many tokens; beyond, hc_post + hc_pre were faster
+                               # on H200 (RESULTS.md, issue 14: T 8 equal or slower, T 64 2-4x slower)
 
 
 def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device) -> tuple[int, int]:
@@ -461,3 +536,61 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     if T:
         _mix_sites(H, fn, base, scale, y, None, None, 1, hc_eps, norm_eps, True, fused)
     return y
+
+
+def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                out=None, one_launch: bool | None = None, num_warps: int = 4, block_d: int | None = None):
+    """Triton `hc_post_pre_ref`: one site's hc_post fused with the next site's hc_pre (issue 14).
+
+    a `[T, D]`, H `[T, hc, D]`, post `[T, hc]`, comb `[T, hc, hc]` as `hc_post`; fn, base, scale the next
+    site's, as `hc_pre`. `out=(H_new, x, post_next, comb_next)` optionally supplies the outputs (H_new must not
+    alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= POST_PRE_ONE_LAUNCH_MAX_T (4),
+    else `hc_post` then `hc_pre` (its own path choice); True/False forces a path. Equal to the two launches
+    within the dtype tolerance (the projection's partial sums are split differently). No host-device sync.
+    Tuning: `num_warps` of the fused kernel, `block_d` its collapse width (default min(1024, D)).
+    Returns `(H_new [T, hc, D] H.dtype, x [T, D] H.dtype, post_next [T, hc] fp32, comb_next [T, hc, hc] fp32)`.
+    Raises ValueError naming the argument and the bad value.
+    """
+    op = "hc_post_pre"
+    T, hc, D = _check_mix_args(op, H, fn, base, scale, False, True,
+                               sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_hc(op, hc)
+    _check(op, "a", a, (T, D), H.dtype)
+    _check(op, "post", post, (T, hc), torch.float32)
+    _check(op, "comb", comb, (T, hc, hc), torch.float32)
+    _check_layout(op, {"H": H, "a": a, "post": post, "comb": comb})
+    if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 4):
+        _fail(op, "out", type(out).__name__, "a tuple (H_new, x, post_next, comb_next)")
+    oh, ox, op_, oc = out if out is not None else (None, None, None, None)
+    h_new = _out(op, "out[0] (H_new)", oh, (T, hc, D), H.dtype, H)
+    if oh is not None and oh.data_ptr() == H.data_ptr():
+        _fail(op, "out[0] (H_new)", "H itself", "a separate buffer (programs read all streams of H)")
+    x = _out(op, "out[1] (x)", ox, (T, D), H.dtype, H)
+    post2 = _out(op, "out[2] (post_next)", op_, (T, hc), torch.float32, H)
+    comb2 = _out(op, "out[3] (comb_next)", oc, (T, hc, hc), torch.float32, H)
+    if T == 0:
+        return h_new, x, post2, comb2
+    if block_d is not None and (not isinstance(block_d, int) or block_d < 16 or block_d & (block_d - 1)):
+        _fail(op, "block_d", repr(block_d), "None or a power of two >= 16")
+    if one_launch is None:
+        one_launch = T <= POST_PRE_ONE_LAUNCH_MAX_T
+    if not _one_launch(op, one_launch, T):
+        hc_post(a, H, post, comb, out=h_new)
+        hc_pre(h_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
+               out=(x, post2, comb2))
+        return h_new, x, post2, comb2
+    n_mix = (2 + hc) * hc
+    np_ = max(16, triton.next_power_of_2(n_mix))
+    TOK, BC = 2, 64
+    n_tb, n_ct = triton.cdiv(T, TOK), triton.cdiv(D, BC)
+    target = 2 * sm_count(H.device, cpu_default=4)
+    cols = triton.cdiv(n_ct, max(1, min(n_ct, 128, triton.cdiv(target, n_tb)))) * BC
+    S = triton.cdiv(D, cols)
+    sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
+    _hc_post_pre_kernel[(n_tb, S)](a, H, post, comb, h_new, fn, base, scale, x, post2, comb2, ws, sem,
+                                   T, D, hc * D, cols, sinkhorn_iters, float(hc_eps), float(norm_eps),
+                                   1.0 / (hc * D), HC=hc, N_MIX=n_mix, NP=np_, SP=triton.next_power_of_2(S),
+                                   BT=16, BC=BC, TOK=TOK, BD=block_d or min(1024, triton.next_power_of_2(D)),
+                                   num_warps=num_warps)
+    return h_new, x, post2, comb2

@@ -97,3 +97,45 @@ def test_launcher_rejects_mixed_devices():
     H, fn, base, scale = make(2, 64, (2 + HC) * HC, 3)
     with pytest.raises(ValueError, match="fn is on device cpu"):
         hc_pre(H, fn.cpu(), base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("D", [4096, 7168], ids=["D4096", "D7168"])
+@pytest.mark.parametrize("T", [1, 3, 8, 64], ids=["T1", "T3", "T8", "T64"])
+def test_hc_post_pre_gpu(seed, T, D):
+    """The fused layer boundary (issue 14): H_new against `hc_post_ref`; (x, post, comb) against `hc_pre_ref`
+    of the kernel's own H_new (isolates the projection from H_new's one-ulp roundings) and against the
+    two-launch path (hc_post then hc_pre kernels); all outputs NaN-poisoned; dtype tolerances as above."""
+    from kernels.mhc import hc_post, hc_post_pre, hc_post_ref, hc_pre, hc_pre_ref
+
+    H, fn0, base0, scale0 = make(T, D, (2 + HC) * HC, 3)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    _, post, comb = hc_pre_ref(H, fn0, base0, scale0, **kw)
+    _, fn, base, scale = make(T, D, (2 + HC) * HC, 3)
+    a = torch.randn(T, D, device="cuda").bfloat16()
+    out = (nan(T, HC, D, dtype=H.dtype), nan(T, D, dtype=H.dtype), nan(T, HC), nan(T, HC, HC))
+    h_new, x, post2, comb2 = hc_post_pre(a, H, post, comb, fn, base, scale, out=out, one_launch=True, **kw)
+    assert_close(h_new, hc_post_ref(a, H, post, comb), "H_new")
+    for name, g, w in zip(("x", "post", "comb"), (x, post2, comb2), hc_pre_ref(h_new, fn, base, scale, **kw)):
+        assert_close(g, w, name)
+    two = hc_pre(hc_post(a, H, post, comb), fn, base, scale, **kw)
+    for name, g, w in zip(("x", "post", "comb"), (x, post2, comb2), two):  # both within tol of the reference:
+        r, t = (2e-5, 2e-5) if name != "x" else (None, None)               # twice the fp32 tolerance apart
+        assert_close(g, w, f"{name} vs two launches", rtol=r, atol=t)
+
+
+def test_hc_post_pre_is_one_launch():
+    from kernels.mhc import hc_post_pre, hc_pre_ref
+
+    T, D = 1, 4096
+    H, fn, base, scale = make(T, D, (2 + HC) * HC, 3)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    _, post, comb = hc_pre_ref(H, fn, base, scale, **kw)
+    a = torch.randn(T, D, device="cuda").bfloat16()
+    hc_post_pre(a, H, post, comb, fn, base, scale, **kw)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        hc_post_pre(a, H, post, comb, fn, base, scale, **kw)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 1 and "_hc_post_pre_kernel" in names[0], names

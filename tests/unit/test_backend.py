@@ -64,3 +64,41 @@ def test_triton_backend_matches_reference_fp32():
         a, b = ref(ta, s_ref), tri(tb, s_tri)
         assert_close(b, a, "decode logits triton vs reference", atol=1e-4, rtol=0)
     assert g_tri == g_ref
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
+def test_triton_decode_fuses_layer_boundaries():
+    """Decode with the triton backend runs every layer boundary through `hc_post_pre` (2·n_layers - 1 fused
+    boundaries, one plain hc_post at the end) and gives the logits of the per-site path (forced by a residual
+    observer) within fp32 rounding; the reference backend never takes the deferred path."""
+    import dataclasses
+
+    from kernels import indexer, mhc
+    args = tiny_args(vocab_size=512)
+    sd = {k: v for k, v in random_state_dict(args, seed=22).items() if not k.startswith("mtp.")}
+    tri = Transformer(args, backend="triton")
+    tri.load_weights(sd)
+    assert tri.backend.indexer_topk is indexer.indexer_topk and tri.backend.hc_post_pre is mhc.hc_post_pre
+    calls = {"hc_post_pre": 0, "hc_post": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    tri.backend = dataclasses.replace(tri.backend, hc_post_pre=counting("hc_post_pre", mhc.hc_post_pre),
+                                      hc_post=counting("hc_post", mhc.hc_post))
+    ids = torch.randint(0, 512, (1, 21))
+    s_fused, s_plain = tri.new_state(1), tri.new_state(1)
+    tri(ids, s_fused)
+    tri(ids, s_plain)
+    calls.update(hc_post_pre=0, hc_post=0)
+    nxt = torch.randint(0, 512, (1, 1))
+    fused = tri(nxt, s_fused)
+    assert calls == {"hc_post_pre": 2 * args.n_layers - 1, "hc_post": 1}, calls
+    plain = tri(nxt, s_plain, observer=lambda i, H: None)
+    assert calls == {"hc_post_pre": 2 * args.n_layers - 1, "hc_post": 1 + 2 * args.n_layers}, calls
+    assert_close(fused, plain, "decode logits: fused boundaries vs per-site path", atol=1e-4, rtol=0)
+    ref = Transformer(args)
+    assert not ref._defer_hc_post(torch.zeros(1, 1, 4, 8), None)

@@ -163,3 +163,70 @@ def test_triton_rejects_bad_launch():
         indexer_scores(q, w, k, block_n=10)
     with pytest.raises(ValueError, match="contiguous"):
         indexer_scores(q, w, torch.randn(1, 32, 8, device=DEV).transpose(1, 2))
+
+
+# ---- Triton top-k and one-launch selection under the interpreter (issue 14) --------------------------------
+
+@needs_triton
+@pytest.mark.hardstop
+@pytest.mark.parametrize("n, k", [(1, 4), (7, 4), (40, 8), (40, 40), (33, 50), (100, 16)], ids=lambda v: str(v))
+def test_triton_topk_follows_tie_rule(seed, n, k):
+    """Same tied rows as the reference's hard-stop test (±0.0, repeated values): the Triton top-k must equal
+    the brute-force oracle exactly, order included (output poisoned first); with a NaN and a -inf added (the
+    oracle cannot order NaN) it must equal indexer_topk_ref."""
+    from kernels.indexer import indexer_topk
+    scores = tied_scores(2, 5, n)
+    n_valid = torch.randint(0, n + 1, (2, 5))
+    n_valid[0, 0], n_valid[1, 4] = 0, n
+    out = torch.full((2, 5, k), 123456789, dtype=torch.int64, device=DEV)
+    got = indexer_topk(scores.to(DEV), k, n_valid.to(DEV), out=out).cpu()
+    assert_equal(got, oracle_topk(scores, k, n_valid), "indexer_topk")
+    scores[:, :, n // 2] = float("nan")
+    scores[:, 1:, n // 3] = float("-inf")
+    got = indexer_topk(scores.to(DEV), k, n_valid.to(DEV)).cpu()
+    assert_equal(got, indexer_topk_ref(scores, k, n_valid), "indexer_topk vs indexer_topk_ref (NaN, -inf)")
+
+
+@needs_triton
+def test_triton_topk_chunked_path(seed, monkeypatch):
+    """Rows longer than the register tile take the chunked path (re-read per pass); same picks."""
+    import kernels.indexer as ix
+    monkeypatch.setattr(ix, "TOPK_ROW_IN_REGISTERS", 32)
+    scores = tied_scores(1, 3, 100)
+    n_valid = torch.tensor([[100, 57, 3]])
+    got = ix.indexer_topk(scores.to(DEV), 16, n_valid.to(DEV)).cpu()
+    assert_equal(got, oracle_topk(scores, 16, n_valid), "indexer_topk (chunked)")
+
+
+@needs_triton
+def test_triton_topk_guard_without_sync():
+    """n_valid outside [0, n]: no host check by default, the row becomes -2 (rejected by sparse_attn's guard);
+    check=True raises instead (negative control for the guard's message)."""
+    from kernels.indexer import indexer_topk
+    scores = torch.randn(1, 2, 10, device=DEV)
+    got = indexer_topk(scores, 4, torch.tensor([[11, 3]], device=DEV)).cpu()
+    assert (got[0, 0] == -2).all() and got[0, 1, 3] == -1 and (got[0, 1, :3] >= 0).all()
+    with pytest.raises(ValueError, match=r"n_valid must lie in \[0, n=10\]"):
+        indexer_topk(scores, 4, torch.tensor([[11, 3]], device=DEV), check=True)
+    with pytest.raises(ValueError, match="k must be"):
+        indexer_topk(scores, -1)
+    with pytest.raises(ValueError, match="out must be"):
+        indexer_topk(scores, 4, out=torch.empty(1, 2, 4, dtype=torch.int32, device=DEV))
+
+
+@needs_triton
+@pytest.mark.hardstop
+def test_triton_select_exact_with_ties(seed):
+    """One launch (scores + top-k, several programs per row): integer q/k and power-of-two weights give
+    exact scores with ties; picks must equal indexer_topk_ref(indexer_scores_ref(...)) bitwise."""
+    from kernels.indexer import indexer_select
+    q = torch.randint(-2, 3, (2, 3, 4, 32)).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (2, 45, 32)).to(torch.bfloat16)
+    w = torch.tensor([-1.0, -0.5, 0.5, 1.0])[torch.randint(0, 4, (2, 3, 4))]
+    n_valid = torch.tensor([[45, 3, 20], [0, 44, 45]])
+    scores = torch.full((2, 3, 45), float("nan"), device=DEV)
+    got = indexer_select(q.to(DEV), w.to(DEV), k.to(DEV), 8, n_valid.to(DEV), scores=scores, block_n=16,
+                         programs_per_row=2).cpu()
+    ref_scores = indexer_scores_ref(q, w, k)
+    assert_equal(scores.cpu() + 0.0, ref_scores + 0.0, "indexer_select scores (exact)")
+    assert_equal(got, indexer_topk_ref(ref_scores, 8, n_valid), "indexer_select picks")

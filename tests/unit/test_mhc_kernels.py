@@ -222,3 +222,59 @@ def test_launchers_name_the_bad_value():
     if not INTERP:
         with pytest.raises(ValueError, match="H is on device cpu"):
             hc_pre(H, fn, base, scale, **kw)
+
+
+# ---- the fused layer boundary hc_post -> next hc_pre (issue 14) ------------------------------------------
+
+@needs_triton
+@pytest.mark.hardstop
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T,D", [(1, 96), (3, 200), (5, 64)], ids=["T1-D96", "T3-D200", "T5-D64"])
+def test_hc_post_pre_triton(seed, T, D, dtype):
+    """One launch: H_new against hc_post_ref, (x, post, comb) against hc_pre_ref of the kernel's own H_new
+    (H_new may differ from the reference by one rounding, which the next projection would amplify past the
+    fp32 tolerance of post/comb), and against the two-launch path. All outputs NaN-poisoned."""
+    from kernels.mhc import hc_post_pre
+    H, fn0, base, scale = make_pre(T, D, dtype=dtype, device=DEV)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    _, post, comb = hc_pre_ref(H, fn0, base, scale, **kw)
+    fn = torch.randn_like(fn0) / math.sqrt(HC * D)
+    a = torch.randn(T, D, device=DEV).to(dtype)
+
+    def nan(*shape, dt=torch.float32):
+        return torch.full(shape, float("nan"), dtype=dt, device=DEV)
+
+    got = hc_post_pre(a, H, post, comb, fn, base, scale, out=(nan(T, HC, D, dt=dtype), nan(T, D, dt=dtype),
+                                                              nan(T, HC), nan(T, HC, HC)), **kw)
+    assert_close(got[0], hc_post_ref(a, H, post, comb), "H_new")
+    for name, g, w in zip(("x", "post", "comb"), got[1:], hc_pre_ref(got[0], fn, base, scale, **kw)):
+        assert_close(g, w, name)
+    two = hc_post_pre(a, H, post, comb, fn, base, scale, one_launch=False, **kw)
+    for name, g, w in zip(("H_new", "x", "post", "comb"), got, two):
+        assert_close(g, w, f"{name} vs two launches")
+
+
+def test_hc_post_pre_names_the_bad_value():
+    from kernels.mhc import hc_post_pre
+    H, fn, base, scale = make_pre(2, 16)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    a, post, comb = H[:, 0].contiguous(), torch.rand(2, HC), torch.rand(2, HC, HC)
+    with pytest.raises(ValueError, match=r"comb is shape \(2, 4\)"):
+        hc_post_pre(a, H, post, comb[:, 0], fn, base, scale, **kw)
+    with pytest.raises(ValueError, match="H_new"):
+        hc_post_pre(a, H, post, comb, fn, base, scale, out=(H, None, None, None), **kw)
+
+
+@needs_triton
+def test_hc_post_pre_check_catches_untransposed_comb(seed):
+    """Negative control for test_hc_post_pre_triton: the same comparison fails when the boundary mixes with
+    comb untransposed (the `comb_untransposed` failure class), so the hard-stop test can fail on that bug."""
+    from kernels.mhc import hc_post_pre
+    T, D = 2, 64
+    H, fn, base, scale = make_pre(T, D, dtype=torch.float32, device=DEV)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    _, post, comb = hc_pre_ref(H, fn, base, scale, **kw)
+    a = torch.randn(T, D, device=DEV)
+    wrong = hc_post_pre(a, H, post, comb.transpose(1, 2).contiguous(), fn, base, scale, **kw)
+    with pytest.raises(AssertionError):
+        assert_close(wrong[0], hc_post_ref(a, H, post, comb), "H_new")

@@ -1,0 +1,97 @@
+"""Ahead-of-time compilation of every Triton kernel in `kernels/` for a chosen GPU target (issue 14, item 5).
+
+Triton compiles for a target other than the local GPU (`triton.compile(ASTSource(...), target=GPUTarget(...))`,
+bundled ptxas, no GPU needed), so a CPU machine can prove that each kernel builds for Hopper (sm_90) and
+Blackwell (sm_100) and list which hardware instructions the build uses. `compile_all(capability)` does it at
+DeepSeek-V4 shapes (bf16, hd 512, 64 indexer heads x 128, hc 4) and returns, per kernel, the features found
+in the PTX: `wgmma` (Hopper warpgroup MMA), `tcgen05` (Blackwell 5th-gen tensor core / TMEM), `mma.sync`
+(warp-level MMA), `atom`/`red` (the one-launch semaphores), `cp.async` / `cp.async.bulk` (async copies, TMA).
+
+Must run without TRITON_INTERPRET=1 (the interpreter replaces `@triton.jit` functions); tests run it in a
+subprocess. Module state: none.
+"""
+
+from __future__ import annotations
+
+import re
+
+FEATURES = {"wgmma": r"\bwgmma\.", "tcgen05": r"\btcgen05\.", "mma.sync": r"\bmma\.sync\.", "atom": r"\batom\.",
+            "red": r"\bred\.", "cp.async": r"\bcp\.async\.(?!bulk)", "cp.async.bulk (TMA)": r"\bcp\.async\.bulk",
+            "shfl": r"\bshfl\.", "bar.sync": r"\bbar(rier)?\.sync"}
+
+
+def _specs():
+    """(name, jit function, {arg: pointer dtype}, {arg: float}, {arg: constexpr value}); other args are i32."""
+    from kernels import attention, indexer, mhc
+    bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
+    specs = [
+        ("attention._sparse_attn_kernel", attention._sparse_attn_kernel,
+         dict(Q=bf, KV=bf, SINK=f32, IDX=i64, O=bf, PACC=f32, PML=f32, SEM=i32), ["qk_scale"],
+         dict(HD=512, BLOCK_H=16, BLOCK_N=32, SPLIT=True, DOT=0)),
+        ("indexer._indexer_scores_kernel", indexer._indexer_scores_kernel,
+         dict(Q=bf, W=f32, K=bf, OUT=f32), [], dict(D=128, BLOCK_H=64, BLOCK_N=64, DOT=0)),
+        ("indexer._indexer_topk_kernel", indexer._indexer_topk_kernel,
+         dict(SC=f32, NV=i64, OUT=i64), [], dict(HAS_NV=True, BLOCK=16384, KP=1024, IN_REGISTERS=True)),
+        ("indexer._indexer_select_kernel", indexer._indexer_select_kernel,
+         dict(Q=bf, W=f32, K=bf, SC=f32, NV=i64, OUT=i64, SEM=i32), [],
+         dict(D=128, BLOCK_H=64, BLOCK_N=64, DOT=0, HAS_NV=True, BLOCK=16384, KP=512, IN_REGISTERS=True)),
+        ("mhc._hc_mix_kernel", mhc._hc_mix_kernel, dict(h_ptr=bf, fn_ptr=f32, mix_ptr=f32, ss_ptr=f32), [],
+         dict(N_MIX=24, NP=32, BT=64, BK=64)),
+        ("mhc._hc_finish_kernel", mhc._hc_finish_kernel,
+         dict(h_ptr=bf, mix_ptr=f32, ss_ptr=f32, base_ptr=f32, scale_ptr=f32, x_ptr=bf, post_ptr=f32,
+              comb_ptr=f32), ["hc_eps", "norm_eps", "inv_k"],
+         dict(HC=4, NP=32, SP=8, IS_HEAD=False, BT=2, BD=1024)),
+        ("mhc._hc_fused_kernel", mhc._hc_fused_kernel,
+         dict(h_ptr=bf, fn_ptr=f32, base_ptr=f32, scale_ptr=f32, x_ptr=bf, post_ptr=f32, comb_ptr=f32,
+              ws_ptr=f32, sem_ptr=i32), ["hc_eps", "norm_eps", "inv_k"],
+         dict(HC=4, N_MIX=24, NP=32, SP=128, IS_HEAD=False, BT=16, BK=64, TOK=2, BD=1024)),
+        ("mhc._hc_post_kernel", mhc._hc_post_kernel, dict(a_ptr=bf, h_ptr=bf, post_ptr=f32, comb_ptr=f32,
+                                                         out_ptr=bf), [], dict(HC=4, BT=4, BD=512)),
+        ("mhc._hc_post_pre_kernel", mhc._hc_post_pre_kernel,
+         dict(a_ptr=bf, h_ptr=bf, post_ptr=f32, comb_ptr=f32, hn_ptr=bf, fn_ptr=f32, base_ptr=f32,
+              scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32),
+         ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
+    ]
+    for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
+        specs.append(extra)
+    return specs
+
+
+def compile_all(capability: int, names: list[str] | None = None) -> dict[str, dict]:
+    """Compile every kernel (or those in `names`) for `GPUTarget("cuda", capability, 32)`.
+
+    Returns {kernel name: {"ok": bool, "features": [found FEATURES], "error": str}}; a kernel that fails to
+    compile is reported with its error, never skipped. Raises RuntimeError under TRITON_INTERPRET=1.
+    """
+    import os
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("kernels.targets.compile_all: unset TRITON_INTERPRET (the interpreter replaces "
+                           "@triton.jit functions and cannot compile)")
+    target = GPUTarget("cuda", capability, 32)
+    result = {}
+    for name, fn, ptrs, floats, consts in _specs():
+        if names is not None and name not in names:
+            continue
+        sig = {}
+        for arg in fn.arg_names:
+            sig[arg] = "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")
+        try:
+            cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts)), target=target)
+            ptx = cc.asm["ptx"]
+            feats = [f for f, pat in FEATURES.items() if re.search(pat, ptx)]
+            result[name] = {"ok": bool(cc.asm.get("cubin")), "features": feats, "error": ""}
+        except Exception as exc:  # reported per kernel by the caller; nothing is hidden
+            result[name] = {"ok": False, "features": [], "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return result
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    caps = [int(c) for c in (sys.argv[1:] or ["90", "100"])]
+    print(json.dumps({cap: compile_all(cap) for cap in caps}, indent=1))
