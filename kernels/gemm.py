@@ -400,8 +400,8 @@ def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: t
     if pad_m:
         q = torch.cat((q, q.new_zeros(pad_m, K)))
         sx = torch.cat((sx, sx.new_ones(pad_m, KB)))
-    sw = torch.empty(scale.shape, dtype=torch.float32, device=scale.device)
-    sw.copy_(scale)  # float8_e8m0fnu -> fp32 is exact (a power of two per byte)
+    from dsv4.quant import e8m0_to_float
+    sw = e8m0_to_float(scale)  # exact: a power of two per byte
     if pad_k:
         sx = torch.cat((sx, sx.new_ones(sx.shape[0], pad_k)), 1)
         sw = torch.cat((sw, sw.new_ones(sw.shape[0], pad_k)), 1)
