@@ -1,0 +1,411 @@
+"""FP8 block-scaled linear (W8A8): `y = act_quant(x) @ fp8_block_dequant(W)^T`, fp32 accumulation, bf16 out.
+
+Spec: `dsv4_reference_spec.md` §2 ("Weight dequantization", "Activation quantization before every FP8/FP4 GEMM"):
+the official `act_quant(x, 128, "ue8m0")` quantizes every 128-channel block of a token to e4m3 with the
+power-of-two scale `2^ceil(log2(max(amax, 1e-4) / 448))`, and `fp8_gemm` sums `(xq_kb . Wq_kb) * s_x[kb] *
+s_w[n/128, kb]` over the 128-wide K blocks in fp32. The act-quantized input and the dequantized weight are both
+exact in bf16, so the result equals a GEMM with fp32 accumulation on the two dequantized operands up to summation
+order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode with FP8 weights).
+
+Reading order (STYLE §1): the reference, the shared in-kernel quantization helpers, the kernels, the launchers.
+
+Paths of `fp8_linear` (chosen by M, never by a silent fallback):
+  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
+    registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
+    interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
+    accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
+    `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
+  * prefill, M > GEMV_MAX_M: `prefill=` one of
+      "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
+                  `torch.mm` (fp32 accumulation, bf16 out);
+      "scaled_mm" `act_quant` kernel (e4m3 codes + fp32 scales) + `torch.nn.functional.scaled_mm` with
+                  BlockWise1x128 (x) x BlockWise128x128 (W) scales (CUTLASS; CUDA >= 12.9, sm_90/sm_100);
+      "triton"    `act_quant` kernel + `_fp8_gemm_kernel` (tl.dot on e4m3 tiles, scales applied per K block).
+    `PREFILL_DEFAULT` names the one chosen by measurement (benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)").
+
+Dimension legend: M tokens, K = in_features (multiple of 128), N = out_features.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import interpreting, sm_count, workspace
+
+BLOCK = 128            # FP8 weight block and activation block (spec §2)
+GEMV_MAX_M = 64        # decode path up to this many rows
+PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
+PREFILL_DEFAULT = "dequant"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------
+
+def _fail(op: str, name: str, value, expected: str) -> None:
+    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
+
+
+def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
+    """Shapes/dtypes of (x [M, K] bf16, weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu).
+    Returns (M, N, K). Raises ValueError naming the argument, its value and what was expected."""
+    for name, t in (("x", x), ("weight", weight), ("scale", scale)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            _fail(op, name, f"shape {tuple(getattr(t, 'shape', ()))}", "a 2-D torch.Tensor")
+    if x.dtype != torch.bfloat16:
+        _fail(op, "x", f"dtype {x.dtype}", "torch.bfloat16 (the official FP8 path takes bf16 activations)")
+    if weight.dtype != torch.float8_e4m3fn:
+        _fail(op, "weight", f"dtype {weight.dtype}", "torch.float8_e4m3fn (FP8 codes as on disk)")
+    if scale.dtype != torch.float8_e8m0fnu:
+        _fail(op, "scale", f"dtype {scale.dtype}", "torch.float8_e8m0fnu (ue8m0 block scales as on disk)")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        _fail(op, "weight", f"shape {tuple(weight.shape)}", f"[N, {K}] (K of x)")
+    if K % BLOCK or K == 0:
+        _fail(op, "in_features", K, f"a positive multiple of {BLOCK} (act_quant blocks)")
+    want = (-(-N // BLOCK), K // BLOCK)
+    if tuple(scale.shape) != want:
+        _fail(op, "scale", f"shape {tuple(scale.shape)}", f"{want} (one per 128x128 block of weight {(N, K)})")
+    return M, N, K
+
+
+def check_layout(op: str, named: dict) -> None:
+    """Contiguous, on CUDA (CPU only under TRITON_INTERPRET=1), all on the first tensor's device."""
+    interp = interpreting()
+    first = next(iter(named.values())).device
+    for name, t in named.items():
+        if not t.is_contiguous():
+            _fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
+        if not (t.is_cuda or (interp and t.device.type == "cpu")):
+            _fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
+        if t.device != first:
+            _fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference (plain torch): the executable spec
+# ---------------------------------------------------------------------------------------------------------
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`bf16(act_quant_sim(x, 128) @ fp8_block_dequant(weight, scale)^T)` in fp32 (spec §2; = `Linear.forward`).
+
+    Args: x [M, K] bf16; weight [N, K] float8_e4m3fn; scale [ceil(N/128), K/128] float8_e8m0fnu.
+    Returns: [M, N] bf16. Raises ValueError on a wrong shape or dtype.
+    """
+    from dsv4 import quant
+    check_fp8_linear_args("fp8_linear_ref", x, weight, scale)
+    xq = quant.act_quant_sim(x, BLOCK)
+    w = quant.fp8_block_dequant(weight, scale, out_dtype=torch.float32)
+    return (xq.float() @ w.T).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-kernel number formats (shared with kernels.moe)
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def e8m0_to_f32(e):
+    """ue8m0 byte (int32 0..255) -> 2^(e-127) fp32 exactly (e=0: the subnormal 2^-127, e=255: NaN)."""
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(y):
+    """Round fp32 `y` (|y| <= 448) to the nearest e4m3 value, ties to even, as fp32 (exact on the grid).
+
+    Normal range (|y| >= 2^-6): keep 3 mantissa bits by integer round-half-even on the fp32 bits (a carry moves
+    into the exponent, as it must). Subnormal range: multiples of 2^-9 via the fp32 add of 1.5*2^14 (whose ulp is
+    2^-9; round-to-nearest-even by IEEE addition). Never uses the fp8 cast, whose interpreter emulation rounds ties
+    away from zero and flushes subnormals."""
+    bits = y.to(tl.int32, bitcast=True)
+    keep = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    normal = keep.to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + 24576.0) - 24576.0
+    sub = tl.where(y < 0, -r, r)  # keeps the sign of a negative value rounded to zero (-0, as torch's cast)
+    return tl.where(tl.abs(y) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even) as fp32, by integer rounding of the bits (finite x). The
+    following `.to(tl.bfloat16)` is then exact everywhere; the triton 3.9 interpreter's own cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_bf16_exact(a, b, IEEE: tl.constexpr):
+    """`a @ b` (fp32 [R, C] x [C, S], fp32 accumulation) for operands whose values are exact in bf16: a bf16
+    tensor-core dot on the GPU; IEEE=True (the interpreter, whose bf16 dot is wrong in triton 3.9) an fp32 dot
+    with input_precision="ieee" - the same products, exact either way."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def e4m3_bits(q):
+    """e4m3 byte (int32 0..255) of an fp32 value already on the e4m3 grid (|q| <= 448): sign<<7 | exp<<3 | man,
+    subnormals exp=0 man=q/2^-9. Bit assembly instead of the fp8 cast (the interpreter's cast flushes subnormals)."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = ((bits >> 23) & 0xFF) - 127 + 7
+    normal = (e << 3) | ((bits >> 20) & 7)
+    sub = (tl.abs(q) * 512.0).to(tl.int32)
+    return sign | tl.where(e >= 1, normal, sub)
+
+
+@triton.jit
+def act_quant_block(x):
+    """Official act_quant of one [R, 128] fp32 tile: per row `amax = max(max|x|, 1e-4)`, `k = ceil(log2(amax /
+    448))`, `q = e4m3(clamp(x * 2^-k, +-448))`. Returns (q [R, 128] fp32 on the e4m3 grid, s = 2^k [R] fp32).
+
+    ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
+    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route (spec §2)."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    ab = amax.to(tl.int32, bitcast=True)
+    k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    s = ((127 + k) << 23).to(tl.float32, bitcast=True)
+    y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+    return round_e4m3(y), s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.constexpr):
+    """Grid (cdiv(M, BR), K/128). SIM: q_ptr <- bf16(q * s) (quantize->dequantize, `act_quant_sim`); else
+    q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows < M)[:, None]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, s = act_quant_block(x)
+    if SIM:
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], (q * s[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
+        tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
+    Quantizes x in registers (`act_quant_block`), reads e4m3 codes, dot in bf16 (both operands exact in bf16) with
+    fp32 accumulation, scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
+    N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = pid_s * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
+    srow = (pid_n * BN) // 128
+    for kb in range(kb0, kb1):
+        x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+                    other=0.0).to(tl.float32)
+        q, sx = act_quant_block(x)
+        w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        blk = dot_bf16_exact(q, tl.trans(w.to(tl.float32)), IEEE)
+        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+        acc += blk * (sx * sw)[:, None]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+    else:
+        tl.store(part_ptr + (pid_s * M + offs_m[:, None]) * N + n64[None, :], acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + n64[None, :], mask=out_mask,
+                               other=0.0, volatile=True)
+            tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(tot).to(tl.bfloat16), mask=out_mask)
+            tl.store(sem_ptr + pid_n, 0)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
+    """W bf16 [N, K] <- e4m3 code * 2^(s-127), grid (cdiv(N, BN), K/128); exact."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1)
+    offs_k = kb * 128 + tl.arange(0, 128)
+    mask = (offs_n < N)[:, None]
+    n64 = offs_n.to(tl.int64)
+    w = tl.load(w_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = e8m0_to_f32(tl.load(ws_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=127).to(tl.int32))
+    tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
+    cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
+    `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). FP8_DOT: e4m3 tensor-core dot
+    (GPU); else both tiles widened to bf16 (exact; the interpreter)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    srow = (pid_n * BN) // 128
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, KB):
+        a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+        b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        if FP8_DOT:
+            blk = tl.dot(a, tl.trans(b))
+        else:
+            blk = dot_bf16_exact(a.to(tl.float32), tl.trans(b.to(tl.float32)), True)
+        sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
+        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+        acc += blk * (sx * sw)[:, None]
+    tl.store(y_ptr + m64[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def act_quant(x: torch.Tensor, *, sim: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton `dsv4.quant.act_quant(x, 128, "ue8m0")` (sim=False: e4m3 codes [M, K] + fp32 scales [M, K/128]) or
+    `act_quant_sim` (sim=True: bf16 [M, K], scales None). x [M, K] bf16, K % 128 == 0; bitwise equal to the torch
+    functions. Raises ValueError on a wrong shape, dtype or layout."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+        _fail("act_quant", "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              "a 2-D bf16 tensor [M, K]")
+    M, K = x.shape
+    if K % BLOCK or K == 0:
+        _fail("act_quant", "K", K, f"a positive multiple of {BLOCK}")
+    check_layout("act_quant", {"x": x})
+    KB = K // BLOCK
+    if sim:
+        q, s = torch.empty(M, K, dtype=torch.bfloat16, device=x.device), None
+    else:
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    if M:
+        BR = 16
+        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, q if sim else q.view(torch.uint8), q if s is None else s, M, K, KB, SIM=sim, BR=BR)
+    return q, s
+
+
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Triton `dsv4.quant.fp8_block_dequant(weight, scale, bf16)`: [N, K] bf16 (exact), K % 128 == 0."""
+    N, K = weight.shape if weight.dim() == 2 else (0, 0)
+    check_fp8_linear_args("fp8_dequant", torch.empty(0, K, dtype=torch.bfloat16), weight, scale)
+    check_layout("fp8_dequant", {"weight": weight, "scale": scale})
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=weight.device)
+    BN = 64
+    _fp8_dequant_kernel[(triton.cdiv(N, BN), K // BLOCK)](weight, scale.view(torch.uint8), out, N, K, K // BLOCK,
+                                                           BN=BN)
+    return out
+
+
+def _gemv_split(device: torch.device, n_blocks: int, KB: int) -> tuple[int, int]:
+    """(SPLIT, KB_PER_SPLIT): about 2 programs per SM, splits of >= 2 K blocks."""
+    want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
+    per = -(-KB // want)
+    return -(-KB // per), per
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
+               prefill: str | None = None) -> torch.Tensor:
+    """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
+
+    Args:
+        x: [M, K] bf16 (contiguous); K % 128 == 0.
+        weight: [N, K] float8_e4m3fn codes; scale: [ceil(N/128), K/128] float8_e8m0fnu (on-disk layout).
+        out: optional [M, N] bf16 output (written completely).
+        prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default PREFILL_DEFAULT; see module doc).
+    Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
+    """
+    op = "fp8_linear"
+    M, N, K = check_fp8_linear_args(op, x, weight, scale)
+    method = PREFILL_DEFAULT if prefill is None else prefill
+    if method not in PREFILL_METHODS:
+        _fail(op, "prefill", repr(prefill), f"one of {PREFILL_METHODS}")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16:
+        _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"bf16 {(M, N)}")
+    check_layout(op, {"x": x, "weight": weight, "scale": scale, "out": out})
+    if M == 0:
+        return out
+    KB = K // BLOCK
+    ws = scale.view(torch.uint8)
+    if M <= GEMV_MAX_M:
+        BM = max(16, triton.next_power_of_2(M))
+        BN = 64 if M <= 16 else 32
+        n_blocks = triton.cdiv(N, BN)
+        split, per = _gemv_split(x.device, n_blocks, KB)
+        sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
+        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per,
+                                            BM=BM, BN=BN, SPLIT=split, IEEE=interpreting(), num_warps=4)
+        return out
+    if method == "dequant":
+        xq, _ = act_quant(x, sim=True)
+        torch.mm(xq, fp8_dequant(weight, scale).T, out=out)
+        return out
+    q, sx = act_quant(x)
+    if method == "triton":
+        BM, BN = 128, 128
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, BM=BM, BN=BN, GROUP_M=8,
+                               FP8_DOT=not interpreting(), num_warps=8, num_stages=3)
+        return out
+    return _scaled_mm(q, sx, weight, scale, out)
+
+
+def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """torch's blockwise FP8 GEMM (CUTLASS): x scales BlockWise1x128 [M, K/128] outer-dim-major, weight scales
+    BlockWise128x128 [K/128, ceil(N/128)] (fp32). cuBLASLt/CUTLASS need M and K/128 padded to multiples of 4
+    (the padding is zero codes with scale 1, which add exact zeros)."""
+    import torch.nn.functional as F
+    M, K = q.shape
+    KB = K // BLOCK
+    pad_m, pad_k = -M % 4, -KB % 4
+    if pad_m:
+        q = torch.cat((q, q.new_zeros(pad_m, K)))
+        sx = torch.cat((sx, sx.new_ones(pad_m, KB)))
+    from dsv4.quant import e8m0_to_float
+    sw = e8m0_to_float(scale)  # exact: a power of two per byte
+    if pad_k:
+        sx = torch.cat((sx, sx.new_ones(sx.shape[0], pad_k)), 1)
+        sw = torch.cat((sw, sw.new_ones(sw.shape[0], pad_k)), 1)
+    y = F.scaled_mm(q, weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
+                    F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    out.copy_(y[:M])
+    return out
