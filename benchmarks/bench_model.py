@@ -5,7 +5,7 @@ Run: `PYTHONPATH=. python benchmarks/bench_model.py [--quick] [--markdown out.md
 What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes + ue8m0 scales resident):
   * models: Flash geometry (first `--flash-layers` layers, default 4: ratios 0/0/4/128 = SWA, SWA, CSA, HCA,
     layers 0-2 hash-routed) and Pro geometry (first `--pro-layers`, default 2: ratios 128/128 = HCA, hash-routed).
-    Weights are random codes in the on-disk formats, filled in GPU memory (`fill_random_`, no disk): e4m3
+    Weights are random codes in the on-disk formats, filled in GPU memory (`dsv4.testing.fill_random_quantized_`, no disk): e4m3
     codes ~N(0, 32^2) with one ue8m0 scale per 128x128 block, FP4 bytes uniform (every e2m1 code) with one
     ue8m0 scale per 32 inputs, scales chosen so each weight has std ~ 1/sqrt(in); the rest as `dsv4.tiny`.
   * rows: prefill of 1k and 4k tokens at batch 1 (tokens/s), decode step at 4k context for batch 1 / 8 / 32 (ms
@@ -21,7 +21,9 @@ What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes
     same run). prefill = FLOPs of its GEMMs (projections, experts at top-k, router, compressors, hc mixes,
     attention QK and PV over the selected keys, indexer scores) / bf16 GEMM peak (8192^3 torch.mm in the same run).
   * timing: wall clock around the call with torch.cuda.synchronize() before and after (the user's latency,
-    host time included), median of `--reps` calls after `--warmup` calls (the first triton call compiles).
+    host time included), median of `--reps` calls after `--warmup` calls (the first triton call compiles; the
+    first graph-state decode call captures the CUDA graph). The triton decode replays a CUDA graph
+    (`Transformer.use_decode_graphs`, max_len = context + 256) unless `--no-graphs`.
 """
 
 from __future__ import annotations
@@ -44,62 +46,16 @@ sys.path.insert(0, str(ROOT))
 
 from dsv4.config import ModelArgs  # noqa: E402
 from dsv4.model import Linear, Transformer  # noqa: E402
+from dsv4.testing import fill_random_quantized_  # noqa: E402
 
 CONFIGS = {"flash": ROOT / "fixtures/configs/deepseek_v4_flash.config.json",
            "pro": ROOT / "fixtures/configs/deepseek_v4_pro.config.json"}
 
 
 # ----------------------------------------------------------------------------------------------- weights
-@torch.no_grad()
-def fill_random_(model: Transformer, seed: int = 0) -> None:
-    """Fill every parameter / buffer of a `weights="quantized"` model in place with random values in the
-    on-disk formats (see the module docstring). Deterministic given `seed` on one device type."""
-    g = torch.Generator(device=model.device).manual_seed(seed)
-    args = model.args
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.fmt is not None:
-            codes, scale = mod._buffers["weight"], mod._buffers["scale"]
-            inp = codes.shape[1] * (2 if mod.fmt == "fp4" else 1)
-            if mod.fmt == "fp8":
-                w = torch.randn(codes.shape, device=codes.device, generator=g) * 32
-                codes.copy_(w.clamp(-448, 448).to(torch.float8_e4m3fn))
-                k = round(math.log2(1 / (32 * math.sqrt(inp))))
-            else:
-                codes.view(torch.uint8).copy_(torch.randint(0, 256, codes.shape, device=codes.device,
-                                                            generator=g, dtype=torch.uint8))
-                k = round(math.log2(1 / (3.2 * math.sqrt(inp))))  # rms of a uniform e2m1 code ~ 3.2
-            scale.view(torch.uint8).fill_(127 + k)
-    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-        if p.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8) or name.endswith(("inv_freq",
-                                                                                                  "hadamard")):
-            continue
-        last = name.rsplit(".", 1)[-1]
-        if last == "tid2eid":
-            r = torch.rand(p.shape[0], args.n_routed_experts, device=p.device, generator=g)
-            p.copy_(r.argsort(dim=1)[:, :p.shape[1]])
-        elif name.endswith("norm.weight"):
-            p.copy_(1 + 0.1 * torch.randn(p.shape, device=p.device, generator=g))
-        elif name == "embed.weight" or last == "attn_sink":
-            p.copy_(torch.randn(p.shape, device=p.device, generator=g))
-        elif last == "ape":
-            p.copy_(0.5 * torch.randn(p.shape, device=p.device, generator=g))
-        elif last == "bias":
-            p.copy_(0.1 * torch.randn(p.shape, device=p.device, generator=g))
-        elif "hc_" in name and last.endswith("fn"):
-            p.copy_(torch.randn(p.shape, device=p.device, generator=g) * (0.5 / math.sqrt(p.shape[1] / 4)))
-        elif "hc_" in name and last.endswith("base"):
-            p.copy_(0.5 * torch.randn(p.shape, device=p.device, generator=g))
-        elif "hc_" in name and last.endswith("scale"):
-            p.copy_(0.5 + torch.rand(p.shape, device=p.device, generator=g))
-        elif p.dim() == 2:
-            p.copy_(torch.randn(p.shape, device=p.device, generator=g) / math.sqrt(p.shape[1]))
-        else:
-            raise RuntimeError(f"fill_random_: no rule for {name} {tuple(p.shape)} {p.dtype}")
-
-
 def build(args: ModelArgs, backend: str, seed: int = 0, device: str = "cuda") -> Transformer:
     model = Transformer(args, dtype=torch.bfloat16, device=device, backend=backend, weights="quantized")
-    fill_random_(model, seed)
+    fill_random_quantized_(model, seed)
     return model.eval()
 
 
@@ -261,10 +217,13 @@ def bench_dsv4(model: Transformer, prefills: list[int], batches: list[int], ctx:
         results[(tag, "prefill", s)] = t
         print(f"  {tag:10s} prefill {s:5d}: {t * 1e3:9.1f} ms  {s / t:10.0f} tok/s", flush=True)
     for b in batches:
-        st = synthetic_state(model, b, ctx)
         tok = torch.randint(0, V, (b, 1), device="cuda")
-        if (("distinct", b)) not in results:
+        if ("distinct", b) not in results:  # counted on an eager state (a hook cannot read back in a graph)
+            graphs, model.decode_graph_max_len = model.decode_graph_max_len, None
+            st = synthetic_state(model, b, ctx)
             results[("distinct", b)] = distinct_experts(model, lambda: model(tok, st))
+            model.decode_graph_max_len = graphs
+        st = synthetic_state(model, b, ctx)
         t = timed(lambda: model(tok, st), warmup, reps)
         results[(tag, "decode", b)] = t
         print(f"  {tag:10s} decode b={b:3d} @ {ctx}: {t * 1e3:9.2f} ms/step", flush=True)
@@ -396,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here")
+    ap.add_argument("--no-graphs", action="store_true", help="triton decode eagerly (no CUDA graph)")
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -433,6 +393,8 @@ def main(argv=None) -> int:
             if be not in backends:
                 continue
             model = build(args, be)
+            if be == "triton" and not a.no_graphs:
+                model.use_decode_graphs(a.ctx + 256)  # CUDA-graph decode (dsv4/graph.py)
             sub: dict = {}
             bench_dsv4(model, prefills, batches, a.ctx, a.warmup, a.reps, sub, be)
             for k, v in sub.items():
