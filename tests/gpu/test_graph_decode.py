@@ -98,11 +98,11 @@ def test_bf16_triton_graph_decode_within_model_noise(args, models):
                      models(torch.bfloat16, "triton"))
     ids = _ids(args, PROMPT_LEN, 2)
     st = ref.new_state(1)
-    toks, logits = [], ref(ids, st)
-    for _ in range(STEPS):
-        toks.append(logits.argmax(-1))
-        logits = ref(toks[-1].view(1, 1), st)
-    b = _run(ref, ids, toks)
+    toks, out = [], [ref(ids, st)]
+    for _ in range(STEPS):  # the bf16 reference's greedy path, fed to all three models
+        toks.append(out[-1].argmax(-1))
+        out.append(ref(toks[-1].view(1, 1), st))
+    b = torch.cat(out)
     a = _run(f32, ids, toks)
     tri.use_decode_graphs(MAX_LEN)
     try:
