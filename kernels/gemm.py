@@ -38,6 +38,7 @@ BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
 PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
 PREFILL_DEFAULT = "dequant"
+MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -139,14 +140,40 @@ def round_bf16(x):
 
 
 @triton.jit
-def dot_bf16_exact(a, b, IEEE: tl.constexpr):
-    """`a @ b` (fp32 [R, C] x [C, S], fp32 accumulation) for operands whose values are exact in bf16: a bf16
-    tensor-core dot on the GPU; IEEE=True (the interpreter, whose bf16 dot is wrong in triton 3.9) an fp32 dot
-    with input_precision="ieee" - the same products, exact either way."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+def e4m3_to_f32(b):
+    """float8e4nv tensor -> fp32 by integer decoding (exact, subnormals kept; the interpreter-proof route)."""
+    v = b.to(tl.uint8, bitcast=True).to(tl.int32)
+    e = (v >> 3) & 15
+    m = v & 7
+    normal = (((v & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    sub = tl.where((v & 0x80) != 0, -sub, sub)
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def dot_q_w(q, w, MMA: tl.constexpr):
+    """`q @ w^T`, fp32 accumulation: q [R, C] fp32 values on the e4m3 grid, w [S, C] float8e4nv.
+    MMA 2: e4m3 tensor-core dot (the official Hopper path); 1: both widened to bf16 (exact); 0: fp32 dot with
+    input_precision="ieee" on integer-decoded values (the interpreter, whose bf16/fp8 casts and dots are not
+    faithful in triton 3.9). All three multiply the same exact values."""
+    if MMA == 2:
+        return tl.dot(q.to(tl.float8e4nv), tl.trans(w))
+    elif MMA == 1:
+        return tl.dot(q.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
     else:
-        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return tl.dot(q, tl.trans(e4m3_to_f32(w)), input_precision="ieee")
+
+
+@triton.jit
+def dot_w_w(a, b, MMA: tl.constexpr):
+    """`a @ b^T` of two float8e4nv tiles [R, C], [S, C] (fp32 accumulation), MMA as in `dot_q_w`."""
+    if MMA == 2:
+        return tl.dot(a, tl.trans(b))
+    elif MMA == 1:
+        return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    else:
+        return tl.dot(e4m3_to_f32(a), tl.trans(e4m3_to_f32(b)), input_precision="ieee")
 
 
 @triton.jit
@@ -162,19 +189,29 @@ def e4m3_bits(q):
 
 
 @triton.jit
-def act_quant_block(x):
-    """Official act_quant of one [R, 128] fp32 tile: per row `amax = max(max|x|, 1e-4)`, `k = ceil(log2(amax /
-    448))`, `q = e4m3(clamp(x * 2^-k, +-448))`. Returns (q [R, 128] fp32 on the e4m3 grid, s = 2^k [R] fp32).
+def act_scale(x):
+    """Official act_quant scale of one [R, 128] fp32 tile (spec §2): per row `amax = max(max|x|, 1e-4)`,
+    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32.
 
     ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
-    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route (spec §2)."""
+    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
-    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    s = ((127 + k) << 23).to(tl.float32, bitcast=True)
-    y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-    return round_e4m3(y), s
+    return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def act_apply(x, inv):
+    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`."""
+    return round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
+
+
+@triton.jit
+def act_quant_block(x):
+    """Official act_quant of one [R, 128] fp32 tile: (q [R, 128] fp32 on the e4m3 grid, s = 2^k [R] fp32)."""
+    inv, s = act_scale(x)
+    return act_apply(x, inv), s
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -200,11 +237,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.c
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
     """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
-    Quantizes x in registers (`act_quant_block`), reads e4m3 codes, dot in bf16 (both operands exact in bf16) with
-    fp32 accumulation, scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
+    Quantizes x in registers (`act_quant_block`), reads the e4m3 codes, dot per K block (`dot_q_w`, fp32
+    accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
     N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -223,7 +260,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB
                     other=0.0).to(tl.float32)
         q, sx = act_quant_block(x)
         w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        blk = dot_bf16_exact(q, tl.trans(w.to(tl.float32)), IEEE)
+        blk = dot_q_w(q, w, MMA)
         sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
         acc += blk * (sx * sw)[:, None]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -257,11 +294,10 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
-                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, FP8_DOT: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
     """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
     cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
-    `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). FP8_DOT: e4m3 tensor-core dot
-    (GPU); else both tiles widened to bf16 (exact; the interpreter)."""
+    `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
@@ -282,10 +318,7 @@ def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
     for kb in range(0, KB):
         a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
         b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        if FP8_DOT:
-            blk = tl.dot(a, tl.trans(b))
-        else:
-            blk = dot_bf16_exact(a.to(tl.float32), tl.trans(b.to(tl.float32)), True)
+        blk = dot_w_w(a, b, MMA)
         sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
         sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
         acc += blk * (sx * sw)[:, None]
@@ -332,6 +365,16 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def mma_mode(mma: str | None) -> int:
+    """Dot flavour for the kernels: 0 under TRITON_INTERPRET=1 (always; see `dot_q_w`), else 2 for "fp8" (e4m3
+    tensor cores, the official Hopper path) or 1 for "bf16" (both operands widened, exact). None -> MMA_DEFAULT.
+    Raises ValueError for any other name."""
+    name = MMA_DEFAULT if mma is None else mma
+    if name not in ("fp8", "bf16"):
+        _fail("mma", "mma", repr(mma), "'fp8' or 'bf16'")
+    return 0 if interpreting() else (2 if name == "fp8" else 1)
+
+
 def _gemv_split(device: torch.device, n_blocks: int, KB: int) -> tuple[int, int]:
     """(SPLIT, KB_PER_SPLIT): about 2 programs per SM, splits of >= 2 K blocks."""
     want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
@@ -340,7 +383,7 @@ def _gemv_split(device: torch.device, n_blocks: int, KB: int) -> tuple[int, int]
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
-               prefill: str | None = None) -> torch.Tensor:
+               prefill: str | None = None, mma: str | None = None) -> torch.Tensor:
     """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
 
     Args:
@@ -348,6 +391,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         weight: [N, K] float8_e4m3fn codes; scale: [ceil(N/128), K/128] float8_e8m0fnu (on-disk layout).
         out: optional [M, N] bf16 output (written completely).
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default PREFILL_DEFAULT; see module doc).
+        mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
     Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
     """
@@ -361,6 +405,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16:
         _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"bf16 {(M, N)}")
     check_layout(op, {"x": x, "weight": weight, "scale": scale, "out": out})
+    mma = mma_mode(mma)
     if M == 0:
         return out
     KB = K // BLOCK
@@ -371,8 +416,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         n_blocks = triton.cdiv(N, BN)
         split, per = _gemv_split(x.device, n_blocks, KB)
         sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
-        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per,
-                                            BM=BM, BN=BN, SPLIT=split, IEEE=interpreting(), num_warps=4)
+        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per, split,
+                                            BM=BM, BN=BN, MMA=mma, num_warps=4)
         return out
     if method == "dequant":
         xq, _ = act_quant(x, sim=True)
@@ -383,7 +428,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         BM, BN = 128, 128
         grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
         _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, BM=BM, BN=BN, GROUP_M=8,
-                               FP8_DOT=not interpreting(), num_warps=8, num_stages=3)
+                               MMA=mma, num_warps=8, num_stages=3)
         return out
     return _scaled_mm(q, sx, weight, scale, out)
 

@@ -18,7 +18,8 @@ run to the row tile BM; rows are `row_pair[r]` (pair index or -1), tiles `tile_e
 Every shape is static (`n_tiles = cdiv(P, BM) + min(E, P)` bounds the padded tiles), nothing reads back to the
 host, so the whole thing can be captured in a CUDA graph. `_moe_up_kernel` (grid tiles x I-blocks) gathers its
 tokens' rows of x, act-quantizes them in registers, widens the FP4 tiles of W1 and W3 of the tile's expert to
-bf16 (exact: e2m1 value times its power-of-two scale), runs both dots and the SwiGLU epilogue (clamps, routing
+e4m3 per 32-input group (as the official Hopper path: e2m1 * 2^-6 is exact in e4m3, the group's ue8m0 scale
+applied to the fp32 group product), runs both dots and the SwiGLU epilogue (clamps, routing
 weight) and writes h [rows, I] bf16. `_moe_down_kernel` (grid tiles x D-blocks) act-quantizes h and writes y_pair
 [P, D] bf16 scattered to pair order. A tile whose expert has no tokens is never launched work; an expert's bytes
 are read only by its own tiles, so decode reads only the selected experts.
@@ -35,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import _fail, act_quant_block, check_layout, dot_bf16_exact, e8m0_to_f32, round_bf16
-from kernels.launch import interpreting
+from kernels.gemm import _fail, act_apply, act_scale, check_layout, dot_q_w, e8m0_to_f32, mma_mode, round_bf16
 
 
 class MoeRoute(NamedTuple):
@@ -167,27 +167,27 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, rows64, mask_r, KH, KS, kb, BN: tl.constexpr):
-    """FP4 weight tile [BN, 128] as fp32 values (exact in bf16): bytes [BN, 64] at columns kb*64.., nibbles
-    low = even column, e2m1 -> fp32 by bit assembly, times the per-32 ue8m0 scale (spec §2)."""
-    cb = tl.arange(0, 64)
-    b = tl.load(w_ptr + rows64[:, None] * KH + kb * 64 + cb[None, :], mask=mask_r[:, None], other=0)
-    b = b.to(tl.int32) & 0xFF
-    c = tl.reshape(tl.join(b & 0xF, b >> 4), (BN, 128))
-    em = c & 7
-    bits = tl.where(em >= 2, (em << 22) + (126 << 23), tl.where(em == 1, 126 << 23, 0))
-    val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-    cs = tl.arange(0, 4)
-    s = tl.load(s_ptr + rows64[:, None] * KS + kb * 4 + cs[None, :], mask=mask_r[:, None], other=127)
-    s = e8m0_to_f32(s.to(tl.int32) & 0xFF)
-    val = tl.reshape(tl.reshape(val, (BN, 4, 32)) * s[:, :, None], (BN, 128))
-    return val
+def _fp4_group(w_ptr, s_ptr, rows64, mask_r, KH, KS, grp, BN: tl.constexpr):
+    """One 32-input group of BN weight rows as the official Hopper path widens it (spec §2, STYLE §15):
+    (e4m3 tile [BN, 32] holding e2m1 value * 2^-6, scale [BN] fp32 = 2^(s-127) * 2^6).
+
+    Bytes [BN, 16] at byte column 16*grp; each nibble's 3 magnitude bits shifted to bits 2-4 of an e4m3 byte and
+    its sign to bit 7 make exactly the e4m3 number e2m1 * 2^-6 (normal for e >= 1, the e4m3 subnormal 2^-7 for
+    0.5); low nibble = even column (join + reshape interleaves). ~3.5 integer ops per weight, no multiply."""
+    cb = tl.arange(0, 16)
+    b = tl.load(w_ptr + rows64[:, None] * KH + grp * 16 + cb[None, :], mask=mask_r[:, None], other=0)
+    b = b.to(tl.int32)
+    lo = ((b & 7) << 2) | ((b & 8) << 4)
+    hi = ((b >> 2) & 0x1C) | (b & 0x80)
+    w = tl.reshape(tl.join(lo, hi), (BN, 32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    s = tl.load(s_ptr + rows64 * KS + grp, mask=mask_r, other=127).to(tl.int32) & 0xFF
+    return w, e8m0_to_f32(s) * 64.0
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                    E, D, I, K_SLOTS, limit,
-                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
     """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring)."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
@@ -200,16 +200,21 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
         mask_n = offs_n < I
         rows64 = e.to(tl.int64) * I + offs_n
         offs_k = tl.arange(0, 128)
+        offs_g = tl.arange(0, 32)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, D // 128):
             x = tl.load(x_ptr + tok[:, None] * D + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
-            q, sx = act_quant_block(x)
-            w1 = _fp4_tile(w1_ptr, s1_ptr, rows64, mask_n, D // 2, D // 32, kb, BN)
-            u += dot_bf16_exact(q, tl.trans(w1), IEEE) * sx[:, None]
-            w3 = _fp4_tile(w3_ptr, s3_ptr, rows64, mask_n, D // 2, D // 32, kb, BN)
-            v += dot_bf16_exact(q, tl.trans(w3), IEEE) * sx[:, None]
+            inv, sx = act_scale(x)
+            for j in tl.static_range(4):
+                xg = tl.load(x_ptr + tok[:, None] * D + kb * 128 + j * 32 + offs_g[None, :], mask=valid[:, None],
+                             other=0.0).to(tl.float32)
+                q = act_apply(xg, inv)
+                w1, s1 = _fp4_group(w1_ptr, s1_ptr, rows64, mask_n, D // 2, D // 32, kb * 4 + j, BN)
+                u += dot_q_w(q, w1, MMA) * (sx[:, None] * s1[None, :])
+                w3, s3 = _fp4_group(w3_ptr, s3_ptr, rows64, mask_n, D // 2, D // 32, kb * 4 + j, BN)
+                v += dot_q_w(q, w3, MMA) * (sx[:, None] * s3[None, :])
         u = round_bf16(u)
         v = round_bf16(v)
         if HAS_LIMIT:
@@ -223,7 +228,7 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
 
 @triton.jit
 def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                     BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
     """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN.."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
@@ -235,14 +240,18 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
         mask_n = offs_n < D
         rows64 = e.to(tl.int64) * D + offs_n
         offs_k = tl.arange(0, 128)
+        offs_g = tl.arange(0, 32)
         r64 = offs_r.to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, I // 128):
             h = tl.load(h_ptr + r64[:, None] * I + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
-            q, sh = act_quant_block(h)
-            w2 = _fp4_tile(w2_ptr, s2_ptr, rows64, mask_n, I // 2, I // 32, kb, BN)
-            acc += dot_bf16_exact(q, tl.trans(w2), IEEE) * sh[:, None]
+            inv, sh = act_scale(h)
+            for j in tl.static_range(4):
+                hg = tl.load(h_ptr + r64[:, None] * I + kb * 128 + j * 32 + offs_g[None, :], mask=valid[:, None],
+                             other=0.0).to(tl.float32)
+                w2, s2 = _fp4_group(w2_ptr, s2_ptr, rows64, mask_n, I // 2, I // 32, kb * 4 + j, BN)
+                acc += dot_q_w(act_apply(hg, inv), w2, MMA) * (sh[:, None] * s2[None, :])
         p64 = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
                  mask=valid[:, None] & mask_n[None, :])
@@ -259,7 +268,7 @@ def _tiles(P: int) -> tuple[int, int]:
 
 
 def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
-           block_n: int) -> torch.Tensor:
+           block_n: int, mma: str | None = None) -> torch.Tensor:
     """h [n_tiles * BM, I] bf16 of `_moe_up_kernel`; rows with row_pair = -1 are left unwritten (never read)."""
     E, D, I = _check_experts("moe_up", experts)
     h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=x.device)
@@ -267,27 +276,29 @@ def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: Sta
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_kernel[grid](x, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3,
                          u8(experts.s3), h, E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0,
-                         BM=route.block_m, BN=block_n, IEEE=interpreting(), num_warps=4)
+                         BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
     return h
 
 
-def moe_down(h: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, block_n: int) -> torch.Tensor:
+def moe_down(h: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, block_n: int,
+             mma: str | None = None) -> torch.Tensor:
     """y_pair [n_pairs, D] bf16 of `_moe_down_kernel` (every pair's row written once)."""
     E, D, I = _check_experts("moe_down", experts)
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=h.device)
     grid = (route.tile_expert.numel(), triton.cdiv(D, block_n))
     _moe_down_kernel[grid](h, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y,
-                           E, D, I, BM=route.block_m, BN=block_n, IEEE=interpreting(), num_warps=4)
+                           E, D, I, BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
     return y
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
-                limit: float) -> torch.Tensor:
+                limit: float, *, mma: str | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer in three device steps and no host sync: `moe_route` (torch), the up
     launch (w1, w3, SwiGLU with clamps and routing weight), the down launch (w2), then the fp32 sum over slots.
 
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E) (out of range: device assert);
-    experts: StackedExperts (`stack_experts`); limit: swiglu_limit (0 = no clamp).
+    experts: StackedExperts (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: "fp8" | "bf16" dot flavour
+    (`kernels.gemm.mma_mode`; same result).
     Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device).
     """
@@ -302,8 +313,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     BM, BN = _tiles(P)
     route = moe_route(indices, E, BM)
-    h = moe_up(x, weights, route, experts, limit, BN)
-    y = moe_down(h, route, experts, P, BN)
+    mma_mode(mma)  # validate before any launch
+    h = moe_up(x, weights, route, experts, limit, BN, mma)
+    y = moe_down(h, route, experts, P, BN, mma)
     return y.view(T, k, D).float().sum(1)
 
 
