@@ -10,8 +10,9 @@ order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode 
 Reading order (STYLE §1): the reference, the shared in-kernel quantization helpers, the kernels, the launchers.
 
 Paths of `fp8_linear` (chosen by M, never by a silent fallback):
-  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
-    registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
+  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch (M <= GEMV_FUSED_MAX_M; above, `act_quant` first,
+    because every program re-quantizing 32+ rows cost more than the extra launch: 48 vs 18 µs on wq_b at M=32).
+    Each program quantizes its rows of x per 128-block in registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
     interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
     accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
     `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
@@ -21,7 +22,11 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
       "scaled_mm" `act_quant` kernel (e4m3 codes + fp32 scales) + `torch.nn.functional.scaled_mm` with
                   BlockWise1x128 (x) x BlockWise128x128 (W) scales (CUTLASS; CUDA >= 12.9, sm_90/sm_100);
       "triton"    `act_quant` kernel + `_fp8_gemm_kernel` (tl.dot on e4m3 tiles, scales applied per K block).
-    `PREFILL_DEFAULT` names the one chosen by measurement (benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)").
+    `prefill_method` is the default, chosen by measurement on one H200 (benchmarks/RESULTS.md, "GEMM / MoE kernels
+    (issue 13)"): scaled_mm where N >= 4096 and K >= 3072 on sm_90 / sm_100 (wo_b M=4096: 295 µs vs 368 µs
+    dequant+cuBLAS, 426 µs triton), dequant+cuBLAS elsewhere (wq_a M=1024: 26 µs vs 36 µs scaled_mm; scaled_mm's
+    CUTLASS tiles lose on narrow N or short K). The Triton FP8 GEMM is kept as a measured alternative: it won
+    only one of ten shapes (shared w1 at M=1024, 33 vs 37 µs).
 
 Dimension legend: M tokens, K = in_features (multiple of 128), N = out_features.
 """
@@ -36,8 +41,8 @@ from kernels.launch import interpreting, sm_count, workspace
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
+GEMV_FUSED_MAX_M = 16  # decode rows quantized inside the GEMV up to here; above, one act_quant launch first
 PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
-PREFILL_DEFAULT = "dequant"
 MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
 
 
@@ -237,11 +242,12 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.c
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, PREQ: tl.constexpr):
     """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
-    Quantizes x in registers (`act_quant_block`), reads the e4m3 codes, dot per K block (`dot_q_w`, fp32
-    accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
+    Quantizes x in registers (`act_quant_block`; PREQ: reads the codes [M, K] and scales sx [M, K/128] of the
+    `act_quant` launch instead - cheaper once every program would re-quantize many rows), reads the e4m3 weight
+    codes, dot per K block (`dot_q_w` / `dot_w_w`, fp32 accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
     N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -256,11 +262,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
     srow = (pid_n * BN) // 128
     for kb in range(kb0, kb1):
-        x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
-                    other=0.0).to(tl.float32)
-        q, sx = act_quant_block(x)
         w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        blk = dot_q_w(q, w, MMA)
+        if PREQ:
+            qc = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            sx = tl.load(sx_ptr + offs_m * KB + kb, mask=mask_m, other=0.0)
+            blk = dot_w_w(qc, w, MMA)
+        else:
+            x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+                        other=0.0).to(tl.float32)
+            q, sx = act_quant_block(x)
+            blk = dot_q_w(q, w, MMA)
         sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
         acc += blk * (sx * sw)[:, None]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -365,6 +376,13 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def prefill_method(N: int, K: int, device: torch.device) -> str:
+    """Default prefill path for an [N, K] FP8 weight (see module docstring for the measurements)."""
+    big = N >= 4096 and K >= 3072
+    sm = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    return "scaled_mm" if big and sm[0] in (9, 10) else "dequant"
+
+
 def mma_mode(mma: str | None) -> int:
     """Dot flavour for the kernels: 0 under TRITON_INTERPRET=1 (always; see `dot_q_w`), else 2 for "fp8" (e4m3
     tensor cores, the official Hopper path) or 1 for "bf16" (both operands widened, exact). None -> MMA_DEFAULT.
@@ -390,14 +408,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         x: [M, K] bf16 (contiguous); K % 128 == 0.
         weight: [N, K] float8_e4m3fn codes; scale: [ceil(N/128), K/128] float8_e8m0fnu (on-disk layout).
         out: optional [M, N] bf16 output (written completely).
-        prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default PREFILL_DEFAULT; see module doc).
+        prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
     Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
     """
     op = "fp8_linear"
     M, N, K = check_fp8_linear_args(op, x, weight, scale)
-    method = PREFILL_DEFAULT if prefill is None else prefill
+    method = prefill_method(N, K, x.device) if prefill is None else prefill
     if method not in PREFILL_METHODS:
         _fail(op, "prefill", repr(prefill), f"one of {PREFILL_METHODS}")
     if out is None:
@@ -412,12 +430,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     ws = scale.view(torch.uint8)
     if M <= GEMV_MAX_M:
         BM = max(16, triton.next_power_of_2(M))
-        BN = 64 if M <= 16 else 32
+        BN = 64
         n_blocks = triton.cdiv(N, BN)
         split, per = _gemv_split(x.device, n_blocks, KB)
         sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
-        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per, split,
-                                            BM=BM, BN=BN, MMA=mma, num_warps=4)
+        preq = M > GEMV_FUSED_MAX_M
+        xin, sx = act_quant(x) if preq else (x, x)
+        _fp8_gemv_kernel[(n_blocks, split)](xin, sx, weight, ws, out, part, sem, M, N, K, KB, per, split,
+                                            BM=BM, BN=BN, MMA=mma, PREQ=preq, num_warps=4)
         return out
     if method == "dequant":
         xq, _ = act_quant(x, sim=True)

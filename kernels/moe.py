@@ -167,28 +167,57 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp4_group(w_ptr, s_ptr, rows64, mask_r, KH, KS, grp, BN: tl.constexpr):
-    """One 32-input group of BN weight rows as the official Hopper path widens it (spec §2, STYLE §15):
-    (e4m3 tile [BN, 32] holding e2m1 value * 2^-6, scale [BN] fp32 = 2^(s-127) * 2^6).
+def _split4(t, R: tl.constexpr):
+    """[R, 128] -> the four [R, 32] column groups 0..3 (reshape / permute / split; no memory traffic)."""
+    t = tl.permute(tl.reshape(t, (R, 2, 2, 32)), (0, 3, 1, 2))  # [R, 32, g // 2, g % 2]
+    a, b = tl.split(t)
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
 
-    Bytes [BN, 16] at byte column 16*grp; each nibble's 3 magnitude bits shifted to bits 2-4 of an e4m3 byte and
-    its sign to bit 7 make exactly the e4m3 number e2m1 * 2^-6 (normal for e >= 1, the e4m3 subnormal 2^-7 for
-    0.5); low nibble = even column (join + reshape interleaves). ~3.5 integer ops per weight, no multiply."""
-    cb = tl.arange(0, 16)
-    b = tl.load(w_ptr + rows64[:, None] * KH + grp * 16 + cb[None, :], mask=mask_r[:, None], other=0)
-    b = b.to(tl.int32)
+
+@triton.jit
+def _split4s(s, R: tl.constexpr):
+    """[R, 4] -> its four columns, each [R]."""
+    a, b = tl.split(tl.reshape(s, (R, 2, 2)))
+    s0, s2 = tl.split(a)
+    s1, s3 = tl.split(b)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _e4m3(c):
+    return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp4_kblock(q, sx, wb, ws, R: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """One 128-input block of `act_quant(x) . W^T` for FP4 W, as the official Hopper path widens it (spec §2):
+    q [R, 128] fp32 on the e4m3 grid with row scales sx [R]; wb [BN, 64] packed bytes; ws [BN, 4] ue8m0 bytes.
+
+    Each nibble's 3 magnitude bits moved to bits 2-4 of an e4m3 byte and its sign to bit 7 give exactly the e4m3
+    number e2m1 * 2^-6 (normal for e >= 1, the e4m3 subnormal 2^-7 for 0.5): ~3.5 integer ops per weight, no
+    multiply. Low nibble = even column (join + reshape). Per 32-input group j: `dot(q_j, w_j) * 2^(s_j-127) * 2^6`
+    in fp32; the sum of the four times sx. Returns [R, BN] fp32."""
+    b = wb.to(tl.int32)
     lo = ((b & 7) << 2) | ((b & 8) << 4)
     hi = ((b >> 2) & 0x1C) | (b & 0x80)
-    w = tl.reshape(tl.join(lo, hi), (BN, 32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    s = tl.load(s_ptr + rows64 * KS + grp, mask=mask_r, other=127).to(tl.int32) & 0xFF
-    return w, e8m0_to_f32(s) * 64.0
+    w0, w1, w2, w3 = _split4(tl.reshape(tl.join(lo, hi), (BN, 128)), BN)
+    s0, s1, s2, s3 = _split4s(e8m0_to_f32(ws.to(tl.int32) & 0xFF) * 64.0, BN)
+    q0, q1, q2, q3 = _split4(q, R)
+    acc = dot_q_w(q0, _e4m3(w0), MMA) * s0[None, :]
+    acc += dot_q_w(q1, _e4m3(w1), MMA) * s1[None, :]
+    acc += dot_q_w(q2, _e4m3(w2), MMA) * s2[None, :]
+    acc += dot_q_w(q3, _e4m3(w3), MMA) * s3[None, :]
+    return acc * sx[:, None]
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                    E, D, I, K_SLOTS, limit,
                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring)."""
+    """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring).
+    The next K block's weight bytes and scales are loaded before the current block is computed (prefetch)."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -200,21 +229,31 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
         mask_n = offs_n < I
         rows64 = e.to(tl.int64) * I + offs_n
         offs_k = tl.arange(0, 128)
-        offs_g = tl.arange(0, 32)
+        cb = tl.arange(0, 64)
+        cs = tl.arange(0, 4)
+        KH = D // 2
+        KS = D // 32
+        KB = D // 128
+        wmask = mask_n[:, None]
+        w1b = tl.load(w1_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        w3b = tl.load(w3_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        s1b = tl.load(s1_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
+        s3b = tl.load(s3_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, D // 128):
+        for kb in range(0, KB):
+            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
+            w1n = tl.load(w1_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            w3n = tl.load(w3_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            s1n = tl.load(s1_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
+            s3n = tl.load(s3_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
             x = tl.load(x_ptr + tok[:, None] * D + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             inv, sx = act_scale(x)
-            for j in tl.static_range(4):
-                xg = tl.load(x_ptr + tok[:, None] * D + kb * 128 + j * 32 + offs_g[None, :], mask=valid[:, None],
-                             other=0.0).to(tl.float32)
-                q = act_apply(xg, inv)
-                w1, s1 = _fp4_group(w1_ptr, s1_ptr, rows64, mask_n, D // 2, D // 32, kb * 4 + j, BN)
-                u += dot_q_w(q, w1, MMA) * (sx[:, None] * s1[None, :])
-                w3, s3 = _fp4_group(w3_ptr, s3_ptr, rows64, mask_n, D // 2, D // 32, kb * 4 + j, BN)
-                v += dot_q_w(q, w3, MMA) * (sx[:, None] * s3[None, :])
+            q = act_apply(x, inv)
+            u += _fp4_kblock(q, sx, w1b, s1b, BM, BN, MMA)
+            v += _fp4_kblock(q, sx, w3b, s3b, BM, BN, MMA)
+            w1b, w3b, s1b, s3b = w1n, w3n, s1n, s3n
         u = round_bf16(u)
         v = round_bf16(v)
         if HAS_LIMIT:
@@ -229,7 +268,8 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
 @triton.jit
 def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
                      BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN.."""
+    """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN..
+    (next K block prefetched as in `_moe_up_kernel`)."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -240,18 +280,25 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
         mask_n = offs_n < D
         rows64 = e.to(tl.int64) * D + offs_n
         offs_k = tl.arange(0, 128)
-        offs_g = tl.arange(0, 32)
+        cb = tl.arange(0, 64)
+        cs = tl.arange(0, 4)
+        KH = I // 2
+        KS = I // 32
+        KB = I // 128
+        wmask = mask_n[:, None]
         r64 = offs_r.to(tl.int64)
+        wb = tl.load(w2_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        sb = tl.load(s2_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, I // 128):
+        for kb in range(0, KB):
+            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
+            wn = tl.load(w2_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            sn = tl.load(s2_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
             h = tl.load(h_ptr + r64[:, None] * I + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             inv, sh = act_scale(h)
-            for j in tl.static_range(4):
-                hg = tl.load(h_ptr + r64[:, None] * I + kb * 128 + j * 32 + offs_g[None, :], mask=valid[:, None],
-                             other=0.0).to(tl.float32)
-                w2, s2 = _fp4_group(w2_ptr, s2_ptr, rows64, mask_n, I // 2, I // 32, kb * 4 + j, BN)
-                acc += dot_q_w(act_apply(hg, inv), w2, MMA) * (sh[:, None] * s2[None, :])
+            acc += _fp4_kblock(act_apply(h, inv), sh, wb, sb, BM, BN, MMA)
+            wb, sb = wn, sn
         p64 = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
                  mask=valid[:, None] & mask_n[None, :])
@@ -262,9 +309,9 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
 # ---------------------------------------------------------------------------------------------------------
 
 def _tiles(P: int) -> tuple[int, int]:
-    """(BM, BN): decode (P <= 64 pairs) 16-row tiles and 32-wide N blocks (enough programs to fill the SMs from 6
-    experts); prefill 64 x 64."""
-    return (16, 32) if P <= 64 else (64, 64)
+    """(BM, BN): 16-row tiles while P <= 256 pairs (decode: most tiles hold 1-2 rows), else 64; N blocks of 64
+    weight rows (each K block then loads 4 KiB of FP4 bytes per projection, prefetched one block ahead)."""
+    return (16, 64) if P <= 256 else (64, 64)
 
 
 def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
