@@ -10,9 +10,8 @@ order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode 
 Reading order (STYLE §1): the reference, the shared in-kernel quantization helpers, the kernels, the launchers.
 
 Paths of `fp8_linear` (chosen by M, never by a silent fallback):
-  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch (M <= GEMV_FUSED_MAX_M; above, `act_quant` first,
-    because every program re-quantizing 32+ rows cost more than the extra launch: 48 vs 18 µs on wq_b at M=32).
-    Each program quantizes its rows of x per 128-block in registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
+  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
+    registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
     interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
     accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
     `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
@@ -20,10 +19,11 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
       "scaled_mm" `act_quant` kernel (e4m3 codes + fp32 scales) + `torch.nn.functional.scaled_mm` with
-                  BlockWise1x128 (x) x BlockWise128x128 (W) scales (CUTLASS; CUDA >= 12.9, sm_90/sm_100);
+                  BlockWise1x128 (x) x BlockWise128x128 (W) scales (CUTLASS; measured on sm_90 with torch 2.11;
+                  M and K/128 multiples of 4);
       "triton"    `act_quant` kernel + `_fp8_gemm_kernel` (tl.dot on e4m3 tiles, scales applied per K block).
     `prefill_method` is the default, chosen by measurement on one H200 (benchmarks/RESULTS.md, "GEMM / MoE kernels
-    (issue 13)"): scaled_mm where N >= 4096 and K >= 3072 on sm_90 / sm_100 (wo_b M=4096: 295 µs vs 368 µs
+    (issue 13)"): scaled_mm where N >= 4096 and K >= 3072 on sm_90 (wo_b M=4096: 295 µs vs 368 µs
     dequant+cuBLAS, 426 µs triton), dequant+cuBLAS elsewhere (wq_a M=1024: 26 µs vs 36 µs scaled_mm; scaled_mm's
     CUTLASS tiles lose on narrow N or short K). The Triton FP8 GEMM is kept as a measured alternative: it won
     only one of ten shapes (shared w1 at M=1024, 33 vs 37 µs).
@@ -41,7 +41,6 @@ from kernels.launch import interpreting, sm_count, workspace
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
-GEMV_FUSED_MAX_M = 16  # decode rows quantized inside the GEMV up to here; above, one act_quant launch first
 PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
 MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
 
@@ -242,12 +241,11 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.c
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, PREQ: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
     """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
-    Quantizes x in registers (`act_quant_block`; PREQ: reads the codes [M, K] and scales sx [M, K/128] of the
-    `act_quant` launch instead - cheaper once every program would re-quantize many rows), reads the e4m3 weight
-    codes, dot per K block (`dot_q_w` / `dot_w_w`, fp32 accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
+    Quantizes x in registers (`act_quant_block`), reads the e4m3 weight codes, dot per K block (`dot_q_w`, fp32
+    accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
     N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -262,16 +260,11 @@ def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, 
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
     srow = (pid_n * BN) // 128
     for kb in range(kb0, kb1):
+        x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+                    other=0.0).to(tl.float32)
+        q, sx = act_quant_block(x)
         w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        if PREQ:
-            qc = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-            sx = tl.load(sx_ptr + offs_m * KB + kb, mask=mask_m, other=0.0)
-            blk = dot_w_w(qc, w, MMA)
-        else:
-            x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
-                        other=0.0).to(tl.float32)
-            q, sx = act_quant_block(x)
-            blk = dot_q_w(q, w, MMA)
+        blk = dot_q_w(q, w, MMA)
         sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
         acc += blk * (sx * sw)[:, None]
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -376,11 +369,12 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def prefill_method(N: int, K: int, device: torch.device) -> str:
-    """Default prefill path for an [N, K] FP8 weight (see module docstring for the measurements)."""
-    big = N >= 4096 and K >= 3072
+def prefill_method(M: int, N: int, K: int, device: torch.device) -> str:
+    """Default prefill path for x [M, K] and an [N, K] FP8 weight (module docstring: the measurements). scaled_mm
+    only where it was measured faster (sm_90, N >= 4096, K >= 3072) and its shape rule holds (M % 4 == 0)."""
     sm = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-    return "scaled_mm" if big and sm[0] in (9, 10) else "dequant"
+    fast = N >= 4096 and K >= 3072 and M % 4 == 0 and (K // BLOCK) % 4 == 0
+    return "scaled_mm" if fast and sm[0] == 9 else "dequant"
 
 
 def mma_mode(mma: str | None) -> int:
@@ -415,9 +409,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     """
     op = "fp8_linear"
     M, N, K = check_fp8_linear_args(op, x, weight, scale)
-    method = prefill_method(N, K, x.device) if prefill is None else prefill
+    method = prefill_method(M, N, K, x.device) if prefill is None else prefill
     if method not in PREFILL_METHODS:
         _fail(op, "prefill", repr(prefill), f"one of {PREFILL_METHODS}")
+    if method == "scaled_mm" and M > GEMV_MAX_M and (M % 4 or (K // BLOCK) % 4):
+        _fail(op, "x", f"shape {(M, K)}", "M and K/128 multiples of 4 for prefill='scaled_mm' (CUTLASS blockwise)")
     if out is None:
         out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16:
@@ -430,14 +426,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     ws = scale.view(torch.uint8)
     if M <= GEMV_MAX_M:
         BM = max(16, triton.next_power_of_2(M))
-        BN = 64
+        BN = 64 if M <= 16 else 32
         n_blocks = triton.cdiv(N, BN)
         split, per = _gemv_split(x.device, n_blocks, KB)
         sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
-        preq = M > GEMV_FUSED_MAX_M
-        xin, sx = act_quant(x) if preq else (x, x)
-        _fp8_gemv_kernel[(n_blocks, split)](xin, sx, weight, ws, out, part, sem, M, N, K, KB, per, split,
-                                            BM=BM, BN=BN, MMA=mma, PREQ=preq, num_warps=4)
+        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per, split,
+                                            BM=BM, BN=BN, MMA=mma, num_warps=4)
         return out
     if method == "dequant":
         xq, _ = act_quant(x, sim=True)
@@ -456,21 +450,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
 def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
     """torch's blockwise FP8 GEMM (CUTLASS): x scales BlockWise1x128 [M, K/128] outer-dim-major, weight scales
-    BlockWise128x128 [K/128, ceil(N/128)] (fp32). cuBLASLt/CUTLASS need M and K/128 padded to multiples of 4
-    (the padding is zero codes with scale 1, which add exact zeros)."""
+    BlockWise128x128 [K/128, ceil(N/128)] (fp32, exact copies of the ue8m0 powers of two). The layout torch 2.11
+    accepts on sm_90 (probed by benchmarks/bench_gemm.py); M and K/128 must be multiples of 4 (`fp8_linear` checks)."""
     import torch.nn.functional as F
-    M, K = q.shape
-    KB = K // BLOCK
-    pad_m, pad_k = -M % 4, -KB % 4
-    if pad_m:
-        q = torch.cat((q, q.new_zeros(pad_m, K)))
-        sx = torch.cat((sx, sx.new_ones(pad_m, KB)))
+
     from dsv4.quant import e8m0_to_float
-    sw = e8m0_to_float(scale)  # exact: a power of two per byte
-    if pad_k:
-        sx = torch.cat((sx, sx.new_ones(sx.shape[0], pad_k)), 1)
-        sw = torch.cat((sw, sw.new_ones(sw.shape[0], pad_k)), 1)
+    sw = e8m0_to_float(scale)
     y = F.scaled_mm(q, weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
                     F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
-    out.copy_(y[:M])
+    out.copy_(y)
     return out
