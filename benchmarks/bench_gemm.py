@@ -178,7 +178,8 @@ def bench_decode(args, bw: float) -> None:
 
 def bench_prefill(args, peak: float) -> None:
     print("\n### FP8 linear, prefill (TFLOP/s; % of the bf16 peak)\n")
-    print("| linear | K->N | M | dequant+cuBLAS | scaled_mm | triton fp8 | default (prefill_method) | ref (fp32 matmul) |")
+    print("| linear | K->N | M | dequant+cuBLAS | scaled_mm | triton fp8 | default (prefill_method) "
+          "| ref (fp32 matmul) |")
     print("|---|---|---|---|---|---|---|---|")
     for name, K, N in PREFILL[:2] if args.quick else PREFILL:
         ws = weights8(N, K, 1)

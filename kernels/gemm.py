@@ -353,7 +353,8 @@ def act_quant(x: torch.Tensor, *, sim: bool = False) -> tuple[torch.Tensor, torc
         s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
     if M:
         BR = 16
-        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, q if sim else q.view(torch.uint8), q if s is None else s, M, K, KB, SIM=sim, BR=BR)
+        codes = q if sim else q.view(torch.uint8)  # e4m3 bytes are assembled bit by bit (`e4m3_bits`)
+        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, codes, q if s is None else s, M, K, KB, SIM=sim, BR=BR)
     return q, s
 
 
