@@ -18,7 +18,8 @@ run to the row tile BM; rows are `row_pair[r]` (pair index or -1), tiles `tile_e
 Every shape is static (`n_tiles = cdiv(P, BM) + min(E, P)` bounds the padded tiles), nothing reads back to the
 host, so the whole thing can be captured in a CUDA graph. `_moe_up_kernel` (grid tiles x I-blocks) gathers its
 tokens' rows of x, act-quantizes them in registers, widens the FP4 tiles of W1 and W3 of the tile's expert to
-bf16 (exact: e2m1 value times its power-of-two scale), runs both dots and the SwiGLU epilogue (clamps, routing
+e4m3 per 32-input group (as the official Hopper path: e2m1 * 2^-6 is exact in e4m3, the group's ue8m0 scale
+applied to the fp32 group product), runs both dots and the SwiGLU epilogue (clamps, routing
 weight) and writes h [rows, I] bf16. `_moe_down_kernel` (grid tiles x D-blocks) act-quantizes h and writes y_pair
 [P, D] bf16 scattered to pair order. A tile whose expert has no tokens is never launched work; an expert's bytes
 are read only by its own tiles, so decode reads only the selected experts.
@@ -35,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import _fail, act_quant_block, check_layout, dot_bf16_exact, e8m0_to_f32, round_bf16
-from kernels.launch import interpreting
+from kernels.gemm import _fail, act_apply, act_scale, check_layout, dot_q_w, e8m0_to_f32, mma_mode, round_bf16
 
 
 class MoeRoute(NamedTuple):
@@ -167,28 +167,57 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fp4_tile(w_ptr, s_ptr, rows64, mask_r, KH, KS, kb, BN: tl.constexpr):
-    """FP4 weight tile [BN, 128] as fp32 values (exact in bf16): bytes [BN, 64] at columns kb*64.., nibbles
-    low = even column, e2m1 -> fp32 by bit assembly, times the per-32 ue8m0 scale (spec §2)."""
-    cb = tl.arange(0, 64)
-    b = tl.load(w_ptr + rows64[:, None] * KH + kb * 64 + cb[None, :], mask=mask_r[:, None], other=0)
-    b = b.to(tl.int32) & 0xFF
-    c = tl.reshape(tl.join(b & 0xF, b >> 4), (BN, 128))
-    em = c & 7
-    bits = tl.where(em >= 2, (em << 22) + (126 << 23), tl.where(em == 1, 126 << 23, 0))
-    val = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
-    cs = tl.arange(0, 4)
-    s = tl.load(s_ptr + rows64[:, None] * KS + kb * 4 + cs[None, :], mask=mask_r[:, None], other=127)
-    s = e8m0_to_f32(s.to(tl.int32) & 0xFF)
-    val = tl.reshape(tl.reshape(val, (BN, 4, 32)) * s[:, :, None], (BN, 128))
-    return val
+def _split4(t, R: tl.constexpr):
+    """[R, 128] -> the four [R, 32] column groups 0..3 (reshape / permute / split; no memory traffic)."""
+    t = tl.permute(tl.reshape(t, (R, 2, 2, 32)), (0, 3, 1, 2))  # [R, 32, g // 2, g % 2]
+    a, b = tl.split(t)
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _split4s(s, R: tl.constexpr):
+    """[R, 4] -> its four columns, each [R]."""
+    a, b = tl.split(tl.reshape(s, (R, 2, 2)))
+    s0, s2 = tl.split(a)
+    s1, s3 = tl.split(b)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _e4m3(c):
+    return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp4_kblock(q, sx, wb, ws, R: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """One 128-input block of `act_quant(x) . W^T` for FP4 W, as the official Hopper path widens it (spec §2):
+    q [R, 128] fp32 on the e4m3 grid with row scales sx [R]; wb [BN, 64] packed bytes; ws [BN, 4] ue8m0 bytes.
+
+    Each nibble's 3 magnitude bits moved to bits 2-4 of an e4m3 byte and its sign to bit 7 give exactly the e4m3
+    number e2m1 * 2^-6 (normal for e >= 1, the e4m3 subnormal 2^-7 for 0.5): ~3.5 integer ops per weight, no
+    multiply. Low nibble = even column (join + reshape). Per 32-input group j: `dot(q_j, w_j) * 2^(s_j-127) * 2^6`
+    in fp32; the sum of the four times sx. Returns [R, BN] fp32."""
+    b = wb.to(tl.int32)
+    lo = ((b & 7) << 2) | ((b & 8) << 4)
+    hi = ((b >> 2) & 0x1C) | (b & 0x80)
+    w0, w1, w2, w3 = _split4(tl.reshape(tl.join(lo, hi), (BN, 128)), BN)
+    s0, s1, s2, s3 = _split4s(e8m0_to_f32(ws.to(tl.int32) & 0xFF) * 64.0, BN)
+    q0, q1, q2, q3 = _split4(q, R)
+    acc = dot_q_w(q0, _e4m3(w0), MMA) * s0[None, :]
+    acc += dot_q_w(q1, _e4m3(w1), MMA) * s1[None, :]
+    acc += dot_q_w(q2, _e4m3(w2), MMA) * s2[None, :]
+    acc += dot_q_w(q3, _e4m3(w3), MMA) * s3[None, :]
+    return acc * sx[:, None]
 
 
 @triton.jit
 def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                    E, D, I, K_SLOTS, limit,
-                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring)."""
+                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring).
+    The next K block's weight bytes and scales are loaded before the current block is computed (prefetch)."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -200,16 +229,31 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
         mask_n = offs_n < I
         rows64 = e.to(tl.int64) * I + offs_n
         offs_k = tl.arange(0, 128)
+        cb = tl.arange(0, 64)
+        cs = tl.arange(0, 4)
+        KH = D // 2
+        KS = D // 32
+        KB = D // 128
+        wmask = mask_n[:, None]
+        w1b = tl.load(w1_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        w3b = tl.load(w3_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        s1b = tl.load(s1_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
+        s3b = tl.load(s3_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, D // 128):
+        for kb in range(0, KB):
+            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
+            w1n = tl.load(w1_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            w3n = tl.load(w3_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            s1n = tl.load(s1_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
+            s3n = tl.load(s3_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
             x = tl.load(x_ptr + tok[:, None] * D + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
-            q, sx = act_quant_block(x)
-            w1 = _fp4_tile(w1_ptr, s1_ptr, rows64, mask_n, D // 2, D // 32, kb, BN)
-            u += dot_bf16_exact(q, tl.trans(w1), IEEE) * sx[:, None]
-            w3 = _fp4_tile(w3_ptr, s3_ptr, rows64, mask_n, D // 2, D // 32, kb, BN)
-            v += dot_bf16_exact(q, tl.trans(w3), IEEE) * sx[:, None]
+            inv, sx = act_scale(x)
+            q = act_apply(x, inv)
+            u += _fp4_kblock(q, sx, w1b, s1b, BM, BN, MMA)
+            v += _fp4_kblock(q, sx, w3b, s3b, BM, BN, MMA)
+            w1b, w3b, s1b, s3b = w1n, w3n, s1n, s3n
         u = round_bf16(u)
         v = round_bf16(v)
         if HAS_LIMIT:
@@ -223,8 +267,9 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
 
 @triton.jit
 def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                     BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
-    """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN.."""
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN..
+    (next K block prefetched as in `_moe_up_kernel`)."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -235,14 +280,25 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
         mask_n = offs_n < D
         rows64 = e.to(tl.int64) * D + offs_n
         offs_k = tl.arange(0, 128)
+        cb = tl.arange(0, 64)
+        cs = tl.arange(0, 4)
+        KH = I // 2
+        KS = I // 32
+        KB = I // 128
+        wmask = mask_n[:, None]
         r64 = offs_r.to(tl.int64)
+        wb = tl.load(w2_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
+        sb = tl.load(s2_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, I // 128):
+        for kb in range(0, KB):
+            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
+            wn = tl.load(w2_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
+            sn = tl.load(s2_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
             h = tl.load(h_ptr + r64[:, None] * I + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
-            q, sh = act_quant_block(h)
-            w2 = _fp4_tile(w2_ptr, s2_ptr, rows64, mask_n, I // 2, I // 32, kb, BN)
-            acc += dot_bf16_exact(q, tl.trans(w2), IEEE) * sh[:, None]
+            inv, sh = act_scale(h)
+            acc += _fp4_kblock(act_apply(h, inv), sh, wb, sb, BM, BN, MMA)
+            wb, sb = wn, sn
         p64 = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
                  mask=valid[:, None] & mask_n[None, :])
@@ -253,13 +309,13 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
 # ---------------------------------------------------------------------------------------------------------
 
 def _tiles(P: int) -> tuple[int, int]:
-    """(BM, BN): decode (P <= 64 pairs) 16-row tiles and 32-wide N blocks (enough programs to fill the SMs from 6
-    experts); prefill 64 x 64."""
-    return (16, 32) if P <= 64 else (64, 64)
+    """(BM, BN): 16-row tiles while P <= 256 pairs (decode: most tiles hold 1-2 rows), else 64; N blocks of 64
+    weight rows (each K block then loads 4 KiB of FP4 bytes per projection, prefetched one block ahead)."""
+    return (16, 64) if P <= 256 else (64, 64)
 
 
 def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
-           block_n: int) -> torch.Tensor:
+           block_n: int, mma: str | None = None) -> torch.Tensor:
     """h [n_tiles * BM, I] bf16 of `_moe_up_kernel`; rows with row_pair = -1 are left unwritten (never read)."""
     E, D, I = _check_experts("moe_up", experts)
     h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=x.device)
@@ -267,27 +323,29 @@ def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: Sta
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_kernel[grid](x, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3,
                          u8(experts.s3), h, E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0,
-                         BM=route.block_m, BN=block_n, IEEE=interpreting(), num_warps=4)
+                         BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
     return h
 
 
-def moe_down(h: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, block_n: int) -> torch.Tensor:
+def moe_down(h: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, block_n: int,
+             mma: str | None = None) -> torch.Tensor:
     """y_pair [n_pairs, D] bf16 of `_moe_down_kernel` (every pair's row written once)."""
     E, D, I = _check_experts("moe_down", experts)
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=h.device)
     grid = (route.tile_expert.numel(), triton.cdiv(D, block_n))
     _moe_down_kernel[grid](h, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y,
-                           E, D, I, BM=route.block_m, BN=block_n, IEEE=interpreting(), num_warps=4)
+                           E, D, I, BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
     return y
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
-                limit: float) -> torch.Tensor:
+                limit: float, *, mma: str | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer in three device steps and no host sync: `moe_route` (torch), the up
     launch (w1, w3, SwiGLU with clamps and routing weight), the down launch (w2), then the fp32 sum over slots.
 
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E) (out of range: device assert);
-    experts: StackedExperts (`stack_experts`); limit: swiglu_limit (0 = no clamp).
+    experts: StackedExperts (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: "fp8" | "bf16" dot flavour
+    (`kernels.gemm.mma_mode`; same result).
     Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device).
     """
@@ -302,8 +360,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     BM, BN = _tiles(P)
     route = moe_route(indices, E, BM)
-    h = moe_up(x, weights, route, experts, limit, BN)
-    y = moe_down(h, route, experts, P, BN)
+    mma_mode(mma)  # validate before any launch
+    h = moe_up(x, weights, route, experts, limit, BN, mma)
+    y = moe_down(h, route, experts, P, BN, mma)
     return y.view(T, k, D).float().sum(1)
 
 

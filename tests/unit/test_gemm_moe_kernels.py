@@ -101,6 +101,8 @@ def test_fp8_linear_names_bad_input():
         fp8_linear_ref(x[:, :96], w[:, :96], s[:, :1])
     with pytest.raises(ValueError, match="prefill is 'cublas'"):
         fp8_linear(x, w, s, prefill="cublas")
+    with pytest.raises(ValueError, match="multiples of 4 for prefill='scaled_mm'"):
+        fp8_linear(torch.zeros(70, 256, dtype=torch.bfloat16), w, s, prefill="scaled_mm")
 
 
 # ------------------------------------------------------------------------------------------------------ MoE
@@ -191,3 +193,28 @@ def test_moe_names_bad_input():
         moe_experts(x, g.double(), idx, ex, 10.0)
     with pytest.raises(ValueError, match=r"indices is range \[6, 6\]"):
         moe_grouped_ref(x, g, idx + 6, ex, 10.0)
+
+
+def test_stack_experts_views_and_values():
+    """stack_experts copies each expert's codes/scales once into [E, ...] and (rebind) leaves the experts holding
+    views of the stack: no second copy, and a later load through the expert writes the stacked tensor."""
+    from dsv4.model import Expert, _Sim
+    from kernels.moe import stack_experts
+    sim = _Sim(False)
+    sim.resident = "quantized"
+    experts = [Expert(D, I, 10.0, sim, torch.bfloat16) for _ in range(3)]
+    for ex in experts:
+        for lin in (ex.w1, ex.w2, ex.w3):
+            lin.hold("fp4", "cpu")
+            lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, dtype=torch.int8))
+            lin.scale.view(torch.uint8).copy_(torch.randint(110, 130, lin.scale.shape, dtype=torch.uint8))
+    before = [(ex.w1.weight.clone(), ex.w2.scale.view(torch.uint8).clone()) for ex in experts]
+    st = stack_experts(experts)
+    assert tuple(st.w1.shape) == (3, I, D // 2) and tuple(st.s2.shape) == (3, D, I // 32)
+    for e, ex in enumerate(experts):
+        assert torch.equal(st.w1[e], before[e][0]) and torch.equal(st.s2[e].view(torch.uint8), before[e][1])
+        assert ex.w1.weight.data_ptr() == st.w1[e].data_ptr(), "expert w1 is not a view of the stack"
+    experts[1].load_state_dict({k: torch.zeros_like(v) for k, v in experts[1].state_dict().items()})
+    assert int(st.w3[1].abs().sum()) == 0 and int(st.w3[0].abs().sum()) > 0, "load did not write the stack"
+    with pytest.raises(ValueError, match=r"experts\[1\].w1 is missing"):
+        stack_experts([experts[0], None])
