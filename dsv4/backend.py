@@ -1,7 +1,8 @@
 """Backends: which implementation of the hot paths the model runs (spec §4, §5, §7, §9).
 
 `reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec).
-`triton` = the Triton launchers of the same modules. The choice is explicit and checked: asking for the
+`triton` = the Triton launchers of the same modules, and the model-level fast paths of `dsv4/fast.py` (FP8 /
+FP4 GEMMs of `kernels/gemm.py` and `kernels/moe.py`, bf16 cuBLAS GEMMs; table there). The choice is explicit and checked: asking for the
 triton backend where it cannot run (no CUDA device and no `TRITON_INTERPRET=1`, or triton not installed) is
 an error, never a silent fallback to the reference.
 """
@@ -35,6 +36,27 @@ class Backend:
     # `hc_post_pre(a, H, post, comb, fn, base, scale, ...)` = hc_post of one site then hc_pre of the next.
     indexer_topk: Callable | None = None
     hc_post_pre: Callable | None = None
+    # Model-level entries (issue 13), signatures of the reference functions in dsv4/model.py:
+    #   linear(lin, x) -> y                      `linear_ref`          (every Linear.forward)
+    #   grouped_linear(o, lin) -> z              `grouped_linear_ref`  (the grouped wo_a)
+    #   moe_routed(moe, x, weights, ids) -> y    `moe_routed_ref`      (routed experts, fp32 sum)
+    linear: Callable | None = None
+    grouped_linear: Callable | None = None
+    moe_routed: Callable | None = None
+
+    def bind(self, model) -> None:
+        """Point every `Linear` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
+        triton backend also stacks each layer's FP4 routed experts for the grouped kernel (`dsv4.fast.bind`).
+        Called once by `Transformer.__init__`."""
+        from dsv4.model import MoE, Linear
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.kernel = self.linear
+            elif isinstance(m, MoE):
+                m.routed = self.moe_routed
+        if self.name == "triton":
+            from dsv4 import fast
+            fast.bind(model)
 
 
 def get_backend(name: str, device: torch.device) -> Backend:
@@ -44,12 +66,14 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ValueError: unknown name, or "triton" on a non-CUDA device without TRITON_INTERPRET=1.
         ImportError: "triton" requested and the triton package is missing.
     """
+    from dsv4 import model as ref
     from kernels import attention, indexer, mhc
 
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
-                       indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref)
+                       indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
+                       linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -58,6 +82,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type != "cuda" and not interp:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
+        from dsv4 import fast
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
-                       indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre)
+                       indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
+                       linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -123,6 +123,7 @@ class Linear(nn.Module):
         deferred = getattr(sim, "resident", "dequantized") == "quantized"
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.compute_dtype,
                                                device="meta" if deferred else None))
+        self.kernel: Callable[["Linear", torch.Tensor], torch.Tensor] = linear_ref  # Backend.linear (bind_backend)
 
     def hold(self, fmt: str | None, device: str | torch.device) -> None:
         """Give a deferred (meta) linear its storage on `device`: `fmt` None -> parameter [out, in] in the
@@ -169,12 +170,27 @@ class Linear(nn.Module):
         return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.dequantized_weight()
-        if self.fp32:
-            return x.float() @ w.float().T
-        if self.quantized:
-            x = self.sim.act(x)
-        return (x.float() @ w.float().T).to(x.dtype)
+        return self.kernel(self, x)
+
+
+def linear_ref(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """The reference `Linear` maths (the `linear` entry of the reference backend): x [..., in] -> [..., out].
+    fp32 linears: fp32 in, fp32 out. Otherwise FP8 activation quantization first when `lin.quantized` (bf16
+    mode), fp32 GEMM on the dequantized weight, output in x.dtype (spec §2)."""
+    w = lin.dequantized_weight()
+    if lin.fp32:
+        return x.float() @ w.float().T
+    if lin.quantized:
+        x = lin.sim.act(x)
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def grouped_linear_ref(o: torch.Tensor, lin: Linear) -> torch.Tensor:
+    """Grouped `wo_a` (spec §5; the `grouped_linear` entry of the reference backend): o [b, s, G, i] in the
+    activation dtype, lin.weight [G*o, i] -> [b, s, G, o] in o.dtype; fp32 products, no activation
+    quantization (wo_a is used dequantized in bf16 as officially, pitfall 17)."""
+    wa = lin.dequantized_weight().view(o.shape[2], -1, o.shape[-1])
+    return torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(o.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -474,8 +490,7 @@ class Attention(nn.Module):
         o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
         o = torch.cat((o[..., :-self.rd], apply_rope(o[..., -self.rd:], pos, self.inv_freq, inverse=True)), -1)
         o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
-        wa = self.wo_a.dequantized_weight().view(self.groups, -1, o.shape[-1])
-        z = torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(x.dtype)
+        z = backend.grouped_linear(o, self.wo_a)           # grouped wo_a: `grouped_linear_ref`
         return self.wo_b(z.flatten(2))
 
 
@@ -545,23 +560,32 @@ class MoE(nn.Module):
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
+        self.routed: Callable = moe_routed_ref  # Backend.moe_routed (bind_backend)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, input_ids.reshape(-1))
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in ids.unique().tolist():
-            if self.experts[e] is None:  # held by another rank (dsv4.parallel)
-                continue
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            y.index_add_(0, tok, self.experts[e](x[tok], weights[tok, slot, None]).float())
+        y = self.routed(self, x, weights, ids)  # Backend.moe_routed (bind_backend); reference: `moe_routed_ref`
         y = self.reduce_routed(y) + self.shared_experts(x).float()
         return y.to(x.dtype).view(shape)
 
     def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
         """Identity at world size 1; `dsv4.parallel` sums the expert-parallel partial outputs over ranks."""
         return y
+
+
+def moe_routed_ref(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Routed experts (spec §8.5-6; the `moe_routed` entry of the reference backend): x [N, dim], weights / ids
+    [N, k] from the gate -> y [N, dim] fp32 = sum over slots of g * expert(x). Loops over the experts present
+    (one host sync per expert: readable, not fast); experts held by another rank (None) are skipped."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        if moe.experts[e] is None:  # held by another rank (dsv4.parallel)
+            continue
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        y.index_add_(0, tok, moe.experts[e](x[tok], weights[tok, slot, None]).float())
+    return y
 
 
 # ----------------------------------------------------------------------------------------------- blocks
@@ -677,6 +701,8 @@ class Transformer(nn.Module):
             self.hc_head = HcHead(args)
         if weights == "quantized":
             hold_on_disk(self, args, device)
+        self.backend.bind(self)
+        self.decode_graph_max_len: int | None = None  # see `use_decode_graphs`
 
     # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.
     def _make_embed(self, args: ModelArgs, dtype: torch.dtype) -> nn.Module:
@@ -716,8 +742,21 @@ class Transformer(nn.Module):
         self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
 
     def new_state(self, batch: int = 1) -> DecodeState:
-        """A fresh decode state for `batch` sequences (never reused across sequences)."""
+        """A fresh decode state for `batch` sequences (never reused across sequences). After
+        `use_decode_graphs(max_len)`: a `dsv4.graph.GraphDecodeState` (decode steps replay a CUDA graph)."""
+        if self.decode_graph_max_len is not None:
+            from dsv4.graph import GraphDecodeState
+            return GraphDecodeState(self, batch, self.decode_graph_max_len)
         return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers])
+
+    def use_decode_graphs(self, max_len: int | None) -> None:
+        """Decode through CUDA graphs (triton backend, bf16, weights="quantized"; `dsv4/graph.py`): states made
+        from now on hold static buffers for `max_len` tokens (a multiple of 128) and replay one captured decode
+        step per call. None switches back to eager states. Raises ValueError naming what the model lacks."""
+        if max_len is not None:
+            from dsv4.graph import check_graph_model
+            check_graph_model(self, max_len)
+        self.decode_graph_max_len = max_len
 
     def final_logits(self, H: torch.Tensor) -> torch.Tensor:
         """Last residual streams H [b, s, hc, dim] -> logits [b, s, V] fp32: head(norm(hc_head(H))) (spec §9).
@@ -762,6 +801,8 @@ class Transformer(nn.Module):
         if state.pos > 0 and input_ids.shape[1] != 1:
             raise ValueError(f"state at position {state.pos}: decode takes one token per call, "
                              f"got {input_ids.shape[1]} (chunked prefill is not supported, as officially)")
+        if state.pos > 0 and hasattr(state, "decode"):  # dsv4.graph.GraphDecodeState: CUDA-graph replay, no sync
+            return state.decode(input_ids, observer)
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
             raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
                              f"max {int(input_ids.max())}")

@@ -72,7 +72,25 @@ def float_to_e8m0(exponent: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2(k: torch.Tensor) -> torch.Tensor:
-    return e8m0_to_float(float_to_e8m0(k))
+    """2^k exactly (float32) for the exponents the quantizers compute: `ceil_log2(max(amax, floor) / fmt_max)`
+    lies in -126..126 for every finite amax (the floors are >= 2^-126 * fmt_max), and NaN / inf give k = 0, so
+    no range check is needed here (a check would read k back to the host: a device sync on every activation
+    quantization, which the sync-free decode path cannot have). `float_to_e8m0` keeps its check for callers."""
+    return e8m0_to_float((k.to(torch.int32) + 127).to(torch.uint8).view(torch.float8_e8m0fnu))
+
+
+_CONSTS: dict[tuple, torch.Tensor] = {}
+
+
+def _const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table on `device`, made once per (values, dtype, device): an uncached
+    `torch.tensor(..., device=cuda)` is a blocking host-to-device copy per call (a sync, and illegal inside
+    CUDA-graph capture)."""
+    key = (values, dtype, str(device))
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.tensor(values, dtype=dtype, device=device)
+    return t
 
 
 # ----------------------------------------------------------------------------------------------- FP8 blocks
@@ -124,7 +142,7 @@ def fp8_block_quant(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tens
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Round float32 values in [-6, 6] to the nearest e2m1 code (ties to the even code), uint8 nibbles."""
     a = x.abs().float()
-    mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
+    mids = _const(_E2M1_MIDPOINTS, torch.float32, x.device)
     lo = (a[..., None] > mids).sum(-1)   # count of midpoints < a
     hi = (a[..., None] >= mids).sum(-1)  # count of midpoints <= a
     code = torch.where((lo != hi) & (hi % 2 == 0), hi, lo)  # on a tie take the even code
@@ -132,7 +150,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    lut = _const(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), torch.float32, codes.device)
     return lut[codes.long()]
 
 

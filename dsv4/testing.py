@@ -13,6 +13,7 @@ and say why next to the call.
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 
@@ -126,3 +127,56 @@ def require_gpus(n: int, *, nccl: bool = False) -> None:
         pytest.skip(f"needs {n} GPUs, {torch.cuda.device_count()} visible")
     if nccl and not torch.distributed.is_nccl_available():
         pytest.skip("torch.distributed has no NCCL backend in this build")
+
+
+@torch.no_grad()
+def fill_random_quantized_(model, seed: int = 0) -> None:
+    """Fill every parameter / buffer of a `Transformer(weights="quantized")` in place, on its device, with random
+    values in the on-disk formats (no disk, no CPU copy: Flash / Pro width models for GPU tests and
+    benchmarks/bench_model.py). FP8 linears: e4m3 codes ~N(0, 32^2) (clamped to +-448) with one ue8m0 scale per
+    128x128 block; FP4 linears: uniform bytes (every e2m1 code, rms ~3.2) with one ue8m0 scale per 32 inputs;
+    scales chosen so each weight has std ~1/sqrt(in). Other tensors as `dsv4.tiny.random_state_dict` (norms
+    1 + N(0, 0.1^2), embed / attn_sink N(0, 1), ape N(0, 0.5^2), gate bias N(0, 0.1^2), hc_* asymmetric,
+    distinct-expert tid2eid, other weights N(0, 1/in)). Deterministic given `seed` on one device type.
+    Raises RuntimeError for a tensor no rule covers."""
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    args = model.args
+    for name, mod in model.named_modules():
+        if getattr(mod, "fmt", None) is not None:
+            codes, scale = mod._buffers["weight"], mod._buffers["scale"]
+            inp = codes.shape[1] * (2 if mod.fmt == "fp4" else 1)
+            if mod.fmt == "fp8":
+                w = torch.randn(codes.shape, device=codes.device, generator=g) * 32
+                codes.copy_(w.clamp(-448, 448).to(torch.float8_e4m3fn))
+                k = round(math.log2(1 / (32 * math.sqrt(inp))))
+            else:
+                codes.view(torch.uint8).copy_(torch.randint(0, 256, codes.shape, device=codes.device,
+                                                            generator=g, dtype=torch.uint8))
+                k = round(math.log2(1 / (3.2 * math.sqrt(inp))))  # rms of a uniform e2m1 code ~ 3.2
+            scale.view(torch.uint8).fill_(127 + k)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8) or name.endswith(("inv_freq",
+                                                                                                  "hadamard")):
+            continue
+        last = name.rsplit(".", 1)[-1]
+        if last == "tid2eid":
+            r = torch.rand(p.shape[0], args.n_routed_experts, device=p.device, generator=g)
+            p.copy_(r.argsort(dim=1)[:, :p.shape[1]])
+        elif name.endswith("norm.weight"):
+            p.copy_(1 + 0.1 * torch.randn(p.shape, device=p.device, generator=g))
+        elif name == "embed.weight" or last == "attn_sink":
+            p.copy_(torch.randn(p.shape, device=p.device, generator=g))
+        elif last == "ape":
+            p.copy_(0.5 * torch.randn(p.shape, device=p.device, generator=g))
+        elif last == "bias":
+            p.copy_(0.1 * torch.randn(p.shape, device=p.device, generator=g))
+        elif "hc_" in name and last.endswith("fn"):
+            p.copy_(torch.randn(p.shape, device=p.device, generator=g) * (0.5 / math.sqrt(p.shape[1] / 4)))
+        elif "hc_" in name and last.endswith("base"):
+            p.copy_(0.5 * torch.randn(p.shape, device=p.device, generator=g))
+        elif "hc_" in name and last.endswith("scale"):
+            p.copy_(0.5 + torch.rand(p.shape, device=p.device, generator=g))
+        elif p.dim() == 2:
+            p.copy_(torch.randn(p.shape, device=p.device, generator=g) / math.sqrt(p.shape[1]))
+        else:
+            raise RuntimeError(f"fill_random_quantized_: no rule for {name} {tuple(p.shape)} {p.dtype}")

@@ -1,0 +1,237 @@
+"""Benchmark of the FP8 linear and grouped FP4 MoE kernels (issue 13, item 3) at Flash / Pro shapes on one GPU.
+
+    python benchmarks/bench_gemm.py [--quick]
+
+Measured in the same run: copy bandwidth (a 2 GiB device-to-device copy, read + write bytes / time) and the bf16
+GEMM peak (cuBLAS torch.mm 8192^3). Kernel times are GPU times of a CUDA graph of 20 calls, replayed (no Python
+launch overhead: the model replays graphs at decode), with weights cycled over copies totalling > 256 MB so they
+come from HBM, not the 50 MB L2. Decode rows: µs, GB/s of counted bytes (codes + scales + x + y) and % of copy
+bandwidth. Prefill rows: TFLOP/s (2*M*N*K) and % of the bf16 peak, per method. "ref" = what Linear / MoE do today
+(dequantize + act_quant_sim + fp32 matmul; MoE: the per-expert loop of moe_grouped_ref), timed eagerly.
+Also probes which `torch.nn.functional.scaled_mm` block-scaling recipes this torch build accepts for
+1x128 (x) x 128x128 (W). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from dsv4 import quant
+from kernels.gemm import fp8_linear, fp8_linear_ref
+from kernels.moe import StackedExperts, moe_experts, moe_grouped_ref
+
+DECODE = [("wq_a", 4096, 1024), ("wq_b", 1024, 32768), ("wkv", 4096, 512), ("wo_b", 8192, 4096),
+          ("shared w1/w3", 4096, 2048), ("shared w2", 2048, 4096), ("pro wq_a", 7168, 1536),
+          ("pro wq_b", 1536, 65536), ("pro shared w1", 7168, 3072), ("pro shared w2", 3072, 7168)]
+PREFILL = [("wq_a", 4096, 1024), ("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("shared w1/w3", 4096, 2048),
+           ("pro shared w2", 3072, 7168)]
+
+
+def gpu_time(fn, iters: int = 20, reps: int = 5) -> float:
+    """µs per call: best of `reps` replays of a CUDA graph holding `iters` calls of fn(i)."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(iters):
+            fn(i)
+    best = float("inf")
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / iters)
+    return best
+
+
+def safe(timer, *a, **kw) -> float:
+    """timer(*a, **kw), or NaN with the error's first line on stderr (a failing variant must not end the run)."""
+    try:
+        return timer(*a, **kw)
+    except Exception as e:  # noqa: BLE001 - reported, shown as nan in the table
+        print(f"  [{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}]", file=sys.stderr)
+        return float("nan")
+
+
+def eager_time(fn, iters: int = 5) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for i in range(iters):
+        fn(i)
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters
+
+
+def copy_bandwidth() -> tuple[float, float]:
+    """(cudaMemcpy D2D via copy_, elementwise fp32 kernel dst = src + 0) GB/s, read + write bytes, 1 GiB each."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    memcpy = gpu_time(lambda i: dst.copy_(src), iters=10)
+    kernel = gpu_time(lambda i: torch.add(src, 0.0, out=dst), iters=10)
+    return 8 * src.numel() / memcpy * 1e-3, 8 * src.numel() / kernel * 1e-3
+
+
+def bf16_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = gpu_time(lambda i: torch.mm(a, b), iters=10)
+    return 2 * 8192 ** 3 / us * 1e-6  # TFLOP/s
+
+
+def weights8(N: int, K: int, copies: int):
+    out = []
+    for _ in range(copies):
+        mag = torch.randint(0, 0x7F, (N, K), dtype=torch.uint8, device="cuda")  # 0x7F / 0xFF are NaN in e4m3fn
+        w = (mag | (torch.randint(0, 2, (N, K), dtype=torch.uint8, device="cuda") << 7)).view(torch.float8_e4m3fn)
+        s = torch.randint(118, 126, (-(-N // 128), K // 128), dtype=torch.uint8, device="cuda")
+        out.append((w, s.view(torch.float8_e8m0fnu)))
+    return out
+
+
+def probe_scaled_mm() -> list[str]:
+    """Which F.scaled_mm blockwise recipes run here, and do they match the reference."""
+    import torch.nn.functional as F
+    rows = []
+    M, K, N = 256, 1024, 512
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    (w, s), = weights8(N, K, 1)
+    ref = fp8_linear_ref(x, w, s).float()
+    q, sx = quant.act_quant(x, 128)
+    sw = quant.e8m0_to_float(s)
+    variants = {
+        "1x128 x 128x128 (sx outer-major, sw.t())": lambda: F.scaled_mm(
+            q, w.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
+            F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+        "1x128 x 128x128 (sx contiguous, sw contiguous)": lambda: F.scaled_mm(
+            q, w.t(), sx.contiguous(), F.ScalingType.BlockWise1x128, sw.contiguous(),
+            F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+        "_scaled_mm legacy (sx outer-major, sw.t())": lambda: torch._scaled_mm(
+            q, w.t(), sx.t().contiguous().t(), sw.t(), out_dtype=torch.bfloat16),
+    }
+    for name, fn in variants.items():
+        try:
+            y = fn().float()
+            err = float((y - ref).abs().max() / ref.abs().max())
+            rows.append(f"| {name} | runs | max rel err {err:.2e} |")
+        except Exception as e:  # noqa: BLE001 - a probe: report what this build says
+            rows.append(f"| {name} | {type(e).__name__} | {str(e).splitlines()[0][:120]} |")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
+    ap.add_argument("--sections", default="probe,decode,prefill,moe")
+    ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    import triton
+    print(f"triton {triton.__version__}")
+    bw_memcpy, bw_kernel = copy_bandwidth()
+    bw = max(bw_memcpy, bw_kernel)
+    peak = bf16_peak()
+    print(f"copy bandwidth {bw:.0f} GB/s (memcpy {bw_memcpy:.0f}, elementwise kernel {bw_kernel:.0f}); "
+          f"bf16 cuBLAS peak {peak:.0f} TFLOP/s\n")
+    sections = set(args.sections.split(","))
+    if "probe" in sections:
+        print("| scaled_mm variant | result | detail |\n|---|---|---|")
+        print("\n".join(probe_scaled_mm()))
+    if "decode" in sections:
+        bench_decode(args, bw)
+    if "prefill" in sections:
+        bench_prefill(args, peak)
+    if "moe" in sections:
+        bench_moe(args, bw)
+    return 0
+
+
+def bench_decode(args, bw: float) -> None:
+    print("\n### FP8 linear, decode (µs per call in a CUDA graph; weights from HBM)\n")
+    print("| linear | K->N | M | triton µs (fp8 dot) | GB/s | % copy BW | triton µs (bf16 dot) | ref µs (eager) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, K, N in DECODE[:3] if args.quick else DECODE:
+        nbytes = N * K + (-(-N // 128)) * (K // 128)
+        ws = weights8(N, K, max(1, -(-(256 << 20) // nbytes)))
+        for M in (1, 8, 32):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            us = safe(gpu_time, lambda i: fp8_linear(x, *ws[i % len(ws)], out=out, mma="fp8"))
+            us16 = float("nan") if args.skip_bf16 else \
+                safe(gpu_time, lambda i: fp8_linear(x, *ws[i % len(ws)], out=out, mma="bf16"))
+            ref = float("nan") if args.no_ref else eager_time(lambda i: fp8_linear_ref(x, *ws[i % len(ws)]))
+            gbs = (nbytes + 2 * M * (K + N)) / us * 1e-3
+            print(f"| {name} | {K}->{N} | {M} | {us:.1f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | {us16:.1f} | "
+                  f"{ref:.0f} |")
+        del ws
+
+
+def bench_prefill(args, peak: float) -> None:
+    print("\n### FP8 linear, prefill (TFLOP/s; % of the bf16 peak)\n")
+    print("| linear | K->N | M | dequant+cuBLAS | scaled_mm | triton fp8 | default (prefill_method) "
+          "| ref (fp32 matmul) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, K, N in PREFILL[:2] if args.quick else PREFILL:
+        ws = weights8(N, K, 1)
+        for M in (1024, 4096):
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            out = torch.empty(M, N, dtype=torch.bfloat16, device="cuda")
+            cells = []
+            for method in ("dequant", "scaled_mm", "triton", None):
+                try:
+                    us = gpu_time(lambda i: fp8_linear(x, *ws[0], out=out, prefill=method), iters=5)
+                    tf = 2 * M * N * K / us * 1e-6
+                    cells.append(f"{tf:.0f} ({100 * tf / peak:.0f}%, {us:.0f} µs)")
+                except Exception as e:  # noqa: BLE001 - report, do not hide, a method this build lacks
+                    cells.append(f"{type(e).__name__}")
+            ref = float("nan") if args.no_ref else eager_time(lambda i: fp8_linear_ref(x, *ws[0]), iters=3)
+            cells.append(f"{2 * M * N * K / ref * 1e-6:.0f} ({ref:.0f} µs)")
+            print(f"| {name} | {K}->{N} | {M} | " + " | ".join(cells) + " |")
+
+
+def bench_moe(args, bw: float) -> None:
+    print("\n### Grouped FP4 MoE (routed experts, top-6; µs in a CUDA graph)\n")
+    print("| geometry | T | experts read | triton µs (fp8 dot) | GB/s | % copy BW | TFLOP/s | triton µs (bf16 dot) "
+          "| ref µs (eager loop) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
+        if args.quick and geom == "pro":
+            continue
+        parts = {}
+        for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
+            parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
+            parts["s" + n] = torch.randint(118, 126, (E, o, i // 32), dtype=torch.uint8,
+                                           device="cuda").view(torch.float8_e8m0fnu)
+        ex = StackedExperts(**parts)
+        per_expert = 3 * I * D // 2 + 3 * I * D // 32
+        for T in (1, 8, 32, 1024, 4096):
+            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+            g = torch.rand(T, 6, device="cuda") + 0.1
+            it = 5 if T > 64 else 20
+            us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma="fp8"), iters=it)
+            us16 = float("nan") if args.skip_bf16 else \
+                safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma="bf16"), iters=it)
+            n_exp = sum(int(ix.unique().numel()) for ix in idxs) / 8
+            gbs = n_exp * per_expert / us * 1e-3
+            tf = 2 * 3 * T * 6 * I * D / us * 1e-6
+            ref = f"{eager_time(lambda i: moe_grouped_ref(x, g, idxs[i % 8], ex, 10.0), iters=2):.0f}" \
+                if T <= 8 and not args.no_ref else "-"
+            print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | {tf:.0f} | "
+                  f"{us16:.1f} | {ref} |")
+        del ex, parts
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Model-level fast paths of the triton backend (issue 13): linears, the grouped wo_a and the routed experts.
+
+The reference entries (`dsv4.model.linear_ref`, `grouped_linear_ref`, `moe_routed_ref`) are the executable spec;
+these compute the same maths with kernels. Which path runs is decided by the linear's kind and the model's
+numerics, never by a failure (nothing falls back silently; every row below is deliberate):
+
+| what | bf16 mode (official numerics) | fp32 mode (exact) |
+|---|---|---|
+| FP8 linear (`quantized`, fmt "fp8", in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
+| other bf16 linears (weights_proj, dequantized mode) | act quant (if `quantized`) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
+| fp32 linears (compressor wkv/wgate, head) | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
+| grouped wo_a | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
+| routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free) | reference loop |
+| routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (host sync per expert) | reference loop |
+
+Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 code x power of two) and
+dequantized FP8 / FP4 weights are exact in bf16, and cuBLAS multiplies bf16 with fp32 accumulation, so the
+result equals the reference's fp32 product up to summation order (measured on an H200: 0.0% / 0.05% / 0.12%
+of outputs differ by one bf16 rounding at M = 1 / 8 / 1024, K = 4096; benchmarks/RESULTS.md, issue 13).
+Narrow widths (test-scale models, in % 128 != 0) quantize activations with `dsv4.quant` (as `_Sim` does) because
+the FP8 kernels need 128-channel blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.model import Linear, MoE, grouped_linear_ref, linear_ref, moe_routed_ref
+
+__all__ = ["linear", "grouped_linear", "moe_routed", "bind"]
+
+_BLOCK = 128
+
+
+def _bf16_weight(lin: Linear) -> torch.Tensor:
+    """[out, in] bf16 weight: the parameter, or the FP8 codes dequantized by the Triton kernel (exact)."""
+    if lin.fmt == "fp8" and lin.codes.shape[1] % _BLOCK == 0:
+        from kernels.gemm import fp8_dequant
+        return fp8_dequant(lin._buffers["weight"], lin._buffers["scale"])
+    return lin.dequantized_weight()
+
+
+def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    """Triton-backend `Linear.forward` (table in the module docstring): x [..., in] -> [..., out], same dtype
+    contract as `linear_ref` (fp32 out for fp32 linears, x.dtype otherwise)."""
+    if lin.fp32 or not lin.sim.enabled or x.dtype != torch.bfloat16:
+        return linear_ref(lin, x)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    k = shape[-1]
+    if lin.fmt == "fp8" and lin.quantized and k % _BLOCK == 0:
+        from kernels.gemm import fp8_linear
+        y = fp8_linear(x2, lin._buffers["weight"], lin._buffers["scale"])
+    else:
+        if lin.quantized:
+            if k % _BLOCK == 0:
+                from kernels.gemm import act_quant
+                x2 = act_quant(x2, sim=True)[0]
+            else:
+                x2 = lin.sim.act(x2)
+        y = x2 @ _bf16_weight(lin).T
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def grouped_linear(o: torch.Tensor, lin: Linear) -> torch.Tensor:
+    """Triton-backend grouped wo_a: o [b, s, G, i] -> [b, s, G, o] in o.dtype (bf16 bmm, fp32 accumulation;
+    fp32 mode: `grouped_linear_ref`)."""
+    if not lin.sim.enabled or o.dtype != torch.bfloat16:
+        return grouped_linear_ref(o, lin)
+    b, s, G, i = o.shape
+    w = _bf16_weight(lin).view(G, -1, i)                       # [G, o, i]
+    z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
+    return z.transpose(0, 1).reshape(b, s, G, -1)
+
+
+def _stackable(moe: MoE) -> bool:
+    """The grouped FP4 kernel applies: every expert on this rank, stored FP4, widths multiples of 128, bf16."""
+    ex = list(moe.experts)
+    if not ex or any(e is None for e in ex):
+        return False
+    e0 = ex[0]
+    return (e0.w1.fmt == "fp4" and e0.w1.sim.enabled and e0.w1.codes.shape[1] * 2 % _BLOCK == 0
+            and e0.w2.codes.shape[1] * 2 % _BLOCK == 0)
+
+
+def bind(model) -> None:
+    """Stack each MoE's FP4 routed experts once (`kernels.moe.stack_experts`, rebinding the experts' buffers to
+    views, so memory is unchanged and `load_weights` writes through) where the grouped kernel applies."""
+    from kernels.moe import stack_experts
+    for m in model.modules():
+        if isinstance(m, MoE) and _stackable(m):
+            m.stacked = stack_experts(m.experts)
+
+
+def moe_routed(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Triton-backend routed experts: x [N, dim], weights / ids [N, k] -> [N, dim] fp32 (table above). The
+    grouped path reads no value back to the host (CUDA-graph capturable)."""
+    stacked = getattr(moe, "stacked", None)
+    if stacked is None or x.dtype != torch.bfloat16:
+        return moe_routed_ref(moe, x, weights, ids)
+    from kernels.moe import moe_experts
+    return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), stacked, moe.experts[0].limit)

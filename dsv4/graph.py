@@ -1,0 +1,240 @@
+"""Sync-free, CUDA-graph-captured decode for the triton backend (issue 13).
+
+`Transformer.use_decode_graphs(max_len)` makes `new_state(b)` return a `GraphDecodeState`. Its prefill is the
+model's ordinary eager prefill. On the first decode call the state moves into static buffers sized for
+`max_len` tokens (window ring and compressed entries in one `[b, window + max_len // r, hd]` tensor, so the
+attention reads them without a concatenation; indexer keys `[b, max_len // 4, d_I]`; the compressor buffers as
+they are), one decode step is captured in a CUDA graph (after an eager warm-up whose writes are undone), and
+every decode call after that copies the token ids and the position into static inputs and replays the graph.
+
+The captured step (`GraphDecodeState.step_eager`) is the reference decode maths of `Attention.forward` /
+`Compressor.decode` / `Indexer.select` with the position as a device tensor instead of a Python int:
+  * ring write, window mask, compressed-entry visibility and the indexer's causal count are computed from it;
+  * a compressor computes its pooled entry at every step and stores it (and shifts / resets its window) only
+    where `(pos + 1) % r == 0` (`torch.where`), instead of branching on the host;
+  * the indexer ranks all `max_len // 4` key slots with `n_valid = (pos + 1) // 4` and keeps `index_topk`
+    slots, -1 padded (the reference keeps `min(index_topk, n_valid)`: the extra slots are empty);
+  * the routed experts run `kernels.moe.moe_experts` (no host sync). Nothing in the step reads a value back to
+    the host (the GPU test runs it under `torch.cuda.set_sync_debug_mode("error")`).
+The final path (hc_head -> norm -> head) runs eagerly after the replay, through the modules, so forward hooks
+(the final-norm check) observe it; an observer gets every layer's output streams from the graph's buffers.
+
+Requirements (checked by `Transformer.use_decode_graphs`, ValueError otherwise): triton backend on CUDA, bf16
+numerics, `weights="quantized"` with FP4 experts at widths that are multiples of 128 (the grouped kernel).
+A graph belongs to one state (its buffers are the state's); decoding past `max_len` raises ValueError.
+Token ids are checked on the device (`torch._assert_async`: an id outside the vocabulary is a device-side
+assert, loud, never a silent wrong row).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dsv4.model import (Attention, Compressor, CompressorState, DecodeState, Indexer, LayerState,
+                        ResidualObserver, apply_rope)
+from kernels.indexer import indexer_topk_ref
+
+__all__ = ["GraphDecodeState", "check_graph_model"]
+
+
+def check_graph_model(model, max_len: int, capture: bool = True) -> None:
+    """Raise ValueError unless `model` can decode through CUDA graphs (module docstring) up to `max_len`
+    (`capture=False`: the static step run eagerly, any backend / device / dtype; only max_len is checked)."""
+    from dsv4.fast import _stackable
+    if not capture:
+        if not (isinstance(max_len, int) and max_len > 0):
+            raise ValueError(f"static decode state: max_len={max_len!r} (needs a positive int)")
+        return
+    problems = []
+    if model.backend.name != "triton":
+        problems.append(f"backend {model.backend.name!r} (needs 'triton')")
+    if model.device.type != "cuda":
+        problems.append(f"device {model.device} (needs CUDA)")
+    if model.dtype != torch.bfloat16:
+        problems.append(f"dtype {model.dtype} (needs torch.bfloat16)")
+    if model.weights != "quantized":
+        problems.append(f"weights={model.weights!r} (needs 'quantized')")
+    elif not all(_stackable(layer.ffn) for layer in model.layers):
+        problems.append("routed experts not all FP4 at widths that are multiples of 128 on this rank")
+    if not (isinstance(max_len, int) and max_len > 0 and max_len % 128 == 0):
+        problems.append(f"max_len={max_len!r} (needs a positive multiple of 128)")
+    if problems:
+        raise ValueError("CUDA-graph decode unavailable: " + "; ".join(problems))
+
+
+class _Static:
+    """Static decode buffers of one layer (see the module docstring)."""
+
+    def __init__(self, attn: Attention, ls: LayerState, max_len: int):
+        b, W, hd = ls.ring.shape
+        n_e = max_len // attn.ratio if attn.ratio else 0
+        self.keys = ls.ring.new_zeros(b, W + n_e, hd)
+        self.keys[:, :W] = ls.ring
+        self.ring, self.entries = self.keys[:, :W], self.keys[:, W:]
+        self.comp, self.index_keys, self.index_comp = ls.compressor, None, ls.index_compressor
+        if attn.compressor is not None:
+            self.entries[:, :ls.entries.shape[1]] = ls.entries
+        if attn.indexer is not None:
+            self.index_keys = ls.index_keys.new_zeros(b, max_len // 4, ls.index_keys.shape[2])
+            self.index_keys[:, :ls.index_keys.shape[1]] = ls.index_keys
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.keys]
+        for c in (self.comp, self.index_comp):
+            if c is not None:
+                out += [c.kv, c.score]
+        if self.index_keys is not None:
+            out.append(self.index_keys)
+        return out
+
+
+def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: CompressorState,
+                   out: torch.Tensor) -> None:
+    """`Compressor.decode` at device position pos [1]: the entry completed at (pos+1) % r == 0 goes to
+    out[:, pos // r] (out [b, n, d] static); branch-free (module docstring)."""
+    r, d = comp.ratio, comp.d
+    a = comp.wkv(x)[:, 0]
+    z = comp.wgate(x)[:, 0] + comp.ape.index_select(0, pos % r)
+    off = r if comp.overlap else 0
+    slot = off + pos % r
+    st.kv.index_copy_(1, slot, a[:, None])
+    st.score.index_copy_(1, slot, z[:, None])
+    done = ((pos + 1) % r == 0).view(1, 1, 1)
+    if comp.overlap:
+        A = torch.cat((st.kv[:, :r, :d], st.kv[:, r:, d:]), 1)
+        Z = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
+    else:
+        A, Z = st.kv, st.score
+    pooled = (Z.softmax(1) * A).sum(1, keepdim=True)
+    new = comp._finish(pooled, (pos // r) * r, x.dtype)
+    w = (pos // r).clamp(max=out.shape[1] - 1)
+    out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
+    if comp.overlap:
+        st.kv[:, :r] = torch.where(done, st.kv[:, r:], st.kv[:, :r])
+        st.score[:, :r] = torch.where(done, st.score[:, r:], st.score[:, :r])
+    st.score[:, off:] = torch.where(done, torch.full_like(st.score[:, off:], -math.inf), st.score[:, off:])
+
+
+def _select(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+            backend) -> torch.Tensor:
+    """`Indexer.select` at device position pos [1] over the static key slots: [b, 1, index_topk], -1 padded."""
+    b = x.shape[0]
+    q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
+    q = torch.cat((q[..., :-ix.rd], apply_rope(q[..., -ix.rd:], pos, ix.inv_freq)), -1)
+    q = ix.sim.fp4((q.float() @ ix.hadamard.T).to(q.dtype))
+    w = ix.weights_proj(x).float() * ix.weight_scale
+    scores = ix.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))
+    n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])
+    return indexer_topk_ref(scores, ix.topk, n_valid.view(1, 1).expand(b, 1), check=False)
+
+
+def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _Static, backend) -> torch.Tensor:
+    """`Attention.forward` for one decode token at device position pos [1]; x [b, 1, dim] -> [b, 1, dim]."""
+    b = x.shape[0]
+    rd, W = attn.rd, attn.window
+    qr = attn.q_norm(attn.wq_a(x))
+    q = attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.hd))
+    q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.args.norm_eps)
+    q = torch.cat((q[..., :-rd], apply_rope(q[..., -rd:], pos, attn.inv_freq)), -1)
+    kv = attn.kv_norm(attn.wkv(x))
+    kv = torch.cat((attn.sim.kv_nope(kv[..., :-rd]), apply_rope(kv[..., -rd:], pos, attn.inv_freq)), -1)
+    sl.ring.index_copy_(1, pos % W, kv)
+    slots = torch.arange(W, device=x.device)
+    idx = torch.where(slots <= pos, slots, -1).view(1, 1, W).expand(b, 1, W)
+    keys = sl.ring
+    if attn.compressor is not None:
+        _compress_step(attn.compressor, x, pos, sl.comp, sl.entries)
+        if attn.indexer is not None:
+            _compress_step(attn.indexer.compressor, x, pos, sl.index_comp, sl.index_keys)
+            comp = _select(attn.indexer, x, qr, pos, sl.index_keys, backend)
+        else:
+            w = torch.arange(sl.entries.shape[1], device=x.device)
+            comp = torch.where(w < (pos + 1) // attn.ratio, w, -1).view(1, 1, -1).expand(b, 1, -1)
+        idx = torch.cat((idx, torch.where(comp >= 0, comp + W, -1)), -1)
+        keys = sl.keys
+    o = backend.sparse_attn(q, keys, attn.attn_sink, idx, attn.scale)
+    o = torch.cat((o[..., :-rd], apply_rope(o[..., -rd:], pos, attn.inv_freq, inverse=True)), -1)
+    o = o.flatten(2).unflatten(-1, (attn.groups, -1))
+    return attn.wo_b(backend.grouped_linear(o, attn.wo_a).flatten(2))
+
+
+class GraphDecodeState(DecodeState):
+    """A `DecodeState` whose decode steps replay a CUDA graph (module docstring). Made by
+    `Transformer.new_state` after `Transformer.use_decode_graphs(max_len)`; `capture=False` runs the same
+    static step eagerly (the tests' comparison)."""
+
+    def __init__(self, model, batch: int, max_len: int, capture: bool = True):
+        check_graph_model(model, max_len, capture)
+        layers = [layer.attn.new_state(batch, model.dtype, model.device) for layer in model.layers]
+        super().__init__(layers=layers, pos=0)
+        self.model, self.batch, self.max_len, self.capture = model, batch, max_len, capture
+        self.static: list[_Static] | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.ids_buf = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
+        self.pos_buf = torch.zeros(1, dtype=torch.int64, device=model.device)
+        self.H_out: list[torch.Tensor] = []
+
+    def step_eager(self, ids: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """One decode step on the static buffers: ids [b, 1] int64, pos [1] int64 (device) -> every layer's
+        output streams [b, 1, hc, dim]. What the graph captures."""
+        m = self.model
+        be = m.backend
+        H = m.embed(ids).unsqueeze(2).repeat(1, 1, m.args.hc_mult, 1)
+        outs = []
+        for layer, sl in zip(m.layers, self.static):
+            H = layer._site(H, "attn", lambda x: _attention_step(layer.attn, layer.attn_norm(x), pos, sl, be), be)
+            H = layer._site(H, "ffn", lambda x: layer.ffn(layer.ffn_norm(x), ids), be)
+            outs.append(H)
+        return outs
+
+    def _make_static(self) -> None:
+        if self.pos > self.max_len:
+            raise ValueError(f"prefill of {self.pos} tokens exceeds the graph state's max_len={self.max_len}")
+        self.static = [_Static(layer.attn, ls, self.max_len) for layer, ls in zip(self.model.layers, self.layers)]
+        for ls, sl in zip(self.layers, self.static):  # the state's tensors are the static buffers from now on
+            ls.ring, ls.entries, ls.index_keys = sl.ring, (sl.entries if ls.entries is not None else None), \
+                sl.index_keys
+
+    def _capture(self) -> None:
+        """Warm up (compiles, workspaces, constant tables) on a side stream, undo its writes, capture."""
+        saved = [t.clone() for sl in self.static for t in sl.tensors()]
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step_eager(self.ids_buf, self.pos_buf)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip((t for sl in self.static for t in sl.tensors()), saved):
+            t.copy_(s)
+        del saved
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            self.H_out = self.step_eager(self.ids_buf, self.pos_buf)
+        self.graph = g
+
+    def decode(self, input_ids: torch.Tensor, observer: ResidualObserver | None = None) -> torch.Tensor:
+        """One decode token per sequence: input_ids [b, 1] -> logits [b, V] fp32 (advances pos). No host sync
+        in the step. Raises ValueError past max_len or for a wrong shape."""
+        if tuple(input_ids.shape) != (self.batch, 1):
+            raise ValueError(f"graph decode: input_ids shape {tuple(input_ids.shape)}, expected ({self.batch}, 1)")
+        if self.pos >= self.max_len:
+            raise ValueError(f"graph decode: position {self.pos} reaches the state's max_len={self.max_len} "
+                             "(make the state with a larger use_decode_graphs(max_len))")
+        V = self.model.args.vocab_size
+        torch._assert_async(((input_ids >= 0) & (input_ids < V)).all(), f"token id outside [0, {V})")
+        if self.static is None:
+            self._make_static()
+        self.ids_buf.copy_(input_ids)
+        self.pos_buf.fill_(self.pos)
+        if not self.capture:
+            self.H_out = self.step_eager(self.ids_buf, self.pos_buf)
+        else:
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+        self.pos += 1
+        if observer is not None:
+            for layer, H in zip(self.model.layers, self.H_out):
+                observer(layer.layer_id, H)
+        return self.model.final_logits(self.H_out[-1])[:, -1]

@@ -1,0 +1,463 @@
+"""FP8 block-scaled linear (W8A8): `y = act_quant(x) @ fp8_block_dequant(W)^T`, fp32 accumulation, bf16 out.
+
+Spec: `dsv4_reference_spec.md` §2 ("Weight dequantization", "Activation quantization before every FP8/FP4 GEMM"):
+the official `act_quant(x, 128, "ue8m0")` quantizes every 128-channel block of a token to e4m3 with the
+power-of-two scale `2^ceil(log2(max(amax, 1e-4) / 448))`, and `fp8_gemm` sums `(xq_kb . Wq_kb) * s_x[kb] *
+s_w[n/128, kb]` over the 128-wide K blocks in fp32. The act-quantized input and the dequantized weight are both
+exact in bf16, so the result equals a GEMM with fp32 accumulation on the two dequantized operands up to summation
+order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode with FP8 weights).
+
+Reading order (STYLE §1): the reference, the shared in-kernel quantization helpers, the kernels, the launchers.
+
+Paths of `fp8_linear` (chosen by M, never by a silent fallback):
+  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
+    registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
+    interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
+    accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
+    `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
+  * prefill, M > GEMV_MAX_M: `prefill=` one of
+      "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
+                  `torch.mm` (fp32 accumulation, bf16 out);
+      "scaled_mm" `act_quant` kernel (e4m3 codes + fp32 scales) + `torch.nn.functional.scaled_mm` with
+                  BlockWise1x128 (x) x BlockWise128x128 (W) scales (CUTLASS; measured on sm_90 with torch 2.11;
+                  M and K/128 multiples of 4);
+      "triton"    `act_quant` kernel + `_fp8_gemm_kernel` (tl.dot on e4m3 tiles, scales applied per K block).
+    `prefill_method` is the default, chosen by measurement on one H200 (benchmarks/RESULTS.md, "GEMM / MoE kernels
+    (issue 13)"): scaled_mm where N >= 4096 and K >= 3072 on sm_90 (wo_b M=4096: 295 µs vs 368 µs
+    dequant+cuBLAS, 426 µs triton), dequant+cuBLAS elsewhere (wq_a M=1024: 26 µs vs 36 µs scaled_mm; scaled_mm's
+    CUTLASS tiles lose on narrow N or short K). The Triton FP8 GEMM is kept as a measured alternative: it won
+    only one of ten shapes (shared w1 at M=1024, 33 vs 37 µs).
+
+Dimension legend: M tokens, K = in_features (multiple of 128), N = out_features.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import interpreting, sm_count, workspace
+
+BLOCK = 128            # FP8 weight block and activation block (spec §2)
+GEMV_MAX_M = 64        # decode path up to this many rows
+PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
+MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------------
+
+def _fail(op: str, name: str, value, expected: str) -> None:
+    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
+
+
+def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
+    """Shapes/dtypes of (x [M, K] bf16, weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu).
+    Returns (M, N, K). Raises ValueError naming the argument, its value and what was expected."""
+    for name, t in (("x", x), ("weight", weight), ("scale", scale)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            _fail(op, name, f"shape {tuple(getattr(t, 'shape', ()))}", "a 2-D torch.Tensor")
+    if x.dtype != torch.bfloat16:
+        _fail(op, "x", f"dtype {x.dtype}", "torch.bfloat16 (the official FP8 path takes bf16 activations)")
+    if weight.dtype != torch.float8_e4m3fn:
+        _fail(op, "weight", f"dtype {weight.dtype}", "torch.float8_e4m3fn (FP8 codes as on disk)")
+    if scale.dtype != torch.float8_e8m0fnu:
+        _fail(op, "scale", f"dtype {scale.dtype}", "torch.float8_e8m0fnu (ue8m0 block scales as on disk)")
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        _fail(op, "weight", f"shape {tuple(weight.shape)}", f"[N, {K}] (K of x)")
+    if K % BLOCK or K == 0:
+        _fail(op, "in_features", K, f"a positive multiple of {BLOCK} (act_quant blocks)")
+    want = (-(-N // BLOCK), K // BLOCK)
+    if tuple(scale.shape) != want:
+        _fail(op, "scale", f"shape {tuple(scale.shape)}", f"{want} (one per 128x128 block of weight {(N, K)})")
+    return M, N, K
+
+
+def check_layout(op: str, named: dict) -> None:
+    """Contiguous, on CUDA (CPU only under TRITON_INTERPRET=1), all on the first tensor's device."""
+    interp = interpreting()
+    first = next(iter(named.values())).device
+    for name, t in named.items():
+        if not t.is_contiguous():
+            _fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
+        if not (t.is_cuda or (interp and t.device.type == "cpu")):
+            _fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
+        if t.device != first:
+            _fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference (plain torch): the executable spec
+# ---------------------------------------------------------------------------------------------------------
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`bf16(act_quant_sim(x, 128) @ fp8_block_dequant(weight, scale)^T)` in fp32 (spec §2; = `Linear.forward`).
+
+    Args: x [M, K] bf16; weight [N, K] float8_e4m3fn; scale [ceil(N/128), K/128] float8_e8m0fnu.
+    Returns: [M, N] bf16. Raises ValueError on a wrong shape or dtype.
+    """
+    from dsv4 import quant
+    check_fp8_linear_args("fp8_linear_ref", x, weight, scale)
+    xq = quant.act_quant_sim(x, BLOCK)
+    w = quant.fp8_block_dequant(weight, scale, out_dtype=torch.float32)
+    return (xq.float() @ w.T).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# In-kernel number formats (shared with kernels.moe)
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def e8m0_to_f32(e):
+    """ue8m0 byte (int32 0..255) -> 2^(e-127) fp32 exactly (e=0: the subnormal 2^-127, e=255: NaN)."""
+    bits = tl.where(e == 0, 0x400000, e << 23)
+    bits = tl.where(e == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_e4m3(y):
+    """Round fp32 `y` (|y| <= 448) to the nearest e4m3 value, ties to even, as fp32 (exact on the grid).
+
+    Normal range (|y| >= 2^-6): keep 3 mantissa bits by integer round-half-even on the fp32 bits (a carry moves
+    into the exponent, as it must). Subnormal range: multiples of 2^-9 via the fp32 add of 1.5*2^14 (whose ulp is
+    2^-9; round-to-nearest-even by IEEE addition). Never uses the fp8 cast, whose interpreter emulation rounds ties
+    away from zero and flushes subnormals."""
+    bits = y.to(tl.int32, bitcast=True)
+    keep = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    normal = keep.to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + 24576.0) - 24576.0
+    sub = tl.where(y < 0, -r, r)  # keeps the sign of a negative value rounded to zero (-0, as torch's cast)
+    return tl.where(tl.abs(y) >= 0.015625, normal, sub)
+
+
+@triton.jit
+def round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even) as fp32, by integer rounding of the bits (finite x). The
+    following `.to(tl.bfloat16)` is then exact everywhere; the triton 3.9 interpreter's own cast truncates."""
+    bits = x.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """float8e4nv tensor -> fp32 by integer decoding (exact, subnormals kept; the interpreter-proof route)."""
+    v = b.to(tl.uint8, bitcast=True).to(tl.int32)
+    e = (v >> 3) & 15
+    m = v & 7
+    normal = (((v & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    sub = tl.where((v & 0x80) != 0, -sub, sub)
+    return tl.where(e == 0, sub, normal)
+
+
+@triton.jit
+def dot_q_w(q, w, MMA: tl.constexpr):
+    """`q @ w^T`, fp32 accumulation: q [R, C] fp32 values on the e4m3 grid, w [S, C] float8e4nv.
+    MMA 2: e4m3 tensor-core dot (the official Hopper path); 1: both widened to bf16 (exact); 0: fp32 dot with
+    input_precision="ieee" on integer-decoded values (the interpreter, whose bf16/fp8 casts and dots are not
+    faithful in triton 3.9). All three multiply the same exact values."""
+    if MMA == 2:
+        return tl.dot(q.to(tl.float8e4nv), tl.trans(w))
+    elif MMA == 1:
+        return tl.dot(q.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    else:
+        return tl.dot(q, tl.trans(e4m3_to_f32(w)), input_precision="ieee")
+
+
+@triton.jit
+def dot_w_w(a, b, MMA: tl.constexpr):
+    """`a @ b^T` of two float8e4nv tiles [R, C], [S, C] (fp32 accumulation), MMA as in `dot_q_w`."""
+    if MMA == 2:
+        return tl.dot(a, tl.trans(b))
+    elif MMA == 1:
+        return tl.dot(a.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
+    else:
+        return tl.dot(e4m3_to_f32(a), tl.trans(e4m3_to_f32(b)), input_precision="ieee")
+
+
+@triton.jit
+def e4m3_bits(q):
+    """e4m3 byte (int32 0..255) of an fp32 value already on the e4m3 grid (|q| <= 448): sign<<7 | exp<<3 | man,
+    subnormals exp=0 man=q/2^-9. Bit assembly instead of the fp8 cast (the interpreter's cast flushes subnormals)."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    e = ((bits >> 23) & 0xFF) - 127 + 7
+    normal = (e << 3) | ((bits >> 20) & 7)
+    sub = (tl.abs(q) * 512.0).to(tl.int32)
+    return sign | tl.where(e >= 1, normal, sub)
+
+
+@triton.jit
+def act_scale(x):
+    """Official act_quant scale of one [R, 128] fp32 tile (spec §2): per row `amax = max(max|x|, 1e-4)`,
+    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32.
+
+    ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
+    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    ab = amax.to(tl.int32, bitcast=True)
+    k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def act_apply(x, inv):
+    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`."""
+    return round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
+
+
+@triton.jit
+def act_quant_block(x):
+    """Official act_quant of one [R, 128] fp32 tile: (q [R, 128] fp32 on the e4m3 grid, s = 2^k [R] fp32)."""
+    inv, s = act_scale(x)
+    return act_apply(x, inv), s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.constexpr):
+    """Grid (cdiv(M, BR), K/128). SIM: q_ptr <- bf16(q * s) (quantize->dequantize, `act_quant_sim`); else
+    q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    kb = tl.program_id(1)
+    cols = kb * 128 + tl.arange(0, 128)
+    mask = (rows < M)[:, None]
+    r64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, s = act_quant_block(x)
+    if SIM:
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], (q * s[:, None]).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
+        tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
+    Quantizes x in registers (`act_quant_block`), reads the e4m3 weight codes, dot per K block (`dot_q_w`, fp32
+    accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
+    N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    n64 = offs_n.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = pid_s * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
+    srow = (pid_n * BN) // 128
+    for kb in range(kb0, kb1):
+        x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+                    other=0.0).to(tl.float32)
+        q, sx = act_quant_block(x)
+        w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        blk = dot_q_w(q, w, MMA)
+        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+        acc += blk * (sx * sw)[:, None]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+    else:
+        tl.store(part_ptr + (pid_s * M + offs_m[:, None]) * N + n64[None, :], acc, mask=out_mask)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + n64[None, :], mask=out_mask,
+                               other=0.0, volatile=True)
+            tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(tot).to(tl.bfloat16), mask=out_mask)
+            tl.store(sem_ptr + pid_n, 0)
+
+
+@triton.jit
+def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
+    """W bf16 [N, K] <- e4m3 code * 2^(s-127), grid (cdiv(N, BN), K/128); exact."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    kb = tl.program_id(1)
+    offs_k = kb * 128 + tl.arange(0, 128)
+    mask = (offs_n < N)[:, None]
+    n64 = offs_n.to(tl.int64)
+    w = tl.load(w_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = e8m0_to_f32(tl.load(ws_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=127).to(tl.int32))
+    tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
+                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
+    """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
+    cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
+    `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    srow = (pid_n * BN) // 128
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, KB):
+        a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+        b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+        blk = dot_w_w(a, b, MMA)
+        sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
+        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+        acc += blk * (sx * sw)[:, None]
+    tl.store(y_ptr + m64[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def act_quant(x: torch.Tensor, *, sim: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton `dsv4.quant.act_quant(x, 128, "ue8m0")` (sim=False: e4m3 codes [M, K] + fp32 scales [M, K/128]) or
+    `act_quant_sim` (sim=True: bf16 [M, K], scales None). x [M, K] bf16, K % 128 == 0; bitwise equal to the torch
+    functions. Raises ValueError on a wrong shape, dtype or layout."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
+        _fail("act_quant", "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              "a 2-D bf16 tensor [M, K]")
+    M, K = x.shape
+    if K % BLOCK or K == 0:
+        _fail("act_quant", "K", K, f"a positive multiple of {BLOCK}")
+    check_layout("act_quant", {"x": x})
+    KB = K // BLOCK
+    if sim:
+        q, s = torch.empty(M, K, dtype=torch.bfloat16, device=x.device), None
+    else:
+        q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+        s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+    if M:
+        BR = 16
+        codes = q if sim else q.view(torch.uint8)  # e4m3 bytes are assembled bit by bit (`e4m3_bits`)
+        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, codes, q if s is None else s, M, K, KB, SIM=sim, BR=BR)
+    return q, s
+
+
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Triton `dsv4.quant.fp8_block_dequant(weight, scale, bf16)`: [N, K] bf16 (exact), K % 128 == 0."""
+    N, K = weight.shape if weight.dim() == 2 else (0, 0)
+    check_fp8_linear_args("fp8_dequant", torch.empty(0, K, dtype=torch.bfloat16), weight, scale)
+    check_layout("fp8_dequant", {"weight": weight, "scale": scale})
+    out = torch.empty(N, K, dtype=torch.bfloat16, device=weight.device)
+    BN = 64
+    _fp8_dequant_kernel[(triton.cdiv(N, BN), K // BLOCK)](weight, scale.view(torch.uint8), out, N, K, K // BLOCK,
+                                                           BN=BN)
+    return out
+
+
+def prefill_method(M: int, N: int, K: int, device: torch.device) -> str:
+    """Default prefill path for x [M, K] and an [N, K] FP8 weight (module docstring: the measurements). scaled_mm
+    only where it was measured faster (sm_90, N >= 4096, K >= 3072) and its shape rule holds (M % 4 == 0)."""
+    sm = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+    fast = N >= 4096 and K >= 3072 and M % 4 == 0 and (K // BLOCK) % 4 == 0
+    return "scaled_mm" if fast and sm[0] == 9 else "dequant"
+
+
+def mma_mode(mma: str | None) -> int:
+    """Dot flavour for the kernels: 0 under TRITON_INTERPRET=1 (always; see `dot_q_w`), else 2 for "fp8" (e4m3
+    tensor cores, the official Hopper path) or 1 for "bf16" (both operands widened, exact). None -> MMA_DEFAULT.
+    Raises ValueError for any other name."""
+    name = MMA_DEFAULT if mma is None else mma
+    if name not in ("fp8", "bf16"):
+        _fail("mma", "mma", repr(mma), "'fp8' or 'bf16'")
+    return 0 if interpreting() else (2 if name == "fp8" else 1)
+
+
+def _gemv_split(device: torch.device, n_blocks: int, KB: int) -> tuple[int, int]:
+    """(SPLIT, KB_PER_SPLIT): about 2 programs per SM, splits of >= 2 K blocks."""
+    want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
+    per = -(-KB // want)
+    return -(-KB // per), per
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
+               prefill: str | None = None, mma: str | None = None) -> torch.Tensor:
+    """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
+
+    Args:
+        x: [M, K] bf16 (contiguous); K % 128 == 0.
+        weight: [N, K] float8_e4m3fn codes; scale: [ceil(N/128), K/128] float8_e8m0fnu (on-disk layout).
+        out: optional [M, N] bf16 output (written completely).
+        prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
+        mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
+    Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
+    """
+    op = "fp8_linear"
+    M, N, K = check_fp8_linear_args(op, x, weight, scale)
+    method = prefill_method(M, N, K, x.device) if prefill is None else prefill
+    if method not in PREFILL_METHODS:
+        _fail(op, "prefill", repr(prefill), f"one of {PREFILL_METHODS}")
+    if method == "scaled_mm" and M > GEMV_MAX_M and (M % 4 or (K // BLOCK) % 4):
+        _fail(op, "x", f"shape {(M, K)}", "M and K/128 multiples of 4 for prefill='scaled_mm' (CUTLASS blockwise)")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.bfloat16:
+        _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"bf16 {(M, N)}")
+    check_layout(op, {"x": x, "weight": weight, "scale": scale, "out": out})
+    mma = mma_mode(mma)
+    if M == 0:
+        return out
+    KB = K // BLOCK
+    ws = scale.view(torch.uint8)
+    if M <= GEMV_MAX_M:
+        BM = max(16, triton.next_power_of_2(M))
+        BN = 64 if M <= 16 else 32
+        n_blocks = triton.cdiv(N, BN)
+        split, per = _gemv_split(x.device, n_blocks, KB)
+        sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
+        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per, split,
+                                            BM=BM, BN=BN, MMA=mma, num_warps=4)
+        return out
+    if method == "dequant":
+        xq, _ = act_quant(x, sim=True)
+        torch.mm(xq, fp8_dequant(weight, scale).T, out=out)
+        return out
+    q, sx = act_quant(x)
+    if method == "triton":
+        BM, BN = 128, 128
+        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+        _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, BM=BM, BN=BN, GROUP_M=8,
+                               MMA=mma, num_warps=8, num_stages=3)
+        return out
+    return _scaled_mm(q, sx, weight, scale, out)
+
+
+def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """torch's blockwise FP8 GEMM (CUTLASS): x scales BlockWise1x128 [M, K/128] outer-dim-major, weight scales
+    BlockWise128x128 [K/128, ceil(N/128)] (fp32, exact copies of the ue8m0 powers of two). The layout torch 2.11
+    accepts on sm_90 (probed by benchmarks/bench_gemm.py); M and K/128 must be multiples of 4 (`fp8_linear` checks)."""
+    import torch.nn.functional as F
+
+    from dsv4.quant import e8m0_to_float
+    sw = e8m0_to_float(scale)
+    y = F.scaled_mm(q, weight.t(), sx.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
+                    F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    out.copy_(y)
+    return out

@@ -1,0 +1,111 @@
+"""FP8 linear and grouped FP4 MoE launchers vs their torch references at real Flash / Pro sizes (CUDA only).
+
+Outputs are NaN-poisoned through `out=` (fp8_linear); moe_experts allocates its outputs with torch.empty and must
+write every pair row (an unwritten row is garbage / NaN and fails). Inputs fresh per test, non-zero, weight scales
+over several binades. Criterion: bf16 table (rtol 1.6e-2 atol 1e-2) relative to the output's max|ref| (reasons in
+tests/unit/test_gemm_moe_kernels.py). The fp32 references run with TF32 off (asserted).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.testing import assert_close
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
+
+# (name, in, out): Flash (D 4096) and Pro (D 7168) FP8 linears
+SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 32768), ("wkv", 4096, 512), ("wo_b", 8192, 4096),
+          ("shared_w1", 4096, 2048), ("shared_w2", 2048, 4096), ("pro_wq_a", 7168, 1536), ("pro_w2", 3072, 7168)]
+MS = [1, 8, 32, 1024]
+
+
+@pytest.fixture(autouse=True)
+def _fp32_reference():
+    assert not torch.backends.cuda.matmul.allow_tf32, "TF32 matmul is on: the fp32 reference would be TF32"
+
+
+def close_bf16(actual, expected, name):
+    mag = float(expected.float().abs().max())
+    assert mag > 0
+    assert_close(actual.float() / mag, expected.float() / mag, name, dtype=torch.bfloat16)
+
+
+def make_w8(N, K):
+    w = torch.randn(N, K, device="cuda") * torch.logspace(-3, 1, K, device="cuda")[None, :]
+    return quant.fp8_block_quant(w)
+
+
+@pytest.mark.parametrize("M", MS, ids=[f"M{m}" for m in MS])
+@pytest.mark.parametrize("name,K,N", SHAPES, ids=[s[0] for s in SHAPES])
+def test_fp8_linear_gpu(seed, name, K, N, M):
+    from kernels.gemm import PREFILL_METHODS, fp8_linear, fp8_linear_ref
+    x = (torch.randn(M, K, device="cuda") * torch.logspace(-2, 2, K // 128, device="cuda").repeat_interleave(128)
+         ).to(torch.bfloat16)
+    w, s = make_w8(N, K)
+    ref = fp8_linear_ref(x, w, s)
+    for method in (PREFILL_METHODS if M > 64 else (None,)):
+        for mma in ("fp8", "bf16"):
+            if method in ("dequant", "scaled_mm") and mma == "bf16":
+                continue  # no Triton dot on these paths
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            close_bf16(fp8_linear(x, w, s, out=out, prefill=method, mma=mma), ref, f"y[{method}, {mma}]")
+
+
+def make_experts(E, D, I):
+    """Random on-disk codes (int8 bytes = two e2m1 nibbles) and ue8m0 scales over 2^-9..2^0."""
+    from kernels.moe import StackedExperts
+    parts = {}
+    for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
+        parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
+        parts["s" + n] = torch.randint(118, 128, (E, o, i // 32), dtype=torch.uint8,
+                                       device="cuda").view(torch.float8_e8m0fnu)
+    return StackedExperts(**parts)
+
+
+GEOM = {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
+
+
+@pytest.mark.parametrize("geom,T", [("flash", 1), ("flash", 8), ("flash", 32), ("flash", 512), ("pro", 1),
+                                    ("pro", 8)], ids=lambda v: str(v))
+def test_moe_experts_gpu(seed, geom, T):
+    from kernels.moe import moe_experts, moe_grouped_ref
+    E, D, I = GEOM[geom]
+    ex = make_experts(E, D, I)
+    x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
+    if T >= 8:
+        idx[1] = idx[0]  # two tokens on the same six experts
+    g = torch.rand(T, 6, device="cuda") + 0.1
+    ref = moe_grouped_ref(x, g, idx, ex, 10.0)
+    for mma in ("fp8", "bf16"):
+        close_bf16(moe_experts(x, g, idx, ex, 10.0, mma=mma), ref, f"moe y [{mma}]")
+
+
+def test_moe_experts_sync_free_and_graph_replay(seed):
+    """No host sync (sync debug mode "error") and a CUDA graph replayed with new routing equals eager."""
+    from kernels.moe import moe_experts
+    E, D, I = GEOM["flash"]
+    ex = make_experts(E, D, I)
+    x = (torch.randn(4, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idx = torch.rand(4, E, device="cuda").topk(6, dim=-1).indices
+    g = torch.rand(4, 6, device="cuda") + 0.1
+    moe_experts(x, g, idx, ex, 10.0)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_experts(x, g, idx, ex, 10.0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = moe_experts(x, g, idx, ex, 10.0)
+    x.copy_((torch.randn(4, D, device="cuda") * 0.3).to(torch.bfloat16))
+    idx.copy_(torch.rand(4, E, device="cuda").topk(6, dim=-1).indices)
+    g.copy_(torch.rand(4, 6, device="cuda") + 0.1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, moe_experts(x, g, idx, ex, 10.0)), "graph replay differs from eager"

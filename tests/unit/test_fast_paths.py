@@ -1,0 +1,74 @@
+"""The triton backend's model-level entries (`dsv4/fast.py`) against the reference entries, at tiny widths that
+are multiples of 128 (so the FP8 / FP4 kernels run; Triton interpreter on CPU).
+
+Tolerances (bf16 outputs): the fast linears multiply the same exact bf16 operands as the reference with fp32
+accumulation in another order, so outputs differ by at most one bf16 rounding of the same fp32 value:
+rtol 2^-7 (one bf16 ulp), atol 1e-6. The routed experts additionally round u, v and h to bf16 at the same points
+as the reference; an activation that flips one FP8 code of h changes that slot's output by at most one e4m3 step
+(2^-3 relative of that element), hence the looser rtol 2^-3 on the fp32 sum with a median check below one ulp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4 import fast
+from dsv4.model import grouped_linear_ref, linear_ref, moe_routed_ref
+from dsv4.testing import fill_random_quantized_
+from dsv4.tiny import tiny_args
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
+
+ULP = 2.0 ** -7
+
+
+@pytest.fixture(scope="module")
+def model():
+    from dsv4.model import Transformer
+    args = tiny_args(vocab_size=256, dim=128, moe_inter_dim=128, q_lora_rank=128, head_dim=128, rope_head_dim=64,
+                     o_lora_rank=128, index_head_dim=128, n_layers=2, compress_ratios=(0, 4, 0))
+    m = Transformer(args, dtype=torch.bfloat16, backend="triton", weights="quantized")
+    fill_random_quantized_(m, seed=7)
+    return m
+
+
+def _close(a, b, rtol, what):
+    err = (a.float() - b.float()).abs()
+    bound = rtol * b.float().abs() + 1e-6
+    assert bool((err <= bound).all()), f"{what}: max excess {(err - bound).max():.3e}"
+
+
+def test_fp8_linear_matches_reference(model):
+    attn = model.layers[0].attn
+    for lin, k in ((attn.wq_a, 128), (attn.wo_b, 256), (model.layers[0].ffn.shared_experts.w2, 128)):
+        x = torch.randn(3, 5, k).to(torch.bfloat16)
+        assert lin.fmt == "fp8" and lin.kernel is fast.linear
+        _close(fast.linear(lin, x), linear_ref(lin, x), ULP, f"linear {tuple(lin.codes.shape)}")
+
+
+def test_fp32_linear_is_the_reference(model):
+    lin = model.layers[1].attn.compressor.wkv
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    y = fast.linear(lin, x)
+    assert y.dtype == torch.float32 and torch.equal(y, linear_ref(lin, x))
+
+
+def test_grouped_wo_a_matches_reference(model):
+    attn = model.layers[0].attn
+    o = torch.randn(2, 3, attn.groups, attn.n_heads * attn.hd // attn.groups).to(torch.bfloat16)
+    _close(fast.grouped_linear(o, attn.wo_a), grouped_linear_ref(o, attn.wo_a), ULP, "grouped wo_a")
+
+
+def test_grouped_moe_matches_reference_loop(model):
+    moe = model.layers[1].ffn
+    assert hasattr(moe, "stacked") and moe.routed is fast.moe_routed
+    x = torch.randn(9, 128).to(torch.bfloat16)
+    w, ids = moe.gate(x, torch.randint(0, 256, (9,)))
+    a, b = fast.moe_routed(moe, x, w, ids), moe_routed_ref(moe, x, w, ids)
+    _close(a, b, 2.0 ** -3, "routed experts")
+    rel = ((a - b).abs() / b.abs().clamp_min(1e-6)).median()
+    assert rel <= ULP, f"median relative error {rel:.2e} > one bf16 ulp"

@@ -1,0 +1,220 @@
+"""FP8 block-scaled linear and grouped FP4 MoE (kernels/gemm.py, kernels/moe.py) against their torch references.
+
+Triton checks run under TRITON_INTERPRET=1 on CPU (CI) or on CUDA; small shapes (tests/gpu covers real sizes).
+Edge values so every term matters: weight scales spread over 8+ binades (per 128x128 block / per 32 inputs),
+activation blocks whose amax sits below the 1e-4 floor, at an exact power of two times 448 and in the e4m3
+subnormal range; SwiGLU clamps engaged (|u|, |v| > limit) and limit = 0; one token routed to one expert twice,
+several tokens per expert across tile boundaries, experts with zero tokens.
+
+Criteria (STYLE §8):
+    act_quant codes / scales, fp8_dequant:   bitwise equal (quantisation codes and scales).
+    fp8_linear, MoE h, MoE y (bf16 outputs): rtol 1.6e-2 atol 1e-2 relative to the output's max|ref| (bf16 table
+        scaled by the output's magnitude, which spans many binades here); both sides round one fp32 sum of exact
+        bf16 products once - only the summation order differs (1 bf16 ulp).
+    moe_experts end to end (fp32 sum of k bf16 rows): same criterion; h is re-quantized to e4m3 before w2, so a
+        1-ulp bf16 difference of h could move one e4m3 code by 2^-3 of that element - bounded by the same atol.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4 import quant
+from dsv4.testing import assert_close
+from kernels.gemm import act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
+from kernels.moe import StackedExperts, moe_experts, moe_grouped_ref, moe_route, moe_up
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
+needs_triton = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+
+
+def close_bf16(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """bf16 table scaled by the output's magnitude (module docstring)."""
+    mag = float(expected.float().abs().max())
+    assert mag > 0, f"{name}: reference is all zero (the test input lost its meaning)"
+    assert_close(actual.float() / mag, expected.float() / mag, name, dtype=torch.bfloat16)
+
+
+def make_x(M: int, K: int) -> torch.Tensor:
+    """bf16 [M, K], 128-blocks over 9 binades, one block under the amax floor, one at 448 * 2^-3 exactly, tiny
+    elements (e4m3 subnormals after scaling) beside large ones."""
+    x = torch.randn(M, K) * torch.logspace(-5, 3, K // 128).repeat_interleave(128)
+    x[0, :128] = torch.randn(128) * 2e-5
+    x[-1, 128:256] = torch.randn(128)
+    x[-1, 130] = 56.0  # 448 * 2^-3: the scale is exactly 2^-3, no rounding up
+    x[-1, 131] = 1e-3  # subnormal e4m3 after dividing by 2^-3
+    return x.to(torch.bfloat16).to(DEV)
+
+
+def make_w8(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(N, K) * torch.logspace(-4, 4, K)[None, :] * torch.logspace(0, 2, N)[:, None]
+    q, s = quant.fp8_block_quant(w)
+    return q.to(DEV), s.to(DEV)
+
+
+@needs_triton
+def test_act_quant_bitwise(seed):
+    x = make_x(19, 512)
+    q, s = act_quant(x)
+    rq, rs = quant.act_quant(x, 128)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "act_quant codes differ from dsv4.quant"
+    assert torch.equal(s, rs), "act_quant scales differ from dsv4.quant"
+    qs, _ = act_quant(x, sim=True)
+    assert torch.equal(qs, quant.act_quant_sim(x, 128)), "act_quant(sim=True) differs from act_quant_sim"
+
+
+@needs_triton
+def test_fp8_dequant_bitwise(seed):
+    w, s = make_w8(200, 384)
+    assert torch.equal(fp8_dequant(w, s), quant.fp8_block_dequant(w, s, torch.bfloat16))
+
+
+@needs_triton
+@pytest.mark.parametrize("M,N,K", [(1, 200, 384), (5, 96, 1024), (33, 130, 256)], ids=["M1", "M5-split", "M33"])
+def test_fp8_linear_decode(seed, M, N, K):
+    x, (w, s) = make_x(M, K), make_w8(N, K)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
+    close_bf16(fp8_linear(x, w, s, out=out), fp8_linear_ref(x, w, s), "y")
+
+
+@needs_triton
+@pytest.mark.parametrize("method", ["dequant", "triton"])
+def test_fp8_linear_prefill(seed, method):
+    x, (w, s) = make_x(70, 256), make_w8(136, 256)
+    out = torch.full((70, 136), float("nan"), dtype=torch.bfloat16, device=DEV)
+    close_bf16(fp8_linear(x, w, s, out=out, prefill=method), fp8_linear_ref(x, w, s), "y")
+
+
+def test_fp8_linear_names_bad_input():
+    x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16), make_w8(64, 256)
+    w, s = w.cpu(), s.cpu()
+    with pytest.raises(ValueError, match="x is dtype torch.float32"):
+        fp8_linear(x.float(), w, s)
+    with pytest.raises(ValueError, match="scale is shape"):
+        fp8_linear(x, w, s[:, :1])
+    with pytest.raises(ValueError, match="in_features is 96"):
+        fp8_linear_ref(x[:, :96], w[:, :96], s[:, :1])
+    with pytest.raises(ValueError, match="prefill is 'cublas'"):
+        fp8_linear(x, w, s, prefill="cublas")
+    with pytest.raises(ValueError, match="multiples of 4 for prefill='scaled_mm'"):
+        fp8_linear(torch.zeros(70, 256, dtype=torch.bfloat16), w, s, prefill="scaled_mm")
+
+
+# ------------------------------------------------------------------------------------------------------ MoE
+E, D, I = 6, 256, 128
+
+
+def make_experts(scale_lo: float = -2.0, scale_hi: float = 1.0) -> StackedExperts:
+    """FP4 experts, per-32 scales spread over binades along the input axis."""
+    parts = {}
+    for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
+        qs = [quant.fp4_quant(torch.randn(o, i) * torch.logspace(scale_lo, scale_hi, i // 32).repeat_interleave(32))
+              for _ in range(E)]
+        parts["w" + n] = torch.stack([q for q, _ in qs]).to(DEV)
+        parts["s" + n] = torch.stack([s for _, s in qs]).to(DEV)
+    return StackedExperts(**parts)
+
+
+# token 0 sends slots 0 and 2 to expert 2 (same expert twice); experts 1 and 4 get no token
+IDX5 = [[2, 0, 2], [2, 0, 5], [3, 2, 0], [0, 5, 2], [2, 3, 0]]
+
+
+def routing(T: int, k: int, fixed=None) -> tuple[torch.Tensor, torch.Tensor]:
+    if fixed is not None:
+        idx = torch.tensor(fixed)
+    else:  # many tokens per expert (several 16-row tiles), experts 1 and 4 empty
+        idx = torch.tensor([0, 2, 3, 5])[torch.randint(0, 4, (T, k))]
+    return torch.rand(T, k).add(0.1).to(DEV), idx.to(DEV)
+
+
+def test_moe_route_is_a_padded_permutation():
+    idx = torch.tensor(IDX5)
+    r = moe_route(idx, E, 4)
+    flat = idx.flatten()
+    rows = (r.row_pair >= 0).nonzero().flatten()
+    assert sorted(r.row_pair[rows].tolist()) == list(range(flat.numel())), "every pair exactly once"
+    tiles = rows // 4
+    assert torch.equal(r.tile_expert[tiles].long(), flat[r.row_pair[rows].long()]), "row in its expert's tile"
+    assert r.tile_expert.numel() == -(-15 // 4) + 6
+    used = set(r.tile_expert.tolist())
+    assert 1 not in used and 4 not in used and E in used, "empty experts get no tile; spare tiles say E"
+
+
+@needs_triton
+@pytest.mark.parametrize("limit", [10.0, 0.0], ids=["clamped", "no-limit"])
+@pytest.mark.parametrize("T", [1, 5, 40], ids=["T1", "T5-dup", "T40"])
+def test_moe_experts(seed, T, limit):
+    ex = make_experts()
+    g, idx = routing(T, 3, IDX5 if T == 5 else ([[4, 1, 0]] if T == 1 else None))
+    x = (torch.randn(T, D) * 0.5).to(torch.bfloat16).to(DEV)
+    ref = moe_grouped_ref(x, g, idx, ex, limit)
+    if limit:
+        # the clamps must be engaged: some |v| and some u above the limit (checked on the reference maths)
+        xq = quant.act_quant_sim(x, 128).float()
+        e0 = int(idx[0, 0])
+        u = xq @ quant.fp4_dequant(ex.w1[e0], ex.s1[e0]).T
+        v = xq @ quant.fp4_dequant(ex.w3[e0], ex.s3[e0]).T
+        assert bool((u > limit).any()) and bool((v.abs() > limit).any()), "test input does not engage the clamps"
+    close_bf16(moe_experts(x, g, idx, ex, limit), ref, "moe y")
+
+
+@needs_triton
+def test_moe_up_rows_match_reference(seed):
+    """The intermediate h (one bf16 rounding after the SwiGLU) row by row in pair order."""
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
+    route = moe_route(idx, E, 16)
+    h = moe_up(x, g, route, ex, 10.0, 32)
+    rows = (route.row_pair >= 0).nonzero().flatten()
+    got = torch.empty(15, I, dtype=torch.bfloat16, device=DEV)
+    got[route.row_pair[rows].long()] = h[rows]
+    xq = quant.act_quant_sim(x, 128).float()
+    for p in range(15):
+        t, j = divmod(p, 3)
+        e = int(idx[t, j])
+        u = (xq[t] @ quant.fp4_dequant(ex.w1[e], ex.s1[e]).T).bfloat16().float().clamp(max=10.0)
+        v = (xq[t] @ quant.fp4_dequant(ex.w3[e], ex.s3[e]).T).bfloat16().float().clamp(-10.0, 10.0)
+        close_bf16(got[p], (torch.nn.functional.silu(u) * v * g[t, j]).bfloat16(), f"h[pair {p}]")
+
+
+def test_moe_names_bad_input():
+    ex = StackedExperts(*(t.cpu() for t in make_experts()))
+    x = torch.zeros(2, D, dtype=torch.bfloat16)
+    g, idx = torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="s2 is dtype torch.uint8"):
+        moe_grouped_ref(x, g, idx, ex._replace(s2=ex.s2.view(torch.uint8)), 10.0)
+    with pytest.raises(ValueError, match="weights is torch.float64"):
+        moe_experts(x, g.double(), idx, ex, 10.0)
+    with pytest.raises(ValueError, match=r"indices is range \[6, 6\]"):
+        moe_grouped_ref(x, g, idx + 6, ex, 10.0)
+
+
+def test_stack_experts_views_and_values():
+    """stack_experts copies each expert's codes/scales once into [E, ...] and (rebind) leaves the experts holding
+    views of the stack: no second copy, and a later load through the expert writes the stacked tensor."""
+    from dsv4.model import Expert, _Sim
+    from kernels.moe import stack_experts
+    sim = _Sim(False)
+    sim.resident = "quantized"
+    experts = [Expert(D, I, 10.0, sim, torch.bfloat16) for _ in range(3)]
+    for ex in experts:
+        for lin in (ex.w1, ex.w2, ex.w3):
+            lin.hold("fp4", "cpu")
+            lin.weight.copy_(torch.randint(-128, 128, lin.weight.shape, dtype=torch.int8))
+            lin.scale.view(torch.uint8).copy_(torch.randint(110, 130, lin.scale.shape, dtype=torch.uint8))
+    before = [(ex.w1.weight.clone(), ex.w2.scale.view(torch.uint8).clone()) for ex in experts]
+    st = stack_experts(experts)
+    assert tuple(st.w1.shape) == (3, I, D // 2) and tuple(st.s2.shape) == (3, D, I // 32)
+    for e, ex in enumerate(experts):
+        assert torch.equal(st.w1[e], before[e][0]) and torch.equal(st.s2[e].view(torch.uint8), before[e][1])
+        assert ex.w1.weight.data_ptr() == st.w1[e].data_ptr(), "expert w1 is not a view of the stack"
+    experts[1].load_state_dict({k: torch.zeros_like(v) for k, v in experts[1].state_dict().items()})
+    assert int(st.w3[1].abs().sum()) == 0 and int(st.w3[0].abs().sum()) > 0, "load did not write the stack"
+    with pytest.raises(ValueError, match=r"experts\[1\].w1 is missing"):
+        stack_experts([experts[0], None])

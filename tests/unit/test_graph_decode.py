@@ -1,0 +1,64 @@
+"""The static decode step that the triton backend captures in a CUDA graph (`dsv4/graph.py`), run eagerly on CPU.
+
+`GraphDecodeState(..., capture=False)` executes exactly the step the graph records (device position, static
+buffers, branch-free compressors, fixed-k indexer over all key slots). In fp32 (exact mode) it must equal the
+model's ordinary decode to fp32 rounding (atol 1e-5 on logits of magnitude ~4; the only differences are the
+order of fp32 sums over the extra empty slots) across CSA (ratio 4, indexer top-k 4 below the entries) and HCA
+(ratio 128) compression boundaries, with equal greedy tokens. The CUDA-graph replay itself, the sync-free run
+and the bf16 Flash-width parity are GPU tests (tests/gpu/test_graph_decode.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4.graph import GraphDecodeState
+from dsv4.model import Transformer
+from dsv4.testing import assert_close
+from dsv4.tiny import random_state_dict, tiny_args
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pair(backend: str):
+    args = tiny_args(vocab_size=512)
+    sd = {k: v for k, v in random_state_dict(args, seed=5).items() if not k.startswith("mtp.")}
+    m = Transformer(args, backend=backend)
+    m.load_weights(sd)
+    return m
+
+
+@pytest.mark.parametrize("backend,prefill,steps", [
+    ("reference", 21, 12),    # CSA entries complete at 24, 28, 32; top-k 4 < entries
+    ("reference", 124, 8),    # the HCA entry completes at 128
+    pytest.param("triton", 21, 6, marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
+])
+def test_static_step_equals_decode(backend, prefill, steps):
+    m = _pair(backend)
+    ids = torch.randint(0, 512, (2, prefill), generator=torch.Generator().manual_seed(prefill))
+    ref, static = m.new_state(2), GraphDecodeState(m, 2, 256, capture=False)
+    a, b = m(ids, ref), m(ids, static)
+    assert_close(b, a, "prefill logits", atol=1e-5, rtol=0)
+    for i in range(steps):
+        tok = a.argmax(-1, keepdim=True)
+        assert torch.equal(b.argmax(-1, keepdim=True), tok), f"greedy token differs at decode step {i}"
+        a, b = m(tok, ref), m(tok, static)
+        assert_close(b, a, f"decode step {i} logits (static step vs decode)", atol=1e-5, rtol=0)
+    assert static.pos == ref.pos == prefill + steps
+
+
+def test_static_state_refuses_past_max_len():
+    m = _pair("reference")
+    st = GraphDecodeState(m, 1, 4, capture=False)
+    m(torch.zeros(1, 4, dtype=torch.int64), st)
+    with pytest.raises(ValueError, match="max_len=4"):
+        m(torch.zeros(1, 1, dtype=torch.int64), st)
+
+
+def test_graph_decode_needs_triton_bf16_quantized():
+    m = _pair("reference")
+    with pytest.raises(ValueError, match="backend 'reference'.*dtype torch.float32.*weights='dequantized'"):
+        m.use_decode_graphs(256)
