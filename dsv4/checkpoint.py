@@ -476,7 +476,8 @@ class Checkpoint:
 
         `dequantize=False`: the raw on-disk tensor. Otherwise: FP8 (F8_E4M3 + `.scale`) and FP4 (I8 + `.scale`)
         weights dequantized exactly (spec §2) then cast to `dtype`; a `.scale` itself decoded to 2^(e-127);
-        BF16/F32 cast to `dtype`; I64 (`tid2eid`) returned as int64 whatever `dtype` is. Dequantization runs
+        BF16 cast to `dtype`; F32 cast to `dtype` only when that is at least as wide (a narrower `dtype` gives
+        float32: F32 tensors are fp32 parameters in the official model, never rounded); I64 (`tid2eid`) returned as int64 whatever `dtype` is. Dequantization runs
         on `device`.
 
         Raises KeyError (absent), CheckpointError (missing/mis-typed/mis-shaped scale, unsupported dtype, bytes
@@ -498,6 +499,10 @@ class Checkpoint:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{f}: tensor {name}: {e}") from None
+        if dt == "F32" and torch.finfo(dtype).bits < 32:
+            # never rounded: the official model keeps its F32 tensors (hc_*, attn_sink, ape, gate.bias) as fp32
+            # parameters in every mode, so narrowing them here would change the bf16 model's numerics
+            return self._raw(name, device).to(torch.float32)
         if dt in ("BF16", "F32"):
             return self._raw(name, device).to(dtype)
         if dt == "I64":
@@ -515,8 +520,8 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
     unexpected tensor, every shape and dtype right) and requires every tensor that is loaded. Loaded: the
     globals (`embed`, `head`, `norm`, `hc_head_*`), main layers `< n_layers` (default all; callers pass
     `dsv4.config.layers_from_env(...)`), and `mtp.*` only with `include_mtp`. Every floating non-quantized
-    tensor is returned as `dtype` (so the F32 parameters hc_*, attn_sink, ape, gate.bias stay float32 when
-    dtype is float32 and are cast to `dtype` otherwise); `tid2eid` stays int64.
+    tensor is returned as `dtype`, except that F32 tensors (the fp32 parameters hc_*, attn_sink, ape, gate.bias)
+    are never narrowed: with a bf16 `dtype` they stay float32, as in the official model; `tid2eid` stays int64.
 
     `dequantize=True`: FP8/FP4 weights come dequantized to `dtype` (spec §2), no `.scale` entries.
     `dequantize=False` (for `Transformer(weights="quantized")`): FP8 / FP4 weights come as stored (float8_e4m3fn

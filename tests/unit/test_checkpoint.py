@@ -78,7 +78,10 @@ def test_load_subset_and_dtypes(tiny_ckpt):
     assert sd["layers.1.attn.wq_b.weight"].dtype == torch.float32
     assert sd["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
     _, sd16 = load_checkpoint(tiny_ckpt, n_layers=1, include_mtp=True, dtype=torch.bfloat16, progress=True)
-    assert sd16["layers.0.hc_attn_fn"].dtype == torch.bfloat16 and "mtp.0.e_proj.weight" in sd16
+    # F32 on disk is never narrowed (test_f32_never_narrowed.py); BF16 and dequantized weights take `dtype`
+    assert sd16["layers.0.hc_attn_fn"].dtype == torch.float32 and "mtp.0.e_proj.weight" in sd16
+    assert sd16["layers.0.attn_norm.weight"].dtype == torch.bfloat16
+    assert sd16["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
     assert sd16["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
     assert not any(k.startswith("layers.1.") for k in sd16)
     with pytest.raises(ValueError, match="n_layers=5: expected an integer in 1..4"):
