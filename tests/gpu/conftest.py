@@ -27,3 +27,13 @@ def real_ckpt(tmp_path_factory):
         yield build_real_ckpt(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory_after_test():
+    """Models of one test never hold GPU memory into the next: tests that start GPU subprocesses (diagnose,
+    torchrun) need it free (tests/gpu/real_width.py `release_gpu_memory`)."""
+    yield
+    from tests.gpu.real_width import release_gpu_memory
+
+    release_gpu_memory()

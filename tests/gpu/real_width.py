@@ -59,10 +59,32 @@ def gpu_need(ckpt: Path, weights: str, world_size: int = 1, streamed: bool = Tru
     return m.peak * (1 if streamed else 2) + 4 * GiB
 
 
+def release_gpu_memory() -> None:
+    """Give this process's cached CUDA blocks back to the driver (gc first, so dropped models are really gone).
+    Needed before a test starts a GPU subprocess: the caching allocator of the pytest process otherwise keeps what
+    earlier tests' models used (measured: 120 GiB held by pytest after the real-width final-norm tests, and the
+    `dsv4 diagnose` subprocesses then ran out of memory)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def require_gpu_memory(ckpt: Path, weights: str, world_size: int = 1, streamed: bool = True) -> None:
-    """pytest.skip with the numbers unless every visible GPU has `gpu_need(...)` bytes of memory."""
+    """pytest.skip with the numbers unless every visible GPU has `gpu_need(...)` bytes of memory in total; fails
+    (not skips) when the memory exists but is not free after this process released its cache: something else holds
+    it (another process, or a model an earlier test leaked), and a skip would hide that."""
     need = gpu_need(ckpt, weights, world_size, streamed)
     have = min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
     if need > have:
         pytest.skip(f"GPU memory too small for {ckpt} with weights={weights} at world size {world_size}: needs "
                     f"{need / GiB:.1f} GiB (dsv4.memory_plan), a GPU has {have / GiB:.1f} GiB (lower TEST_LAYERS)")
+    release_gpu_memory()
+    for i in range(torch.cuda.device_count()):
+        free, _ = torch.cuda.mem_get_info(i)
+        if need > free:
+            pytest.fail(f"GPU {i}: {free / GiB:.1f} GiB free, {need / GiB:.1f} GiB needed for {ckpt} with "
+                        f"weights={weights} at world size {world_size}; this process still holds "
+                        f"{torch.cuda.memory_allocated(i) / GiB:.1f} GiB allocated, the rest is held elsewhere")
