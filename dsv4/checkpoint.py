@@ -19,14 +19,13 @@ ids outside 0..n_routed_experts-1, on the device it is loaded to; the error name
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from pathlib import Path
 
 import torch
 
-from dsv4.config import ModelArgs
+from dsv4.config import ModelArgs, loads_json
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
@@ -225,7 +224,8 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Parse and check one safetensors header: name -> (dtype string, shape).
 
-    Raises CheckpointError naming the file for: a file shorter than its header, invalid JSON, an unknown dtype,
+    Raises CheckpointError naming the file for: a file shorter than its header, invalid JSON, a tensor named
+    twice in the header (JSON would keep the last entry silently), an unknown dtype,
     a tensor whose byte range does not match its shape, data that ends before the header says (truncated),
     trailing bytes after it, and byte ranges that overlap or leave a gap (safetensors stores the tensors
     back to back from data byte 0; the message names both tensors).
@@ -239,9 +239,9 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         if 8 + n > size:
             raise CheckpointError(f"{path}: truncated: header declares {n} header bytes, file holds {size - 8}")
         try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from None
+            header = loads_json(f.read(n), f"{path}: safetensors header")
+        except ValueError as e:  # invalid JSON, or a tensor named twice (json would keep the last entry)
+            raise CheckpointError(str(e)) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     header.pop("__metadata__", None)
@@ -296,7 +296,8 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     checked for existence here (`Checkpoint` does that), only for form.
 
     Raises:
-        CheckpointError (naming the index file): not UTF-8 JSON; the top level is not an object; no
+        CheckpointError (naming the index file): not UTF-8 JSON; a key twice in one object (a tensor mapped
+            twice: JSON would keep the last shard silently); the top level is not an object; no
             `weight_map` object; a tensor name or shard that is not a string; a shard that is not a plain file
             name inside the checkpoint directory (`../x.safetensors`, `/abs/x.safetensors`, `sub/x`: the path
             escape is refused, naming the tensor); `metadata` not an object; `total_size` not a
@@ -304,9 +305,9 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     """
     index = Path(index)
     try:
-        doc = json.loads(index.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{index}: not valid JSON ({e}); expected {{\"metadata\": {{\"total_size\": N}}, "
+        doc = loads_json(index.read_bytes(), str(index))
+    except ValueError as e:  # invalid JSON, or a tensor mapped twice (json would keep the last shard)
+        raise CheckpointError(f"{e}; expected {{\"metadata\": {{\"total_size\": N}}, "
                               f"\"weight_map\": {{tensor: shard}}}}") from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{index}: top level is a JSON {type(doc).__name__}, expected an object with a "

@@ -56,13 +56,43 @@ def _device(text: str) -> str:
     return text
 
 
+def _path(text: str) -> Path:
+    """A non-empty path (`Path("")` would silently mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a non-empty path")
+    return Path(text)
+
+
 def _json_out(text: str) -> Path:
-    p = Path(text)
+    """A file the report can be written to, checked now (by opening it for appending; a file this creates is
+    removed again) so that an unwritable path fails before the run, not after it."""
+    p = _path(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
     if not p.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(p.parent)!r} does not exist")
+    existed = p.exists()
+    try:
+        with p.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write the report there ({e.strerror or e})") from None
+    if not existed:
+        p.unlink()
     return p
+
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64-bit seeds
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{v} is outside 0..2**64-1 (a 64-bit seed)")
+    return v
 
 
 def _text(text: str) -> str:
@@ -70,6 +100,13 @@ def _text(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("the prompt is not valid UTF-8 text") from None
+    return text
+
+
+def _prompt(text: str) -> str:
+    if not _text(text).strip():
+        raise argparse.ArgumentTypeError("expected a non-empty prompt text (an empty or blank user message is "
+                                         "almost always an unset shell variable)")
     return text
 
 
@@ -123,9 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Test 1: the hand-rolled prompt vs the official format (token-id diff, greedy "
                                "continuations with a loop measure, the verdict); Test 2: the final norm runs and "
                                "the logits are invariant to the residual's magnitude.")
-    d.add_argument("--ckpt", type=Path, default=None,
+    d.add_argument("--ckpt", type=_path, default=None,
                    help="checkpoint directory (default: $DSV4_CKPT, else a tiny checkpoint built on the fly)")
-    d.add_argument("--prompt", type=_text, default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
+    d.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
     d.add_argument("--decode-steps", type=_positive_int, default=2, help="Test 2: decode steps after prefill (>= 1, "
                    "default 2)")
     d.add_argument("--json", type=_json_out, default=None, metavar="FILE", help="also write the report as JSON")
@@ -140,21 +177,21 @@ def build_parser() -> argparse.ArgumentParser:
     g = _subparser(sub, "generate", help="generate a completion for one user prompt",
                    description="Stream a completion to stdout (through the official prompt format), then the parsed "
                                "message, or the partial result when --max-tokens cut it, on stderr.")
-    g.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
-    g.add_argument("--prompt", type=_text, required=True, help="user prompt text")
+    g.add_argument("--ckpt", type=_path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
+    g.add_argument("--prompt", type=_prompt, required=True, help="user prompt text")
     g.add_argument("--max-tokens", type=_positive_int, default=64,
                    help="stop after N generated tokens (>= 1, default 64) if no EOS came before")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    g.add_argument("--seed", type=_seed, default=0, help="sampling seed (temperature > 0)")
     _model_options(g)
 
     t = _subparser(sub, "make-tiny",
                    help="write a tiny random DeepSeek-V4 checkpoint in the official on-disk layout",
                    description="Write a ~40 MB random checkpoint in the official layout (config.json, index, "
                                "shards, real tokenizer files) with every feature at tiny width.")
-    t.add_argument("out_dir", type=Path)
+    t.add_argument("out_dir", type=_path)
     t.add_argument("--variant", choices=("fp8", "bf16"), default="fp8")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_seed, default=0)
 
     mc = _subparser(sub, "make-checkpoint",
                     help="write a random checkpoint at the released Flash/Pro geometry (or tiny), first N layers, "
@@ -162,16 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
                     description="Write a synthetic checkpoint at the published Flash/Pro geometry (first N main "
                                 "layers + embed, head, hc_head, MTP) as index + shards in the official formats; "
                                 "values are a function of (seed, tensor name) only.")
-    mc.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
+    mc.add_argument("out_dir", type=_path, help="directory to write (created if missing)")
     mc.add_argument("--geometry", choices=("tiny", "flash", "pro"), default="flash",
                     help="published config to follow (fixtures/configs; default flash)")
     mc.add_argument("--layers", type=_positive_int, default=None,
                     help="keep the first N main layers (default: all; Flash 4 = SWA, SWA, CSA, HCA, ~20 GB)")
-    mc.add_argument("--seed", type=int, default=0, help="values are a function of (seed, tensor name) only")
+    mc.add_argument("--seed", type=_seed, default=0, help="values are a function of (seed, tensor name) only")
     mc.add_argument("--device", type=_device, default=None,
                     help="where values are generated (default cuda when visible, else cpu); same bytes either way")
     mc.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP block (mtp.0.*)")
-    mc.add_argument("--shard-gb", type=float, default=4.0, help="largest shard in GB (default 4.0)")
+    mc.add_argument("--shard-gb", type=float, default=4.0, help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
+                                        "and the build says so)")
     mc.add_argument("--dry-run", action="store_true",
                     help="write index, configs and every shard's header; tensor data left as holes (no disk used)")
 
@@ -179,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
                     description="List the files changed since the merge base with --base; if a protected one "
                                 "changed, require a green hard-stop run for the current commit.")
     gt.add_argument("--base", required=True, help="git ref the change is compared against")
-    gt.add_argument("--report", type=Path, default=None,
+    gt.add_argument("--report", type=_path, default=None,
                     help="pytest-json-report file of a hard-stop run (default: run the hard-stop tests now)")
     for name, parser in sub.choices.items():
         for action in parser._actions:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
-           "IMPLEMENTED_RELEASE"]
+           "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "loads_json", "load_json"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -142,6 +142,16 @@ class ModelArgs:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise bad(name, "a finite non-negative number")
+        for name in ("beta_fast", "beta_slow"):  # YaRN correction dims take log(original_seq_len / beta)
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise bad(name, "a finite positive number (YaRN rotations)")
+        if not self.beta_fast > self.beta_slow:
+            raise bad("beta_fast", f"> beta_slow ({self.beta_slow}): YaRN ramps between the two correction dims")
+        for name in ("bos_token_id", "eos_token_id"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < self.vocab_size:
+                raise bad(name, f"a token id in 0..{self.vocab_size - 1}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -188,10 +198,7 @@ class ModelArgs:
             if not p.is_file():
                 raise FileNotFoundError(f"{p}: no config.json (expected an HF-style DeepSeek-V4 config)")
             src = str(p)
-            try:
-                cfg = json.loads(p.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{src}: not valid JSON ({e})") from None
+            cfg = load_json(p)
         if not isinstance(cfg, dict):
             raise ValueError(f"{src}: top level is a JSON {type(cfg).__name__}, expected a JSON object "
                              "(one HF-style DeepSeek-V4 config, not a list of them)")
@@ -209,6 +216,14 @@ class ModelArgs:
         found = detect_revision(cfg)
         if found is not None:
             raise UnsupportedRevisionError(src, *found)
+        for key, want in FIXED_CONFIG_VALUES.items():  # keys dsv4 implements one value of: never ignored
+            v = cfg
+            for part in key.split("."):
+                v = v.get(part, ...) if isinstance(v, dict) else ...
+            if v is not ... and not (type(v) is type(want) and v == want):
+                raise ValueError(f"{src}: key {key!r}={v!r}: dsv4 implements only {want!r} (the value of the "
+                                 "released DeepSeek-V4 configs); a checkpoint with another value would run a "
+                                 "different model")
         mt = cfg.get("model_type")
         if mt is not None and mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
@@ -405,6 +420,51 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
             "Pro": "DeepSeek-V4-Pro-0813 or DeepSeek-V4-Pro-DSpark (a DSpark revision of Pro)"}.get(
         geometry, "a DSpark revision of DeepSeek-V4 (V4-Flash-0731 / V4-Pro-0813 / -DSpark)")
     return name, evidence, _DSPARK_DIFF
+
+
+# config.json keys whose released value is the only one dsv4 implements (absent = that value). Another value
+# would silently change the model (routing weights, activation, tied head, biases, the tokenizer's BOS/EOS ids,
+# which `dsv4.tokenizer` checks to be 0 and 1), so it is refused by name instead of being ignored.
+FIXED_CONFIG_VALUES: dict[str, Any] = {
+    "norm_topk_prob": True, "topk_method": "noaux_tc", "hidden_act": "silu", "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 1,
+    "quantization_config.activation_scheme": "dynamic",
+}
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object with the same key twice (Python's json keeps the last value silently)."""
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            raise DuplicateKeyError(k)
+        seen.add(k)
+    return dict(pairs)
+
+
+def loads_json(text: str | bytes, src: str) -> Any:
+    """`json.loads` for files dsv4 reads from a checkpoint (config.json, the index, safetensors headers).
+
+    Raises ValueError naming `src`: not UTF-8, not valid JSON, or an object with a duplicate key (json would
+    keep the last value silently: `"num_hidden_layers": 4, "num_hidden_layers": 2` must not load as 2).
+    NaN / Infinity literals are accepted here; the fields that hold numbers check finiteness themselves."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except DuplicateKeyError as e:
+        raise ValueError(f"{src}: duplicate key {e.args[0]!r} in a JSON object (expected each key once; JSON "
+                         "readers would silently keep only the last value)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{src}: not valid JSON ({e})") from None
+
+
+def load_json(path: str | os.PathLike) -> Any:
+    """`loads_json` of a file's text (UTF-8); errors name the file."""
+    return loads_json(Path(path).read_bytes(), str(path))
 
 
 def layers_from_env(n_layers: int, environ: dict[str, str] | None = None) -> int:

@@ -549,5 +549,10 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                                                           "template": cont_tmpl.to_json(),
                                                           "verdict": verdict, "verdict_line": verdict_line}},
                       "test2_final_norm": r.to_dict(), "passed": passed}
-            Path(json_path).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+            try:
+                Path(json_path).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+            except OSError as e:  # the CLI checked the path up front; it can still vanish or fill up
+                import sys
+                print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
+                return EXIT_ERROR
         return EXIT_PASS if passed else EXIT_HARD_STOP

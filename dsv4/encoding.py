@@ -150,13 +150,29 @@ def _check_tools(tools: Any, where: str) -> None:
                              f'"description": str, "parameters": JSON schema}}}} (the OpenAI tool shape), got {got}')
 
 
+def _check_text(messages: list, name: str) -> None:
+    """Every message is a dict and its `content` / `reasoning_content` strings are encodable text: a lone
+    surrogate (e.g. undecodable bytes smuggled in through `surrogateescape`) cannot be tokenised, and the
+    tokenizer's own error names neither the message nor the field."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
+        for field in ("content", "reasoning_content"):
+            v = m.get(field)
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{name}[{i}].{field}: not valid Unicode text ({e.reason} {v[e.start]!r} at "
+                                     f"index {e.start}); expected text that encodes as UTF-8") from None
+
+
 def _validate(messages: list, name: str, check_arguments: bool) -> None:
     if not isinstance(messages, list):
         raise ValueError(f"{name}: expected a list of message dicts, got {type(messages).__name__}")
+    _check_text(messages, name)
     for i, m in enumerate(messages):
         where = f"{name}[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where}: expected a dict, got {type(m).__name__}")
         role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role: {role!r} is not one of {ROLES}")
@@ -605,8 +621,8 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         UnsupportedRevisionError (a ValueError, `dsv4.config`): the tokenizer's checkpoint names a later
             revision (its config.json beside the tokenizer files): the April texts would be wrong for it.
         ValueError: an unknown keyword argument (names it and lists the accepted ones); the tokenizer does
-            not carry the dsv4 template; the messages are invalid (the template's error, naming the message
-            index and field).
+            not carry the dsv4 template; `messages` is not a list (or tuple) of dicts, or a text field holds a
+            lone surrogate; the messages are invalid (the template's error, naming the message index and field).
     """
     unknown = sorted(set(kw) - set(PROMPT_KWARGS))
     if unknown:
@@ -626,8 +642,12 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
     if revision is not None:
         from dsv4.config import UnsupportedRevisionError
         raise UnsupportedRevisionError(*revision)
-    if isinstance(messages, (list, tuple)) and not messages:
+    if not isinstance(messages, (list, tuple)):
+        raise ValueError(f"messages: expected a list of message dicts, got {type(messages).__name__} (one "
+                         "conversation; a single message goes in a list: [{'role': 'user', 'content': ...}])")
+    if not messages:
         raise EmptyConversationError()
+    _check_text(list(messages), "messages")  # dicts with encodable text, before the template sees them
     for i, field, sp in special_strings_in_messages(messages):
         log.warning("messages[%d].%s contains the special string %r: it is tokenised as the special token, "
                     "as the official encoder does", i, field, sp)

@@ -744,10 +744,31 @@ class Transformer(nn.Module):
     def new_state(self, batch: int = 1) -> DecodeState:
         """A fresh decode state for `batch` sequences (never reused across sequences). After
         `use_decode_graphs(max_len)`: a `dsv4.graph.GraphDecodeState` (decode steps replay a CUDA graph)."""
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"batch={batch!r}: expected an int >= 1")
         if self.decode_graph_max_len is not None:
             from dsv4.graph import GraphDecodeState
             return GraphDecodeState(self, batch, self.decode_graph_max_len)
         return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers])
+
+    def _check_state(self, state: DecodeState) -> None:
+        """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
+        not), window, head dim, dtype and device. ValueError naming the first mismatch."""
+        if len(state.layers) != len(self.layers):
+            raise ValueError(f"state has {len(state.layers)} layer states, this model has {len(self.layers)} layers "
+                             "(a state from another model; make it with this model's new_state())")
+        for layer, st in zip(self.layers, state.layers):
+            attn, ring = layer.attn, st.ring
+            want = (attn.window, attn.hd)
+            if (tuple(ring.shape[1:]) != want or ring.dtype != self.dtype or ring.device != self.device
+                    or (st.compressor is None) != (attn.compressor is None)
+                    or (st.index_compressor is None) != (attn.indexer is None)):
+                raise ValueError(
+                    f"state.layers[{layer.layer_id}] does not belong to this model: ring {tuple(ring.shape)} "
+                    f"{ring.dtype} on {ring.device}, compressor {st.compressor is not None}, indexer "
+                    f"{st.index_compressor is not None}; expected ring [b, {want[0]}, {want[1]}] {self.dtype} on "
+                    f"{self.device}, compressor {attn.compressor is not None}, indexer {attn.indexer is not None} "
+                    "(make the state with this model's new_state())")
 
     def use_decode_graphs(self, max_len: int | None) -> None:
         """Decode through CUDA graphs (triton backend, bf16, weights="quantized"; `dsv4/graph.py`): states made
@@ -789,8 +810,16 @@ class Transformer(nn.Module):
         ([b, s, V] with all_logits). The first call of a state is the prefill (any s >= 1), every later call
         takes s == 1. Advances `state.pos`.
 
-        Raises ValueError for an empty input, a multi-token call after the prefill, or ids outside the vocab.
+        Raises ValueError for an empty input, a multi-token call after the prefill, ids outside the vocab, or a
+        state this model did not make (another layer count, layer kind, dtype or device: `zip` over the layers
+        would otherwise silently run only the common prefix of them); TypeError for a non-tensor input or a
+        non-DecodeState state.
         """
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids: expected a torch.Tensor [b, s] of token ids, got {type(input_ids).__name__}")
+        if not isinstance(state, DecodeState):
+            raise TypeError(f"state: expected a DecodeState from this model's new_state(), got {type(state).__name__}")
+        self._check_state(state)
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected [b, s] with s >= 1")
         if input_ids.dtype not in (torch.int64, torch.int32):

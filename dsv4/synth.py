@@ -431,6 +431,11 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     say(f"{geometry} geometry, {args.n_layers} main layers (ratios {list(args.compress_ratios[:args.n_layers])})"
         f"{' + MTP' if include_mtp else ''}: {n_t} tensors in {len(plans)} shards, {need / 1e9:.2f} GB; "
         f"free at {where}: {free / 1e9:.2f} GB{' (dry run: headers only, data left as holes)' if dry_run else ''}")
+    over = [p for p in plans if p.data_bytes > max_shard_bytes]
+    if over:  # a tensor is never split: say so rather than break the limit silently
+        say(f"note: {len(over)} shard(s) exceed the {max_shard_bytes / 1e9:g} GB limit because one tensor (with its "
+            f"scale) is larger than it, e.g. {over[0].names[0]} in {over[0].file} ({over[0].data_bytes / 1e9:.3g} "
+            "GB); a tensor is never split across shards")
     if not dry_run and need + (256 << 20) > free:
         raise OSError(f"{out}: not enough free disk: the checkpoint needs {need / 1e9:.2f} GB (+0.27 GB margin), "
                       f"{where} has {free / 1e9:.2f} GB free")
