@@ -11,11 +11,17 @@ import pytest
 
 @pytest.fixture(scope="session")
 def real_ckpt(tmp_path_factory):
-    """`$DSV4_CKPT`, else a Flash-geometry checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU
+    """`$DSV4_CKPT` (a directory, or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` whose tensors each rank
+    generates as it loads them: full depth without the files, docs/multi_gpu.md), else a Flash-geometry checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU
     once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
     directories); skips with the reason when there is no GPU or not enough disk."""
     env = os.environ.get("DSV4_CKPT")
     if env:
+        from dsv4.synth import is_synth_source, parse_source
+
+        if is_synth_source(env):
+            yield Path(str(parse_source(env)))  # ValueError naming the bad field
+            return
         if not Path(env).is_dir():
             raise FileNotFoundError(f"DSV4_CKPT={env}: not a checkpoint directory")
         yield Path(env)
