@@ -337,6 +337,8 @@ class Checkpoint:
 
     Opening reads `config.json` (`.args`), the index (or the single `model.safetensors`) and every shard's
     header, and checks that they agree; tensor data is read only by `get` / `get_quantized`.
+    `Checkpoint("synth:GEOMETRY[:LAYERS[:SEED]]")` returns a `dsv4.synth.SynthCheckpoint` instead: the same
+    reader over tensors generated where they are read (bitwise what `dsv4 make-checkpoint` writes; no file).
 
     Raises (from the constructor):
         FileNotFoundError: no config.json, or neither an index nor `model.safetensors`.

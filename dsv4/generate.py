@@ -146,7 +146,8 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "reference", progress: bool = True, weights: str = "dequantized"
                ) -> tuple[Transformer, int]:
-    """Load the checkpoint directory `ckpt` honouring TEST_LAYERS; returns (model, effective layer count).
+    """Load the checkpoint directory `ckpt` (or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`, generated on
+    load: `dsv4.synth.SynthCheckpoint`) honouring TEST_LAYERS; returns (model, effective layer count).
 
     `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or "quantized" (kept FP8/FP4 +
     ue8m0 scales on `device`, dequantized per use; same logits bit for bit, see `dsv4.resident`).
