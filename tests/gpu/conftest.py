@@ -12,8 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def real_ckpt(tmp_path_factory):
     """`$DSV4_CKPT` (a directory, or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` whose tensors each rank
-    generates as it loads them: full depth without the files, docs/multi_gpu.md), else a Flash-geometry checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU
-    once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
+    generates as it loads them: full depth without the files, docs/multi_gpu.md), else a Flash-geometry
+    checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
     directories); skips with the reason when there is no GPU or not enough disk."""
     env = os.environ.get("DSV4_CKPT")
     if env:
