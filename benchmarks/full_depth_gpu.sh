@@ -42,6 +42,10 @@ BACKENDS=${BACKENDS:-reference}
 STEP_TIMEOUT=${STEP_TIMEOUT:-570}
 export PYTHONUNBUFFERED=1 TEST_LAYERS=$L
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if ! [[ "$NGPU" =~ ^[0-9]+$ ]]; then
+    echo "full_depth_gpu.sh: could not count the GPUs with $PY (torch import failed?)" >&2
+    exit 2
+fi
 if [ "$NGPU" -lt "$W" ]; then
     echo "full_depth_gpu.sh: $GEOM at world size $W needs $W GPUs, $NGPU visible" | tee "$OUT/steps.txt" >&2
     exit 2

@@ -43,3 +43,16 @@ def _release_gpu_memory_after_test():
     from tests.gpu.real_width import release_gpu_memory
 
     release_gpu_memory()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leave_process_group():
+    """Under torchrun (one pytest per rank, e.g. benchmarks/full_depth_gpu.sh), leave the NCCL process group that
+    the multi-rank model loads created, cleanly at the end of the session: an open group aborts at interpreter
+    exit (the same as dsv4.cli and benchmarks/measure_real_width.py)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
