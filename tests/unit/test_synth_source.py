@@ -181,6 +181,10 @@ def _worker(out: str, ckpt: str, spec: str) -> None:
     ids = torch.tensor([PROMPT])
     res = {src: greedy_logits(load_parallel_model(src, comm, n_layers=4), ids, 2) for src in (ckpt, spec)}
     torch.save({"files": res[ckpt], "source": res[spec]}, f"{out}.{comm.rank}")
+    import torch.distributed as dist
+
+    dist.barrier()  # leave the gloo group cleanly (an open group can abort at interpreter exit)
+    dist.destroy_process_group()
 
 
 @pytest.mark.slow
