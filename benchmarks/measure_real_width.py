@@ -2,8 +2,13 @@
 
     python benchmarks/measure_real_width.py --ckpt /tmp/dsv4-flash4 --out OUTDIR [--modes dequantized,quantized]
                                             [--world 1,2] [--decode-steps 8]
+    python benchmarks/measure_real_width.py --ckpt synth:pro:61 --world 8 --modes quantized --out OUTDIR
 
-For each weight mode, at world size 1 (in this process) and 2 (torchrun, when two GPUs are visible), every rank
+--ckpt takes a directory or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` (dsv4.synth.parse_source: the
+tensors are generated on each rank's GPU as it loads them, bitwise those `dsv4 make-checkpoint` writes; "read" and
+"load GB/s" then count bytes generated, not read from disk; the report says so).
+For each weight mode, at world size 1 (in this process) and each W > 1 of --world (torchrun, when W GPUs are
+visible), every rank
 loads the checkpoint through `dsv4.parallel.load_parallel_model` (rank-local reads, streamed one tensor at a time,
 bf16 numerics, TEST_LAYERS honoured) and records:
     weights      bytes of the rank's state dict (what dsv4.memory_plan models) vs `rank_memory(...).weights`;
@@ -48,6 +53,10 @@ GiB = 2 ** 30
 
 
 def _drop_page_cache(ckpt: Path) -> None:
+    from dsv4.synth import is_synth_source
+
+    if is_synth_source(ckpt):  # nothing on disk
+        return
     for f in ckpt.glob("*.safetensors"):
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--modes", default="dequantized,quantized")
-    p.add_argument("--world", default="1,2", help="world sizes to measure (2 only when 2 GPUs are visible)")
+    p.add_argument("--world", default="1,2", help="world sizes to measure (W > 1 only when W GPUs are visible)")
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -189,20 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     if 1 in worlds:
         rows += [measure(a.ckpt, Comm(0, 1), "cuda:0", m, a.decode_steps) for m in modes]
-    if 2 in worlds:
-        if torch.cuda.device_count() < 2:
-            notes.append(f"world size 2 not measured: {torch.cuda.device_count()} GPU visible")
+    for w in (w for w in worlds if w > 1):
+        if torch.cuda.device_count() < w:
+            notes.append(f"world size {w} not measured: {torch.cuda.device_count()} GPU visible")
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
-                   "--worker", "--ckpt", str(a.ckpt), "--out", str(a.out), "--modes", a.modes,
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(w),
+                   __file__, "--worker", "--ckpt", str(a.ckpt), "--out", str(a.out), "--modes", a.modes,
                    "--decode-steps", str(a.decode_steps)]
             pr = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if pr.returncode:
                 print(pr.stdout[-4000:], pr.stderr[-8000:], file=sys.stderr)
-                notes.append(f"world size 2 failed (rc {pr.returncode}), see stderr")
+                notes.append(f"world size {w} failed (rc {pr.returncode}), see stderr")
             else:
-                for r in range(2):
-                    rows += torch.load(a.out / f"w2.rank{r}.pt")
+                for r in range(w):
+                    rows += torch.load(a.out / f"w{w}.rank{r}.pt")
     ref = {r["weights"]: r["_logits"] for r in rows if r["world_size"] == 1}
     for r in rows:
         lg = r.pop("_logits")
@@ -212,9 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     ck = Checkpoint(a.ckpt)
     idx = a.ckpt / "model.safetensors.index.json"
     prov = a.ckpt / "dsv4_synth.json"
+    from dsv4.synth import is_synth_source, parse_source, source_provenance
+
+    generated = is_synth_source(a.ckpt)
     meta = {"ckpt": str(a.ckpt), "n_layers_in_ckpt": ck.args.n_layers, "dim": ck.args.dim,
             "total_size": read_index(idx)[1] if idx.is_file() else None,
-            "synthetic": json.loads(prov.read_text()) if prov.is_file() else None,
+            "synthetic": source_provenance(parse_source(a.ckpt)) if generated
+            else json.loads(prov.read_text()) if prov.is_file() else None,
             "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__,
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                      text=True).stdout.strip() or None, "notes": notes}
@@ -224,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
              f"same greedy token: {r['vs_world1_same_greedy']}" for r in rows if "vs_world1_same_greedy" in r]
     md = (f"Measured on {meta['device']} x{meta['gpus']}, commit {meta['commit']}, torch {meta['torch']}; checkpoint "
           f"{a.ckpt} ({ck.args.n_layers} layers, dim {ck.args.dim}, total_size {meta['total_size']}), "
-          f"TEST_LAYERS {rows[0]['test_layers'] if rows else '-'}; bf16, batch 1, 11-token prompt.\n\n"
+          f"TEST_LAYERS {rows[0]['test_layers'] if rows else '-'}; bf16, batch 1, 11-token prompt."
+          + (" SYNTHETIC weights generated on each rank's GPU at load (no file): read GB and load GB/s count bytes "
+             "generated." if generated else "") + "\n\n"
           + table + "\n" + "\n".join(extra + [f"- {n}" for n in notes]) + "\n")
     (a.out / "real_width.md").write_text(md)
     print(md)

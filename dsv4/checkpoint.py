@@ -338,6 +338,8 @@ class Checkpoint:
 
     Opening reads `config.json` (`.args`), the index (or the single `model.safetensors`) and every shard's
     header, and checks that they agree; tensor data is read only by `get` / `get_quantized`.
+    `Checkpoint("synth:GEOMETRY[:LAYERS[:SEED]]")` returns a `dsv4.synth.SynthCheckpoint` instead: the same
+    reader over tensors generated where they are read (bitwise what `dsv4 make-checkpoint` writes; no file).
 
     Raises (from the constructor):
         FileNotFoundError: no config.json, or neither an index nor `model.safetensors`.
@@ -348,6 +350,15 @@ class Checkpoint:
             shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
             sum of the tensors' bytes.
     """
+
+    def __new__(cls, path: str | Path):
+        # `Checkpoint("synth:GEOMETRY[:LAYERS[:SEED]]")` is a `dsv4.synth.SynthCheckpoint`: the same reader over
+        # tensors synthesized where they are read (docs/multi_gpu.md "Full depth without the files")
+        if cls is Checkpoint and str(path).startswith("synth:"):
+            from dsv4.synth import SynthCheckpoint
+
+            cls = SynthCheckpoint
+        return super().__new__(cls)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -445,6 +456,19 @@ class Checkpoint:
             self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
         t = self._handles[f].get_tensor(name).to(device)
         check_values(t, self._meta[name][1], name, f,
+                     n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
+        return t
+
+    def _raw_part(self, name: str, dim: int, start: int, n: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) start..start+n of `name` as stored, reading only those bytes (a
+        safetensors slice), on `device`, checked by `check_values` (indices reported in the full tensor)."""
+        f = self.info(name)[2]
+        if f not in self._handles:
+            from safetensors import safe_open
+            self._handles[f] = safe_open(str(f), framework="pt", device="cpu")
+        sl = self._handles[f].get_slice(name)
+        t = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
+        check_values(t, self._meta[name][1], name, f, offset=(start, 0) if dim == 0 else (0, start),
                      n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
         return t
 

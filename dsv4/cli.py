@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "continuations with a loop measure, the verdict); Test 2: the final norm runs and "
                                "the logits are invariant to the residual's magnitude.")
     d.add_argument("--ckpt", type=_path, default=None,
-                   help="checkpoint directory (default: $DSV4_CKPT, else a tiny checkpoint built on the fly)")
+                   help="checkpoint directory, or synth:GEOMETRY[:LAYERS[:SEED]] (synthetic weights generated on "
+                        "load, e.g. synth:pro:61; docs/multi_gpu.md) (default: $DSV4_CKPT, else a tiny checkpoint "
+                        "built on the fly)")
     d.add_argument("--prompt", type=_prompt, default=DEFAULT_PROMPT, help=f"user prompt (default: {DEFAULT_PROMPT!r})")
     d.add_argument("--decode-steps", type=_positive_int, default=2, help="Test 2: decode steps after prefill (>= 1, "
                    "default 2)")
@@ -177,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = _subparser(sub, "generate", help="generate a completion for one user prompt",
                    description="Stream a completion to stdout (through the official prompt format), then the parsed "
                                "message, or the partial result when --max-tokens cut it, on stderr.")
-    g.add_argument("--ckpt", type=_path, default=None, help="checkpoint directory (default: $DSV4_CKPT)")
+    g.add_argument("--ckpt", type=_path, default=None, help="checkpoint directory, or synth:GEOMETRY[:LAYERS[:SEED]] "
+                   "(synthetic weights generated on load) (default: $DSV4_CKPT)")
     g.add_argument("--prompt", type=_prompt, required=True, help="user prompt text")
     g.add_argument("--max-tokens", type=_positive_int, default=64,
                    help="stop after N generated tokens (>= 1, default 64) if no EOS came before")

@@ -403,7 +403,10 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
         return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else None
 
     from dsv4.checkpoint import read_index
+    from dsv4.synth import is_synth_source
 
+    if is_synth_source(path):  # `--ckpt synth:...`: no files, the weights are generated on load
+        return _synthetic_source_identity(path)
     idx = path / "model.safetensors.index.json"
     total = read_index(idx)[1] if idx.is_file() else None
     source = "tiny checkpoint built on the fly (random weights, seed 0)" if built else "given checkpoint"
@@ -424,6 +427,24 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
 
 
 TINY_REBUILD = "dsv4 make-tiny DIR --variant fp8 --seed 0"
+
+
+def _synthetic_source_identity(path) -> dict:
+    """`_checkpoint_identity` of a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`: says the weights are
+    synthetic (random, generated on each rank as it loads them) and which make-checkpoint call writes the same
+    bytes; config_sha256 is that of the config.json make-checkpoint would write."""
+    import hashlib
+
+    from dsv4.synth import geometry_config, parse_source, source_provenance
+
+    src = parse_source(path)
+    cfg = json.dumps(geometry_config(src.geometry, src.layers), indent=2) + "\n"
+    return {"path": str(src), "source": f"SYNTHETIC weights generated on load ({src.geometry} geometry, {src.layers} "
+                                        f"layers, seed {src.seed}: random weights, not a trained model; no file)",
+            "config_sha256": hashlib.sha256(cfg.encode()).hexdigest()[:16], "index_sha256": None,
+            "total_size": None, "n_layers": src.layers, "synthetic": source_provenance(src),
+            "rebuild": f"dsv4 make-checkpoint DIR --geometry {src.geometry} --layers {src.layers} --seed {src.seed} "
+                       "(the same tensors, bit for bit, on disk)"}
 
 
 def _token(tokenizer, tok: int) -> dict:
@@ -499,7 +520,9 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
             if built:
                 path = make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
             ident = _checkpoint_identity(path, built)
-            tok = load_tokenizer(path)
+            from dsv4.synth import tokenizer_folder
+
+            tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
             model, n_layers = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             import sys

@@ -146,7 +146,8 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "reference", progress: bool = True, weights: str = "dequantized"
                ) -> tuple[Transformer, int]:
-    """Load the checkpoint directory `ckpt` honouring TEST_LAYERS; returns (model, effective layer count).
+    """Load the checkpoint directory `ckpt` (or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`, generated on
+    load: `dsv4.synth.SynthCheckpoint`) honouring TEST_LAYERS; returns (model, effective layer count).
 
     `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or "quantized" (kept FP8/FP4 +
     ue8m0 scales on `device`, dequantized per use; same logits bit for bit, see `dsv4.resident`).
@@ -168,7 +169,9 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
                                           weights=weights)
         return model.eval().requires_grad_(False), n
 
-    full = ModelArgs.from_hf_config(ckpt)
+    from dsv4.synth import checkpoint_args
+
+    full = checkpoint_args(ckpt)  # config.json, or the geometry of a `synth:` source
     n = layers_from_env(full.n_layers)
     args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
                                dequantize=weights == "dequantized", device=device)  # dequantized on `device`
@@ -178,11 +181,21 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def resolve_ckpt(ckpt: Path | None) -> Path | None:
-    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source if it does not exist."""
+    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source if it does not exist.
+    A synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` (`dsv4.synth.parse_source`) is returned as given after
+    parsing: ValueError naming the option and the bad field."""
     if ckpt is None and os.environ.get(CKPT_ENV):
         ckpt, src = Path(os.environ[CKPT_ENV]), f"${CKPT_ENV}"
     else:
         src = "--ckpt"
+    from dsv4.synth import is_synth_source, parse_source
+
+    if is_synth_source(ckpt):
+        try:
+            parse_source(ckpt)
+        except ValueError as e:
+            raise ValueError(f"{src}: {e}") from None
+        return ckpt
     if ckpt is not None and not ckpt.is_dir():
         raise FileNotFoundError(f"{src}={ckpt}: not a checkpoint directory")
     return ckpt
@@ -204,11 +217,16 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
-        tok = load_tokenizer(path)
+        from dsv4.synth import checkpoint_args, is_synth_source, tokenizer_folder
+
+        tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
         print(f"dsv4 generate: error: {e}", file=sys.stderr)
         return 2
-    console.print(f"checkpoint {path} | TEST_LAYERS={n} of {ModelArgs.from_hf_config(path).n_layers} | "
+    if is_synth_source(path):
+        console.print(f"weights: SYNTHETIC ({path}: random weights at the released geometry, generated on load; "
+                      "not a trained model, the text is meaningless)", markup=False)
+    console.print(f"checkpoint {path} | TEST_LAYERS={n} of {checkpoint_args(path).n_layers} | "
                   f"thinking={thinking} | T={temperature} | {dtype} | {backend} | weights {weights}")
     res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
                    temperature=temperature, thinking=thinking, seed=seed,

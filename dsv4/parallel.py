@@ -391,25 +391,22 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
 _CODES = ("F8_E4M3", "I8", "F8_E8M0")
 
 
-def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype,
-          device: str | torch.device, raw: bool = False) -> torch.Tensor:
-    """Tensor `name` (or its rows/columns `part`) on `device`, reading only that part: dequantized to `dtype`,
-    or with `raw` (weights="quantized") FP8/FP4 codes and ue8m0 scales exactly as stored."""
+def _read(ck, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype, device: str | torch.device,
+          raw: bool = False) -> torch.Tensor:
+    """Tensor `name` (or its rows/columns `part`) on `device`, reading only that part (`Checkpoint._raw_part`: a
+    safetensors slice, or for a synthetic source only that part generated): dequantized to `dtype` (F32 never
+    narrowed below float32, as `Checkpoint.get`), or with `raw` (weights="quantized") FP8/FP4 codes and ue8m0
+    scales exactly as stored."""
     shape, dt, f = ck.info(name)
     keep = raw and dt in _CODES
     if part is None:
         return ck.get(name, dequantize=False, device=device) if keep else ck.get(name, dtype=dtype, device=device)
-    from safetensors import safe_open
-
     dim, start, n = part
-    if f not in handles:
-        handles[f] = safe_open(str(f), framework="pt", device="cpu")
-    sl = handles[f].get_slice(name)
-    part_raw = (sl[start:start + n] if dim == 0 else sl[:, start:start + n]).to(device)
-    from dsv4.checkpoint import check_values
-    check_values(part_raw, dt, name, f, offset=(start, 0) if dim == 0 else (0, start))
+    part_raw = ck._raw_part(name, dim, start, n, device)  # checked (check_values) where it is read
     if keep:
         return part_raw
+    if dt == "F32" and torch.finfo(dtype).bits < 32:  # the official fp32 parameters (attn_sink) stay fp32
+        return part_raw.to(torch.float32)
     if dt in ("BF16", "F32"):
         return part_raw.to(dtype)
     if dt != "F8_E4M3":
@@ -417,10 +414,10 @@ def _read(ck, handles: dict, name: str, part: tuple[int, int, int] | None, dtype
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
                               "or F8_E4M3")
     b = quant.FP8_BLOCK
-    # only the scale (the whole weight would be read again: not rank-local, and its bytes are not this rank's)
-    s = quant.e8m0_to_float(ck._raw(ck._scale_of(name), device))  # [ceil(out/128), ceil(in/128)]
+    # only the scale blocks that cover the part (the whole weight is never read: its bytes are not this rank's)
     b0 = start // b
-    s = s.narrow(dim, b0, -(-(start + n) // b) - b0).repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
+    s = quant.e8m0_to_float(ck._raw_part(ck._scale_of(name), dim, b0, -(-(start + n) // b) - b0, device))
+    s = s.repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
     other = 1 - dim
     s = s.repeat_interleave(b, other).narrow(other, 0, part_raw.shape[other])
     return (part_raw.float() * s).to(dtype)
@@ -459,9 +456,8 @@ def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None =
     bf16 checkpoint.
     """
     ck, args, plan = _open_for(path, comm, n_layers, weights)
-    handles: dict = {}
     raw = weights == "quantized"
-    return args, {name: _read(ck, handles, name, part, dtype, device, raw) for name, part in plan.items()}
+    return args, {name: _read(ck, name, part, dtype, device, raw) for name, part in plan.items()}
 
 
 def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = None,
@@ -477,11 +473,10 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
     if set(own) != set(plan):
         raise RuntimeError(f"rank {comm.rank}: model and read plan disagree: only in model "
                            f"{sorted(set(own) - set(plan))[:5]}, only in plan {sorted(set(plan) - set(own))[:5]}")
-    handles: dict = {}
     raw = weights == "quantized"
     with torch.no_grad():
         for name, part in plan.items():
-            t = _read(ck, handles, name, part, dtype if own[name].is_floating_point() else torch.float32, device,
+            t = _read(ck, name, part, dtype if own[name].is_floating_point() else torch.float32, device,
                       raw)
             if tuple(t.shape) != tuple(own[name].shape):
                 raise RuntimeError(f"{name}: rank {comm.rank} read shape {tuple(t.shape)}, model has "

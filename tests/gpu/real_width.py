@@ -82,7 +82,9 @@ def require_gpu_memory(ckpt: Path, weights: str, world_size: int = 1, streamed: 
         pytest.skip(f"GPU memory too small for {ckpt} with weights={weights} at world size {world_size}: needs "
                     f"{need / GiB:.1f} GiB (dsv4.memory_plan), a GPU has {have / GiB:.1f} GiB (lower TEST_LAYERS)")
     release_gpu_memory()
-    for i in range(torch.cuda.device_count()):
+    # under torchrun each rank checks its own GPU only (the others fill up with the other ranks' models)
+    local = os.environ.get("LOCAL_RANK", "") if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    for i in ([int(local)] if local.isdigit() else range(torch.cuda.device_count())):
         free, _ = torch.cuda.mem_get_info(i)
         if need > free:
             pytest.fail(f"GPU {i}: {free / GiB:.1f} GiB free, {need / GiB:.1f} GiB needed for {ckpt} with "

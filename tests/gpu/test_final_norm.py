@@ -7,11 +7,16 @@ weight modes. TEST_LAYERS (environment only) limits the main layers loaded. Work
 
     DSV4_CKPT=/path/to/DeepSeek-V4-Flash TEST_LAYERS=2 pytest tests/gpu/test_final_norm.py -k real
 
-(A full Flash/Pro checkpoint needs the multi-GPU model; on one GPU use a small TEST_LAYERS.)
+(A full Flash/Pro checkpoint needs the multi-GPU model; on one GPU use a small TEST_LAYERS.) At full depth, under
+torchrun, on a synthetic source (each rank generates its tensors as it loads them; issue 16, docs/multi_gpu.md):
+
+    DSV4_CKPT=synth:pro:61 TEST_LAYERS=61 torchrun --nproc_per_node 8 -m pytest -q tests/gpu/test_final_norm.py \
+        -k "real and not dequantized"
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,15 +35,24 @@ PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]  # gol
 def ckpt(request) -> tuple[Path, torch.dtype]:
     """(checkpoint, dtype): the tiny one in fp32 (exact mode), the real-width one in bf16 (official numerics)."""
     if request.param == "tiny":
+        ws = int(os.environ.get("WORLD_SIZE", "1") or "1")
+        if ws > 1:
+            from dsv4.parallel import attention_args
+            from dsv4.tiny import tiny_args
+            try:
+                attention_args(tiny_args(), ws)
+            except ValueError as e:
+                pytest.skip(f"the tiny checkpoint cannot be split over WORLD_SIZE={ws}: {e}")
         return request.getfixturevalue("tiny_ckpt"), torch.float32
     return request.getfixturevalue("real_ckpt"), torch.bfloat16
 
 
 def _load(ckpt, backend: str, weights: str):
     path, dtype = ckpt
-    if dtype == torch.bfloat16:  # real width: load_model holds the state dict beside the model
-        from tests.gpu.real_width import require_gpu_memory
-        require_gpu_memory(path, weights, streamed=False)
+    if dtype == torch.bfloat16:  # real width: load_model holds the state dict beside the model at world size 1;
+        from tests.gpu.real_width import require_gpu_memory  # under torchrun each rank streams its own part
+        ws = int(os.environ.get("WORLD_SIZE", "1") or "1")
+        require_gpu_memory(path, weights, world_size=ws, streamed=ws > 1)
     model, n = load_model(path, device="cuda", dtype=dtype, backend=backend, progress=False, weights=weights)
     return model, n
 
