@@ -41,6 +41,9 @@ Special-token strings inside message text are not escaped (neither does the offi
 tokenizer maps them to their special ids. `special_strings_in_messages` finds them; `prompt_ids` logs them.
 
 `prompt_ids` is the one way dsv4 builds model input from messages (CLI, generation, diagnostics).
+
+The project-wide list of deliberate differences from the official code, with their tests, is
+docs/differences.md (rows E1-P2 are the ones above).
 """
 
 from __future__ import annotations
