@@ -189,6 +189,23 @@ def csa_overlap_state_lost(mp: MP) -> None:
     mp.setattr(Compressor, "prefill", prefill)
 
 
+def compressor_state_shared_across_requests(mp: MP) -> None:
+    """The compressors' kv/score state lives on the module and is never reset between sequences (the official
+    inference code's buffers, reference spec §6 / §12): a new request's first windows pool the previous
+    request's leftovers."""
+    from dsv4.model import Compressor
+
+    orig = Compressor.new_state
+
+    def new_state(self, b, device):
+        cached = self.__dict__.get("_mutant_state")
+        if cached is None or cached.kv.shape[0] != b:  # MUTANT: one state per module, handed to every sequence
+            cached = self.__dict__["_mutant_state"] = orig(self, b, device)
+        return cached
+
+    mp.setattr(Compressor, "new_state", new_state)
+
+
 def compressed_entry_one_token_early(mp: MP) -> None:
     """The indexer lets query t see entry w when w < (t + 2) // 4 instead of (t + 1) // 4: during prefill an
     entry becomes visible one token before its window is complete (a future token leaks in).
