@@ -416,9 +416,11 @@ def main(argv=None) -> int:
         info.setdefault("distinct", {b: [0] * n for b in batches})
         hf_bytes = sum(p.numel() * (4 if p.dtype == torch.int8 else 2) for n_, p in model.state_dict().items()
                        if p.dtype in (torch.int8, torch.float8_e4m3fn))
-        if "transformers" in backends and 3 * hf_bytes > 0.8 * torch.cuda.mem_get_info()[1]:
-            print(f"  transformers: skipped, bf16 weights {hf_bytes / 2**30:.0f} GiB (x3 while loading) do not fit",
-                  flush=True)
+        # build_hf holds the HF model (hf_bytes) and the dequantized state dict (hf_bytes) at once, beside this
+        # quantized model (already allocated, so not in the free memory)
+        if "transformers" in backends and 2 * hf_bytes > 0.95 * torch.cuda.mem_get_info()[0]:
+            print(f"  transformers: skipped, bf16 weights {hf_bytes / 2**30:.0f} GiB (x2 while loading) do not fit "
+                  f"in {torch.cuda.mem_get_info()[0] / 2**30:.0f} GiB free", flush=True)
         elif "transformers" in backends:
             try:
                 hf = build_hf(model)
