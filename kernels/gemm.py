@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import interpreting, sm_count, workspace
+from kernels.launch import check_layout, interpreting, sm_count, workspace
+from kernels.launch import fail as _fail
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
@@ -48,10 +49,6 @@ MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode
 # ---------------------------------------------------------------------------------------------------------
 # Validation
 # ---------------------------------------------------------------------------------------------------------
-
-def _fail(op: str, name: str, value, expected: str) -> None:
-    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
-
 
 def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
     """Shapes/dtypes of (x [M, K] bf16, weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu).
@@ -75,19 +72,6 @@ def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
     if tuple(scale.shape) != want:
         _fail(op, "scale", f"shape {tuple(scale.shape)}", f"{want} (one per 128x128 block of weight {(N, K)})")
     return M, N, K
-
-
-def check_layout(op: str, named: dict) -> None:
-    """Contiguous, on CUDA (CPU only under TRITON_INTERPRET=1), all on the first tensor's device."""
-    interp = interpreting()
-    first = next(iter(named.values())).device
-    for name, t in named.items():
-        if not t.is_contiguous():
-            _fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
-        if not (t.is_cuda or (interp and t.device.type == "cpu")):
-            _fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
-        if t.device != first:
-            _fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
 
 
 # ---------------------------------------------------------------------------------------------------------

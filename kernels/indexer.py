@@ -119,21 +119,15 @@ if triton is not None:
     from kernels.attention import _dot
 
     @triton.jit
-    def _indexer_scores_kernel(Q, W, K, OUT, S, H, N, CHUNK,
-                               sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
-                               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT: tl.constexpr):
-        """One program: one query (b, t), all H heads (BLOCK_H >= H), keys [pid*CHUNK, (pid+1)*CHUNK)."""
-        pid_bs = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        b = (pid_bs // S).to(tl.int64)
-        t = (pid_bs % S).to(tl.int64)
+    def _score_chunk(Q, W, K, OUT, b, t, start, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+        """OUT[b, t, n] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, n]) for keys n in [start, start + CHUNK)
+        (fp32 accumulation); all H heads of one query at once (BLOCK_H >= H)."""
         heads = tl.arange(0, BLOCK_H)
         hmask = heads < H
         dd = tl.arange(0, D)
         q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + dd[None, :], mask=hmask[:, None], other=0.0)
         w = tl.load(W + b * swb + t * sws + heads, mask=hmask, other=0.0).to(tl.float32)
-        start = pid_n * CHUNK
         end = tl.minimum(start + CHUNK, N)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
@@ -142,6 +136,18 @@ if triton is not None:
                          other=0.0)
             sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0) * w[:, None]
             tl.store(OUT + b * sob + t * sos + offs, tl.sum(sc, axis=0), mask=nmask)
+
+    @triton.jit
+    def _indexer_scores_kernel(Q, W, K, OUT, S, H, N, CHUNK,
+                               sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
+                               D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                               DOT: tl.constexpr):
+        """One program: one query (b, t), all H heads (BLOCK_H >= H), keys [pid*CHUNK, (pid+1)*CHUNK)."""
+        pid_bs = tl.program_id(0)
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        _score_chunk(Q, W, K, OUT, b, t, tl.program_id(1) * CHUNK, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn,
+                     sob, sos, D, BLOCK_H, BLOCK_N, DOT)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -330,23 +336,10 @@ if triton is not None:
         barrier); the last program of a row selects its top-k (`_topk_row`, reading SC through L2) and resets
         the counter. No spin-wait, no host sync."""
         pid_bs = tl.program_id(0)
-        pid_n = tl.program_id(1)
         b = (pid_bs // S).to(tl.int64)
         t = (pid_bs % S).to(tl.int64)
-        heads = tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        dd = tl.arange(0, D)
-        q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + dd[None, :], mask=hmask[:, None], other=0.0)
-        w = tl.load(W + b * swb + t * sws + heads, mask=hmask, other=0.0).to(tl.float32)
-        start = pid_n * CHUNK
-        end = tl.minimum(start + CHUNK, N)
-        for n0 in range(start, end, BLOCK_N):
-            offs = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs < end
-            kt = tl.load(K + b * skb + offs[:, None].to(tl.int64) * skn + dd[None, :], mask=nmask[:, None],
-                         other=0.0)
-            sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0) * w[:, None]
-            tl.store(SC + b * sob + t * sos + offs, tl.sum(sc, axis=0), mask=nmask)
+        _score_chunk(Q, W, K, SC, b, t, tl.program_id(1) * CHUNK, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn,
+                     sob, sos, D, BLOCK_H, BLOCK_N, DOT)
         tl.debug_barrier()
         counter = SEM + pid_bs
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:

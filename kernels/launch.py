@@ -68,3 +68,22 @@ def workspace(device: torch.device, n_sem: int, n_scratch: int) -> tuple[torch.T
         return fresh  # recorded in the graph (its zero fill included); not cached for later eager calls
     _WORKSPACES[key] = fresh
     return fresh
+
+
+def fail(op: str, name: str, value, expected: str) -> None:
+    """Raise the launchers' one error shape: ValueError("{op}: {name} is {value}; expected {expected}")."""
+    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
+
+
+def check_layout(op: str, named: dict) -> None:
+    """Launchers only, after all shape/dtype checks: every tensor of `named` ({argument name: tensor}) contiguous,
+    on CUDA (CPU only under TRITON_INTERPRET=1), all on the first one's device. Raises ValueError (`fail`)."""
+    interp = interpreting()
+    first = next(iter(named.values())).device
+    for name, t in named.items():
+        if not t.is_contiguous():
+            fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
+        if not (t.is_cuda or (interp and t.device.type == "cpu")):
+            fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
+        if t.device != first:
+            fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")

@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import interpreting, sm_count, workspace
+from kernels.launch import check_layout as _check_layout
+from kernels.launch import fail as _fail
+from kernels.launch import sm_count, workspace
 
 _H_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -34,10 +36,6 @@ _H_DTYPES = (torch.bfloat16, torch.float32)
 # ---------------------------------------------------------------------------------------------------------
 # Validation shared by references and launchers
 # ---------------------------------------------------------------------------------------------------------
-
-def _fail(op: str, name: str, value, expected: str) -> None:
-    raise ValueError(f"{op}: {name} is {value}; expected {expected}")
-
 
 def _check(op: str, name: str, t, shape: tuple, dtype) -> None:
     """Type, shape and dtype of one tensor argument."""
@@ -47,19 +45,6 @@ def _check(op: str, name: str, t, shape: tuple, dtype) -> None:
         _fail(op, name, f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
     if t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
         _fail(op, name, f"dtype {t.dtype}", f"dtype {dtype}")
-
-
-def _check_layout(op: str, named: dict) -> None:
-    """Launchers only, after all shape/dtype checks: contiguous, on a Triton device, all on the first one's device."""
-    interp = interpreting()
-    first = next(iter(named.values())).device
-    for name, t in named.items():
-        if not t.is_contiguous():
-            _fail(op, name, f"non-contiguous (strides {t.stride()})", "a contiguous tensor")
-        if not (t.is_cuda or (interp and t.device.type == "cpu")):
-            _fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
-        if t.device != first:
-            _fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
 
 
 def _check_stack(op: str, H) -> tuple[int, int, int]:

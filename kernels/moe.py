@@ -36,7 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import _fail, act_apply, act_scale, check_layout, dot_q_w, e8m0_to_f32, mma_mode, round_bf16
+from kernels.gemm import act_apply, act_scale, dot_q_w, e8m0_to_f32, mma_mode, round_bf16
+from kernels.launch import check_layout
+from kernels.launch import fail as _fail
 
 
 class MoeRoute(NamedTuple):
@@ -213,6 +215,15 @@ def _fp4_kblock(q, sx, wb, ws, R: tl.constexpr, BN: tl.constexpr, MMA: tl.conste
 
 
 @triton.jit
+def _fp4_load(w_ptr, s_ptr, rows64, kb, KH, KS, wmask):
+    """K block `kb` (128 inputs) of the FP4 rows `rows64`: packed e2m1 codes [BN, 64] int8 (two per byte) and
+    their ue8m0 scales [BN, 4] (one per 32 inputs); masked rows read code 0 and scale 127 (= 1.0)."""
+    codes = tl.load(w_ptr + rows64[:, None] * KH + kb * 64 + tl.arange(0, 64)[None, :], mask=wmask, other=0)
+    scales = tl.load(s_ptr + rows64[:, None] * KS + kb * 4 + tl.arange(0, 4)[None, :], mask=wmask, other=127)
+    return codes, scales
+
+
+@triton.jit
 def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                    E, D, I, K_SLOTS, limit,
                    HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
@@ -229,24 +240,18 @@ def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_pt
         mask_n = offs_n < I
         rows64 = e.to(tl.int64) * I + offs_n
         offs_k = tl.arange(0, 128)
-        cb = tl.arange(0, 64)
-        cs = tl.arange(0, 4)
         KH = D // 2
         KS = D // 32
         KB = D // 128
         wmask = mask_n[:, None]
-        w1b = tl.load(w1_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
-        w3b = tl.load(w3_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
-        s1b = tl.load(s1_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
-        s3b = tl.load(s3_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
+        w1b, s1b = _fp4_load(w1_ptr, s1_ptr, rows64, 0, KH, KS, wmask)
+        w3b, s3b = _fp4_load(w3_ptr, s3_ptr, rows64, 0, KH, KS, wmask)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, KB):
             kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
-            w1n = tl.load(w1_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
-            w3n = tl.load(w3_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
-            s1n = tl.load(s1_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
-            s3n = tl.load(s3_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
+            w1n, s1n = _fp4_load(w1_ptr, s1_ptr, rows64, kn, KH, KS, wmask)
+            w3n, s3n = _fp4_load(w3_ptr, s3_ptr, rows64, kn, KH, KS, wmask)
             x = tl.load(x_ptr + tok[:, None] * D + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             inv, sx = act_scale(x)
@@ -280,20 +285,16 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
         mask_n = offs_n < D
         rows64 = e.to(tl.int64) * D + offs_n
         offs_k = tl.arange(0, 128)
-        cb = tl.arange(0, 64)
-        cs = tl.arange(0, 4)
         KH = I // 2
         KS = I // 32
         KB = I // 128
         wmask = mask_n[:, None]
         r64 = offs_r.to(tl.int64)
-        wb = tl.load(w2_ptr + rows64[:, None] * KH + cb[None, :], mask=wmask, other=0)
-        sb = tl.load(s2_ptr + rows64[:, None] * KS + cs[None, :], mask=wmask, other=127)
+        wb, sb = _fp4_load(w2_ptr, s2_ptr, rows64, 0, KH, KS, wmask)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for kb in range(0, KB):
             kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
-            wn = tl.load(w2_ptr + rows64[:, None] * KH + kn * 64 + cb[None, :], mask=wmask, other=0)
-            sn = tl.load(s2_ptr + rows64[:, None] * KS + kn * 4 + cs[None, :], mask=wmask, other=127)
+            wn, sn = _fp4_load(w2_ptr, s2_ptr, rows64, kn, KH, KS, wmask)
             h = tl.load(h_ptr + r64[:, None] * I + kb * 128 + offs_k[None, :], mask=valid[:, None],
                         other=0.0).to(tl.float32)
             inv, sh = act_scale(h)
