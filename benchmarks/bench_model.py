@@ -29,10 +29,8 @@ What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
-import math
 import os
 import statistics
 import sys

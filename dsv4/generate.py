@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dsv4.config import ModelArgs, layers_from_env
+from dsv4.config import layers_from_env
 from dsv4.model import Transformer
 
 if TYPE_CHECKING:

@@ -518,14 +518,9 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     secs = time.perf_counter() - t0
     gbps = 0.0 if dry_run else need / 1e9 / max(secs, 1e-9)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": True,
-           "temperature": 1.0, "top_p": 1.0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    from dsv4.tiny import tokenizer_dir
+    from dsv4.tiny import write_generation_and_tokenizer
 
-    tok = tokenizer_dir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tok / f, out / f)
+    write_generation_and_tokenizer(out, args)
     prov = {"generator": "dsv4.synth", "version": SYNTH_VERSION, "geometry": geometry, "layers": args.n_layers,
             "seed": seed, "include_mtp": include_mtp, "dry_run": dry_run,
             "note": "random weights at the released geometry (not a trained model); tensor data left as holes"

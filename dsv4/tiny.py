@@ -143,6 +143,18 @@ def tokenizer_dir() -> Path:
     return d
 
 
+def write_generation_and_tokenizer(out: Path, args: ModelArgs) -> None:
+    """Write `generation_config.json` (BOS/EOS ids of `args`, the released sampling defaults) and copy the real
+    tokenizer files (`tokenizer_dir()`) into the checkpoint directory `out`, as the released checkpoints ship them.
+    Raises OSError when `out` cannot be written."""
+    gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": True,
+           "temperature": 1.0, "top_p": 1.0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    tok = tokenizer_dir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok / f, out / f)
+
+
 def _variant_args(variant: str) -> ModelArgs:
     if variant == "fp8":
         return tiny_args()
@@ -220,10 +232,5 @@ def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
              "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
-    gen = {"bos_token_id": args.bos_token_id, "eos_token_id": args.eos_token_id, "do_sample": True,
-           "temperature": 1.0, "top_p": 1.0}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    tok = tokenizer_dir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(tok / f, out / f)
+    write_generation_and_tokenizer(out, args)
     return out
