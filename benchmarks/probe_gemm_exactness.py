@@ -3,7 +3,10 @@ bf16 GEMM of act-quantized x and exactly dequantized FP8 weights equal to the re
 bf16 (fraction of differing outputs at M = 1 / 8 / 1024), does torch._grouped_mm work on sm_90, and how fast are
 the torch dequantizers. Run: `PYTHONPATH=. python benchmarks/probe_gemm_exactness.py` (CUDA).
 """
-import torch, time, statistics
+import statistics
+
+import torch
+
 from dsv4 import quant
 torch.manual_seed(0)
 dev = "cuda"
