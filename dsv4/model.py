@@ -27,7 +27,7 @@ Supported call pattern (as official): one prefill at position 0 of any length, t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -271,10 +271,13 @@ class LayerState:
 
 @dataclass
 class DecodeState:
-    """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer."""
+    """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer.
+    `checked_by`: id of the model that last validated this state (`Transformer._check_state`), so a decode step
+    does not re-walk every layer's state."""
 
     layers: list[LayerState]
     pos: int = 0
+    checked_by: int | None = field(default=None, repr=False, compare=False)
 
 
 class ResidualObserver(Protocol):
@@ -753,7 +756,10 @@ class Transformer(nn.Module):
 
     def _check_state(self, state: DecodeState) -> None:
         """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
-        not), window, head dim, dtype and device. ValueError naming the first mismatch."""
+        not), window, head dim, dtype and device. ValueError naming the first mismatch. Checked once per
+        (state, model) pair: the layer states keep their shapes, dtype and device for the whole sequence."""
+        if state.checked_by == id(self):
+            return
         if len(state.layers) != len(self.layers):
             raise ValueError(f"state has {len(state.layers)} layer states, this model has {len(self.layers)} layers "
                              "(a state from another model; make it with this model's new_state())")
@@ -769,6 +775,7 @@ class Transformer(nn.Module):
                     f"{st.index_compressor is not None}; expected ring [b, {want[0]}, {want[1]}] {self.dtype} on "
                     f"{self.device}, compressor {attn.compressor is not None}, indexer {attn.indexer is not None} "
                     "(make the state with this model's new_state())")
+        state.checked_by = id(self)
 
     def use_decode_graphs(self, max_len: int | None) -> None:
         """Decode through CUDA graphs (triton backend, bf16, weights="quantized"; `dsv4/graph.py`): states made

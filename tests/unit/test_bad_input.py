@@ -186,6 +186,10 @@ def test_state_from_another_model_is_refused(small_models):
     with pytest.raises(TypeError, match="input_ids: expected a torch.Tensor"):
         m4([[1, 2]], m4.new_state(1))
     assert m4(ids, m4.new_state(1)).shape == (1, m4.args.vocab_size)  # its own state passes the check
+    used = m2.new_state(1)
+    m2(ids, used)  # validated (and remembered) for m2 only: m4 still checks it
+    with pytest.raises(ValueError, match="state has 2 layer states, this model has 4 layers"):
+        m4(ids[:, :1], used)
 
 
 @pytest.mark.parametrize("batch", [0, -1, "2", True])
