@@ -175,15 +175,22 @@ def bench_attention(emit, copy_bw: float, batches, contexts, timing: Timing, dev
                       "yes" if ok else "NO"))
 
 
+def _indexer_inputs(b: int, n: int, gen: torch.Generator, device) -> tuple:
+    """Decode-shaped indexer inputs (Flash: 64 heads x 128): q [b, 1, 64, 128] bf16, weights [b, 1, 64] fp32 at
+    the model's scale (head_dim^-0.5 * n_heads^-0.5), keys [b, n, 128] bf16."""
+    q = torch.randn(b, 1, 64, 128, device=device, generator=gen).bfloat16()
+    w = torch.randn(b, 1, 64, device=device, generator=gen) * (128 ** -0.5 * 64 ** -0.5)
+    k = torch.randn(b, n, 128, device=device, generator=gen).bfloat16()
+    return q, w, k
+
+
 def bench_indexer(emit, copy_bw: float, batches, contexts, timing: Timing, device="cuda") -> None:
     from dsv4.testing import assert_close
     gen = torch.Generator(device=device).manual_seed(1)
     for ctx in contexts:
         for b in batches:
             n = ctx // 4
-            q = torch.randn(b, 1, 64, 128, device=device, generator=gen).bfloat16()
-            w = torch.randn(b, 1, 64, device=device, generator=gen) * (128 ** -0.5 * 64 ** -0.5)
-            k = torch.randn(b, n, 128, device=device, generator=gen).bfloat16()
+            q, w, k = _indexer_inputs(b, n, gen, device)
             ref = indexer_scores_ref(q, w, k)
             out = indexer_scores(q, w, k)
             try:
@@ -225,9 +232,7 @@ def bench_selection(emit_line, copy_bw: float, batches, contexts, timing: Timing
         for ctx in contexts:
             for b in batches:
                 n = ctx // 4
-                q = torch.randn(b, 1, 64, 128, device=device, generator=gen).bfloat16()
-                w = torch.randn(b, 1, 64, device=device, generator=gen) * (128 ** -0.5 * 64 ** -0.5)
-                k = torch.randn(b, n, 128, device=device, generator=gen).bfloat16()
+                q, w, k = _indexer_inputs(b, n, gen, device)
                 nv = torch.full((b, 1), n, device=device, dtype=torch.int64)
                 kk = min(topk, n)
                 sc = torch.empty(b, 1, n, device=device)
