@@ -29,7 +29,8 @@ from dsv4.config import ModelArgs, loads_json
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values"]
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values",
+           "cast_unquantized"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -221,6 +222,15 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
 
 
 # ---------------------------------------------------------------------------------------------- reading
+def cast_unquantized(t: torch.Tensor, dt: str, dtype: torch.dtype) -> torch.Tensor:
+    """A BF16 / F32 on-disk tensor `t` (safetensors dtype `dt`) in the floating `dtype` asked for, except that F32
+    is never narrowed below float32: the official model keeps its F32 tensors (hc_*, attn_sink, ape, gate.bias)
+    as fp32 parameters in every mode, so rounding them to bf16 would change the bf16 model's numerics."""
+    if dt == "F32" and torch.finfo(dtype).bits < 32:
+        return t.to(torch.float32)
+    return t.to(dtype)
+
+
 def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Parse and check one safetensors header: name -> (dtype string, shape).
 
@@ -524,12 +534,8 @@ class Checkpoint:
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{f}: tensor {name}: {e}") from None
-        if dt == "F32" and torch.finfo(dtype).bits < 32:
-            # never rounded: the official model keeps its F32 tensors (hc_*, attn_sink, ape, gate.bias) as fp32
-            # parameters in every mode, so narrowing them here would change the bf16 model's numerics
-            return self._raw(name, device).to(torch.float32)
         if dt in ("BF16", "F32"):
-            return self._raw(name, device).to(dtype)
+            return cast_unquantized(self._raw(name, device), dt, dtype)
         if dt == "I64":
             return self._raw(name, device)
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}, expected one of F8_E4M3, I8, F8_E8M0, BF16, "

@@ -405,10 +405,9 @@ def _read(ck, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype, 
     part_raw = ck._raw_part(name, dim, start, n, device)  # checked (check_values) where it is read
     if keep:
         return part_raw
-    if dt == "F32" and torch.finfo(dtype).bits < 32:  # the official fp32 parameters (attn_sink) stay fp32
-        return part_raw.to(torch.float32)
     if dt in ("BF16", "F32"):
-        return part_raw.to(dtype)
+        from dsv4.checkpoint import cast_unquantized
+        return cast_unquantized(part_raw, dt, dtype)  # F32 never narrowed (the official fp32 parameters)
     if dt != "F8_E4M3":
         from dsv4.checkpoint import CheckpointError
         raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
