@@ -143,16 +143,12 @@ def measure(ckpt: Path, comm, dev: str, weights: str, decode_steps: int) -> dict
 
 
 def _worker(ckpt: Path, out: Path, modes: list[str], decode_steps: int) -> None:
-    from dsv4.parallel import comm_from_env
+    from dsv4.parallel import comm_from_env, leave_process_group
 
     comm, dev = comm_from_env("cuda")
     rows = [measure(ckpt, comm, dev, m, decode_steps) for m in modes]
     torch.save(rows, out / f"w{comm.world_size}.rank{comm.rank}.pt")
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # leave the NCCL group cleanly (an open group aborts at interpreter exit)
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()
 
 
 def _fmt_table(rows: list[dict]) -> str:

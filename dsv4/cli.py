@@ -289,15 +289,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _close_process_group() -> None:
-    """Under torchrun, leave the process group cleanly (a live gloo/NCCL group at interpreter exit aborts
-    the process with "terminate called without an active exception")."""
+    """Under torchrun, leave the process group cleanly (`dsv4.parallel.leave_process_group`)."""
     if "torch.distributed" not in sys.modules:  # never initialised; do not import torch just to check
         return
-    import torch.distributed as dist
+    from dsv4.parallel import leave_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -89,7 +89,7 @@ def seed_for(test_id: str, base: int = 0) -> int:
 
 def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2, timeout: int = 240) -> list:
     """Run `python -m torch.distributed.run --standalone --nproc_per_node NPROC SCRIPT OUT *ARGS` and return
-    what each rank saved with `torch.save(obj, f"{OUT}.{rank}")`, by rank. OUT = out_dir / "res"; run in `cwd`.
+    what each rank saved with `save_rank_result(obj, OUT, rank)`, by rank. OUT = out_dir / "res"; run in `cwd`.
 
     Raises AssertionError with the tail of stdout/stderr when torchrun exits non-zero.
     """
@@ -103,6 +103,15 @@ def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2,
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return [torch.load(f"{out}.{r}") for r in range(nproc)]
+
+
+def save_rank_result(obj, out, rank: int) -> None:
+    """The end of a `torchrun_workers` rank worker: `torch.save(obj, f"{out}.{rank}")`, then leave the process
+    group (`dsv4.parallel.leave_process_group`; an open group can abort the rank at interpreter exit)."""
+    from dsv4.parallel import leave_process_group
+
+    torch.save(obj, f"{out}.{rank}")
+    leave_process_group()
 
 
 def greedy_logits(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:

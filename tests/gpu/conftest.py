@@ -51,8 +51,6 @@ def _leave_process_group():
     the multi-rank model loads created, cleanly at the end of the session: an open group aborts at interpreter
     exit (the same as dsv4.cli and benchmarks/measure_real_width.py)."""
     yield
-    import torch.distributed as dist
+    from dsv4.parallel import leave_process_group
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_process_group()

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.testing import assert_close, assert_equal, require_gpus
+from dsv4.testing import assert_close, assert_equal, require_gpus, save_rank_result
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +78,7 @@ def _worker(mode: str, out: str, ckpt: str) -> None:
         res["final_norm"] = final_norm_check(m, PROMPT, decode_steps=2, test_layers=n).to_dict()
         res["param_bytes"] = sum(t.numel() * t.element_size() for t in m.state_dict().values())
     res["peak_bytes"] = torch.cuda.max_memory_allocated(dev)
-    torch.save(res, f"{out}.{comm.rank}")
+    save_rank_result(res, out, comm.rank)
 
 
 def _torchrun(n: int, *argv: str, timeout: int) -> None:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # the torchrun worker runs this file as a script
     sys.path.insert(0, str(ROOT))
 
-from dsv4.testing import assert_close, assert_equal, require_gpus  # noqa: E402
+from dsv4.testing import assert_close, assert_equal, require_gpus, save_rank_result  # noqa: E402
 from tests.unit.test_resident_quant import _ids, _run, aligned_ckpt  # noqa: E402,F401  (fixture re-used)
 
 pytestmark = pytest.mark.gpu
@@ -82,7 +82,7 @@ def _worker(mode: str, out: str, ckpt: str) -> None:
         logits, held, peak = _measure(lambda w=w: load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=dev,
                                                                       weights=w), ids, dev)
         res[w] = {"logits": logits, "held": held, "peak": peak}
-    torch.save(res, f"{out}.{comm.rank}")
+    save_rank_result(res, out, comm.rank)
 
 
 def _torchrun(n: int, *argv: str, timeout: int) -> list[dict]:

@@ -22,7 +22,7 @@ from dsv4.config import ModelArgs
 from dsv4.model import Transformer
 from dsv4.parallel import (Comm, ParallelTransformer, attention_args, build_model, comm_from_env,
                            load_parallel_model, load_rank_state_dict, read_plan, shard_rule, shard_state_dict)
-from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal
+from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal, save_rank_result
 from dsv4.tiny import random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # tensor/expert parallel model equals world size 1
@@ -58,7 +58,7 @@ def _worker(out: str, ckpt: str) -> None:
     m = load_parallel_model(ckpt, comm)
     res["ckpt"] = _run(m, torch.tensor([CKPT_PROMPT]))
     res["final_norm"] = final_norm_check(m, CKPT_PROMPT, decode_steps=2).to_dict()
-    torch.save(res, f"{out}.{comm.rank}")
+    save_rank_result(res, out, comm.rank)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +188,34 @@ def test_shard_rule_on_the_flash_inventory():
     assert plans[7]["layers.0.attn.wo_b.weight"] == (1, 7 * 1024, 1024)
     assert sum(len([k for k in p if ".experts." in k]) for p in plans) == 256 * 3
     assert "layers.0.ffn.experts.31.w1.weight" in plans[0] and "layers.0.ffn.experts.32.w1.weight" not in plans[0]
+
+
+def _workers_left_open(root: Path) -> list[str]:
+    """Files under tests/ and benchmarks/ (and dsv4/cli.py) that join a process group (`comm_from_env(`) but
+    never leave it (`leave_process_group` / `save_rank_result` / the CLI's `_close_process_group`)."""
+    files = [*root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py"), root / "dsv4/cli.py"]
+    leave = ("leave_process_group()", "save_rank_result(", "_close_process_group()")
+    open_ = []
+    for f in files:
+        src = f.read_text()
+        calls = [ln for ln in src.splitlines() if "comm_from_env(" in ln and "def comm_from_env" not in ln
+                 and "comm_from_env(\"cpu\", {" not in ln]  # the env-dict calls never join a group
+        if calls and not any(x in src for x in leave):
+            open_.append(str(f.relative_to(root)))
+    return open_
+
+
+def test_every_torchrun_worker_leaves_the_process_group(tmp_path):
+    """A rank worker that exits with its gloo/NCCL group open can abort at interpreter exit after its work is
+    done (SIGABRT, "terminate called without an active exception"): the CPU world-size-2 tests failed that way
+    in about half of the runs on CI's 2 cores. Every entry point that joins a group must leave it."""
+    assert _workers_left_open(ROOT) == []
+    # negative case: the scan sees a worker that joins and never leaves
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/w.py").write_text('comm, dev = comm_from_env("cpu")\ntorch.save(res, out)\n')
+    (tmp_path / "dsv4").mkdir()
+    (tmp_path / "dsv4/cli.py").write_text("_close_process_group()\n")
+    assert _workers_left_open(tmp_path) == ["tests/w.py"]
 
 
 def test_errors():

@@ -28,7 +28,7 @@ from dsv4.model import Linear, Transformer, _Sim
 from dsv4.parallel import (Comm, ParallelTransformer, check_quantized_split, comm_from_env, load_parallel_model,
                            load_rank_state_dict)
 from dsv4.resident import held_bytes
-from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal
+from dsv4.testing import greedy_logits, torchrun_workers, assert_close, assert_equal, save_rank_result
 from dsv4.tiny import quantize_state_dict, random_state_dict, tiny_args
 
 pytestmark = pytest.mark.hardstop  # quantized-resident weights compute the same logits
@@ -204,7 +204,7 @@ def _worker(out: str, ckpt: str) -> None:
     comm, _ = comm_from_env("cpu")
     ids = _ids(512)
     res = {w: _run(load_parallel_model(ckpt, comm, weights=w), ids) for w in ("dequantized", "quantized")}
-    torch.save(res, f"{out}.{comm.rank}")
+    save_rank_result(res, out, comm.rank)
 
 
 @pytest.fixture(scope="module")

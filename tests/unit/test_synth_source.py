@@ -174,17 +174,13 @@ def test_diagnose_and_generate_say_the_weights_are_synthetic(tmp_path, capsys, m
 def _worker(out: str, ckpt: str, spec: str) -> None:
     """One rank: greedy logits of the model loaded from the files and from the source, saved to OUT.<rank>."""
     from dsv4.parallel import comm_from_env, load_parallel_model
-    from dsv4.testing import greedy_logits
+    from dsv4.testing import greedy_logits, save_rank_result
 
     torch.set_num_threads(1)
     comm, _ = comm_from_env("cpu")
     ids = torch.tensor([PROMPT])
     res = {src: greedy_logits(load_parallel_model(src, comm, n_layers=4), ids, 2) for src in (ckpt, spec)}
-    torch.save({"files": res[ckpt], "source": res[spec]}, f"{out}.{comm.rank}")
-    import torch.distributed as dist
-
-    dist.barrier()  # leave the gloo group cleanly (an open group can abort at interpreter exit)
-    dist.destroy_process_group()
+    save_rank_result({"files": res[ckpt], "source": res[spec]}, out, comm.rank)
 
 
 @pytest.mark.slow
