@@ -13,7 +13,9 @@ The captured step (`GraphDecodeState.step_eager`) is the reference decode maths 
   * a compressor computes its pooled entry at every step and stores it (and shifts / resets its window) only
     where `(pos + 1) % r == 0` (`torch.where`), instead of branching on the host;
   * the indexer ranks all `max_len // 4` key slots with `n_valid = (pos + 1) // 4` and keeps `index_topk`
-    slots, -1 padded (the reference keeps `min(index_topk, n_valid)`: the extra slots are empty);
+    slots, -1 padded (the reference keeps `min(index_topk, n_valid)`: the extra slots are empty), with the
+    backend's top-k (`kernels.indexer.indexer_topk` on triton: one launch, no sync; before, the graph ran
+    the torch.topk reference here even on the triton backend);
   * the routed experts run `kernels.moe.moe_experts` (no host sync). Nothing in the step reads a value back to
     the host (the GPU test runs it under `torch.cuda.set_sync_debug_mode("error")`).
 The final path (hc_head -> norm -> head) runs eagerly after the replay, through the modules, so forward hooks
@@ -127,7 +129,8 @@ def _select(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, k
     w = ix.weights_proj(x).float() * ix.weight_scale
     scores = ix.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))
     n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])
-    return indexer_topk_ref(scores, ix.topk, n_valid.view(1, 1).expand(b, 1), check=False)
+    topk = backend.indexer_topk or indexer_topk_ref  # the eager `Indexer.select` rule: same picks, bitwise
+    return topk(scores, ix.topk, n_valid.view(1, 1).expand(b, 1), check=False)
 
 
 def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _Static, backend) -> torch.Tensor:

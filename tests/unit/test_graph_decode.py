@@ -50,6 +50,36 @@ def test_static_step_equals_decode(backend, prefill, steps):
     assert static.pos == ref.pos == prefill + steps
 
 
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
+def test_static_step_uses_the_backends_kernels(monkeypatch):
+    """The captured step runs the backend's top-k (the triton kernel, not the torch.topk reference), like the
+    eager decode: picks are equal bitwise, so only a count of the calls can tell."""
+    import dataclasses
+
+    import dsv4.graph
+    import kernels.indexer
+
+    m = _pair("triton")
+    calls = {"kernel": 0, "ref": 0}
+    kernel, ref = m.backend.indexer_topk, kernels.indexer.indexer_topk_ref
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    m.backend = dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel))
+    monkeypatch.setattr(dsv4.graph, "indexer_topk_ref", count("ref", ref))
+    st = GraphDecodeState(m, 1, 256, capture=False)
+    m(torch.randint(0, 512, (1, 23)), st)
+    before = dict(calls)
+    m(torch.randint(0, 512, (1, 1)), st)  # position 23: the CSA layer has 6 entries, top-k 4
+    n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
+    assert n_csa >= 1
+    assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
+
+
 def test_static_state_refuses_past_max_len():
     m = _pair("reference")
     st = GraphDecodeState(m, 1, 4, capture=False)
