@@ -89,6 +89,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] any float dtype -> weight * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in
+        x.dtype (spec §2)."""
         xf = x.float()
         return (self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
@@ -170,6 +172,7 @@ class Linear(nn.Module):
         return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] through the backend's `linear` (reference: `linear_ref`)."""
         return self.kernel(self, x)
 
 
@@ -307,6 +310,7 @@ class Compressor(nn.Module):
             self.register_buffer("hadamard", hadamard_matrix(d), persistent=False)
 
     def new_state(self, b: int, device) -> CompressorState:
+        """Empty buffers for b sequences: kv zeros and score -inf, fp32 `[b, c*r, c*d]` (`CompressorState`)."""
         c = 2 if self.overlap else 1
         n = c * self.ratio
         return CompressorState(kv=torch.zeros(b, n, c * self.d, device=device),
@@ -427,6 +431,8 @@ class Attention(nn.Module):
         self.indexer = Indexer(args, sim, inv_freq, dtype) if self.ratio == 4 else None
 
     def new_state(self, b: int, dtype: torch.dtype, device) -> LayerState:
+        """Empty decode state of this layer for b sequences: window ring `[b, window, head_dim]` in dtype, no
+        compressed entries / indexer keys yet, fresh compressor buffers (`LayerState`)."""
         st = LayerState(ring=torch.zeros(b, self.window, self.hd, dtype=dtype, device=device))
         if self.compressor is not None:
             st.entries = torch.zeros(b, 0, self.hd, dtype=dtype, device=device)
@@ -510,6 +516,8 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, sim, quantized=True, dtype=dtype)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU (spec §8.5): x [N, dim] -> w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight)
+        [N, dim] in x.dtype; the clamps only when swiglu_limit > 0; weight [N, 1] fp32 routing weights or None."""
         u, v = self.w1(x).float(), self.w3(x).float()
         if self.limit > 0:
             v = v.clamp(-self.limit, self.limit)
@@ -566,6 +574,7 @@ class MoE(nn.Module):
         self.routed: Callable = moe_routed_ref  # Backend.moe_routed (bind_backend)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [b, s, dim], input_ids [b, s] (hash routing) -> routed + shared experts [b, s, dim] in x.dtype."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, input_ids.reshape(-1))

@@ -82,3 +82,33 @@ def test_moe_applies_routing_weight_before_w2_with_clamp(moe, seed):
             want[t] += swiglu64(x[0, t:t + 1], ffn.experts[int(picks[t, j])], args.swiglu_limit,
                                 weights[t, j].view(1, 1))[0]
     assert_close(ffn(x, ids)[0], want, "MoE output", rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@torch.no_grad()
+def test_repeated_expert_in_a_tid2eid_row_counts_once_per_slot(seed):
+    """Difference M5 (docs/differences.md): a hash-layer `tid2eid` row naming one expert twice contributes that
+    expert once per slot, each with its own routing weight (accumulation, as transformers' `index_add_`). The
+    official `y[idx] += ...` keeps one of the two writes. Layer 0 (hash-routed) of the tiny model, float64
+    oracle, tolerance as above."""
+    args = tiny_args(vocab_size=512)
+    model = Transformer(args)
+    sd = {k: v for k, v in random_state_dict(args, seed=seed % 1000).items() if not k.startswith("mtp.")}
+    tok = 7
+    row = sd["layers.0.ffn.gate.tid2eid"][tok].clone()
+    row[1] = row[0]  # expert row[0] picked twice for token 7
+    sd["layers.0.ffn.gate.tid2eid"][tok] = row
+    model.load_weights(sd)
+    ffn = model.layers[0].ffn
+    assert ffn.gate.hash
+    x = torch.randn(1, 1, args.dim) * X_SCALE
+    ids = torch.tensor([[tok]])
+    weights, picks = ffn.gate(x.reshape(1, -1), ids.reshape(-1))
+    assert int(picks[0, 0]) == int(picks[0, 1]) == int(row[0])
+    want = swiglu64(x[0], ffn.shared_experts, args.swiglu_limit)[0]
+    per_slot = [swiglu64(x[0], ffn.experts[int(picks[0, j])], args.swiglu_limit, weights[0, j].view(1, 1))[0]
+                for j in range(picks.shape[1])]
+    atol = 1e-5 * float((want + sum(per_slot)).abs().max())
+    assert_close(ffn(x, ids)[0, 0], want + sum(per_slot), "MoE output, repeated expert", rtol=1e-5, atol=atol)
+    # negative control: the official single write (slot 1 lost) is visibly different
+    with pytest.raises(AssertionError):
+        assert_close(ffn(x, ids)[0, 0], want + sum(per_slot) - per_slot[1], "one write", rtol=1e-5, atol=atol)

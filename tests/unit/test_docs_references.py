@@ -1,0 +1,59 @@
+"""Every test that the documentation names exists: docs/differences.md ("pinned by"), docs/mutants.md, README.md
+and benchmarks/RESULTS.md cite tests as `path.py::test_name` (a following `::other` reuses that path). A renamed
+or deleted test would leave a difference or a mutant documented as pinned by nothing."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ["docs/differences.md", "docs/mutants.md", "README.md", "benchmarks/RESULTS.md"]
+REF = re.compile(r"((?:tests/(?:unit|gpu)/)?test_\w+\.py)?::(test_\w+)")
+
+
+def cited_tests(text: str) -> list[tuple[str, str]]:
+    """(file name, test name) of each `file.py::test` / `::test` citation, in order; `::test` takes the file of
+    the citation before it on the same line."""
+    out = []
+    for line in text.splitlines():
+        last = None
+        for m in REF.finditer(line):
+            last = m.group(1) or last
+            if last is not None:
+                out.append((Path(last).name, m.group(2)))
+    return out
+
+
+def defined_tests(root: Path) -> dict[str, set[str]]:
+    """File name -> names of the module-level functions in tests/unit and tests/gpu."""
+    out: dict[str, set[str]] = {}
+    for f in [*root.glob("tests/unit/test_*.py"), *root.glob("tests/gpu/test_*.py")]:
+        names = {n.name for n in ast.parse(f.read_text()).body if isinstance(n, ast.FunctionDef)}
+        out.setdefault(f.name, set()).update(names)
+    return out
+
+
+def missing(root: Path, docs: list[str]) -> list[str]:
+    defined = defined_tests(root)
+    bad = []
+    for doc in docs:
+        for file, name in cited_tests((root / doc).read_text()):
+            if name not in defined.get(file, set()):
+                bad.append(f"{doc}: {file}::{name}")
+    return bad
+
+
+def test_every_cited_test_exists():
+    cites = sum(len(cited_tests((ROOT / d).read_text())) for d in DOCS)
+    assert cites >= 40, f"only {cites} citations found: the parser no longer reads the docs"
+    assert missing(ROOT, DOCS) == []
+
+
+def test_a_renamed_test_is_reported(tmp_path):
+    """Negative case: a citation of a test that is not defined is reported, with the doc that cites it."""
+    (tmp_path / "tests/unit").mkdir(parents=True)
+    (tmp_path / "tests/unit/test_a.py").write_text("def test_here():\n    pass\n")
+    (tmp_path / "doc.md").write_text("pinned by `test_a.py::test_here`, `::test_gone` and test_b.py::test_x\n")
+    assert missing(tmp_path, ["doc.md"]) == ["doc.md: test_a.py::test_gone", "doc.md: test_b.py::test_x"]
