@@ -308,3 +308,44 @@ def test_router_computes_in_fp32(run):
             bad = sb / sb.sum(-1, keepdim=True) * a.route_scale
             power = max(power, ((bad - want).abs() / want.abs()).max().item())
     assert power > 1e-4, f"bf16 router logits move the weights by only {power:.1e}: the check has no power"
+
+
+# -------------------------------------------------------------------------------- routed weight placement
+def test_routing_weight_scales_the_w2_input(run):
+    """Routed experts (spec §8.5, §16 difference 4): the routing weight g multiplies the fp32 SwiGLU output BEFORE
+    it is rounded to bf16 and act-quantized for w2: w2's input is bf16(silu(min(u, L)) * clamp(v, -L, L) * g),
+    u / v the bf16 outputs of w1 / w3; the shared expert's w2 input carries no weight. transformers applies g
+    after down_proj: the same value in exact arithmetic, so only this bf16 check sees it (the act-quant of w2
+    then rounds h instead of h * g; fp32 parity and prefill == decode pass). Tolerance: one bf16 rounding,
+    |got - want| <= 2^-8 |want|; a missing or misplaced g errs by the factor g (~0.1..1.5)."""
+    a = run.args
+    L = a.swiglu_limit
+    io = run.linear_io
+
+    def want_h(pre: str, k: int, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        u, v = io[f"{pre}.w1"][k][1].float(), io[f"{pre}.w3"][k][1].float()
+        h = torch.nn.functional.silu(u.clamp(max=L)) * v.clamp(-L, L)
+        return (h if g is None else h * g).to(torch.bfloat16).float(), io[f"{pre}.w2"][k][0].float()
+
+    def off(got: torch.Tensor, want: torch.Tensor) -> int:
+        return int(((got - want).abs() > 2.0 ** -8 * want.abs()).sum())
+
+    checked, power = 0, 0
+    for gname, calls in run.gate_io.items():
+        ffn = gname.removesuffix(".gate")
+        seen: dict[int, int] = {}
+        for i, (x, w, ids) in enumerate(calls):
+            want, got = want_h(f"{ffn}.shared_experts", i, None)
+            assert off(got, want) == 0, f"{ffn}.shared_experts call {i}: w2 input != bf16(silu(u) * v)"
+            for e in ids.unique().tolist():
+                k = seen[e] = seen.get(e, -1) + 1
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                g = w[tok, slot].float()[:, None]
+                want, got = want_h(f"{ffn}.experts.{e}", k, g)
+                assert got.shape == want.shape, f"{ffn}.experts.{e} call {k}: w2 input rows do not match the picks"
+                n = off(got, want)
+                assert n == 0, f"{ffn}.experts.{e} call {k}: w2 input != bf16(silu(u) * v * g) at {n} elements"
+                power += off(got, want_h(f"{ffn}.experts.{e}", k, None)[0])  # negative control: g left out
+                checked += 1
+    assert checked >= 20, f"only {checked} routed expert calls seen"
+    assert power > 1000, f"leaving g out changes only {power} elements: the check has no power"
