@@ -90,6 +90,8 @@ class Run:
     gate_io: dict        # gate name -> list of (x, weights, ids)
     scores_io: list      # (q, weights, keys, scores) passed to / returned by backend.indexer_scores
     weights_proj: list   # indexer.weights_proj outputs, in call order
+    attn_q: list = dataclasses.field(default_factory=list)  # q passed to backend.sparse_attn, in call order
+    compressor_norm_in: dict = dataclasses.field(default_factory=dict)  # compressor norm name -> inputs
 
 
 def _args():
@@ -119,6 +121,9 @@ def run() -> Run:
                 lambda m, a, out, n=name: r.gate_io.setdefault(n, []).append((a[0].clone(), *out)))
         if isinstance(mod, Indexer):
             mod.weights_proj.register_forward_hook(lambda m, a, out: r.weights_proj.append(out.detach().clone()))
+        if name.endswith("compressor.norm"):
+            mod.register_forward_hook(
+                lambda m, a, out, n=name: r.compressor_norm_in.setdefault(n, []).append(a[0].detach().clone()))
     orig = model.backend.indexer_scores
 
     def spy(q, w, k):
@@ -126,7 +131,13 @@ def run() -> Run:
         r.scores_io.append((q.clone(), w.clone(), k.clone(), out.clone()))
         return out
 
-    model.backend = dataclasses.replace(model.backend, indexer_scores=spy)
+    orig_attn = model.backend.sparse_attn
+
+    def attn_spy(q, kv, sink, idx, scale):
+        r.attn_q.append(q.clone())
+        return orig_attn(q, kv, sink, idx, scale)
+
+    model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy)
     st = model.new_state(1)
     x = model(torch.randint(0, args.vocab_size, (1, PREFILL)), st)
     for _ in range(DECODE):
@@ -349,3 +360,35 @@ def test_routing_weight_scales_the_w2_input(run):
                 checked += 1
     assert checked >= 20, f"only {checked} routed expert calls seen"
     assert power > 1000, f"leaving g out changes only {power} elements: the check has no power"
+
+
+# -------------------------------------------------------------------------------- bf16 rounding points
+def test_query_head_norm_runs_in_bf16(run):
+    """Per-head unweighted q RMS norm (spec §5 step 3): `q * rsqrt(mean(q^2) + 1e-6)` computed in bf16 as
+    officially (every op rounds to bf16), on the bf16 output of wq_b. The nope channels of the q handed to the
+    attention kernel (RoPE touches only the last rope_head_dim) must equal that bf16 chain bitwise; the same
+    norm computed in fp32 and rounded once differs from it at many elements (negative control)."""
+    a, nl = run.args, run.args.n_layers
+    assert len(run.attn_q) == nl * (1 + DECODE)
+    nope = a.head_dim - a.rope_head_dim
+    power = 0
+    for c, q in enumerate(run.attn_q):
+        layer, step = c % nl, c // nl
+        raw = run.linear_io[f"layers.{layer}.attn.wq_b"][step][1].unflatten(-1, (a.n_heads, a.head_dim))
+        assert raw.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+        want = raw * torch.rsqrt(raw.square().mean(-1, keepdim=True) + a.norm_eps)  # bf16 ops (official)
+        bad = (q[..., :nope] != want[..., :nope]).sum().item()
+        assert bad == 0, f"layer {layer} step {step}: q head norm differs from the bf16 chain at {bad} elements"
+        f32 = (raw.float() * torch.rsqrt(raw.float().square().mean(-1, keepdim=True) + a.norm_eps)).bfloat16()
+        power += int((f32[..., :nope] != want[..., :nope]).sum())
+    assert power > 100, f"the fp32 norm differs at only {power} elements: the check has no power"
+
+
+def test_compressor_normalises_the_bf16_rounded_pool(run):
+    """Compressed entries (spec §6 post-processing): `k_w = norm(bf16(c_w))`: the pooled fp32 c_w is rounded to
+    the activation dtype BEFORE the RMSNorm (main and indexer compressors, prefill and decode)."""
+    names = sorted(run.compressor_norm_in)
+    assert any("indexer" in n for n in names) and any("indexer" not in n for n in names), names
+    for n in names:
+        for x in run.compressor_norm_in[n]:
+            assert x.dtype == torch.bfloat16, f"{n}: normalises a {x.dtype} pool, expected bf16(c_w)"
