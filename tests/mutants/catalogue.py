@@ -123,6 +123,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("compare_logits_rel_dropped", "final-norm check blind to the logit magnitude (rel L2 criterion dropped)",
            patches.compare_logits_rel_dropped,
            ("tests/unit/test_final_norm.py::test_each_criterion_of_compare_logits_fails_alone",)),
+    Mutant("hc_head_rounded_per_stream", "an extra bf16 rounding inside an mHC reference (hc_head)",
+           patches.hc_head_rounded_per_stream, ("tests/unit/test_mhc_kernels.py::test_bf16_outputs_rounded_once",)),
 ]}
 
 

@@ -500,3 +500,15 @@ def compare_logits_rel_dropped(mp: MP) -> None:
         return orig(a, b, factor, math.inf, kl_tol)  # MUTANT: rel L2 criterion can never fail
 
     mp.setattr(final_norm, "compare_logits", compare_logits)
+
+
+def hc_head_rounded_per_stream(mp: MP) -> None:
+    """The hc_head reference rounds each stream's term pre_j·H_j to the stream dtype before summing (an extra bf16
+    rounding; fp32 streams and the bf16-tolerance kernel comparisons cannot see it)."""
+    from kernels import mhc
+
+    def hc_head_ref(H, fn, base, scale, *, hc_eps, norm_eps):
+        pre = torch.sigmoid(mhc._mixes_ref(H, fn, norm_eps) * scale[0] + base) + hc_eps
+        return (pre.unsqueeze(-1) * H.float()).to(H.dtype).sum(1)  # MUTANT: terms rounded, then summed
+
+    mp.setattr(mhc, "hc_head_ref", hc_head_ref)
