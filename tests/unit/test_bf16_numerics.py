@@ -92,6 +92,7 @@ class Run:
     weights_proj: list   # indexer.weights_proj outputs, in call order
     attn_q: list = dataclasses.field(default_factory=list)  # q passed to backend.sparse_attn, in call order
     compressor_norm_in: dict = dataclasses.field(default_factory=dict)  # compressor norm name -> inputs
+    grouped_io: list = dataclasses.field(default_factory=list)  # (o, wo_a, z) of backend.grouped_linear
 
 
 def _args():
@@ -137,7 +138,15 @@ def run() -> Run:
         r.attn_q.append(q.clone())
         return orig_attn(q, kv, sink, idx, scale)
 
-    model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy)
+    orig_grouped = model.backend.grouped_linear
+
+    def grouped_spy(o, lin):
+        z = orig_grouped(o, lin)
+        r.grouped_io.append((o.clone(), lin, z.clone()))
+        return z
+
+    model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy,
+                                        grouped_linear=grouped_spy)
     st = model.new_state(1)
     x = model(torch.randint(0, args.vocab_size, (1, PREFILL)), st)
     for _ in range(DECODE):
@@ -392,3 +401,21 @@ def test_compressor_normalises_the_bf16_rounded_pool(run):
     for n in names:
         for x in run.compressor_norm_in[n]:
             assert x.dtype == torch.bfloat16, f"{n}: normalises a {x.dtype} pool, expected bf16(c_w)"
+
+
+def test_wo_a_consumes_the_unquantized_bf16_input(run):
+    """Grouped wo_a (spec §5, pitfall 17): FP8 on disk but used dequantized, with NO activation quantization of
+    its input: z[g] = bf16(o[g] @ Wa[g]^T) per output group, o the bf16 attention output. Bound as for the
+    quantized linears (`_matches`: one bf16 rounding + the fp32 accumulation bound). An FP8- or FP4-rounded o
+    errs by ~2^-4 per element (negative control: o FP8-rounded in 32-channel blocks fails)."""
+    assert len(run.grouped_io) == run.args.n_layers * (1 + DECODE)
+    power = 0
+    for o, lin, z in run.grouped_io:
+        assert o.dtype == torch.bfloat16 and z.dtype == torch.bfloat16
+        G = o.shape[2]
+        Wa = lin.dequantized_weight().view(G, -1, o.shape[-1])
+        for g in range(G):
+            ok = _matches(z[:, :, g], o[:, :, g], Wa[g], 2.0 ** -8)
+            assert bool(ok.all()), f"wo_a group {g}: output != bf16(o @ Wa^T) at {int((~ok).sum())} elements"
+            power += int((~_matches(z[:, :, g], fp8_round(o[:, :, g], 32), Wa[g], 2.0 ** -8)).sum())
+    assert power > 100, f"an FP8-rounded input fails at only {power} elements: the check has no power"
