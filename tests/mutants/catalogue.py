@@ -125,6 +125,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            ("tests/unit/test_final_norm.py::test_each_criterion_of_compare_logits_fails_alone",)),
     Mutant("hc_head_rounded_per_stream", "an extra bf16 rounding inside an mHC reference (hc_head)",
            patches.hc_head_rounded_per_stream, ("tests/unit/test_mhc_kernels.py::test_bf16_outputs_rounded_once",)),
+    Mutant("generate_ignores_temperature", "the generation path drops the sampling temperature (greedy always)",
+           patches.generate_ignores_temperature,
+           ("tests/unit/test_generate.py::test_generate_samples_at_the_requested_temperature",)),
 ]}
 
 

@@ -512,3 +512,18 @@ def hc_head_rounded_per_stream(mp: MP) -> None:
         return (pre.unsqueeze(-1) * H.float()).to(H.dtype).sum(1)  # MUTANT: terms rounded, then summed
 
     mp.setattr(mhc, "hc_head_ref", hc_head_ref)
+
+
+def generate_ignores_temperature(mp: MP) -> None:
+    """`dsv4.generate.generate` samples every token at temperature 0 (greedy) whatever `temperature` it was given;
+    `sample` stays right for every other caller (its chi-square test passes)."""
+    from dsv4 import generate
+
+    orig = generate.sample
+
+    def sample(logits, temperature, generator=None):
+        if sys._getframe(1).f_globals.get("__name__") == "dsv4.generate":
+            temperature = 0.0  # MUTANT: the generation path drops the temperature
+        return orig(logits, temperature, generator)
+
+    mp.setattr(generate, "sample", sample)
