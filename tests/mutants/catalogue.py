@@ -115,6 +115,19 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
             "tests/unit/test_kernel_edges.py::test_hc_head_edges[saturated-fp32-two_launch]")),
     Mutant("sink_dropped_in_kernel", "attention sink dropped from the Triton kernel only",
            patches.sink_dropped_in_kernel, ("tests/unit/test_kernel_edges.py::test_sparse_attn_edges[1-fp32]",)),
+    # issue 21: survivors of a mutation sweep (the sweep and its results: docs/mutants.md)
+    Mutant("rmsnorm_eps_outside_root", "norm eps misplaced (outside the square root)",
+           patches.rmsnorm_eps_outside_root, ("tests/unit/test_model.py::test_hf_parity_in_the_eps_regime",)),
+    Mutant("routing_weight_after_w2", "routing weight applied after w2 instead of before (bf16 mode)",
+           patches.routing_weight_after_w2, (BF16 + "test_routing_weight_scales_the_w2_input",)),
+    Mutant("compare_logits_rel_dropped", "final-norm check blind to the logit magnitude (rel L2 criterion dropped)",
+           patches.compare_logits_rel_dropped,
+           ("tests/unit/test_final_norm.py::test_each_criterion_of_compare_logits_fails_alone",)),
+    Mutant("hc_head_rounded_per_stream", "an extra bf16 rounding inside an mHC reference (hc_head)",
+           patches.hc_head_rounded_per_stream, ("tests/unit/test_mhc_kernels.py::test_bf16_outputs_rounded_once",)),
+    Mutant("generate_ignores_temperature", "the generation path drops the sampling temperature (greedy always)",
+           patches.generate_ignores_temperature,
+           ("tests/unit/test_generate.py::test_generate_samples_at_the_requested_temperature",)),
 ]}
 
 

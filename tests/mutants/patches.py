@@ -460,3 +460,70 @@ def sink_dropped_in_kernel(mp: MP) -> None:
 
     _jit_source_mutant(mp, attention, "_sparse_attn_kernel", "o = acc / (l + tl.exp2(sink - m))[:, None]",
                        "o = acc / l[:, None]  # MUTANT: no sink term")
+
+
+# ------------------------------------------------------------------------ gaps found by mutation (issue 21)
+def rmsnorm_eps_outside_root(mp: MP) -> None:
+    """Every RMSNorm computes w·x / (sqrt(mean(x²)) + eps) instead of w·x·rsqrt(mean(x²) + eps): the eps
+    outside the root (a 1e-6 relative change wherever mean(x²) ~ 1, i.e. on random weights at their usual scale)."""
+    from dsv4.model import RMSNorm
+
+    def forward(self, x):
+        xf = x.float()
+        return (self.weight.float() * xf / (xf.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)).to(x.dtype)  # MUTANT
+
+    mp.setattr(RMSNorm, "forward", forward)
+
+
+def routing_weight_after_w2(mp: MP) -> None:
+    """Routed experts apply the routing weight g to w2's output (transformers' order) instead of to its input
+    h = silu(u)·v before the bf16 rounding and act-quant: equal in exact arithmetic, so fp32 parity cannot see it."""
+    from dsv4.model import Expert
+
+    orig = Expert.forward
+
+    def forward(self, x, weight=None):
+        y = orig(self, x)
+        return y if weight is None else (y.float() * weight).to(x.dtype)  # MUTANT: g after w2
+
+    mp.setattr(Expert, "forward", forward)
+
+
+def compare_logits_rel_dropped(mp: MP) -> None:
+    """The final-norm check's `compare_logits` no longer requires the relative L2 error within tolerance (argmax
+    and KL only): a softmax-invariant logit shift, or a scale close to 1, passes."""
+    from dsv4 import final_norm
+
+    orig = final_norm.compare_logits
+
+    def compare_logits(a, b, factor, rel_tol, kl_tol):
+        return orig(a, b, factor, math.inf, kl_tol)  # MUTANT: rel L2 criterion can never fail
+
+    mp.setattr(final_norm, "compare_logits", compare_logits)
+
+
+def hc_head_rounded_per_stream(mp: MP) -> None:
+    """The hc_head reference rounds each stream's term pre_j·H_j to the stream dtype before summing (an extra bf16
+    rounding; fp32 streams and the bf16-tolerance kernel comparisons cannot see it)."""
+    from kernels import mhc
+
+    def hc_head_ref(H, fn, base, scale, *, hc_eps, norm_eps):
+        pre = torch.sigmoid(mhc._mixes_ref(H, fn, norm_eps) * scale[0] + base) + hc_eps
+        return (pre.unsqueeze(-1) * H.float()).to(H.dtype).sum(1)  # MUTANT: terms rounded, then summed
+
+    mp.setattr(mhc, "hc_head_ref", hc_head_ref)
+
+
+def generate_ignores_temperature(mp: MP) -> None:
+    """`dsv4.generate.generate` samples every token at temperature 0 (greedy) whatever `temperature` it was given;
+    `sample` stays right for every other caller (its chi-square test passes)."""
+    from dsv4 import generate
+
+    orig = generate.sample
+
+    def sample(logits, temperature, generator=None):
+        if sys._getframe(1).f_globals.get("__name__") == "dsv4.generate":
+            temperature = 0.0  # MUTANT: the generation path drops the temperature
+        return orig(logits, temperature, generator)
+
+    mp.setattr(generate, "sample", sample)

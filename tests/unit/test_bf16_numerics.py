@@ -90,6 +90,9 @@ class Run:
     gate_io: dict        # gate name -> list of (x, weights, ids)
     scores_io: list      # (q, weights, keys, scores) passed to / returned by backend.indexer_scores
     weights_proj: list   # indexer.weights_proj outputs, in call order
+    attn_q: list = dataclasses.field(default_factory=list)  # q passed to backend.sparse_attn, in call order
+    compressor_norm_in: dict = dataclasses.field(default_factory=dict)  # compressor norm name -> inputs
+    grouped_io: list = dataclasses.field(default_factory=list)  # (o, wo_a, z) of backend.grouped_linear
 
 
 def _args():
@@ -119,6 +122,9 @@ def run() -> Run:
                 lambda m, a, out, n=name: r.gate_io.setdefault(n, []).append((a[0].clone(), *out)))
         if isinstance(mod, Indexer):
             mod.weights_proj.register_forward_hook(lambda m, a, out: r.weights_proj.append(out.detach().clone()))
+        if name.endswith("compressor.norm"):
+            mod.register_forward_hook(
+                lambda m, a, out, n=name: r.compressor_norm_in.setdefault(n, []).append(a[0].detach().clone()))
     orig = model.backend.indexer_scores
 
     def spy(q, w, k):
@@ -126,7 +132,21 @@ def run() -> Run:
         r.scores_io.append((q.clone(), w.clone(), k.clone(), out.clone()))
         return out
 
-    model.backend = dataclasses.replace(model.backend, indexer_scores=spy)
+    orig_attn = model.backend.sparse_attn
+
+    def attn_spy(q, kv, sink, idx, scale):
+        r.attn_q.append(q.clone())
+        return orig_attn(q, kv, sink, idx, scale)
+
+    orig_grouped = model.backend.grouped_linear
+
+    def grouped_spy(o, lin):
+        z = orig_grouped(o, lin)
+        r.grouped_io.append((o.clone(), lin, z.clone()))
+        return z
+
+    model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy,
+                                        grouped_linear=grouped_spy)
     st = model.new_state(1)
     x = model(torch.randint(0, args.vocab_size, (1, PREFILL)), st)
     for _ in range(DECODE):
@@ -308,3 +328,94 @@ def test_router_computes_in_fp32(run):
             bad = sb / sb.sum(-1, keepdim=True) * a.route_scale
             power = max(power, ((bad - want).abs() / want.abs()).max().item())
     assert power > 1e-4, f"bf16 router logits move the weights by only {power:.1e}: the check has no power"
+
+
+# -------------------------------------------------------------------------------- routed weight placement
+def test_routing_weight_scales_the_w2_input(run):
+    """Routed experts (spec §8.5, §16 difference 4): the routing weight g multiplies the fp32 SwiGLU output BEFORE
+    it is rounded to bf16 and act-quantized for w2: w2's input is bf16(silu(min(u, L)) * clamp(v, -L, L) * g),
+    u / v the bf16 outputs of w1 / w3; the shared expert's w2 input carries no weight. transformers applies g
+    after down_proj: the same value in exact arithmetic, so only this bf16 check sees it (the act-quant of w2
+    then rounds h instead of h * g; fp32 parity and prefill == decode pass). Tolerance: one bf16 rounding,
+    |got - want| <= 2^-8 |want|; a missing or misplaced g errs by the factor g (~0.1..1.5)."""
+    a = run.args
+    L = a.swiglu_limit
+    io = run.linear_io
+
+    def want_h(pre: str, k: int, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        u, v = io[f"{pre}.w1"][k][1].float(), io[f"{pre}.w3"][k][1].float()
+        h = torch.nn.functional.silu(u.clamp(max=L)) * v.clamp(-L, L)
+        return (h if g is None else h * g).to(torch.bfloat16).float(), io[f"{pre}.w2"][k][0].float()
+
+    def off(got: torch.Tensor, want: torch.Tensor) -> int:
+        return int(((got - want).abs() > 2.0 ** -8 * want.abs()).sum())
+
+    checked, power = 0, 0
+    for gname, calls in run.gate_io.items():
+        ffn = gname.removesuffix(".gate")
+        seen: dict[int, int] = {}
+        for i, (x, w, ids) in enumerate(calls):
+            want, got = want_h(f"{ffn}.shared_experts", i, None)
+            assert off(got, want) == 0, f"{ffn}.shared_experts call {i}: w2 input != bf16(silu(u) * v)"
+            for e in ids.unique().tolist():
+                k = seen[e] = seen.get(e, -1) + 1
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                g = w[tok, slot].float()[:, None]
+                want, got = want_h(f"{ffn}.experts.{e}", k, g)
+                assert got.shape == want.shape, f"{ffn}.experts.{e} call {k}: w2 input rows do not match the picks"
+                n = off(got, want)
+                assert n == 0, f"{ffn}.experts.{e} call {k}: w2 input != bf16(silu(u) * v * g) at {n} elements"
+                power += off(got, want_h(f"{ffn}.experts.{e}", k, None)[0])  # negative control: g left out
+                checked += 1
+    assert checked >= 20, f"only {checked} routed expert calls seen"
+    assert power > 1000, f"leaving g out changes only {power} elements: the check has no power"
+
+
+# -------------------------------------------------------------------------------- bf16 rounding points
+def test_query_head_norm_runs_in_bf16(run):
+    """Per-head unweighted q RMS norm (spec §5 step 3): `q * rsqrt(mean(q^2) + 1e-6)` computed in bf16 as
+    officially (every op rounds to bf16), on the bf16 output of wq_b. The nope channels of the q handed to the
+    attention kernel (RoPE touches only the last rope_head_dim) must equal that bf16 chain bitwise; the same
+    norm computed in fp32 and rounded once differs from it at many elements (negative control)."""
+    a, nl = run.args, run.args.n_layers
+    assert len(run.attn_q) == nl * (1 + DECODE)
+    nope = a.head_dim - a.rope_head_dim
+    power = 0
+    for c, q in enumerate(run.attn_q):
+        layer, step = c % nl, c // nl
+        raw = run.linear_io[f"layers.{layer}.attn.wq_b"][step][1].unflatten(-1, (a.n_heads, a.head_dim))
+        assert raw.dtype == torch.bfloat16 and q.dtype == torch.bfloat16
+        want = raw * torch.rsqrt(raw.square().mean(-1, keepdim=True) + a.norm_eps)  # bf16 ops (official)
+        bad = (q[..., :nope] != want[..., :nope]).sum().item()
+        assert bad == 0, f"layer {layer} step {step}: q head norm differs from the bf16 chain at {bad} elements"
+        f32 = (raw.float() * torch.rsqrt(raw.float().square().mean(-1, keepdim=True) + a.norm_eps)).bfloat16()
+        power += int((f32[..., :nope] != want[..., :nope]).sum())
+    assert power > 100, f"the fp32 norm differs at only {power} elements: the check has no power"
+
+
+def test_compressor_normalises_the_bf16_rounded_pool(run):
+    """Compressed entries (spec §6 post-processing): `k_w = norm(bf16(c_w))`: the pooled fp32 c_w is rounded to
+    the activation dtype BEFORE the RMSNorm (main and indexer compressors, prefill and decode)."""
+    names = sorted(run.compressor_norm_in)
+    assert any("indexer" in n for n in names) and any("indexer" not in n for n in names), names
+    for n in names:
+        for x in run.compressor_norm_in[n]:
+            assert x.dtype == torch.bfloat16, f"{n}: normalises a {x.dtype} pool, expected bf16(c_w)"
+
+
+def test_wo_a_consumes_the_unquantized_bf16_input(run):
+    """Grouped wo_a (spec §5, pitfall 17): FP8 on disk but used dequantized, with NO activation quantization of
+    its input: z[g] = bf16(o[g] @ Wa[g]^T) per output group, o the bf16 attention output. Bound as for the
+    quantized linears (`_matches`: one bf16 rounding + the fp32 accumulation bound). An FP8- or FP4-rounded o
+    errs by ~2^-4 per element (negative control: o FP8-rounded in 32-channel blocks fails)."""
+    assert len(run.grouped_io) == run.args.n_layers * (1 + DECODE)
+    power = 0
+    for o, lin, z in run.grouped_io:
+        assert o.dtype == torch.bfloat16 and z.dtype == torch.bfloat16
+        G = o.shape[2]
+        Wa = lin.dequantized_weight().view(G, -1, o.shape[-1])
+        for g in range(G):
+            ok = _matches(z[:, :, g], o[:, :, g], Wa[g], 2.0 ** -8)
+            assert bool(ok.all()), f"wo_a group {g}: output != bf16(o @ Wa^T) at {int((~ok).sum())} elements"
+            power += int((~_matches(z[:, :, g], fp8_round(o[:, :, g], 32), Wa[g], 2.0 ** -8)).sum())
+    assert power > 100, f"an FP8-rounded input fails at only {power} elements: the check has no power"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from dsv4.final_norm import final_norm_check
+from dsv4.final_norm import KL_TOL, REL_TOL, compare_logits, final_norm_check
 from dsv4.generate import load_model
 
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]  # gold ids of the seed prompt
@@ -111,3 +111,31 @@ def test_nonfinite_weights_are_named_not_blamed_on_the_norm(model):
     r = final_norm_check(m, PROMPT, decode_steps=1)
     assert not r.passed and "non-finite" in r.verdict
     assert r.chain_ok and r.norm_calls == r.steps == 2
+
+
+@pytest.mark.hardstop
+def test_each_criterion_of_compare_logits_fails_alone():
+    """The verdict needs argmax AND rel L2 AND KL (module docstring, trap (a)): for each one, fp32 logits that
+    fail that criterion only must fail the fp32 comparison, and fp32 rounding noise (rel ~1e-7) must pass.
+    Kills a criterion dropped from `compare_logits` or an fp32 tolerance loosened past what it exists to catch:
+    a logit shift of 1% of |a| (softmax-invariant: KL 0, same argmax) is 100x the fp32 REL_TOL of 1e-4, a
+    change of KL 3e-6 at rel L2 2e-5 is 3x KL_TOL 1e-6."""
+    rt, kt = REL_TOL[torch.float32], KL_TOL[torch.float32]
+    a = torch.randn(1000, dtype=torch.float64) * 10
+    a[0] = torch.logsumexp(a[1:], 0)  # p(0) = 1/2: the KL is most sensitive to a[0]
+    a = a.float()
+    noise = compare_logits(a, a * (1 + 1e-7 * torch.randn_like(a)), 1.0, rt, kt)
+    assert noise.passed, f"fp32 rounding noise must pass: {noise}"
+    shift = compare_logits(a, a + 0.01 * float(a.norm()) / 1000 ** 0.5, 1.0, rt, kt)  # rel L2 = 1e-2 exactly
+    assert shift.argmax_A == shift.argmax_B and shift.kl < 1e-9 and not shift.passed, shift
+    kl = a.clone()
+    kl[0] += 0.005
+    kl_only = compare_logits(a, kl, 1.0, rt, kt)
+    assert kl_only.rel_l2 <= rt and kl_only.argmax_A == kl_only.argmax_B and kl_only.kl > kt, kl_only
+    assert not kl_only.passed, kl_only
+    tie = a.clone()
+    tie[1] = tie[0] - 1e-4  # runner-up: swapping the two changes argmax only
+    swapped = tie.clone()
+    swapped[[0, 1]] = tie[[1, 0]]
+    am = compare_logits(tie, swapped, 1.0, rt, kt)
+    assert am.rel_l2 <= rt and am.kl <= kt and am.argmax_A != am.argmax_B and not am.passed, am

@@ -52,6 +52,23 @@ def test_sampling_is_seeded_and_validated():
         sample(logits, -1.0)
 
 
+def test_generate_samples_at_the_requested_temperature(model_tok):
+    """`generate(temperature=T, seed=s)` draws each token with `sample(logits, T, Generator(seed=s))` (spec §12;
+    `sample`'s distribution is pinned by the chi-square test of test_sampler.py): the first token of 8 seeded
+    generations equals that draw on the logits of the prompt's prefill. Kills a generation path that drops,
+    rescales or inverts the temperature (or the seed) while `sample` itself stays right. Power: the 8 draws are
+    not all the argmax (random tiny weights give a flat distribution over the 129,280 tokens)."""
+    model, tok = model_tok
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    logits = model(torch.tensor([prompt_ids(tok, msgs, thinking=True)]), model.new_state(1))
+    T, want, got = 0.8, [], []
+    for seed in range(8):
+        want.append(int(sample(logits, T, torch.Generator().manual_seed(seed))[0]))
+        got.append(generate(model, tok, msgs, max_tokens=1, temperature=T, seed=seed).ids[0])
+    assert got == want, f"generate(temperature={T}) drew {got}, sample(logits, {T}, seed) draws {want}"
+    assert len(set(want) - {int(logits.argmax())}) >= 2, f"draws {want} are (nearly) greedy: no power"
+
+
 def test_generate_cli(tiny_ckpt, capsys):
     assert main(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "Hi", "--max-tokens", "3", "--no-thinking"]) == 0
     captured = capsys.readouterr()

@@ -15,6 +15,8 @@ the tiny config's top-4 and random weights, unpatched transformers differs at th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,6 +98,41 @@ def test_hf_greedy_continuation_equal(all_selected):
         logits = ours(tok, st)
     theirs = hf.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 7:].tolist()
     assert mine == theirs
+
+
+EPS_REGIME = 1e-3  # embed and layer 0's wq_b scaled by this: mean squares ~1e-6, the size of norm_eps
+
+
+@pytest.fixture(scope="module")
+def eps_regime():
+    """Weights of `all_selected` with embed and layer 0's attn.wq_b scaled by 1e-3: in layer 0 the inputs of the
+    mHC mix rsqrt, attn_norm / kv_norm / q_norm (RMSNorm) and the per-head q RMS norm have mean squares of the
+    order of norm_eps = 1e-6, so every eps term counts as much as the data it is added to. Random weights at
+    their usual scale (the other parity tests) keep mean squares ~1, where the eps is 1e-6 of the result and a
+    dropped or misplaced eps is invisible."""
+    args, sd, _ = _models(11, index_topk=64)
+    sd["embed.weight"] = sd["embed.weight"] * EPS_REGIME
+    sd["layers.0.attn.wq_b.weight"] = sd["layers.0.attn.wq_b.weight"] * EPS_REGIME
+    ours = Transformer(args)
+    ours.load_weights(sd)
+    return args, sd, ours, build_hf_model(args, sd)
+
+
+def test_hf_parity_in_the_eps_regime(eps_regime):
+    """Every `+ eps` inside a norm (spec §2 RMSNorm `rsqrt(mean(x^2) + 1e-6)`, §4 mHC step 2, §5 per-head q RMS)
+    where it is as large as the mean square: logits equal transformers' (atol 5e-5, as `test_hf_parity_prefill`;
+    measured 5e-6). Kills an eps dropped or placed outside the root (`1 / (sqrt(ms) + eps)`), anywhere."""
+    args, sd, ours, hf = eps_regime
+    ids = torch.randint(0, VOCAB, (1, 9))
+    mine = ours(ids, ours.new_state(1), all_logits=True)
+    theirs = hf(ids).logits.float()
+    assert mine.abs().max() > 1.0, "degenerate logits would make the comparison meaningless"
+    assert_close(mine, theirs, "logits[eps regime]", atol=LOGIT_ATOL, rtol=0)
+    # negative control: the same weights with norm_eps 1e-6 -> 1e-12 move the logits far beyond the tolerance
+    no_eps = Transformer(dataclasses.replace(args, norm_eps=1e-12))
+    no_eps.load_weights(sd)
+    moved = (no_eps(ids, no_eps.new_state(1), all_logits=True) - theirs).abs().max()
+    assert moved > 100 * LOGIT_ATOL, f"eps changes the logits by only {float(moved):.2e}: not the eps regime"
 
 
 def _decode_vs_prefill(model: Transformer, ids: torch.Tensor, prefill_len: int) -> None:
