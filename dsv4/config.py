@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
-           "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "loads_json", "load_json"]
+           "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -206,7 +206,8 @@ class ModelArgs:
         def get(key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
             if key not in cfg:
                 if default is ...:
-                    raise ValueError(f"{src}: missing key {key!r}")
+                    why = NO_DEFAULT_CONFIG_KEYS.get(key)
+                    raise ValueError(f"{src}: missing key {key!r}" + (f" ({why})" if why else ""))
                 return default
             v = cfg[key]
             if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
@@ -275,15 +276,15 @@ class ModelArgs:
             dim=get("hidden_size", int),
             moe_inter_dim=get("moe_intermediate_size", int),
             n_layers=n_layers,
-            n_hash_layers=get("num_hash_layers", int, 0),
-            n_mtp_layers=get("num_nextn_predict_layers", int, 0),
+            n_hash_layers=get("num_hash_layers", int),
+            n_mtp_layers=get("num_nextn_predict_layers", int),
             n_heads=get("num_attention_heads", int),
             n_routed_experts=get("n_routed_experts", int),
-            n_shared_experts=get("n_shared_experts", int, 1),
+            n_shared_experts=get("n_shared_experts", int),
             n_activated_experts=get("num_experts_per_tok", int),
-            score_func=get("scoring_func", str, "sqrtsoftplus"),
-            route_scale=float(get("routed_scaling_factor", num, 1.0)),
-            swiglu_limit=float(get("swiglu_limit", num, 0.0)),
+            score_func=get("scoring_func", str),
+            route_scale=float(get("routed_scaling_factor", num)),
+            swiglu_limit=float(get("swiglu_limit", num)),
             q_lora_rank=get("q_lora_rank", int),
             head_dim=get("head_dim", int),
             rope_head_dim=get("qk_rope_head_dim", int),
@@ -403,7 +404,8 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
     if v41:
         return "DeepSeek-V4.1", [f"model_type/architectures {v41}"], _V41_DIFF
     dspark = sorted(k for k in cfg if isinstance(k, str) and k.startswith("dspark"))
-    ratios, n, mtp = cfg.get("compress_ratios"), cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers", 0)
+    # an absent num_nextn_predict_layers is not evidence of anything: from_hf_config refuses it by name
+    ratios, n, mtp = cfg.get("compress_ratios"), cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")
     extra = (isinstance(ratios, list) and isinstance(n, int) and isinstance(mtp, int) and not isinstance(n, bool)
              and len(ratios) > n + mtp)
     if not dspark and not extra:
@@ -429,6 +431,20 @@ FIXED_CONFIG_VALUES: dict[str, Any] = {
     "norm_topk_prob": True, "topk_method": "noaux_tc", "hidden_act": "silu", "tie_word_embeddings": False,
     "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 1,
     "quantization_config.activation_scheme": "dynamic",
+}
+
+
+# config.json keys that change the maths and have no safe default: a missing one is an error, never a fallback.
+# A default here once ran a checkpoint whose config lacked the key as a different model, silently: no hash routing
+# (num_hash_layers 0), route_scale 1.0, no SwiGLU clamp (swiglu_limit 0) -- the official `ModelArgs` toy defaults
+# (spec §1.2 pitfall), which public DeepSeek-V4 ports shipped (docs/public_bugs.md). Every released config has them.
+NO_DEFAULT_CONFIG_KEYS: dict[str, str] = {
+    "num_hash_layers": "released value 3: the first layers route by tid2eid[token]; 0 would route them by score",
+    "num_nextn_predict_layers": "released value 1: compress_ratios holds one entry per main layer and MTP block",
+    "n_shared_experts": "released value 1: the always-on shared expert",
+    "scoring_func": "released value 'sqrtsoftplus': the router's score function",
+    "routed_scaling_factor": "released values 1.5 (Flash) and 2.5 (Pro): the routed weights' scale",
+    "swiglu_limit": "released value 10.0: the SwiGLU clamp; 0 would disable it",
 }
 
 

@@ -33,6 +33,9 @@ by accident; tests/unit/test_truncated_completion.py):
     arguments; dsv4 raises "missing </｜DSML｜invoke";
   * a text cut after a complete parameter: the official parser returns the call with only the parameters
     so far (a call with arguments missing); dsv4 raises.
+  * a `string="false"` parameter whose value is not JSON (or has a duplicate key): the official parser pastes
+    it into `arguments`, which then is not valid JSON; dsv4 raises naming the parameter
+    (tests/unit/test_encoding.py::test_parse_malformed_raises).
   A completion stopped by a token limit is not malformed: `parse_truncated_completion` returns what was
   generated so far (`TruncatedCompletion`: reasoning, content, the raw tool-call markup, where the cut came
   and why), and never turns cut markup into tool calls. `dsv4.generate.generate` uses it when it stops at
@@ -43,7 +46,7 @@ tokenizer maps them to their special ids. `special_strings_in_messages` finds th
 `prompt_ids` is the one way dsv4 builds model input from messages (CLI, generation, diagnostics).
 
 The project-wide list of deliberate differences from the official code, with their tests, is
-docs/differences.md (rows E1-P2 are the ones above).
+docs/differences.md (rows E1-P3 are the ones above).
 """
 
 from __future__ import annotations
@@ -449,6 +452,12 @@ def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
             key, flag, value = m.groups()
             if key in args:
                 raise ValueError(f"completion.tool_calls[{len(calls)}].parameter: duplicate name {key!r}")
+            if flag == "false":  # inserted as JSON text: it must be JSON, or `arguments` is not (difference P3)
+                try:
+                    json.loads(value, object_pairs_hook=_no_duplicate_keys)
+                except (ValueError, _DuplicateKey) as e:
+                    raise ValueError(f"completion.tool_calls[{len(calls)}].parameter {key!r}: string=\"false\" "
+                                     f"value {value!r} is not JSON ({e}); the arguments would not parse") from None
             args[key] = (value, flag)
             i, gap, stop = _until(text, i, [param, invoke_end])
             if gap != ">\n":

@@ -164,3 +164,44 @@ def test_test_layers_reads_process_environment(monkeypatch):
     monkeypatch.setenv(TEST_LAYERS_ENV, "5")
     with pytest.raises(ValueError, match="the checkpoint has 4 main layers"):
         layers_from_env(4)
+
+
+# A key that is absent from config.json may only be read as the released value, or refused by name. Public
+# DeepSeek-V4 ports ran the official `ModelArgs` toy defaults when a key was not read or not present
+# (n_hash_layers 0, route_scale 1.0, swiglu_limit 0, compress_rope_theta 40000; docs/public_bugs.md); dsv4 had
+# the same class in `from_hf_config` (num_hash_layers 0, routed_scaling_factor 1.0, swiglu_limit 0).
+# `quantization_config` is the one key whose absence means something else on purpose: a BF16 checkpoint, whose
+# tensors the loader then requires to be BF16 (`tests/unit/test_checkpoint.py`).
+ABSENCE_HAS_A_MEANING = {"quantization_config"}
+
+
+@pytest.mark.parametrize("path", [FLASH, PRO], ids=["flash", "pro"])
+def test_a_missing_key_is_refused_or_means_the_released_value(path):
+    cfg = json.loads(path.read_text())
+    full = ModelArgs.from_hf_config(cfg)
+    refused, same = [], []
+    for key in cfg:
+        if key in ABSENCE_HAS_A_MEANING:
+            continue
+        try:
+            got = ModelArgs.from_hf_config({k: v for k, v in cfg.items() if k != key})
+        except ValueError as e:
+            assert f"missing key {key!r}" in str(e) or key in str(e), f"{key}: the error does not name it: {e}"
+            refused.append(key)
+            continue
+        diff = {f.name: (getattr(full, f.name), getattr(got, f.name)) for f in dataclasses.fields(full)
+                if getattr(full, f.name) != getattr(got, f.name)}
+        assert not diff, f"config.json without {key!r} silently loads another model: (released, got) {diff}"
+        same.append(key)
+    # the keys that change the maths are among the refused ones (a default would have to equal the release)
+    assert {"num_hash_layers", "routed_scaling_factor", "swiglu_limit", "compress_rope_theta", "rope_theta",
+            "hc_sinkhorn_iters", "hc_eps", "index_topk", "sliding_window", "num_nextn_predict_layers"} <= set(refused)
+    assert same, "negative control: keys dsv4 does not read (e.g. 'architectures') load the same model"
+
+
+@pytest.mark.parametrize("key", ["num_hash_layers", "routed_scaling_factor", "swiglu_limit", "scoring_func",
+                                 "n_shared_experts", "num_nextn_predict_layers"])
+def test_missing_math_key_names_file_key_and_released_value(tmp_path, key):
+    p = _edited_flash(tmp_path, lambda c: c.pop(key))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: missing key {key!r} \\(released value"):
+        ModelArgs.from_hf_config(p)

@@ -185,6 +185,14 @@ _CALL = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name
      r"parameter: malformed"),
     (f"\n\n<{DSML}tool_calls>\n<{DSML}invoke nom=\"f\">\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat",
      r"tool_calls\[0\]\.name: malformed"),
+    # string="false" values are pasted into `arguments` as JSON text: a value that is not JSON (public reports of
+    # clients receiving unparseable tool arguments, docs/public_bugs.md) is refused by name (difference P3)
+    (_CALL.replace('string="true">1', 'string="false">ls -la') + f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}",
+     "chat", r"parameter 'a': string=\"false\" value 'ls -la' is not JSON"),
+    (_CALL.replace('string="true">1', 'string="false">{"p": 1') + f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}",
+     "chat", r"parameter 'a': string=\"false\" value '\{\"p\": 1' is not JSON"),
+    (_CALL.replace('string="true">1', 'string="false">{"p": 1, "p": 2}') +
+     f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat", r"parameter 'a': string=\"false\" value .* is not JSON"),
 ])
 def test_parse_malformed_raises(text, mode, match):
     with pytest.raises(ValueError, match=match):
