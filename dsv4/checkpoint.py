@@ -358,7 +358,8 @@ class Checkpoint:
             every shard before any header is read); the index and a shard disagree about a tensor (missing
             from its shard, or a shard holding a tensor the index does not list); a truncated or malformed
             shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
-            sum of the tensors' bytes.
+            sum of the tensors' bytes (when a tensor has the wrong shape or dtype, or is not in the official
+            inventory, the error names that tensor instead, as `validate` does).
     """
 
     def __new__(cls, path: str | Path):
@@ -414,7 +415,17 @@ class Checkpoint:
                                       f"shard (e.g. {stray[0]}{elsewhere})")
         actual = sum(math.prod(s) * DTYPE_BYTES[dt] for _, dt, s in self._meta.values())
         if total is not None and total != actual:
+            self._name_wrong_tensor()  # a tensor of the wrong shape or dtype is the usual cause: name it
             raise CheckpointError(f"{index}: metadata.total_size={total}, but the shards' tensors hold {actual} bytes")
+
+    def _name_wrong_tensor(self) -> None:
+        """Raise `validate`'s CheckpointError (naming the tensor, its file, the expected shape / dtype) if a present
+        tensor is not in the official inventory or has the wrong shape or dtype; return otherwise."""
+        try:
+            full = expected_tensors(self.args, include_mtp=True)
+        except ValueError:  # no inventory for this config: the caller's own message stands
+            return
+        self.validate(full, required=set())
 
     # ------------------------------------------------------------------ metadata
     def keys(self) -> list[str]:
