@@ -29,7 +29,7 @@ from dsv4.config import ModelArgs, loads_json
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values",
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values", "find_bad_values",
            "cast_unquantized"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -182,11 +182,26 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     Raises CheckpointError naming the file, the tensor, the first bad index (in the full tensor) and how many
     elements are bad.
     """
+    found = find_bad_values(t, dt, n_experts)
+    if found is None:
+        return
+    what, idx, n_bad = found
+    idx = [i + o for i, o in zip(idx, offset)] + idx[len(offset):]
+    raise CheckpointError(f"{file}: tensor {name}: {what} at index {idx} ({n_bad} bad of "
+                          f"{t.numel()}{' in the part read' if any(offset) else ''}); the checkpoint is corrupt, "
+                          "refusing to load it")
+
+
+def find_bad_values(t: torch.Tensor, dt: str, n_experts: int | None = None) -> tuple[str, list[int], int] | None:
+    """The value check of `check_values` without the message: None when `t` (safetensors dtype string `dt`) holds
+    no value that decodes to NaN / inf (and, with `n_experts`, an I64 tensor no id outside 0..n_experts-1); else
+    (what is wrong, the first bad index in `t`, the number of bad elements). One or two reductions where `t`
+    lives; the exact mask only when they flag something."""
     what = _BAD_VALUE.get(dt)
     if dt == "I64" and n_experts is not None:
         what = f"expert id outside 0..{n_experts - 1}"
     if what is None or t.numel() == 0:
-        return
+        return None
     # fast screen (one or two reductions), then the exact mask only when something is suspect
     if dt == "I64":
         suspect = int(t.min()) < 0 or int(t.max()) >= n_experts
@@ -197,7 +212,7 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     else:  # NaN / inf propagate into the sum (an overflowing sum of finite values is cleared below)
         suspect = not bool(torch.isfinite(t.sum(dtype=torch.float32)))
     if not suspect:
-        return
+        return None
     if dt == "I64":
         bad = (t < 0) | (t >= n_experts)
     elif dt == "F8_E8M0":
@@ -207,18 +222,13 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     else:
         bad = ~torch.isfinite(t)
     if not bool(bad.any()):
-        return
+        return None
     flat = int(torch.nonzero(bad.reshape(-1))[0])
     idx = []
     for size in reversed(t.shape):
         idx.append(flat % size)
         flat //= size
-    idx = idx[::-1]
-    for d, o in enumerate(offset):
-        idx[d] += o
-    raise CheckpointError(f"{file}: tensor {name}: {what} at index {idx} ({int(bad.sum())} bad of "
-                          f"{t.numel()}{' in the part read' if any(offset) else ''}); the checkpoint is corrupt, "
-                          "refusing to load it")
+    return what, idx[::-1], int(bad.sum())
 
 
 # ---------------------------------------------------------------------------------------------- reading
