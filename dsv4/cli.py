@@ -13,6 +13,7 @@ reader (`| head -1`: the command ends quietly, no traceback, as a writer killed 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -48,6 +49,17 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (v >= 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return v
+
+
+def _shard_gb(text: str) -> float:
+    """--shard-gb: a finite size in GB of at least one byte (1e-9; a smaller one rounds to a 0-byte limit)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v * 1e9 >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite size in GB >= 1e-9 (one byte)")
     return v
 
 
@@ -214,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--device", type=_device, default=None,
                     help="where values are generated (default cuda when visible, else cpu); same bytes either way")
     mc.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP block (mtp.0.*)")
-    mc.add_argument("--shard-gb", type=float, default=4.0, help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
+    mc.add_argument("--shard-gb", type=_shard_gb, default=4.0, help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
                                         "and the build says so)")
     mc.add_argument("--dry-run", action="store_true",
                     help="write index, configs and every shard's header; tensor data left as holes (no disk used)")
@@ -356,10 +368,6 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from dsv4.synth import make_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not (args.shard_gb > 0 and args.shard_gb != float("inf")):
-        print(f"dsv4 make-checkpoint: error: --shard-gb {args.shard_gb}: expected a finite number > 0",
-              file=sys.stderr)
-        return 2
     try:
         make_checkpoint(args.out_dir, args.geometry, args.layers, seed=args.seed, include_mtp=args.mtp,
                         device=device, dry_run=args.dry_run, max_shard_bytes=int(args.shard_gb * 1e9))

@@ -142,8 +142,13 @@ def _exit(argv, capsys):
     (["diagnose", "--json", ""], r"--json: '': expected a non-empty path"),
     (["diagnose", "--prompt", ""], r"--prompt: expected a non-empty prompt text"),
     (["generate", "--prompt", "  "], r"--prompt: expected a non-empty prompt text"),
+    (["make-checkpoint", "out", "--shard-gb", "1e-12"], r"--shard-gb: '1e-12': expected a finite size in GB >= "
+                                                       r"1e-9 \(one byte\)$"),  # was max_shard_bytes=0, after import
+    (["make-checkpoint", "out", "--shard-gb", "nan"], r"--shard-gb: 'nan': expected a finite size in GB"),
+    (["make-checkpoint", "out", "--shard-gb", "-4"], r"--shard-gb: '-4': expected a finite size in GB"),
+    (["make-checkpoint", "out", "--shard-gb", "four"], r"--shard-gb: 'four' is not a number$"),
 ], ids=["seed_huge", "seed_neg", "tiny_seed", "mc_seed", "ckpt", "tiny_out", "mc_out", "json", "d_prompt",
-        "g_prompt"])
+        "g_prompt", "shard_tiny", "shard_nan", "shard_neg", "shard_word"])
 def test_bad_cli_values_are_usage_errors(argv, message, capsys):
     code, err = _exit(argv, capsys)
     assert code == 2 and err.startswith(f"dsv4 {argv[0]}: error: argument ") and re.search(message, err), err
