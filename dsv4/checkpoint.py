@@ -592,9 +592,9 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
     ck.validate(expected_tensors(args, include_mtp=True), required=set(want))
     raw = ("F8_E4M3", "I8", "F8_E8M0")
     if not dequantize and not any(ck.info(n)[1] in raw for n in want):
-        raise CheckpointError(f"{ck.path}: dequantize=False, but the checkpoint holds no FP8/FP4 weight "
-                              f"(config.json dtype={args.dtype!r}, expert_dtype={args.expert_dtype!r}): a bf16 "
-                              "checkpoint has nothing to keep quantized")
+        raise CheckpointError(f"{ck.path}: dequantize=False (--weights quantized), but the checkpoint holds no "
+                              f"FP8/FP4 weight (config.json dtype={args.dtype!r}, expert_dtype={args.expert_dtype!r}): "
+                              "a bf16 checkpoint has nothing to keep quantized (use --weights dequantized)")
     names = sorted((n for n in want if not (dequantize and n.endswith(".scale"))),
                    key=lambda n: (str(ck.info(n)[2]), n))
     if progress and len({ck.info(n)[2] for n in names}) > 1:

@@ -241,3 +241,12 @@ def test_oversize_tensor_for_shard_limit_is_reported(tmp_path):
     quiet = []
     make_checkpoint(tmp_path / "d", "tiny", 1, include_mtp=False, dry_run=True, log=quiet.append)
     assert not any(s.startswith("note:") for s in quiet)  # the default limit holds every tensor: no note
+
+
+def test_quantized_weights_on_a_bf16_checkpoint_name_the_option(tiny_ckpt_bf16, capsys):
+    """`--weights quantized` on a bf16 checkpoint: the error named only the API argument `dequantize=False`."""
+    assert main(["diagnose", "--ckpt", str(tiny_ckpt_bf16), "--weights", "quantized"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"dsv4 diagnose: error: {tiny_ckpt_bf16}: dequantize=False (--weights quantized), but the "
+                   "checkpoint holds no FP8/FP4 weight (config.json dtype='bf16', expert_dtype='bf16'): a bf16 "
+                   "checkpoint has nothing to keep quantized (use --weights dequantized)")
