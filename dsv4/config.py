@@ -218,7 +218,8 @@ class ModelArgs:
                 blocks); the message names the revision, the evidence and what differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
-                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; a value `ModelArgs` rejects (its
+                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; `compress_ratios` without an entry
+                for each main layer and MTP block; a value `ModelArgs` rejects (its
                 message, prefixed with the config file when read from one, followed by the config.json key
                 when it is named differently: `HF_CONFIG_KEYS`).
         """
@@ -346,13 +347,18 @@ class ModelArgs:
             eos_token_id=get("eos_token_id", int, 1),
         )
         try:
-            return cls(**fields)
+            args = cls(**fields)
         except ValueError as e:  # name the file the bad value came from, and the config.json key of the field
             key = HF_CONFIG_KEYS.get(getattr(e, "field", None))
             hint = f" (config.json key {key!r})" if key else ""
             if src == "<dict>" and not hint:
                 raise
             raise ValueError(f"{'' if src == '<dict>' else src + ': '}{e}{hint}") from None
+        if len(args.compress_ratios) < args.n_layers + args.n_mtp_layers:  # else the MTP block has no ratio
+            raise ValueError(f"{src}: key 'compress_ratios' has {len(args.compress_ratios)} entries, expected "
+                             f"{args.n_layers + args.n_mtp_layers}: one per main layer (num_hidden_layers="
+                             f"{args.n_layers}), then one per MTP block (num_nextn_predict_layers={args.n_mtp_layers})")
+        return args
 
     def to_hf_config(self) -> dict[str, Any]:
         """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture."""

@@ -184,6 +184,16 @@ def test_bad_layer_count_is_not_taken_for_a_later_revision(tmp_path, edit, messa
         ModelArgs.from_hf_config(p)
 
 
+def test_compress_ratios_without_the_mtp_entry_names_the_file_and_keys(tmp_path):
+    """43 entries for 43 main layers + 1 MTP block: the error came from the inventory, naming neither the file
+    nor the config.json keys."""
+    p = _edited_flash(tmp_path, lambda c: c.update(compress_ratios=c["compress_ratios"][:43]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: key 'compress_ratios' has 43 entries, expected 44: "
+                                         r"one per main layer \(num_hidden_layers=43\), then one per MTP block "
+                                         r"\(num_nextn_predict_layers=1\)$"):
+        ModelArgs.from_hf_config(p)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         ModelArgs.from_hf_config(tmp_path)
