@@ -250,3 +250,26 @@ def test_quantized_weights_on_a_bf16_checkpoint_name_the_option(tiny_ckpt_bf16, 
     assert err == (f"dsv4 diagnose: error: {tiny_ckpt_bf16}: dequantize=False (--weights quantized), but the "
                    "checkpoint holds no FP8/FP4 weight (config.json dtype='bf16', expert_dtype='bf16'): a bf16 "
                    "checkpoint has nothing to keep quantized (use --weights dequantized)")
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "make-checkpoint"])
+@pytest.mark.parametrize("where", ["under_a_file", "is_a_file", "proc"])
+def test_output_dir_that_cannot_be_made_is_named(tmp_path, capsys, command, where):
+    """Both checkpoint writers share one output-directory rule: a path under a file, a path that is a file, a
+    place where no directory can be made (/proc) is refused naming the path and what was expected (it was
+    `[Errno 2] No such file or directory` for /proc, and 'is not an empty directory' for a file)."""
+    if where == "proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc (not Linux)")
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = {"under_a_file": f / "ck", "is_a_file": f, "proc": "/proc/dsv4-cannot-write-here"}[where]
+    extra = ["--geometry", "tiny", "--dry-run"] if command == "make-checkpoint" else []
+    assert main([command, str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    if where == "is_a_file":
+        assert err == (f"dsv4 {command}: error: {out}: exists and is a file, expected a new or empty directory "
+                       f"({command} never overwrites)")
+    else:
+        why = "Not a directory" if where == "under_a_file" else "No such file or directory"
+        assert err == (f"dsv4 {command}: error: {out}: cannot create the output directory ({why}); expected a new "
+                       "or empty directory in a writable place")
