@@ -761,7 +761,8 @@ class Transformer(nn.Module):
         floating tensor to the dtype of its parameter. On-disk codes are never cast: a float8 / int8 tensor
         must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else.
         Raises RuntimeError listing missing / unexpected keys, a shape mismatch, or such a dtype mismatch
-        (strict); ValueError naming the tensor, the first bad index and the count when a tensor holds a value
+        (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
+        first bad index and the count when a tensor holds a value
         that is NaN / inf as loaded (NaN or inf given, a finite value that overflows the parameter's dtype in
         the cast, an e4m3 NaN code, a ue8m0 scale byte 0xFF) or a `tid2eid` expert id outside
         0..n_routed_experts-1: nothing non-finite is loaded quietly (`check_loaded_values`; checked once, here,
@@ -775,6 +776,9 @@ class Transformer(nn.Module):
                                f"{'...' if len(unexpected) > 10 else ''}")
         codes = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
         for k, v in state_dict.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"load_weights: state_dict[{k!r}] is a {type(v).__name__}, expected a torch.Tensor "
+                                f"of shape {list(own[k].shape)}")
             if tuple(v.shape) != tuple(own[k].shape):
                 raise RuntimeError(f"{k}: shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
             if (v.dtype in codes or own[k].dtype in codes) and v.dtype != own[k].dtype:

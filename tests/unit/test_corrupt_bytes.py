@@ -182,3 +182,11 @@ def test_load_weights_names_a_value_that_overflows_in_the_cast(tiny_ckpt):
                                          rf"index {re.escape(str(list(index)))} .*the given torch.float64 value "
                                          r"1e\+39 overflows torch.bfloat16"):
         model.load_weights({**sd, name: t})
+
+
+def test_load_weights_names_a_value_that_is_not_a_tensor(tiny_ckpt):
+    """A numpy array (or list) in a user-built state dict died in `.to` with an AttributeError naming nothing."""
+    model, sd = _model_and_sd(tiny_ckpt, torch.float32, "dequantized")
+    with pytest.raises(TypeError, match=r"^load_weights: state_dict\['norm.weight'\] is a ndarray, expected a "
+                                        r"torch.Tensor of shape \[64\]$"):
+        model.load_weights({**sd, "norm.weight": sd["norm.weight"].numpy()})
