@@ -29,7 +29,8 @@ from dsv4.config import ModelArgs, loads_json
 from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
-           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values", "find_bad_values",
+           "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values",
+           "find_bad_values",
            "cast_unquantized"]
 
 INDEX_FILE = "model.safetensors.index.json"

@@ -226,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--device", type=_device, default=None,
                     help="where values are generated (default cuda when visible, else cpu); same bytes either way")
     mc.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP block (mtp.0.*)")
-    mc.add_argument("--shard-gb", type=_shard_gb, default=4.0, help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
-                                        "and the build says so)")
+    mc.add_argument("--shard-gb", type=_shard_gb, default=4.0,
+                    help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
+                         "and the build says so)")
     mc.add_argument("--dry-run", action="store_true",
                     help="write index, configs and every shard's header; tensor data left as holes (no disk used)")
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG_KEYS", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
+__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG_KEYS", "layers_from_env", "TEST_LAYERS_ENV",
+           "UnsupportedRevisionError", "detect_revision",
            "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "loads_json", "load_json"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
