@@ -11,7 +11,14 @@ the file / field / value and what was expected, never silently accepted.
 * API: a decode state from another model (`zip` over the layers ran only the common prefix: silently wrong
   logits), `new_state(0)`, `prompt_ids` given one dict / a string / a batch (transformers' confusing errors),
   text with a lone surrogate (tokenizers' TypeError naming nothing).
-* `make-checkpoint --shard-gb` below one tensor's size produced larger shards without a word.
+* `make-checkpoint --shard-gb` below one tensor's size produced larger shards without a word; below one byte it
+  named the internal `max_shard_bytes=0`, after importing torch.
+* `--weights quantized` on a bf16 checkpoint named only the API argument `dequantize=False`.
+* An output directory that cannot be made (`/proc/x`, a path under a file) gave `[Errno 2] No such file or
+  directory`; a file given as the output directory was called "not an empty directory".
+(More in test_config.py (config.json keys in ModelArgs errors, a bad layer count taken for a later revision),
+test_checkpoint.py (a wrong tensor hidden by a stale total_size), test_corrupt_bytes.py (`load_weights` with
+NaN / inf), test_cli.py (`| head -1`), test_diagnose.py (the special-string warning logged twice).)
 """
 
 from __future__ import annotations
