@@ -30,6 +30,7 @@ from dsv4 import quant
 
 __all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
            "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values",
+           "find_bad_values",
            "cast_unquantized"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -182,11 +183,26 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     Raises CheckpointError naming the file, the tensor, the first bad index (in the full tensor) and how many
     elements are bad.
     """
+    found = find_bad_values(t, dt, n_experts)
+    if found is None:
+        return
+    what, idx, n_bad = found
+    idx = [i + o for i, o in zip(idx, offset)] + idx[len(offset):]
+    raise CheckpointError(f"{file}: tensor {name}: {what} at index {idx} ({n_bad} bad of "
+                          f"{t.numel()}{' in the part read' if any(offset) else ''}); the checkpoint is corrupt, "
+                          "refusing to load it")
+
+
+def find_bad_values(t: torch.Tensor, dt: str, n_experts: int | None = None) -> tuple[str, list[int], int] | None:
+    """The value check of `check_values` without the message: None when `t` (safetensors dtype string `dt`) holds
+    no value that decodes to NaN / inf (and, with `n_experts`, an I64 tensor no id outside 0..n_experts-1); else
+    (what is wrong, the first bad index in `t`, the number of bad elements). One or two reductions where `t`
+    lives; the exact mask only when they flag something."""
     what = _BAD_VALUE.get(dt)
     if dt == "I64" and n_experts is not None:
         what = f"expert id outside 0..{n_experts - 1}"
     if what is None or t.numel() == 0:
-        return
+        return None
     # fast screen (one or two reductions), then the exact mask only when something is suspect
     if dt == "I64":
         suspect = int(t.min()) < 0 or int(t.max()) >= n_experts
@@ -197,7 +213,7 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     else:  # NaN / inf propagate into the sum (an overflowing sum of finite values is cleared below)
         suspect = not bool(torch.isfinite(t.sum(dtype=torch.float32)))
     if not suspect:
-        return
+        return None
     if dt == "I64":
         bad = (t < 0) | (t >= n_experts)
     elif dt == "F8_E8M0":
@@ -207,18 +223,13 @@ def check_values(t: torch.Tensor, dt: str, name: str, file: str | Path, offset: 
     else:
         bad = ~torch.isfinite(t)
     if not bool(bad.any()):
-        return
+        return None
     flat = int(torch.nonzero(bad.reshape(-1))[0])
     idx = []
     for size in reversed(t.shape):
         idx.append(flat % size)
         flat //= size
-    idx = idx[::-1]
-    for d, o in enumerate(offset):
-        idx[d] += o
-    raise CheckpointError(f"{file}: tensor {name}: {what} at index {idx} ({int(bad.sum())} bad of "
-                          f"{t.numel()}{' in the part read' if any(offset) else ''}); the checkpoint is corrupt, "
-                          "refusing to load it")
+    return what, idx[::-1], int(bad.sum())
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -358,7 +369,8 @@ class Checkpoint:
             every shard before any header is read); the index and a shard disagree about a tensor (missing
             from its shard, or a shard holding a tensor the index does not list); a truncated or malformed
             shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
-            sum of the tensors' bytes.
+            sum of the tensors' bytes (when a tensor has the wrong shape or dtype, or is not in the official
+            inventory, the error names that tensor instead, as `validate` does).
     """
 
     def __new__(cls, path: str | Path):
@@ -414,7 +426,17 @@ class Checkpoint:
                                       f"shard (e.g. {stray[0]}{elsewhere})")
         actual = sum(math.prod(s) * DTYPE_BYTES[dt] for _, dt, s in self._meta.values())
         if total is not None and total != actual:
+            self._name_wrong_tensor()  # a tensor of the wrong shape or dtype is the usual cause: name it
             raise CheckpointError(f"{index}: metadata.total_size={total}, but the shards' tensors hold {actual} bytes")
+
+    def _name_wrong_tensor(self) -> None:
+        """Raise `validate`'s CheckpointError (naming the tensor, its file, the expected shape / dtype) if a present
+        tensor is not in the official inventory or has the wrong shape or dtype; return otherwise."""
+        try:
+            full = expected_tensors(self.args, include_mtp=True)
+        except ValueError:  # no inventory for this config: the caller's own message stands
+            return
+        self.validate(full, required=set())
 
     # ------------------------------------------------------------------ metadata
     def keys(self) -> list[str]:
@@ -571,9 +593,9 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
     ck.validate(expected_tensors(args, include_mtp=True), required=set(want))
     raw = ("F8_E4M3", "I8", "F8_E8M0")
     if not dequantize and not any(ck.info(n)[1] in raw for n in want):
-        raise CheckpointError(f"{ck.path}: dequantize=False, but the checkpoint holds no FP8/FP4 weight "
-                              f"(config.json dtype={args.dtype!r}, expert_dtype={args.expert_dtype!r}): a bf16 "
-                              "checkpoint has nothing to keep quantized")
+        raise CheckpointError(f"{ck.path}: dequantize=False (--weights quantized), but the checkpoint holds no "
+                              f"FP8/FP4 weight (config.json dtype={args.dtype!r}, expert_dtype={args.expert_dtype!r}): "
+                              "a bf16 checkpoint has nothing to keep quantized (use --weights dequantized)")
     names = sorted((n for n in want if not (dequantize and n.endswith(".scale"))),
                    key=lambda n: (str(ck.info(n)[2]), n))
     if progress and len({ck.info(n)[2] for n in names}) > 1:

@@ -1,4 +1,4 @@
-"""The `dsv4` command line: `diagnose` (the main job), `generate`, `make-tiny`, `gate`.
+"""The `dsv4` command line: `diagnose` (the main job), `generate`, `make-tiny`, `make-checkpoint`, `gate`.
 
 Arguments are parsed strictly: unknown arguments, abbreviations and stray positionals are errors, never
 swallowed; a stray `NAME=value` argument (such as `TEST_LAYERS=10` typed after the command) is named as an
@@ -6,12 +6,14 @@ environment variable with the right spelling (`TEST_LAYERS=10 dsv4 diagnose`). `
 are read from the environment only. Arguments are checked before torch is imported (an argument error comes
 back at once), and the runtime checks that need no weights (`--device cuda` without a GPU, `--backend triton`
 where it cannot run) come before any weight is read. Every error line reads `dsv4 COMMAND: error: ...` on
-stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked.
+stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked, 141 = stdout closed by its
+reader (`| head -1`: the command ends quietly, no traceback, as a writer killed by SIGPIPE would).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -21,7 +23,9 @@ DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_CONTINUE_TOKENS = 32  # = dsv4.diagnose.DEFAULT_CONTINUE_TOKENS (not imported: it would import torch)
 EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad input (arguments, environment, "
               "missing or invalid checkpoint files, git errors); 3 = hard stop (diagnose: a decisive test failed) / "
-              "blocked (gate)")
+              "blocked (gate); 141 = stdout was closed by its reader (e.g. `| head -1`): the command stops quietly, "
+              "as a shell reports a writer ended by SIGPIPE")
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "
                "main layers (a canonical integer 1..n_layers); TRITON_INTERPRET=1 = run the triton backend on CPU "
                "(tests)")
@@ -45,6 +49,17 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (v >= 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return v
+
+
+def _shard_gb(text: str) -> float:
+    """--shard-gb: a finite size in GB of at least one byte (1e-9; a smaller one rounds to a 0-byte limit)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(v) and v * 1e9 >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite size in GB >= 1e-9 (one byte)")
     return v
 
 
@@ -211,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--device", type=_device, default=None,
                     help="where values are generated (default cuda when visible, else cpu); same bytes either way")
     mc.add_argument("--no-mtp", dest="mtp", action="store_false", help="leave out the MTP block (mtp.0.*)")
-    mc.add_argument("--shard-gb", type=float, default=4.0, help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
-                                        "and the build says so)")
+    mc.add_argument("--shard-gb", type=_shard_gb, default=4.0,
+                    help="largest shard in GB (default 4.0; a tensor larger than this gets a shard of its own, "
+                         "and the build says so)")
     mc.add_argument("--dry-run", action="store_true",
                     help="write index, configs and every shard's header; tensor data left as holes (no disk used)")
 
@@ -283,9 +299,27 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         build_parser().dsv4_subparsers[args.command].error(problem)
     try:
-        return _dispatch(args)
+        rc = _dispatch(args)
+        sys.stdout.flush()  # a reader that left shows up here at the latest
+        return rc
+    except BrokenPipeError:  # `dsv4 make-checkpoint ... | head -1`: the reader has what it wanted
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
     finally:
         _close_process_group()
+
+
+def _stdout_to_devnull() -> None:
+    """After a BrokenPipeError on stdout: point its file descriptor at /dev/null, so that the interpreter's flush
+    at exit does not fail a second time ("Exception ignored ... BrokenPipeError"); the recipe of Python's `signal`
+    documentation ("Note on SIGPIPE"). Without a real descriptor (stdout replaced in-process) nothing to do."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _close_process_group() -> None:
@@ -313,6 +347,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from dsv4.tiny import make_tiny
         try:
             out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
+        except BrokenPipeError:
+            raise
         except (OSError, ValueError) as e:
             print(f"dsv4 make-tiny: error: {e}", file=sys.stderr)
             return 2
@@ -333,13 +369,11 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from dsv4.synth import make_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not (args.shard_gb > 0 and args.shard_gb != float("inf")):
-        print(f"dsv4 make-checkpoint: error: --shard-gb {args.shard_gb}: expected a finite number > 0",
-              file=sys.stderr)
-        return 2
     try:
         make_checkpoint(args.out_dir, args.geometry, args.layers, seed=args.seed, include_mtp=args.mtp,
                         device=device, dry_run=args.dry_run, max_shard_bytes=int(args.shard_gb * 1e9))
+    except BrokenPipeError:  # stdout (the progress lines) closed by its reader: `main` ends quietly
+        raise
     except (OSError, ValueError) as e:
         print(f"dsv4 make-checkpoint: error: {e}", file=sys.stderr)
         return 2

@@ -23,12 +23,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
-           "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json"]
+__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG_KEYS", "layers_from_env", "TEST_LAYERS_ENV",
+           "UnsupportedRevisionError", "detect_revision", "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES",
+           "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 _RATIOS = (0, 4, 128)
+
+
+class ModelArgsError(ValueError):
+    """A `ModelArgs` value that is invalid; `field` is the `ModelArgs` field name (its config.json key:
+    `HF_CONFIG_KEYS`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# ModelArgs fields whose HF config.json key has another name (`ModelArgs.from_hf_config`), for error messages
+HF_CONFIG_KEYS: dict[str, str] = {
+    "dim": "hidden_size", "moe_inter_dim": "moe_intermediate_size", "n_layers": "num_hidden_layers",
+    "n_hash_layers": "num_hash_layers", "n_mtp_layers": "num_nextn_predict_layers",
+    "n_heads": "num_attention_heads", "n_activated_experts": "num_experts_per_tok", "score_func": "scoring_func",
+    "route_scale": "routed_scaling_factor", "rope_head_dim": "qk_rope_head_dim", "window_size": "sliding_window",
+    "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
+    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow", "norm_eps": "rms_norm_eps",
+    "scale_fmt": "quantization_config.scale_fmt",
+}
+
+
+def _json_type_name(typ: type | tuple[type, ...]) -> str:
+    """'an integer', 'a number', 'a string', 'a JSON list', 'a JSON object' for the types `from_hf_config` reads."""
+    names = {int: "an integer", float: "a number", str: "a string", list: "a JSON list", dict: "a JSON object",
+             bool: "true or false"}
+    if isinstance(typ, tuple):
+        return "a number" if set(typ) == {int, float} else " or ".join(names.get(t, t.__name__) for t in typ)
+    return names.get(typ, typ.__name__)
 
 
 @dataclass(frozen=True)
@@ -36,7 +67,8 @@ class ModelArgs:
     """Frozen DeepSeek-V4 architecture (official `ModelArgs` field names; spec §1).
 
     Raises:
-        ValueError: from `__post_init__`, naming the field, its value and what was expected, for any
+        ModelArgsError (a ValueError, `.field` = the field): from `__post_init__`, naming the field, its value
+            and what was expected, for any
             inconsistent value (e.g. `head_dim` not a multiple of 2, `n_heads % o_groups != 0`,
             `compress_ratios` shorter than `n_layers` or holding a ratio other than 0/4/128).
     """
@@ -91,11 +123,12 @@ class ModelArgs:
         ratios = tuple(self.compress_ratios)
         for i, r in enumerate(ratios):
             if not isinstance(r, int) or isinstance(r, bool):
-                raise ValueError(f"ModelArgs.compress_ratios[{i}]={r!r}: expected an int (0, 4 or 128)")
+                raise ModelArgsError("compress_ratios", f"ModelArgs.compress_ratios[{i}]={r!r}: expected an int "
+                                     "(0, 4 or 128)")
         object.__setattr__(self, "compress_ratios", ratios)
 
         def bad(name: str, expected: str) -> ValueError:
-            return ValueError(f"ModelArgs.{name}={getattr(self, name)!r}: expected {expected}")
+            return ModelArgsError(name, f"ModelArgs.{name}={getattr(self, name)!r}: expected {expected}")
 
         for name in ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts",
                      "n_activated_experts", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
@@ -125,7 +158,8 @@ class ModelArgs:
                       "(main layers, then one per MTP block)")
         for i, r in enumerate(self.compress_ratios):
             if r not in _RATIOS:
-                raise ValueError(f"ModelArgs.compress_ratios[{i}]={r}: expected one of {_RATIOS}")
+                raise ModelArgsError("compress_ratios", f"ModelArgs.compress_ratios[{i}]={r}: expected one of "
+                                     f"{_RATIOS}")
         if self.score_func not in _SCORE_FUNCS:
             raise bad("score_func", f"one of {_SCORE_FUNCS}")
         if self.dtype not in ("fp8", "bf16"):
@@ -185,8 +219,10 @@ class ModelArgs:
                 blocks); the message names the revision, the evidence and what differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
-                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; a value `ModelArgs` rejects (its
-                message, prefixed with the config file when read from one).
+                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; `compress_ratios` without an entry
+                for each main layer and MTP block; a value `ModelArgs` rejects (its
+                message, prefixed with the config file when read from one, followed by the config.json key
+                when it is named differently: `HF_CONFIG_KEYS`).
         """
         src = "<dict>"
         if isinstance(path_or_dict, dict):
@@ -211,7 +247,8 @@ class ModelArgs:
                 return default
             v = cfg[key]
             if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
-                raise ValueError(f"{src}: key {key!r}={v!r} has type {type(v).__name__}, expected {typ}")
+                raise ValueError(f"{src}: key {key!r}={v!r} has type {type(v).__name__}, expected "
+                                 f"{_json_type_name(typ)}")
             return v
 
         found = detect_revision(cfg)
@@ -312,11 +349,18 @@ class ModelArgs:
             eos_token_id=get("eos_token_id", int, 1),
         )
         try:
-            return cls(**fields)
-        except ValueError as e:  # name the file the bad value came from
-            if src == "<dict>":
+            args = cls(**fields)
+        except ValueError as e:  # name the file the bad value came from, and the config.json key of the field
+            key = HF_CONFIG_KEYS.get(getattr(e, "field", None))
+            hint = f" (config.json key {key!r})" if key else ""
+            if src == "<dict>" and not hint:
                 raise
-            raise ValueError(f"{src}: {e}") from None
+            raise ValueError(f"{'' if src == '<dict>' else src + ': '}{e}{hint}") from None
+        if len(args.compress_ratios) < args.n_layers + args.n_mtp_layers:  # else the MTP block has no ratio
+            raise ValueError(f"{src}: key 'compress_ratios' has {len(args.compress_ratios)} entries, expected "
+                             f"{args.n_layers + args.n_mtp_layers}: one per main layer (num_hidden_layers="
+                             f"{args.n_layers}), then one per MTP block (num_nextn_predict_layers={args.n_mtp_layers})")
+        return args
 
     def to_hf_config(self) -> dict[str, Any]:
         """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture."""
@@ -404,10 +448,12 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
     if v41:
         return "DeepSeek-V4.1", [f"model_type/architectures {v41}"], _V41_DIFF
     dspark = sorted(k for k in cfg if isinstance(k, str) and k.startswith("dspark"))
-    # an absent num_nextn_predict_layers is not evidence of anything: from_hf_config refuses it by name
+    # an absent num_nextn_predict_layers is not evidence of anything: from_hf_config refuses it by name; only
+    # layer counts that make sense count (num_hidden_layers 0 or a negative MTP count is a bad value, which
+    # `ModelArgs` names, not a revision)
     ratios, n, mtp = cfg.get("compress_ratios"), cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")
     extra = (isinstance(ratios, list) and isinstance(n, int) and isinstance(mtp, int) and not isinstance(n, bool)
-             and len(ratios) > n + mtp)
+             and not isinstance(mtp, bool) and n >= 1 and mtp >= 0 and len(ratios) > n + mtp)
     if not dspark and not extra:
         return None
     evidence = [f"keys {dspark}"] if dspark else []

@@ -537,8 +537,10 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
               f"device {device} | backend {model.backend.name} | weights {weights} | world size "
               f"{env['world_size']}\n")
         diff = template_diff(tok, prompt, thinking=thinking)
-        # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder)
-        fed = prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
+        # the ids the model is actually fed must be the official ones (prompt_ids == template == encoder); they are
+        # the template ids template_diff got from prompt_ids (a second call would log its special-string warning
+        # twice)
+        fed = diff.template_ids
         test1_ok = diff.template_equals_encoder and fed == diff.encoder_ids
         # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
         r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)

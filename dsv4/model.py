@@ -39,6 +39,7 @@ from dsv4.config import ModelArgs
 from kernels.indexer import indexer_topk_ref
 
 __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+           "check_loaded_values",
            "hadamard_matrix"]
 
 
@@ -674,6 +675,39 @@ class HcHead(nn.Module):
         return y.view(b, s, d)
 
 
+_LOADED_DT = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64"}
+
+
+def check_loaded_values(name: str, value: torch.Tensor, given: torch.Tensor, n_routed_experts: int) -> None:
+    """`Transformer.load_weights`' value check of one tensor: `value` is what is about to be loaded (already in
+    the parameter's dtype), `given` the caller's tensor it was cast from. Floating tensors must be finite, float8
+    codes must not be NaN codes (e4m3 0x7F/0xFF, ue8m0 0xFF), `*.tid2eid` (int64) must hold expert ids in
+    0..n_routed_experts-1; int8 FP4 codes have no NaN. One or two reductions per tensor where it lives
+    (`dsv4.checkpoint.find_bad_values`), the exact mask only when they flag something.
+
+    Raises ValueError naming the tensor, what is wrong, the first bad index, how many elements are bad, and, for
+    a value that became inf in the cast, the finite value given and the dtypes."""
+    from dsv4.checkpoint import find_bad_values
+
+    if value.dtype == torch.int64 and not name.endswith("tid2eid"):
+        return
+    dt = _LOADED_DT.get(value.dtype, "F32" if value.dtype.is_floating_point else None)
+    if dt is None:
+        return
+    found = find_bad_values(value, dt, n_routed_experts if dt == "I64" else None)
+    if found is None:
+        return
+    what, idx, n_bad = found
+    src = given[tuple(idx)]
+    cause = ""
+    if given.dtype.is_floating_point and given.dtype != value.dtype and bool(torch.isfinite(src.double())):
+        cause = (f"; the given {given.dtype} value {src.item():.6g} overflows {value.dtype} (cast to the "
+                 "parameter's dtype)")
+    raise ValueError(f"load_weights: tensor {name} ({value.dtype}, shape {list(value.shape)}): {what} at index "
+                     f"{idx} ({n_bad} bad of {value.numel()}){cause}; refusing to load it (no NaN / inf is loaded "
+                     "quietly)")
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
 
@@ -736,7 +770,12 @@ class Transformer(nn.Module):
         floating tensor to the dtype of its parameter. On-disk codes are never cast: a float8 / int8 tensor
         must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else.
         Raises RuntimeError listing missing / unexpected keys, a shape mismatch, or such a dtype mismatch
-        (strict)."""
+        (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
+        first bad index and the count when a tensor holds a value
+        that is NaN / inf as loaded (NaN or inf given, a finite value that overflows the parameter's dtype in
+        the cast, an e4m3 NaN code, a ue8m0 scale byte 0xFF) or a `tid2eid` expert id outside
+        0..n_routed_experts-1: nothing non-finite is loaded quietly (`check_loaded_values`; checked once, here,
+        with one or two reductions per tensor, never on the forward path)."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -746,12 +785,18 @@ class Transformer(nn.Module):
                                f"{'...' if len(unexpected) > 10 else ''}")
         codes = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
         for k, v in state_dict.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"load_weights: state_dict[{k!r}] is a {type(v).__name__}, expected a torch.Tensor "
+                                f"of shape {list(own[k].shape)}")
             if tuple(v.shape) != tuple(own[k].shape):
                 raise RuntimeError(f"{k}: shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
             if (v.dtype in codes or own[k].dtype in codes) and v.dtype != own[k].dtype:
                 raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's {own[k].dtype} "
                                    f"(weights={self.weights!r}; on-disk codes are never cast)")
-        self.load_state_dict({k: v.to(own[k].dtype) for k, v in state_dict.items()}, strict=True)
+        cast = {k: v.to(own[k].dtype) for k, v in state_dict.items()}
+        for k, v in cast.items():
+            check_loaded_values(k, v, state_dict[k], self.args.n_routed_experts)
+        self.load_state_dict(cast, strict=True)
 
     def new_state(self, batch: int = 1) -> DecodeState:
         """A fresh decode state for `batch` sequences (never reused across sequences). After

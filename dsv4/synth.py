@@ -486,8 +486,9 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     args = ModelArgs.from_hf_config(cfg)
     plans = plan_shards(args, include_mtp, max_shard_bytes)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not an empty directory (make-checkpoint never overwrites)")
+    from dsv4.tiny import check_output_dir, create_output_dir
+
+    check_output_dir(out, "make-checkpoint")
     need = checkpoint_bytes(plans)
     free, where = _free_bytes(out)
     n_t = sum(len(p.names) for p in plans)
@@ -502,7 +503,7 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     if not dry_run and need + (256 << 20) > free:
         raise OSError(f"{out}: not enough free disk: the checkpoint needs {need / 1e9:.2f} GB (+0.27 GB margin), "
                       f"{where} has {free / 1e9:.2f} GB free")
-    out.mkdir(parents=True, exist_ok=True)
+    create_output_dir(out)
     if dry_run:
         _check_sparse(out)
     t0 = time.perf_counter()

@@ -199,6 +199,26 @@ def _shard_of(name: str, n_layers: int) -> int:
     return 0
 
 
+def check_output_dir(out: Path, command: str) -> None:
+    """A checkpoint writer's output directory must not exist, or be an empty directory: FileExistsError naming it
+    otherwise (`command` never overwrites)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "is not an empty directory" if out.is_dir() else "is a file, expected a new or empty directory"
+        raise FileExistsError(f"{out}: exists and {what} ({command} never overwrites)")
+
+
+def create_output_dir(out: Path) -> None:
+    """Create `out` and its parents (an existing empty directory is kept). OSError naming the directory and the
+    reason when it cannot be created (`/proc/x`: "No such file or directory" alone would not say which step failed;
+    a parent that is a file; no permission)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{out}: cannot create the output directory ({e.strerror or e}"
+                      f"{'' if e.filename in (None, str(out)) else ': ' + str(e.filename)}); expected a new or empty "
+                      "directory in a writable place") from None
+
+
 def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
     """Write a tiny DeepSeek-V4 checkpoint in the official layout to `out_dir` (created; must be empty).
 
@@ -209,13 +229,13 @@ def make_tiny(out_dir: str | Path, variant: str = "fp8", seed: int = 0) -> Path:
     `random_state_dict(args, seed)`. Deterministic (byte-identical for one seed); ~40 MB, about a second.
     Every file is created with mode 0666 minus the process umask (0644 under umask 022).
 
-    Returns: the directory. Raises ValueError (unknown variant), FileExistsError (non-empty `out_dir`).
+    Returns: the directory. Raises ValueError (unknown variant), FileExistsError (non-empty `out_dir`), OSError
+    (`out_dir` cannot be created: `create_output_dir`; a write error).
     """
     args = _variant_args(variant)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out}: exists and is not an empty directory (make-tiny never overwrites)")
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, "make-tiny")
+    create_output_dir(out)
     tensors = quantize_state_dict(args, random_state_dict(args, seed, include_mtp=True))
     n_shards = 1 + _shard_of("mtp.", args.n_layers)
     shard_names = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]

@@ -11,7 +11,14 @@ the file / field / value and what was expected, never silently accepted.
 * API: a decode state from another model (`zip` over the layers ran only the common prefix: silently wrong
   logits), `new_state(0)`, `prompt_ids` given one dict / a string / a batch (transformers' confusing errors),
   text with a lone surrogate (tokenizers' TypeError naming nothing).
-* `make-checkpoint --shard-gb` below one tensor's size produced larger shards without a word.
+* `make-checkpoint --shard-gb` below one tensor's size produced larger shards without a word; below one byte it
+  named the internal `max_shard_bytes=0`, after importing torch.
+* `--weights quantized` on a bf16 checkpoint named only the API argument `dequantize=False`.
+* An output directory that cannot be made (`/proc/x`, a path under a file) gave `[Errno 2] No such file or
+  directory`; a file given as the output directory was called "not an empty directory".
+(More in test_config.py (config.json keys in ModelArgs errors, a bad layer count taken for a later revision),
+test_checkpoint.py (a wrong tensor hidden by a stale total_size), test_corrupt_bytes.py (`load_weights` with
+NaN / inf), test_cli.py (`| head -1`), test_diagnose.py (the special-string warning logged twice).)
 """
 
 from __future__ import annotations
@@ -142,8 +149,13 @@ def _exit(argv, capsys):
     (["diagnose", "--json", ""], r"--json: '': expected a non-empty path"),
     (["diagnose", "--prompt", ""], r"--prompt: expected a non-empty prompt text"),
     (["generate", "--prompt", "  "], r"--prompt: expected a non-empty prompt text"),
+    (["make-checkpoint", "out", "--shard-gb", "1e-12"], r"--shard-gb: '1e-12': expected a finite size in GB >= "
+                                                       r"1e-9 \(one byte\)$"),  # was max_shard_bytes=0, after import
+    (["make-checkpoint", "out", "--shard-gb", "nan"], r"--shard-gb: 'nan': expected a finite size in GB"),
+    (["make-checkpoint", "out", "--shard-gb", "-4"], r"--shard-gb: '-4': expected a finite size in GB"),
+    (["make-checkpoint", "out", "--shard-gb", "four"], r"--shard-gb: 'four' is not a number$"),
 ], ids=["seed_huge", "seed_neg", "tiny_seed", "mc_seed", "ckpt", "tiny_out", "mc_out", "json", "d_prompt",
-        "g_prompt"])
+        "g_prompt", "shard_tiny", "shard_nan", "shard_neg", "shard_word"])
 def test_bad_cli_values_are_usage_errors(argv, message, capsys):
     code, err = _exit(argv, capsys)
     assert code == 2 and err.startswith(f"dsv4 {argv[0]}: error: argument ") and re.search(message, err), err
@@ -236,3 +248,35 @@ def test_oversize_tensor_for_shard_limit_is_reported(tmp_path):
     quiet = []
     make_checkpoint(tmp_path / "d", "tiny", 1, include_mtp=False, dry_run=True, log=quiet.append)
     assert not any(s.startswith("note:") for s in quiet)  # the default limit holds every tensor: no note
+
+
+def test_quantized_weights_on_a_bf16_checkpoint_name_the_option(tiny_ckpt_bf16, capsys):
+    """`--weights quantized` on a bf16 checkpoint: the error named only the API argument `dequantize=False`."""
+    assert main(["diagnose", "--ckpt", str(tiny_ckpt_bf16), "--weights", "quantized"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"dsv4 diagnose: error: {tiny_ckpt_bf16}: dequantize=False (--weights quantized), but the "
+                   "checkpoint holds no FP8/FP4 weight (config.json dtype='bf16', expert_dtype='bf16'): a bf16 "
+                   "checkpoint has nothing to keep quantized (use --weights dequantized)")
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "make-checkpoint"])
+@pytest.mark.parametrize("where", ["under_a_file", "is_a_file", "proc"])
+def test_output_dir_that_cannot_be_made_is_named(tmp_path, capsys, command, where):
+    """Both checkpoint writers share one output-directory rule: a path under a file, a path that is a file, a
+    place where no directory can be made (/proc) is refused naming the path and what was expected (it was
+    `[Errno 2] No such file or directory` for /proc, and 'is not an empty directory' for a file)."""
+    if where == "proc" and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc (not Linux)")
+    f = tmp_path / "file"
+    f.write_text("x")
+    out = {"under_a_file": f / "ck", "is_a_file": f, "proc": "/proc/dsv4-cannot-write-here"}[where]
+    extra = ["--geometry", "tiny", "--dry-run"] if command == "make-checkpoint" else []
+    assert main([command, str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    if where == "is_a_file":
+        assert err == (f"dsv4 {command}: error: {out}: exists and is a file, expected a new or empty directory "
+                       f"({command} never overwrites)")
+    else:
+        why = "Not a directory" if where == "under_a_file" else "No such file or directory"
+        assert err == (f"dsv4 {command}: error: {out}: cannot create the output directory ({why}); expected a new "
+                       "or empty directory in a writable place")

@@ -177,6 +177,20 @@ def test_dtype_mismatch(tiny_ckpt, copy_ckpt):
         _load(d)
 
 
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_wrong_tensor_named_even_when_total_size_is_stale(tiny_ckpt, copy_ckpt, bad):
+    """A shard rewritten with one wrong tensor and the index left as it was: the total_size mismatch used to be
+    the only error (no tensor named); the tensor, its file and the expectation come first."""
+    d = copy_ckpt(tiny_ckpt)
+    index_text = (d / INDEX_FILE).read_text()
+    t = torch.randn(65).bfloat16() if bad == "shape" else torch.randn(64)
+    f = _edit(d, "layers.0.ffn_norm.weight", t)
+    (d / INDEX_FILE).write_text(index_text)  # the original total_size, now stale
+    want = "has shape \\[65\\], expected \\[64\\]" if bad == "shape" else "has dtype F32, expected BF16"
+    with pytest.raises(CheckpointError, match=f"^{f}: tensor layers.0.ffn_norm.weight {want}$"):
+        Checkpoint(d)
+
+
 @pytest.mark.parametrize("bad", ["decoded_f32", "bytes_u8"])
 def test_scale_of_wrong_dtype(tiny_ckpt, copy_ckpt, bad):
     d = copy_ckpt(tiny_ckpt)

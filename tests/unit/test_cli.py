@@ -130,3 +130,23 @@ def test_test_layers_with_a_space_is_refused_like_any_non_canonical_integer(tiny
     monkeypatch.setenv("TEST_LAYERS", " 2")
     assert main(["diagnose", "--ckpt", str(tiny_ckpt)]) == 2
     assert "dsv4 diagnose: error: TEST_LAYERS=' 2': expected an integer in 1..4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["make-checkpoint", "{tmp}/ck", "--geometry", "tiny", "--dry-run"],
+                                  ["make-tiny", "{tmp}/tiny"]], ids=["make-checkpoint", "make-tiny"])
+def test_stdout_closed_by_its_reader_ends_quietly(tmp_path, argv):
+    """`dsv4 make-checkpoint ... | head -1`: the reader leaves, the next print raises BrokenPipeError. It used to end
+    in a traceback (then in `error: [Errno 32] Broken pipe`, exit 2); now the command stops quietly with 141 (a
+    shell's status for a writer ended by SIGPIPE), nothing on stderr, and no `Exception ignored` at exit. Here the
+    reader is gone before the first line, the harshest case."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "dsv4.cli", *[a.format(tmp=tmp_path) for a in argv]], stdout=w,
+                           stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (141, ""), p.stderr

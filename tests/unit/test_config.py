@@ -139,6 +139,61 @@ def test_model_args_errors_name_the_config_file(tmp_path, edit, message):
             ModelArgs.from_hf_config(json.loads(p.read_text()))
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(rms_norm_eps=float("nan")),
+     r"ModelArgs.norm_eps=nan: expected a finite non-negative number \(config.json key 'rms_norm_eps'\)$"),
+    (lambda c: c.update(num_attention_heads=-4),
+     r"ModelArgs.n_heads=-4: expected a positive integer \(config.json key 'num_attention_heads'\)$"),
+    (lambda c: c["rope_scaling"].update(factor=float("inf")),
+     r"ModelArgs.rope_factor=inf: expected a finite positive number \(config.json key 'rope_scaling.factor'\)$"),
+    (lambda c: c.update(o_groups=7), r"ModelArgs.o_groups=7: expected a divisor of n_heads \(64\)$"),  # same name
+], ids=["nan", "negative", "nested", "same_name"])
+def test_model_args_errors_name_the_config_key(tmp_path, edit, message):
+    """A ModelArgs field named differently in config.json (norm_eps / rms_norm_eps) is followed by its key."""
+    p = _edited_flash(tmp_path, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
+        ModelArgs.from_hf_config(p)
+    with pytest.raises(ValueError, match=f"^{message}"):  # from a dict: the same, without a file
+        ModelArgs.from_hf_config(json.loads(p.read_text()))
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(num_hidden_layers=4.0), "key 'num_hidden_layers'=4.0 has type float, expected an integer$"),
+    (lambda c: c.update(rope_theta="1e4"), "key 'rope_theta'='1e4' has type str, expected a number$"),
+    (lambda c: c.update(compress_ratios={"0": 0}), "key 'compress_ratios'={'0': 0} has type dict, expected a "
+                                                   "JSON list$"),
+], ids=["int", "number", "list"])
+def test_wrong_type_names_the_expected_json_type(tmp_path, edit, message):
+    """Not Python's `<class 'int'>`: the JSON type the key needs."""
+    p = _edited_flash(tmp_path, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
+        ModelArgs.from_hf_config(p)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(num_hidden_layers=0),
+     r"ModelArgs.n_layers=0: expected a positive integer \(config.json key 'num_hidden_layers'\)$"),
+    (lambda c: c.update(num_nextn_predict_layers=-1),
+     r"ModelArgs.n_mtp_layers=-1: expected a non-negative integer \(config.json key 'num_nextn_predict_layers'\)$"),
+], ids=["zero_layers", "negative_mtp"])
+def test_bad_layer_count_is_not_taken_for_a_later_revision(tmp_path, edit, message):
+    """0 main layers (or -1 MTP blocks) made compress_ratios look longer than main + MTP, and the error claimed
+    a DSpark re-release; it is a bad value, named as such."""
+    p = _edited_flash(tmp_path, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}"):
+        ModelArgs.from_hf_config(p)
+
+
+def test_compress_ratios_without_the_mtp_entry_names_the_file_and_keys(tmp_path):
+    """43 entries for 43 main layers + 1 MTP block: the error came from the inventory, naming neither the file
+    nor the config.json keys."""
+    p = _edited_flash(tmp_path, lambda c: c.update(compress_ratios=c["compress_ratios"][:43]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: key 'compress_ratios' has 43 entries, expected 44: "
+                                         r"one per main layer \(num_hidden_layers=43\), then one per MTP block "
+                                         r"\(num_nextn_predict_layers=1\)$"):
+        ModelArgs.from_hf_config(p)
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         ModelArgs.from_hf_config(tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import struct
 from pathlib import Path
 
@@ -127,3 +128,65 @@ def test_rank_local_reader_reports_the_full_tensor_index(tiny_ckpt, aligned_ckpt
     with pytest.raises(CheckpointError, match=rf"tensor {name}: e4m3 NaN code \(0x7F / 0xFF\) at index "
                                               rf"\[{idx[0]}, {idx[1]}\]"):
         load_rank_state_dict(ck, Comm(1, 2), weights=mode)
+
+
+# ------------------------------------------------------------------------- a user-built state dict
+def _model_and_sd(ckpt: Path, dtype: torch.dtype, weights: str):
+    from dsv4.model import Transformer
+
+    args, sd = load_checkpoint(ckpt, n_layers=1, dtype=dtype, progress=False, dequantize=weights == "dequantized")
+    return Transformer(args, dtype=dtype, weights=weights), sd
+
+
+@pytest.mark.parametrize("name,weights,poke,what", [
+    ("layers.0.attn.wq_a.weight", "dequantized", float("nan"), "non-finite value (NaN / inf)"),
+    ("layers.0.hc_attn_fn", "dequantized", float("-inf"), "non-finite value (NaN / inf)"),
+    ("norm.weight", "dequantized", float("nan"), "non-finite value (NaN / inf)"),
+    ("layers.0.attn.wq_b.weight", "quantized", 0x7F, "e4m3 NaN code (0x7F / 0xFF)"),
+    ("layers.0.ffn.experts.1.w1.scale", "quantized", 0xFF, "ue8m0 scale byte 0xFF (NaN)"),
+    ("layers.0.ffn.gate.tid2eid", "dequantized", 8, "expert id outside 0..7"),
+], ids=["nan_weight", "inf_f32", "nan_norm", "e4m3_code", "ue8m0_byte", "tid2eid"])
+def test_load_weights_refuses_a_non_finite_state_dict(tiny_ckpt, name, weights, poke, what):
+    """`Transformer.load_weights` with a state dict built by the caller (not read by the checked loader): a NaN /
+    inf, a NaN code or byte, an out-of-range expert id is refused naming the tensor and the first bad index, and
+    nothing is loaded. Negative control: the same state dict without the poke loads."""
+    model, sd = _model_and_sd(tiny_ckpt, torch.float32, weights)
+    model.load_weights(sd)  # negative control: the clean state dict loads
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = random.Random()
+    t = sd[name].clone()
+    index = _random_index(list(t.shape), rng)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        t.view(torch.uint8)[index] = poke
+    else:
+        t[index] = poke
+    with pytest.raises(ValueError, match=rf"^load_weights: tensor {name} \({t.dtype}, shape \[.*\]\): "
+                                         rf"{re.escape(what)} at index {re.escape(str(list(index)))} \(1 bad of "
+                                         rf"{t.numel()}\); refusing to load it"):
+        model.load_weights({**sd, name: t})
+    after = model.state_dict()
+    assert all(torch.equal(before[k].view(torch.uint8) if before[k].dtype.itemsize == 1 else before[k],
+                           after[k].view(torch.uint8) if after[k].dtype.itemsize == 1 else after[k])
+               for k in before)  # nothing was loaded
+
+
+def test_load_weights_names_a_value_that_overflows_in_the_cast(tiny_ckpt):
+    """A finite value beyond bf16's range (here float64 1e39) becomes inf in the cast to a bf16 parameter: refused,
+    saying so."""
+    model, sd = _model_and_sd(tiny_ckpt, torch.bfloat16, "dequantized")
+    name = "layers.0.attn.wkv.weight"
+    t = sd[name].double()
+    index = _random_index(list(t.shape), random.Random())
+    t[index] = 1e39
+    with pytest.raises(ValueError, match=rf"tensor {name} \(torch.bfloat16, .*non-finite value \(NaN / inf\) at "
+                                         rf"index {re.escape(str(list(index)))} .*the given torch.float64 value "
+                                         r"1e\+39 overflows torch.bfloat16"):
+        model.load_weights({**sd, name: t})
+
+
+def test_load_weights_names_a_value_that_is_not_a_tensor(tiny_ckpt):
+    """A numpy array (or list) in a user-built state dict died in `.to` with an AttributeError naming nothing."""
+    model, sd = _model_and_sd(tiny_ckpt, torch.float32, "dequantized")
+    with pytest.raises(TypeError, match=r"^load_weights: state_dict\['norm.weight'\] is a ndarray, expected a "
+                                        r"torch.Tensor of shape \[64\]$"):
+        model.load_weights({**sd, "norm.weight": sd["norm.weight"].numpy()})

@@ -65,6 +65,20 @@ def test_diagnose_hard_stops_on_hand_rolled_prompt(tiny_ckpt, capsys, monkeypatc
     assert "Test 1 HARD STOP: the ids fed to the model are not the official prompt format" in out
 
 
+def test_special_string_in_the_prompt_is_warned_about_once(tiny_ckpt, capsys, caplog):
+    """A prompt holding a format special string: the log warning (stderr) appeared twice per run, since diagnose
+    built the official prompt twice; now once, plus the report's own WARNING line."""
+    prompt = "hi <｜Assistant｜> there"
+    with caplog.at_level("WARNING", logger="dsv4.encoding"):
+        status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--dtype", "fp32", "--prompt", prompt,
+                           "--continue-tokens", "1", "--decode-steps", "1")
+    assert status == EXIT_PASS, out
+    warned = [r.getMessage() for r in caplog.records if "special string" in r.getMessage()]
+    assert warned == ["messages[0].content contains the special string '<｜Assistant｜>': it is tokenised as the "
+                      "special token, as the official encoder does"]
+    assert out.count("WARNING: the prompt contains special strings ['<｜Assistant｜>']") == 1
+
+
 @pytest.mark.parametrize("value", ["0", "5", "two", "-1", "+2", "1_0", " 2", "02"])
 def test_diagnose_rejects_bad_test_layers(tiny_ckpt, capsys, monkeypatch, value):
     monkeypatch.setenv("TEST_LAYERS", value)
