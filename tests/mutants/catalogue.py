@@ -128,6 +128,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("generate_ignores_temperature", "the generation path drops the sampling temperature (greedy always)",
            patches.generate_ignores_temperature,
            ("tests/unit/test_generate.py::test_generate_samples_at_the_requested_temperature",)),
+    Mutant("row_parallel_partial_rounded", "tensor-parallel partial sums rounded to bf16 before the all-reduce",
+           patches.row_parallel_partial_rounded,
+           ("tests/unit/test_parallel.py::test_row_parallel_partials_are_summed_before_the_bf16_rounding",)),
 ]}
 
 

@@ -527,3 +527,15 @@ def generate_ignores_temperature(mp: MP) -> None:
         return orig(logits, temperature, generator)
 
     mp.setattr(generate, "sample", sample)
+
+
+def row_parallel_partial_rounded(mp: MP) -> None:
+    """Tensor-parallel `wo_b` (`RowParallelLinear`) rounds each rank's partial product to the activation dtype
+    before the all-reduce, instead of summing the fp32 partials and rounding once (bf16 only; fp32 unchanged)."""
+    from dsv4.parallel import RowParallelLinear
+
+    def forward(self, x):
+        xq = self.sim.act(x)
+        return self.comm.all_reduce((xq.float() @ self.dequantized_weight().float().T).to(x.dtype))  # MUTANT
+
+    mp.setattr(RowParallelLinear, "forward", forward)

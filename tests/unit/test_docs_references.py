@@ -1,6 +1,7 @@
-"""Every test that the documentation names exists: docs/differences.md ("pinned by"), docs/mutants.md, README.md
-and benchmarks/RESULTS.md cite tests as `path.py::test_name` (a following `::other` reuses that path). A renamed
-or deleted test would leave a difference or a mutant documented as pinned by nothing."""
+"""Every test that the documentation names exists: docs/differences.md ("pinned by"), docs/mutants.md,
+docs/public_bugs.md, README.md and benchmarks/RESULTS.md cite tests as `path.py::test_name` (a following
+`::other` reuses that path). A renamed or deleted test would leave a difference, a mutant or a public bug
+documented as pinned by nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["docs/differences.md", "docs/mutants.md", "README.md", "benchmarks/RESULTS.md"]
+DOCS = ["docs/differences.md", "docs/mutants.md", "docs/public_bugs.md", "README.md", "benchmarks/RESULTS.md"]
 REF = re.compile(r"((?:tests/(?:unit|gpu)/)?test_\w+\.py)?::(test_\w+)")
 
 

@@ -183,6 +183,41 @@ def test_moe_up_rows_match_reference(seed):
         close_bf16(got[p], (torch.nn.functional.silu(u) * v * g[t, j]).bfloat16(), f"h[pair {p}]")
 
 
+@needs_triton
+def test_moe_up_gate_far_below_the_limit_is_not_clamped(seed):
+    """Edge value for the one-sided gate clamp (spec §8.5: u <= limit, no lower bound): expert 2's w1 rows are all
+    +0.5 (e2m1 code 1, scale 2^0) and every x is negative, so u = 0.5 * sum(x) lies in [-60, -20] for every
+    output: silu(u) ~ u e^u is 1e-25..1e-8, where a lower clamp at -limit would give silu(-10) = -4.5e-4. h is
+    compared with the formula relative to its own (tiny) magnitude, so that clamp is off by ~1e4 of it."""
+    ex = make_experts()
+    e = 2
+    w1 = ex.w1.clone()
+    w1[e] = 0x11  # two e2m1 codes of +0.5 per byte
+    s1 = ex.s1.clone()
+    s1[e] = torch.tensor(1.0).to(torch.float8_e8m0fnu)
+    ex = ex._replace(w1=w1, s1=s1)
+    T = 4
+    target = -torch.rand(T, 1) * 40 - 20                                      # u per token in [-60, -20]
+    x = (torch.rand(T, D) + 0.5) * (2 * target / D / 1.0)                     # mean(x) = 2 u / D, all negative
+    x = x.to(torch.bfloat16).to(DEV)
+    g, idx = torch.rand(T, 1).add(0.5).to(DEV), torch.full((T, 1), e, device=DEV)
+    route = moe_route(idx, E, 16)
+    h = moe_up(x, g, route, ex, 10.0, 32)
+    rows = (route.row_pair >= 0).nonzero().flatten()
+    got = torch.empty(T, I, dtype=torch.bfloat16, device=DEV)
+    got[route.row_pair[rows].long()] = h[rows]
+    xq = quant.act_quant_sim(x, 128).float()
+    u = (xq @ quant.fp4_dequant(ex.w1[e], ex.s1[e]).T).bfloat16().float()
+    v = (xq @ quant.fp4_dequant(ex.w3[e], ex.s3[e]).T).bfloat16().float()
+    assert bool((u < -19).all()) and bool((u > -65).all()), "test input must put every u far below -limit"
+    want = (torch.nn.functional.silu(u.clamp(max=10.0)) * v.clamp(-10.0, 10.0) * g).bfloat16()
+    for t in range(T):
+        close_bf16(got[t], want[t], f"h[token {t}]")
+        lower = (torch.nn.functional.silu(u[t].clamp(-10.0, 10.0)) * v[t].clamp(-10.0, 10.0) * g[t]).bfloat16()
+        with pytest.raises(AssertionError):  # negative control: a two-sided gate clamp is visible
+            close_bf16(lower, want[t], "two-sided clamp")
+
+
 def test_moe_names_bad_input():
     ex = StackedExperts(*(t.cpu() for t in make_experts()))
     x = torch.zeros(2, D, dtype=torch.bfloat16)

@@ -232,3 +232,50 @@ def test_errors():
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+
+
+class _PeerComm:
+    """Stand-in for the world-size-2 all-reduce of one rank: records the partial it is given (`record`) or adds
+    the recorded peer partial to it in the partial's own dtype, as NCCL / gloo sum in the tensor's dtype."""
+
+    def __init__(self, peer: torch.Tensor | None = None):
+        self.peer, self.seen = peer, None
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.seen = t
+        return t if self.peer is None else t + self.peer.to(t.dtype)
+
+
+@torch.no_grad()
+def test_row_parallel_partials_are_summed_before_the_bf16_rounding(seed):
+    """wo_b at world size 2 in bf16: the two ranks' partial products are summed in fp32 and rounded once, as at
+    world size 1 (`RowParallelLinear`). Edge values: each rank's partial is +-256 * s plus a small term, so the
+    sum is the small terms alone; a rank that rounded its partial to bf16 before the all-reduce (2^-9 relative,
+    i.e. 0.5 at 256) would lose them. Every value is a power of two or a bf16 number, so the fp32 sum is exact and
+    the expected output is one bf16 rounding of it (bitwise)."""
+    from dsv4.model import _Sim
+    from dsv4.parallel import RowParallelLinear
+
+    g = torch.Generator().manual_seed(seed)
+    out = 8
+    s = 2.0 ** torch.randint(-2, 3, (3, 1), generator=g).float()             # shared channel scale per token
+    t, u = (2.0 ** torch.randint(-2, 3, (3, 1), generator=g).float() for _ in range(2))
+    delta, eta = ((torch.rand(out, generator=g) * 0.5 + 0.01).bfloat16().float() for _ in range(2))
+    w = [torch.stack([torch.full((out,), 256.0), delta], 1), torch.stack([torch.full((out,), -256.0), eta], 1)]
+    x = [torch.cat([s, t], 1).bfloat16(), torch.cat([s, u], 1).bfloat16()]
+    lins = []
+    for r in range(2):
+        lin = RowParallelLinear(2, out, _Sim(False), torch.bfloat16, Comm(r, 2))
+        lin.weight.copy_(w[r])
+        lins.append(lin)
+    lins[1].comm = _PeerComm()
+    lins[1](x[1])
+    assert lins[1].comm.seen.dtype == torch.float32, "a rank's partial must reach the all-reduce in fp32"
+    lins[0].comm = _PeerComm(peer=lins[1].comm.seen)
+    got = lins[0](x[0])
+    want = (t * delta + u * eta).bfloat16()  # exact in fp32: the +-256 s terms cancel
+    assert got.dtype == torch.bfloat16
+    assert_equal(got, want, "world-2 wo_b output")
+    # negative control: partials rounded to bf16 before the sum lose the small terms
+    rounded = (256 * s + t * delta).bfloat16() + (-256 * s + u * eta).bfloat16()
+    assert not torch.equal(rounded.bfloat16(), want)
