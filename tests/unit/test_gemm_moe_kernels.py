@@ -175,12 +175,20 @@ def test_moe_up_rows_match_reference(seed):
     got = torch.empty(15, I, dtype=torch.bfloat16, device=DEV)
     got[route.row_pair[rows].long()] = h[rows]
     xq = quant.act_quant_sim(x, 128).float()
+    want = torch.empty_like(got)
     for p in range(15):
         t, j = divmod(p, 3)
         e = int(idx[t, j])
         u = (xq[t] @ quant.fp4_dequant(ex.w1[e], ex.s1[e]).T).bfloat16().float().clamp(max=10.0)
         v = (xq[t] @ quant.fp4_dequant(ex.w3[e], ex.s3[e]).T).bfloat16().float().clamp(-10.0, 10.0)
-        close_bf16(got[p], (torch.nn.functional.silu(u) * v * g[t, j]).bfloat16(), f"h[pair {p}]")
+        want[p] = (torch.nn.functional.silu(u) * v * g[t, j]).bfloat16()
+        close_bf16(got[p], want[p], f"h[pair {p}]")
+    # u and v are rounded to bf16 before the SwiGLU (spec §8.5, Linear outputs in bf16): the kernel and the
+    # formula then differ only where the fp32 summation order flips that rounding (measured under the
+    # interpreter: 99.99-100 % of h bitwise equal; Hopper's FP8 MMA accumulates with fewer bits, a few % flips).
+    # Skipping the rounding of u leaves ~53 % equal (measured), which the 1 %-of-max criterion above cannot see.
+    same = float((got == want).float().mean())
+    assert same >= 0.9, f"h bitwise equal to the formula in only {same:.1%} of elements (>= 90 % expected)"
 
 
 @needs_triton
