@@ -70,6 +70,26 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str, *, dty
                              + describe_diff(actual, expected))
 
 
+def assert_mostly_bitwise(actual: torch.Tensor, expected: torch.Tensor, name: str, *,
+                          min_fraction: float = 0.9) -> None:
+    """Assert that at least `min_fraction` of the elements are bitwise equal (same shape and dtype required).
+
+    For bf16 outputs that a kernel and its reference both round ONCE from an fp32 value computed in another
+    summation order: the orders differ by ~2^-24 relative, so a bf16 rounding flips in a tiny fraction of the
+    elements (measured 99.98-100 % equal for the mHC kernels under TRITON_INTERPRET=1), while a missing or extra
+    rounding step moves about half of them by one ulp (~50 % equal), which a tolerance of one or two bf16 ulps
+    cannot see. Use it next to `assert_close`, never instead. Raises AssertionError naming `name`.
+    """
+    if actual.shape != expected.shape or actual.dtype != expected.dtype:
+        raise AssertionError(f"{name}: {tuple(actual.shape)}/{actual.dtype} != "
+                             f"{tuple(expected.shape)}/{expected.dtype}")
+    same = float((actual.cpu() == expected.cpu()).float().mean())
+    if same < min_fraction:
+        raise AssertionError(f"{name}: only {same:.2%} of the elements are bitwise equal to the reference "
+                             f"(>= {min_fraction:.0%} expected: one rounding in both, only the summation order "
+                             "differs)")
+
+
 def assert_equal(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     """Bitwise/exact equality (indices, quantisation codes and scales)."""
     if actual.shape != expected.shape or actual.dtype != expected.dtype:

@@ -106,6 +106,7 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
 
 
 if triton is not None:
+    from kernels.gemm import cast_for_store
 
     @triton.jit
     def _dot(a, b, DOT: tl.constexpr):
@@ -147,7 +148,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + a_i * beta[:, None]
             mm = m_new
         o = acc / (ll + tl.exp2(sink - mm))[:, None]
-        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
                  mask=hmask[:, None])
 
     @triton.jit
@@ -210,7 +211,7 @@ if triton is not None:
                 tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
-            tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], o.to(O.dtype.element_ty),
+            tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
                      mask=hmask[:, None])
 
 def _check_launch_device(tensors: dict, where: str) -> None:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemm import cast_for_store
 from kernels.launch import check_layout as _check_layout
 from kernels.launch import fail as _fail
 from kernels.launch import sm_count, workspace
@@ -252,7 +253,7 @@ def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr,
                      mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0,
                      cache_modifier=HCACHE).to(tl.float32)
         x = tl.sum(pre[:, :, None] * hv, axis=1)
-        tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x.to(x_ptr.dtype.element_ty),
+        tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], cast_for_store(x, x_ptr),
                  mask=mask_t[:, None] & mask_d[None, :])
 
 
@@ -323,7 +324,7 @@ def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
         pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
         ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None], other=0.0)
         y = pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)
-        tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], cast_for_store(y, out_ptr), mask=mask)
 
 
 @triton.jit
@@ -365,7 +366,7 @@ def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_p
             pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
             ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None],
                          other=0.0)
-            y = (pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)).to(hn_ptr.dtype.element_ty)
+            y = cast_for_store(pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1), hn_ptr)
             tl.store(hn_ptr + hrow[:, None] + k * D + cols[None, :], y, mask=m2)
             yf = y.to(tl.float32)
             w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + k * D + cols[:, None],
