@@ -13,6 +13,7 @@ Criteria (STYLE §8):
         bf16 products once - only the summation order differs (1 bf16 ulp).
     moe_experts end to end (fp32 sum of k bf16 rows): same criterion; h is re-quantized to e4m3 before w2, so a
         1-ulp bf16 difference of h could move one e4m3 code by 2^-3 of that element - bounded by the same atol.
+    and, under the interpreter, >= 90 % of those outputs bitwise equal to the reference (`rounded_once`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from dsv4 import quant
-from dsv4.testing import assert_close
+from dsv4.testing import assert_close, assert_mostly_bitwise
 from kernels.gemm import act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.moe import StackedExperts, moe_experts, moe_grouped_ref, moe_route, moe_up
 
@@ -38,6 +39,15 @@ def close_bf16(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     mag = float(expected.float().abs().max())
     assert mag > 0, f"{name}: reference is all zero (the test input lost its meaning)"
     assert_close(actual.float() / mag, expected.float() / mag, name, dtype=torch.bfloat16)
+
+
+def rounded_once(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Under the interpreter: >= 90 % of the elements bitwise equal (`assert_mostly_bitwise`; measured 99.98-100 %
+    for fp8_linear and moe_experts, whose kernels round like the references: one fp32 sum of exact products,
+    rounded once to bf16), which a missing or extra rounding (~50 % equal) fails and the 1 %-of-max criterion does
+    not see. On CUDA the MMA's accumulation order and precision differ; the GPU tests hold the tolerance."""
+    if INTERP:
+        assert_mostly_bitwise(actual, expected, name)
 
 
 def make_x(M: int, K: int) -> torch.Tensor:
@@ -79,7 +89,9 @@ def test_fp8_dequant_bitwise(seed):
 def test_fp8_linear_decode(seed, M, N, K):
     x, (w, s) = make_x(M, K), make_w8(N, K)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEV)
-    close_bf16(fp8_linear(x, w, s, out=out), fp8_linear_ref(x, w, s), "y")
+    y, ref = fp8_linear(x, w, s, out=out), fp8_linear_ref(x, w, s)
+    close_bf16(y, ref, "y")
+    rounded_once(y, ref, "y")
 
 
 @needs_triton
@@ -87,7 +99,9 @@ def test_fp8_linear_decode(seed, M, N, K):
 def test_fp8_linear_prefill(seed, method):
     x, (w, s) = make_x(70, 256), make_w8(136, 256)
     out = torch.full((70, 136), float("nan"), dtype=torch.bfloat16, device=DEV)
-    close_bf16(fp8_linear(x, w, s, out=out, prefill=method), fp8_linear_ref(x, w, s), "y")
+    y, ref = fp8_linear(x, w, s, out=out, prefill=method), fp8_linear_ref(x, w, s)
+    close_bf16(y, ref, "y")
+    rounded_once(y, ref, "y")
 
 
 def test_fp8_linear_names_bad_input():
@@ -160,7 +174,9 @@ def test_moe_experts(seed, T, limit):
         u = xq @ quant.fp4_dequant(ex.w1[e0], ex.s1[e0]).T
         v = xq @ quant.fp4_dequant(ex.w3[e0], ex.s3[e0]).T
         assert bool((u > limit).any()) and bool((v.abs() > limit).any()), "test input does not engage the clamps"
-    close_bf16(moe_experts(x, g, idx, ex, limit), ref, "moe y")
+    y = moe_experts(x, g, idx, ex, limit)
+    close_bf16(y, ref, "moe y")
+    rounded_once(y, ref, "moe y")
 
 
 @needs_triton
