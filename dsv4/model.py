@@ -39,7 +39,7 @@ from dsv4.config import ModelArgs
 from kernels.indexer import indexer_topk_ref
 
 __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
-           "check_loaded_values",
+           "check_loaded_values", "check_dequantized_range",
            "hadamard_matrix"]
 
 
@@ -708,6 +708,31 @@ def check_loaded_values(name: str, value: torch.Tensor, given: torch.Tensor, n_r
                      "quietly)")
 
 
+# ue8m0 scale bytes from which a code can overflow float32 when dequantized: 448 * 2^(e-127) (e4m3) and
+# 6 * 2^(e-127) (e2m1) exceed float32's max (~2^128) only for e >= 247 / 253; below, no product can
+_OVERFLOW_SCALE_BYTE = {torch.float8_e4m3fn: 247, torch.int8: 253}
+
+
+def check_dequantized_range(name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
+    """Codes that are valid one by one (no NaN code, no NaN scale byte) can still dequantize to inf: e4m3 448 in a
+    block whose ue8m0 scale is 2^127. `codes` float8_e4m3fn [out, in] + `scale` [ceil(out/128), ceil(in/128)], or
+    int8 FP4 [out, in/2] + `scale` [out, in/32] (spec §2). A screen on the largest scale byte (one reduction over
+    the scales, 1/32 of the codes or less); only a suspect tensor is dequantized in fp32 and checked. Raises
+    ValueError naming the weight, the first index that dequantizes to inf and how many do."""
+    from dsv4 import quant
+
+    threshold = _OVERFLOW_SCALE_BYTE.get(codes.dtype)
+    if threshold is None or scale.numel() == 0 or int(scale.view(torch.uint8).max()) < threshold:
+        return
+    deq = (quant.fp8_block_dequant if codes.dtype == torch.float8_e4m3fn else quant.fp4_dequant)(codes, scale)
+    bad = ~torch.isfinite(deq)
+    if bool(bad.any()):
+        first = [int(i) for i in torch.nonzero(bad)[0]]
+        raise ValueError(f"load_weights: tensor {name} ({codes.dtype} codes + ue8m0 scales): dequantizes to inf at "
+                         f"index {first} ({int(bad.sum())} of {bad.numel()}: a code times its block's scale beyond "
+                         "float32); refusing to load it (no NaN / inf is loaded quietly)")
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
 
@@ -774,8 +799,11 @@ class Transformer(nn.Module):
         first bad index and the count when a tensor holds a value
         that is NaN / inf as loaded (NaN or inf given, a finite value that overflows the parameter's dtype in
         the cast, an e4m3 NaN code, a ue8m0 scale byte 0xFF) or a `tid2eid` expert id outside
-        0..n_routed_experts-1: nothing non-finite is loaded quietly (`check_loaded_values`; checked once, here,
-        with one or two reductions per tensor, never on the forward path)."""
+        0..n_routed_experts-1, or resident codes that dequantize to inf (`check_dequantized_range`): nothing
+        non-finite is loaded quietly (`check_loaded_values`; checked once, here, with one or two reductions per
+        tensor, never on the forward path). The checkpoint readers check the bytes (naming file and offset);
+        this checks the values as loaded, after dequantization and the cast, where valid bytes can still
+        overflow."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(own))
@@ -796,6 +824,9 @@ class Transformer(nn.Module):
         cast = {k: v.to(own[k].dtype) for k, v in state_dict.items()}
         for k, v in cast.items():
             check_loaded_values(k, v, state_dict[k], self.args.n_routed_experts)
+            if v.dtype == torch.float8_e8m0fnu and k.endswith(".scale"):  # a resident quantized weight's scale
+                w = k[:-len("scale")] + "weight"
+                check_dequantized_range(w, cast[w], v)
         self.load_state_dict(cast, strict=True)
 
     def new_state(self, batch: int = 1) -> DecodeState:

@@ -39,7 +39,8 @@ from torch import nn
 
 from dsv4 import quant
 from dsv4.config import ModelArgs
-from dsv4.model import Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim
+from dsv4.model import (Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim,
+                        check_dequantized_range, check_loaded_values)
 from dsv4.resident import WEIGHTS
 
 __all__ = ["Comm", "comm_from_env", "leave_process_group", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
@@ -479,8 +480,8 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
                         backend: str = "reference", weights: str = "dequantized") -> Transformer:
     """`build_model` + the rank's weights streamed into it one tensor at a time (peak host memory: one tensor).
     `weights` as in `Transformer` / `load_rank_state_dict`. Raises RuntimeError listing names the model and the
-    read plan disagree on, or a stored code whose dtype differs from the model's buffer, plus what the loaders
-    raise."""
+    read plan disagree on, or a stored code whose dtype differs from the model's buffer; ValueError for a value
+    that is NaN / inf as loaded (the checks of `Transformer.load_weights`); plus what the loaders raise."""
     ck, args, plan = _open_for(path, comm, n_layers, weights)
     model = build_model(args, comm, dtype=dtype, device=device, backend=backend, weights=weights)
     own = model.state_dict()
@@ -498,7 +499,12 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
             if t.dtype in _TORCH_CODES and t.dtype != own[name].dtype:
                 raise RuntimeError(f"{name}: rank {comm.rank} read {t.dtype}, model holds {own[name].dtype} "
                                    "(on-disk codes are never cast)")
-            own[name].copy_(t.to(own[name].dtype))
+            v = t.to(own[name].dtype)
+            check_loaded_values(name, v, t, args.n_routed_experts)  # as `Transformer.load_weights`
+            own[name].copy_(v)
+        for mod_name, mod in model.named_modules():
+            if isinstance(mod, Linear) and mod.fmt is not None:
+                check_dequantized_range(f"{mod_name}.weight", mod.codes, mod._buffers["scale"])
     return model.eval()
 
 

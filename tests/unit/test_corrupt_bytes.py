@@ -190,3 +190,30 @@ def test_load_weights_names_a_value_that_is_not_a_tensor(tiny_ckpt):
     with pytest.raises(TypeError, match=r"^load_weights: state_dict\['norm.weight'\] is a ndarray, expected a "
                                         r"torch.Tensor of shape \[64\]$"):
         model.load_weights({**sd, "norm.weight": sd["norm.weight"].numpy()})
+
+
+@pytest.mark.parametrize("weights", ["dequantized", "quantized"])
+def test_dequantization_overflow_is_refused_at_load(tiny_ckpt, copy_ckpt, weights):
+    """Why the loaders check the values again after the readers' byte check: valid bytes can still decode to inf.
+    The e4m3 code 0x7E (448) in a block whose ue8m0 scale is 0xFE (2^127) passes the byte check (neither byte is
+    a NaN code; `test_edge_codes_are_not_nan`), but 448 * 2^127 overflows float32. Both weight modes and both
+    loaders (`load_model` -> `load_weights`, and the rank loader `load_parallel_model`) refuse it by name.
+    Negative control: the same poke with scale 0xF0 (2^113, product 2^121.8: finite) loads."""
+    from dsv4.generate import load_model
+    from dsv4.parallel import load_parallel_model
+
+    name = "layers.0.attn.wq_a.weight"
+    ck = copy_ckpt(tiny_ckpt)
+    _poke(ck, name, (0, 0), b"\x7e")
+    for scale_byte, bad in ((b"\xf0", False), (b"\xfe", True)):
+        _poke(ck, "layers.0.attn.wq_a.scale", (0, 0), scale_byte)
+        load_checkpoint(ck, progress=False, dequantize=weights == "dequantized")  # the byte check: no error
+        want = rf"^load_weights: tensor {name} \(.*\): (non-finite value \(NaN / inf\)|dequantizes to inf) at " \
+               r"index \[0, 0\]"
+        for load in (lambda: load_model(ck, progress=False, dtype=torch.float32, weights=weights),
+                     lambda: load_parallel_model(ck, Comm(), dtype=torch.float32, weights=weights)):
+            if bad:
+                with pytest.raises(ValueError, match=want):
+                    load()
+            else:
+                load()
