@@ -121,10 +121,17 @@ def round_e4m3(y):
 
 @triton.jit
 def round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even) as fp32, by integer rounding of the bits (finite x). The
-    following `.to(tl.bfloat16)` is then exact everywhere; the triton 3.9 interpreter's own cast truncates."""
+    """fp32 -> the nearest bf16 value (ties to even) as fp32, by integer rounding of the bits; +-inf stay inf,
+    finite values beyond the largest bf16 become inf (as the GPU's cast), and NaN stays NaN whatever its payload
+    (quieted, so that a bf16 truncation of it is a NaN as well).
+    The following `.to(tl.bfloat16)` is then exact everywhere; the triton 3.9 interpreter's own cast truncates.
+    The NaN select matters: the integer add overflows for a NaN whose mantissa is >= 0x7F8000 (the GPU's
+    canonical NaN 0x7FFFFFFF is one) and would turn it into -0.0 or +0.0, hiding exactly the NaN that the
+    kernels' fail-loud guards produce (tests/unit/test_kernel_edges.py::test_round_bf16_bit_patterns)."""
     bits = x.to(tl.int32, bitcast=True)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & ~0xFFFF).to(tl.float32, bitcast=True)
+    quiet = (bits | 0x400000).to(tl.float32, bitcast=True)  # NaN in the upper 16 bits too (signalling NaNs)
+    return tl.where(x != x, quiet, rounded)
 
 
 @triton.jit
