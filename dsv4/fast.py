@@ -9,7 +9,8 @@ numerics, never by a failure (nothing falls back silently; every row below is de
 | FP8 linear (`quantized`, fmt "fp8", in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
 | other bf16 linears (weights_proj, dequantized mode) | act quant (if `quantized`) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
 | fp32 linears (compressor wkv/wgate, head) | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
-| grouped wo_a | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
+| grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
+| grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
 | routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (host sync per expert) | reference loop |
 
@@ -68,6 +69,11 @@ def grouped_linear(o: torch.Tensor, lin: Linear) -> torch.Tensor:
     if not lin.sim.enabled or o.dtype != torch.bfloat16:
         return grouped_linear_ref(o, lin)
     b, s, G, i = o.shape
+    n = lin.codes.shape[0] // G
+    from kernels.gemm import GEMV_MAX_M, fp8_grouped_gemv
+    if lin.fmt == "fp8" and b * s <= GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
+        y = fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), lin._buffers["weight"], lin._buffers["scale"], G)
+        return y.view(b, s, G, n)
     w = _bf16_weight(lin).view(G, -1, i)                       # [G, o, i]
     z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
     return z.transpose(0, 1).reshape(b, s, G, -1)

@@ -299,6 +299,54 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
 
 
 @triton.jit
+def _fp8_grouped_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
+                             BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
+    """Grouped weight-only FP8 GEMV (the decode `wo_a`), grid (cdiv(N, BN), SPLIT, G): for group g,
+    y[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T with x bf16 used as it is (NO activation
+    quantization: official wo_a, spec §5), W e4m3 codes with one ue8m0 scale per 128x128 block, fp32
+    accumulation. x [M, G*K], W [G*N, K], y [M, G*N]; N % BN == 0 and BN divides 128. SPLIT > 1: partials
+    [G, SPLIT, M, N], the last split of a (group, N block) sums them in split order (semaphore, as
+    `_fp8_gemv_kernel`)."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    g = tl.program_id(2)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    mask_m = offs_m < M
+    GK = G * K
+    GN = G * N
+    rows64 = (g * N + offs_n).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    kb0 = pid_s * KB_PER_SPLIT
+    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
+    srow = (g * N + pid_n * BN) // 128
+    for kb in range(kb0, kb1):
+        x = tl.load(x_ptr + offs_m[:, None] * GK + g * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows64[:, None] * K + kb * 128 + offs_k[None, :])
+        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+        acc += dot_q_w(x, w, MMA) * sw
+    ycols = (g * N + offs_n).to(tl.int64)
+    out_mask = mask_m[:, None]
+    if SPLIT == 1:
+        tl.store(y_ptr + offs_m[:, None] * GN + ycols[None, :], round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+    else:
+        base = (g * SPLIT * M).to(tl.int64) * N
+        tl.store(part_ptr + base + (pid_s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
+        tl.debug_barrier()
+        sem = sem_ptr + g * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + base + (s * M + offs_m[:, None]) * N + offs_n[None, :], mask=out_mask,
+                               other=0.0, volatile=True)
+            tl.store(y_ptr + offs_m[:, None] * GN + ycols[None, :], round_bf16(tot).to(tl.bfloat16), mask=out_mask)
+            tl.store(sem, 0)
+
+
+@triton.jit
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
                      BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
     """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
@@ -448,6 +496,53 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
                                MMA=mma, num_warps=8, num_stages=3)
         return out
     return _scaled_mm(q, sx, weight, scale, out)
+
+
+def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, *,
+                     mma: str | None = None) -> torch.Tensor:
+    """Grouped weight-only FP8 linear for few rows (decode `wo_a`, spec §5: used in bf16 WITHOUT activation
+    quantization, pitfall 17): y[m, g, :] = x[m, g, :] . W_g^T, with W_g = weight[g*N:(g+1)*N] dequantized
+    (e4m3 code x 2^(s-127) per 128x128 block), fp32 accumulation, bf16 out. The same maths as
+    `dsv4.model.grouped_linear_ref` in bf16 mode (x bf16 and the dequantized weight are exact in bf16, products
+    exact in fp32), up to summation order; one launch, no host sync (CUDA-graph capturable).
+
+    Args: x [M, G*K] bf16 contiguous, M <= GEMV_MAX_M; weight [G*N, K] float8_e4m3fn; scale [G*N/128, K/128]
+    float8_e8m0fnu; groups = G; N and K multiples of 128. mma: "fp8" | "bf16" as `mma_mode` (the activation is
+    not on the e4m3 grid, so an "fp8" request runs the bf16 tensor-core dot; the interpreter its exact fp32 dot).
+    Returns: [M, G*N] bf16.
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, groups, M).
+    """
+    op = "fp8_grouped_gemv"
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        _fail(op, "groups", repr(groups), "an int >= 1")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] % groups:
+        _fail(op, "weight", f"shape {tuple(getattr(weight, 'shape', ()))}", f"[G*N, K] with G={groups}")
+    N = weight.shape[0] // groups
+    K = weight.shape[1]
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != groups * K:
+        _fail(op, "x", f"shape {tuple(getattr(x, 'shape', ()))}", f"[M, {groups * K}] (G*K)")
+    M = x.shape[0]
+    if M > GEMV_MAX_M:
+        _fail(op, "x", f"{M} rows", f"at most GEMV_MAX_M = {GEMV_MAX_M} (decode)")
+    check_fp8_linear_args(op, x.view(M * groups, K) if M else x.new_empty(0, K), weight, scale)
+    if N % BLOCK:
+        _fail(op, "weight", f"N = {N} rows per group", "a multiple of 128 (one scale row per 128 rows)")
+    check_layout(op, {"x": x, "weight": weight, "scale": scale})
+    mode = mma_mode(mma)
+    mode = 1 if mode == 2 else mode
+    out = torch.empty(M, groups * N, dtype=torch.bfloat16, device=x.device)
+    if M == 0:
+        return out
+    KB = K // BLOCK
+    BM = max(16, triton.next_power_of_2(M))
+    BN = 64 if M <= 16 else 32
+    n_blocks = N // BN
+    split, per = _gemv_split(x.device, n_blocks * groups, KB)
+    sem, part = workspace(x.device, n_blocks * groups, groups * split * M * N if split > 1 else 1)
+    _fp8_grouped_gemv_kernel[(n_blocks, split, groups)](x, weight, scale.view(torch.uint8), out, part, sem,
+                                                        M, N, K, groups, KB, per, split, BM=BM, BN=BN, MMA=mode,
+                                                        num_warps=4)
+    return out
 
 
 def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -109,3 +109,22 @@ def test_moe_experts_sync_free_and_graph_replay(seed):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, moe_experts(x, g, idx, ex, 10.0)), "graph replay differs from eager"
+
+
+# (G, K, N) of wo_a: Flash (64 heads x 512 / 8 groups, o_lora_rank 1024), Pro (128 x 512 / 16, 1024)
+WO_A = [("flash", 8, 4096, 1024), ("pro", 16, 4096, 1024)]
+
+
+@pytest.mark.parametrize("M", [1, 8, 64], ids=["M1", "M8", "M64"])
+@pytest.mark.parametrize("name,G,K,N", WO_A, ids=[w[0] for w in WO_A])
+def test_fp8_grouped_gemv_gpu(seed, name, G, K, N, M):
+    """Decode wo_a (`fp8_grouped_gemv`: FP8 codes read directly, no activation quantization) against the
+    reference maths of `dsv4.model.grouped_linear_ref` (bf16 x and dequantized weight, fp32 products)."""
+    from kernels.gemm import fp8_grouped_gemv
+    x = (torch.randn(M, G * K, device="cuda") * torch.logspace(-2, 2, G * K // 128, device="cuda")
+         .repeat_interleave(128)).to(torch.bfloat16)
+    w, s = make_w8(G * N, K)
+    wd = quant.fp8_block_dequant(w, s, out_dtype=torch.float32).view(G, N, K)
+    ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).view(M, G * N)
+    for mma in ("fp8", "bf16"):
+        close_bf16(fp8_grouped_gemv(x, w, s, G, mma=mma), ref, f"wo_a[{name}, M{M}, {mma}]")

@@ -57,10 +57,21 @@ def test_fp32_linear_is_the_reference(model):
     assert y.dtype == torch.float32 and torch.equal(y, linear_ref(lin, x))
 
 
-def test_grouped_wo_a_matches_reference(model):
+@pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_bmm"])
+def test_grouped_wo_a_matches_reference(model, rows, monkeypatch):
+    """Both wo_a paths (FP8 grouped GEMV at b*s <= GEMV_MAX_M, dequant + bmm beyond) equal the reference within
+    one bf16 rounding, and >= 90 % of outputs bitwise; the spy proves which path ran."""
+    import kernels.gemm as kg
+    from dsv4.testing import assert_mostly_bitwise
+    calls = []
+    real = kg.fp8_grouped_gemv
+    monkeypatch.setattr(kg, "fp8_grouped_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     attn = model.layers[0].attn
-    o = torch.randn(2, 3, attn.groups, attn.n_heads * attn.hd // attn.groups).to(torch.bfloat16)
-    _close(fast.grouped_linear(o, attn.wo_a), grouped_linear_ref(o, attn.wo_a), ULP, "grouped wo_a")
+    o = torch.randn(*rows, attn.groups, attn.n_heads * attn.hd // attn.groups).to(torch.bfloat16)
+    got, want = fast.grouped_linear(o, attn.wo_a), grouped_linear_ref(o, attn.wo_a)
+    assert len(calls) == (1 if rows[0] * rows[1] <= kg.GEMV_MAX_M else 0)
+    _close(got, want, ULP, "grouped wo_a")
+    assert_mostly_bitwise(got, want, "grouped wo_a")
 
 
 def test_grouped_moe_matches_reference_loop(model):
@@ -72,3 +83,21 @@ def test_grouped_moe_matches_reference_loop(model):
     _close(a, b, 2.0 ** -3, "routed experts")
     rel = ((a - b).abs() / b.abs().clamp_min(1e-6)).median()
     assert rel <= ULP, f"median relative error {rel:.2e} > one bf16 ulp"
+
+
+def test_fp8_grouped_gemv_names_bad_input():
+    from dsv4 import quant
+    from kernels.gemm import fp8_grouped_gemv
+    w, s = quant.fp8_block_quant(torch.randn(256, 128))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="groups is 0"):
+        fp8_grouped_gemv(x, w, s, 0)
+    with pytest.raises(ValueError, match=r"x is shape \(3, 128\)"):
+        fp8_grouped_gemv(x[:, :128], w, s, 2)
+    with pytest.raises(ValueError, match="x is dtype torch.float32"):
+        fp8_grouped_gemv(x.float(), w, s, 2)
+    with pytest.raises(ValueError, match="at most GEMV_MAX_M"):
+        fp8_grouped_gemv(torch.randn(65, 256).to(torch.bfloat16), w, s, 2)
+    with pytest.raises(ValueError, match="N = 64 rows per group"):
+        fp8_grouped_gemv(torch.randn(3, 512).to(torch.bfloat16), w, torch.full((2, 1), 127, dtype=torch.uint8).view(
+            torch.float8_e8m0fnu), 4)
