@@ -43,6 +43,8 @@ class Backend:
     linear: Callable | None = None
     grouped_linear: Callable | None = None
     moe_routed: Callable | None = None
+    # the compressor's pooling of one window (graph decode): `kernels.compressor.softmax_pool_ref` signature
+    softmax_pool: Callable | None = None
 
     def bind(self, model) -> None:
         """Point every `Linear` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
@@ -67,13 +69,14 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ImportError: "triton" requested and the triton package is missing.
     """
     from dsv4 import model as ref
-    from kernels import attention, indexer, mhc
+    from kernels import attention, compressor, indexer, mhc
 
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
-                       linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref)
+                       linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
+                       softmax_pool=compressor.softmax_pool_ref)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -85,5 +88,6 @@ def get_backend(name: str, device: torch.device) -> Backend:
         from dsv4 import fast
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
-                       linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed)
+                       linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
+                       softmax_pool=compressor.softmax_pool)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

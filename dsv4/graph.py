@@ -93,7 +93,7 @@ class _Static:
 
 
 def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: CompressorState,
-                   out: torch.Tensor) -> None:
+                   out: torch.Tensor, backend) -> None:
     """`Compressor.decode` at device position pos [1]: the entry completed at (pos+1) % r == 0 goes to
     out[:, pos // r] (out [b, n, d] static); branch-free (module docstring)."""
     r, d = comp.ratio, comp.d
@@ -109,7 +109,7 @@ def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: Com
         Z = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
     else:
         A, Z = st.kv, st.score
-    pooled = (Z.softmax(1) * A).sum(1, keepdim=True)
+    pooled = backend.softmax_pool(Z.contiguous(), A.contiguous())  # = (Z.softmax(1) * A).sum(1, keepdim=True)
     new = comp._finish(pooled, (pos // r) * r, x.dtype)
     w = (pos // r).clamp(max=out.shape[1] - 1)
     out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
@@ -148,9 +148,9 @@ def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _St
     idx = torch.where(slots <= pos, slots, -1).view(1, 1, W).expand(b, 1, W)
     keys = sl.ring
     if attn.compressor is not None:
-        _compress_step(attn.compressor, x, pos, sl.comp, sl.entries)
+        _compress_step(attn.compressor, x, pos, sl.comp, sl.entries, backend)
         if attn.indexer is not None:
-            _compress_step(attn.indexer.compressor, x, pos, sl.index_comp, sl.index_keys)
+            _compress_step(attn.indexer.compressor, x, pos, sl.index_comp, sl.index_keys, backend)
             comp = _select(attn.indexer, x, qr, pos, sl.index_keys, backend)
         else:
             w = torch.arange(sl.entries.shape[1], device=x.device)

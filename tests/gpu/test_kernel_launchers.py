@@ -158,3 +158,15 @@ def test_one_launch_agrees_with_two_launch(seed, T):
     one = hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=True)
     assert_close(one, hc_head(*head, hc_eps=EPS, norm_eps=EPS, one_launch=False), f"hc_head one vs two, T={T}")
     assert_close(one, hc_head_ref(*head, hc_eps=EPS, norm_eps=EPS), f"hc_head one vs reference, T={T}")
+
+
+@pytest.mark.parametrize("b,n,d", [(1, 128, 512), (32, 128, 512), (1, 8, 512), (32, 8, 128)],
+                         ids=["hca_b1", "hca_b32", "csa_b1", "csa_index_b32"])
+def test_softmax_pool_on_cuda(seed, b, n, d):
+    """The graph decode's compressor pooling at real widths against the model's softmax (fp32, rtol 1e-6)."""
+    from kernels.compressor import softmax_pool, softmax_pool_ref
+    Z = torch.randn(b, n, d, device="cuda") * 3 + 80.0
+    Z[:, n // 2:] = float("-inf")                       # half-filled window, as the decode state holds it
+    A = torch.randn(b, n, d, device="cuda")
+    got, want = softmax_pool(Z, A), softmax_pool_ref(Z, A)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max())), "softmax_pool"
