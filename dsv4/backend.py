@@ -45,15 +45,19 @@ class Backend:
     moe_routed: Callable | None = None
     # the compressor's pooling of one window (graph decode): `kernels.compressor.softmax_pool_ref` signature
     softmax_pool: Callable | None = None
+    #   rms_norm(norm, x) -> y                   `rms_norm_ref`        (every RMSNorm.forward)
+    rms_norm: Callable | None = None
 
     def bind(self, model) -> None:
-        """Point every `Linear` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
+        """Point every `Linear` and `RMSNorm` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
         triton backend also stacks each layer's FP4 routed experts for the grouped kernel (`dsv4.fast.bind`).
         Called once by `Transformer.__init__`."""
-        from dsv4.model import MoE, Linear
+        from dsv4.model import MoE, Linear, RMSNorm
         for m in model.modules():
             if isinstance(m, Linear):
                 m.kernel = self.linear
+            elif isinstance(m, RMSNorm):
+                m.kernel = self.rms_norm
             elif isinstance(m, MoE):
                 m.routed = self.moe_routed
         if self.name == "triton":
@@ -76,7 +80,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
-                       softmax_pool=compressor.softmax_pool_ref)
+                       softmax_pool=compressor.softmax_pool_ref, rms_norm=ref.rms_norm_ref)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -89,5 +93,5 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
-                       softmax_pool=compressor.softmax_pool)
+                       softmax_pool=compressor.softmax_pool, rms_norm=fast.rms_norm)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -11,6 +11,7 @@ numerics, never by a failure (nothing falls back silently; every row below is de
 | fp32 linears (compressor wkv/wgate, head) | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
+| RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
 | routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (host sync per expert) | reference loop |
 
@@ -28,7 +29,7 @@ import torch
 
 from dsv4.model import Linear, MoE, grouped_linear_ref, linear_ref, moe_routed_ref
 
-__all__ = ["linear", "grouped_linear", "moe_routed", "bind"]
+__all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "bind"]
 
 _BLOCK = 128
 
@@ -106,3 +107,10 @@ def moe_routed(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         return moe_routed_ref(moe, x, weights, ids)
     from kernels.moe import moe_experts
     return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), stacked, moe.experts[0].limit)
+
+
+def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """Triton-backend `RMSNorm.forward`: `kernels.norm.rms_norm` (one launch) on x [..., dim] bf16 / fp32, the
+    same fp32 maths as `dsv4.model.rms_norm_ref` up to the order of the sum of squares; x.dtype out."""
+    from kernels.norm import rms_norm as kernel
+    return kernel(x.contiguous(), norm.weight, norm.eps)

@@ -88,12 +88,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.kernel: Callable[["RMSNorm", torch.Tensor], torch.Tensor] = rms_norm_ref  # Backend.rms_norm (bind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] any float dtype -> weight * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in
-        x.dtype (spec §2)."""
-        xf = x.float()
-        return (self.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        x.dtype (spec §2), through the backend's `rms_norm` (reference: `rms_norm_ref`)."""
+        return self.kernel(self, x)
+
+
+def rms_norm_ref(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """The reference RMSNorm maths (the `rms_norm` entry of the reference backend; spec §2): x [..., dim] ->
+    weight * x * rsqrt(mean(x^2) + eps) in fp32, returned in x.dtype."""
+    xf = x.float()
+    return (norm.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
 
 
 class Linear(nn.Module):

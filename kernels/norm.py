@@ -1,0 +1,61 @@
+"""Weighted RMSNorm in one launch (spec §2): `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))`.
+
+`dsv4.model.rms_norm_ref` is the executable spec (what `RMSNorm.forward` computes with the reference backend:
+upcast, `pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a GPU). The triton backend's
+`RMSNorm` runs `rms_norm` instead: one program per row, the row in registers, the same operations in the same
+order in fp32 (w * x first, then * rsqrt), the store rounded once to x.dtype (`kernels.gemm.cast_for_store`).
+Only the order of the sum of squares differs, so the fp32 results agree within a few ulps and bf16 outputs are
+bitwise equal in almost every element (tests/unit/test_norm_kernel.py). Used at every norm of the model: the
+block's attn_norm / ffn_norm, the attention's q_norm / kv_norm, the compressors' norms and the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemm import cast_for_store
+from kernels.launch import check_layout
+from kernels.launch import fail as _fail
+
+MAX_DIM = 16384   # a row must fit in one program's registers (DeepSeek-V4: 7168 at most)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, eps, BD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BD)
+    mask = offs < d
+    x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    ms = tl.sum(x * x, axis=0) / d
+    y = (w * x) * tl.math.rsqrt(ms + eps)
+    tl.store(y_ptr + row * d + offs, cast_for_store(y, y_ptr), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref` in one Triton launch (module docstring); no host sync (CUDA-graph capturable).
+
+    Args: x [..., d] bf16 / fp32 contiguous; weight [d] fp32; eps > 0 (norm_eps); d <= MAX_DIM.
+    Returns: [..., d] in x.dtype.
+    Raises: ValueError naming the wrong argument (dtype, shape, layout, device, eps).
+    """
+    op = "rms_norm"
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() < 1:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))}", "a bf16 or float32 tensor [..., d]")
+    d = x.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != (d,):
+        _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} shape "
+              f"{tuple(getattr(weight, 'shape', ()))}", f"float32 [{d}]")
+    if not 0 < d <= MAX_DIM:
+        _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
+    if not isinstance(eps, float) or not eps > 0:
+        _fail(op, "eps", repr(eps), "a float > 0")
+    check_layout(op, {"x": x, "weight": weight})
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        BD = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows,)](x, weight, y, d, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
+    return y

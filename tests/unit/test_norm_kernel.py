@@ -1,0 +1,82 @@
+"""`kernels.norm.rms_norm` (the triton backend's RMSNorm) against `dsv4.model.rms_norm_ref`, under
+TRITON_INTERPRET=1 at small widths; the GPU run of tests/gpu/test_model_backends.py covers real widths inside the
+model, tests/gpu/test_kernel_launchers.py the kernel alone.
+
+Tolerances: the same fp32 operations in the same order except the sum of squares: fp32 outputs within 4 ulps
+(rtol 2^-21); bf16 outputs within one bf16 rounding (rtol 2^-7) and >= 90 % bitwise equal (one rounding of nearly
+the same fp32 value; `dsv4.testing.assert_mostly_bitwise`). Edge values: rows whose mean square is far below eps
+(eps dominates: a dropped or misplaced eps changes them by far more than the tolerance, checked as a negative
+control), rows near 1e15 (squares near 1e30: no overflow in fp32), a weight over several binades."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv4.model import RMSNorm, rms_norm_ref
+from dsv4.testing import assert_mostly_bitwise
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
+pytestmark = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+
+
+def _rows(n, d):
+    x = torch.randn(n, d, device=DEV)
+    x[0] *= 1e-5                                   # mean square 1e-10 << eps = 1e-6
+    x[1] *= 1e15
+    x[2] *= 3e-4                                   # mean square ~ eps: both terms matter
+    return x
+
+
+def _norm(d):
+    m = RMSNorm(d, 1e-6).to(DEV).requires_grad_(False)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(d, device=DEV) * torch.logspace(-2, 2, d, device=DEV))
+    return m
+
+
+@pytest.mark.parametrize("d", [64, 300, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_matches_reference(seed, d, dtype):
+    from kernels.norm import rms_norm
+    m = _norm(d)
+    x = _rows(7, d).to(dtype).view(7, 1, d)
+    got, want = rms_norm(x, m.weight, m.eps), rms_norm_ref(m, x)
+    assert got.dtype == dtype and got.shape == x.shape
+    rtol = 2.0 ** -21 if dtype == torch.float32 else 2.0 ** -7
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= rtol * want.float().abs() + 1e-30).all()), f"max rel {(err / want.float().abs()).max():.2e}"
+    if dtype == torch.bfloat16:
+        assert_mostly_bitwise(got, want, f"rms_norm bf16 d={d}")
+    # negative control: these rows make eps matter far beyond the tolerance
+    no_eps = (m.weight * x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True))).to(dtype)
+    assert float(((no_eps.float() - want.float()).abs() / want.float().abs()).max()) > 100 * rtol
+
+
+def test_rms_norm_names_bad_input():
+    from kernels.norm import rms_norm
+    w = torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match="x is torch.float16"):
+        rms_norm(torch.ones(2, 8, device=DEV, dtype=torch.float16), w, 1e-6)
+    with pytest.raises(ValueError, match=r"weight is torch.float32 shape \(4,\)"):
+        rms_norm(torch.ones(2, 8, device=DEV), w[:4], 1e-6)
+    with pytest.raises(ValueError, match="eps is 0.0"):
+        rms_norm(torch.ones(2, 8, device=DEV), w, 0.0)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        rms_norm(torch.ones(8, 2, device=DEV).T, w, 1e-6)
+
+
+def test_triton_backend_norms_run_the_kernel():
+    """Every RMSNorm of a triton-backend model is bound to the kernel entry, of a reference model to the ref."""
+    from dsv4 import fast
+    from dsv4.model import Transformer
+    from dsv4.tiny import tiny_args
+    args = tiny_args(n_layers=2, compress_ratios=(0, 4, 0))
+    for backend, entry in (("triton", fast.rms_norm), ("reference", rms_norm_ref)):
+        m = Transformer(args, dtype=torch.bfloat16, backend=backend)
+        norms = [n for n in m.modules() if isinstance(n, RMSNorm)]
+        assert len(norms) >= 7 and all(n.kernel is entry for n in norms), backend
