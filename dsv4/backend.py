@@ -47,6 +47,9 @@ class Backend:
     softmax_pool: Callable | None = None
     #   rms_norm(norm, x) -> y                   `rms_norm_ref`        (every RMSNorm.forward)
     rms_norm: Callable | None = None
+    # RoPE of the last rd columns (graph decode): `kernels.rope.rope_tail_ref(x, pos, inv_freq, rd, inverse)`
+    # signature; the triton entry rotates x in place and returns it (callers pass a tensor they own)
+    rope_tail: Callable | None = None
 
     def bind(self, model) -> None:
         """Point every `Linear` and `RMSNorm` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
@@ -73,14 +76,15 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ImportError: "triton" requested and the triton package is missing.
     """
     from dsv4 import model as ref
-    from kernels import attention, compressor, indexer, mhc
+    from kernels import attention, compressor, indexer, mhc, rope
 
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
-                       softmax_pool=compressor.softmax_pool_ref, rms_norm=ref.rms_norm_ref)
+                       softmax_pool=compressor.softmax_pool_ref, rms_norm=ref.rms_norm_ref,
+                       rope_tail=rope.rope_tail_ref)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -93,5 +97,6 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
-                       softmax_pool=compressor.softmax_pool, rms_norm=fast.rms_norm)
+                       softmax_pool=compressor.softmax_pool, rms_norm=fast.rms_norm,
+                       rope_tail=rope.rope_tail_)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

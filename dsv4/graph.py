@@ -35,7 +35,7 @@ import math
 import torch
 
 from dsv4.model import (Attention, Compressor, CompressorState, DecodeState, Indexer, LayerState,
-                        ResidualObserver, apply_rope)
+                        ResidualObserver)
 from kernels.indexer import indexer_topk_ref
 
 __all__ = ["GraphDecodeState", "check_graph_model"]
@@ -123,8 +123,7 @@ def _select(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, k
             backend) -> torch.Tensor:
     """`Indexer.select` at device position pos [1] over the static key slots: [b, 1, index_topk], -1 padded."""
     b = x.shape[0]
-    q = ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim))
-    q = torch.cat((q[..., :-ix.rd], apply_rope(q[..., -ix.rd:], pos, ix.inv_freq)), -1)
+    q = backend.rope_tail(ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim)), pos, ix.inv_freq, ix.rd)
     q = ix.sim.fp4((q.float() @ ix.hadamard.T).to(q.dtype))
     w = ix.weights_proj(x).float() * ix.weight_scale
     scores = ix.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))
@@ -140,9 +139,10 @@ def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _St
     qr = attn.q_norm(attn.wq_a(x))
     q = attn.wq_b(qr).unflatten(-1, (attn.n_heads, attn.hd))
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.args.norm_eps)
-    q = torch.cat((q[..., :-rd], apply_rope(q[..., -rd:], pos, attn.inv_freq)), -1)
+    q = backend.rope_tail(q, pos, attn.inv_freq, rd)
     kv = attn.kv_norm(attn.wkv(x))
-    kv = torch.cat((attn.sim.kv_nope(kv[..., :-rd]), apply_rope(kv[..., -rd:], pos, attn.inv_freq)), -1)
+    kv[..., :-rd] = attn.sim.kv_nope(kv[..., :-rd])
+    kv = backend.rope_tail(kv, pos, attn.inv_freq, rd)
     sl.ring.index_copy_(1, pos % W, kv)
     slots = torch.arange(W, device=x.device)
     idx = torch.where(slots <= pos, slots, -1).view(1, 1, W).expand(b, 1, W)
@@ -158,7 +158,7 @@ def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _St
         idx = torch.cat((idx, torch.where(comp >= 0, comp + W, -1)), -1)
         keys = sl.keys
     o = backend.sparse_attn(q, keys, attn.attn_sink, idx, attn.scale)
-    o = torch.cat((o[..., :-rd], apply_rope(o[..., -rd:], pos, attn.inv_freq, inverse=True)), -1)
+    o = backend.rope_tail(o, pos, attn.inv_freq, rd, inverse=True)
     o = o.flatten(2).unflatten(-1, (attn.groups, -1))
     return attn.wo_b(backend.grouped_linear(o, attn.wo_a).flatten(2))
 

@@ -188,3 +188,25 @@ def test_rms_norm_on_cuda(seed, d):
         assert bool(((got.float() - want.float()).abs() <= rtol * want.float().abs() + 1e-30).all()), str(dtype)
         if dtype == torch.bfloat16:
             assert_mostly_bitwise(got, want, f"rms_norm d={d}")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64, 512), (32, 1, 128, 512), (8, 1, 512), (4, 1, 64, 128)],
+                         ids=["q_flash_b1", "q_pro_b32", "kv_b8", "index_q_b4"])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_on_cuda(seed, shape, inverse):
+    """The graph decode's RoPE at real widths (rd 64) against the model's apply_rope + cat: bf16 within one
+    rounding and >= 90 % bitwise; position 2^20 so the fp64 angle matters."""
+    from dsv4.config import ModelArgs
+    from dsv4.model import rope_inv_freq
+    from dsv4.testing import assert_mostly_bitwise
+    from kernels.rope import rope_tail_, rope_tail_ref
+    from pathlib import Path
+    args = ModelArgs.from_hf_config(Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json")
+    f = rope_inv_freq(args, 4).cuda()
+    x = (torch.randn(shape, device="cuda") * 5).to(torch.bfloat16)
+    pos = torch.tensor([(1 << 20) + 3], device="cuda")
+    want = rope_tail_ref(x, pos, f, 64, inverse)
+    got = rope_tail_(x.clone(), pos, f, 64, inverse)
+    mag = want.float().abs().amax(-1, keepdim=True)
+    assert bool(((got.float() - want.float()).abs() <= 2.0 ** -6 * mag).all()), "rope tail"
+    assert_mostly_bitwise(got, want, "rope bf16")

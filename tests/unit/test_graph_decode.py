@@ -53,7 +53,8 @@ def test_static_step_equals_decode(backend, prefill, steps):
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_uses_the_backends_kernels(monkeypatch):
     """The captured step runs the backend's top-k (the triton kernel, not the torch.topk reference), like the
-    eager decode: picks are equal bitwise, so only a count of the calls can tell."""
+    eager decode, and the backend's compressor pooling and RoPE kernels: results are equal or nearly so, so
+    only a count of the calls can tell."""
     import dataclasses
 
     import dsv4.graph
@@ -69,15 +70,25 @@ def test_static_step_uses_the_backends_kernels(monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    m.backend = dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel))
+    import kernels.compressor
+    import kernels.rope
+    assert m.backend.softmax_pool is kernels.compressor.softmax_pool and m.backend.rope_tail is kernels.rope.rope_tail_
+    calls.update(pool=0, rope=0)
+    m.backend = dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
+                                    softmax_pool=count("pool", m.backend.softmax_pool),
+                                    rope_tail=count("rope", m.backend.rope_tail))
     monkeypatch.setattr(dsv4.graph, "indexer_topk_ref", count("ref", ref))
     st = GraphDecodeState(m, 1, 256, capture=False)
     m(torch.randint(0, 512, (1, 23)), st)
     before = dict(calls)
     m(torch.randint(0, 512, (1, 1)), st)  # position 23: the CSA layer has 6 entries, top-k 4
     n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
+    n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
+    # every compressor pools through the kernel each step; RoPE: q, kv, o per layer + the indexer's q
+    assert calls["pool"] - before["pool"] == n_comp, calls
+    assert calls["rope"] - before["rope"] == 3 * len(m.layers) + n_csa, calls
 
 
 def test_static_state_refuses_past_max_len():
