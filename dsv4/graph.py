@@ -110,13 +110,25 @@ def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: Com
     else:
         A, Z = st.kv, st.score
     pooled = backend.softmax_pool(Z.contiguous(), A.contiguous())  # = (Z.softmax(1) * A).sum(1, keepdim=True)
-    new = comp._finish(pooled, (pos // r) * r, x.dtype)
+    new = _finish(comp, pooled, (pos // r) * r, x.dtype, backend)
     w = (pos // r).clamp(max=out.shape[1] - 1)
     out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
     if comp.overlap:
         st.kv[:, :r] = torch.where(done, st.kv[:, r:], st.kv[:, :r])
         st.score[:, :r] = torch.where(done, st.score[:, r:], st.score[:, :r])
     st.score[:, off:] = torch.where(done, torch.full_like(st.score[:, off:], -math.inf), st.score[:, off:])
+
+
+def _finish(comp: Compressor, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype,
+            backend) -> torch.Tensor:
+    """`Compressor._finish` with the backend's RoPE (the same maths): pooled [b, 1, d] fp32 -> the stored entry
+    [b, 1, d] in `dtype`: norm, RoPE of the tail at the window's first position, then the indexer's Hadamard +
+    FP4 rounding or the FP8 rounding of the nope channels."""
+    k = backend.rope_tail(comp.norm(pooled.to(dtype)), first_pos, comp.inv_freq, comp.rd)
+    if comp.is_indexer:
+        return comp.sim.fp4((k.float() @ comp.hadamard.T).to(dtype))
+    k[..., :-comp.rd] = comp.sim.kv_nope(k[..., :-comp.rd])
+    return k
 
 
 def _select(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,

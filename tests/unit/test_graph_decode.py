@@ -86,9 +86,10 @@ def test_static_step_uses_the_backends_kernels(monkeypatch):
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
-    # every compressor pools through the kernel each step; RoPE: q, kv, o per layer + the indexer's q
+    # every compressor pools through the kernel each step; RoPE: q, kv, o per layer, the indexer's q, and the
+    # entry of every compressor
     assert calls["pool"] - before["pool"] == n_comp, calls
-    assert calls["rope"] - before["rope"] == 3 * len(m.layers) + n_csa, calls
+    assert calls["rope"] - before["rope"] == 3 * len(m.layers) + n_csa + n_comp, calls
 
 
 def test_static_state_refuses_past_max_len():
