@@ -125,6 +125,6 @@ def test_fp8_grouped_gemv_gpu(seed, name, G, K, N, M):
          .repeat_interleave(128)).to(torch.bfloat16)
     w, s = make_w8(G * N, K)
     wd = quant.fp8_block_dequant(w, s, out_dtype=torch.float32).view(G, N, K)
-    ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).view(M, G * N)
+    ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, G * N)
     for mma in ("fp8", "bf16"):
         close_bf16(fp8_grouped_gemv(x, w, s, G, mma=mma), ref, f"wo_a[{name}, M{M}, {mma}]")
