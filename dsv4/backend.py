@@ -50,6 +50,9 @@ class Backend:
     # RoPE of the last rd columns (graph decode): `kernels.rope.rope_tail_ref(x, pos, inv_freq, rd, inverse)`
     # signature; the triton entry rotates x in place and returns it (callers pass a tensor they own)
     rope_tail: Callable | None = None
+    # quantization simulations (graph decode): `dsv4.quant.act_quant_sim(x, block)` / `fp4_act_quant_sim(x, block)`
+    act_quant_sim: Callable | None = None
+    fp4_act_quant_sim: Callable | None = None
 
     def bind(self, model) -> None:
         """Point every `Linear` and `RMSNorm` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
@@ -76,6 +79,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ImportError: "triton" requested and the triton package is missing.
     """
     from dsv4 import model as ref
+    from dsv4 import quant as qref
     from kernels import attention, compressor, indexer, mhc, rope
 
     if name == "reference":
@@ -84,7 +88,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
                        softmax_pool=compressor.softmax_pool_ref, rms_norm=ref.rms_norm_ref,
-                       rope_tail=rope.rope_tail_ref)
+                       rope_tail=rope.rope_tail_ref, act_quant_sim=qref.act_quant_sim,
+                       fp4_act_quant_sim=qref.fp4_act_quant_sim)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -94,9 +99,11 @@ def get_backend(name: str, device: torch.device) -> Backend:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
         from dsv4 import fast
+        from kernels import quant as kquant
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
                        softmax_pool=compressor.softmax_pool, rms_norm=fast.rms_norm,
-                       rope_tail=rope.rope_tail_)
+                       rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
+                       fp4_act_quant_sim=kquant.fp4_act_quant_sim)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -119,6 +119,16 @@ def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: Com
     st.score[:, off:] = torch.where(done, torch.full_like(st.score[:, off:], -math.inf), st.score[:, off:])
 
 
+def _kv_nope(sim, x: torch.Tensor, backend) -> torch.Tensor:
+    """`_Sim.kv_nope` through the backend (e4m3 simulation of the KV nope channels, 64-channel blocks)."""
+    return backend.act_quant_sim(x.contiguous(), sim._block(x, 64)) if sim.enabled else x
+
+
+def _fp4(sim, x: torch.Tensor, backend) -> torch.Tensor:
+    """`_Sim.fp4` through the backend (e2m1 simulation of indexer queries / keys, 32-channel blocks)."""
+    return backend.fp4_act_quant_sim(x.contiguous(), sim._block(x, 32)) if sim.enabled else x
+
+
 def _finish(comp: Compressor, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype,
             backend) -> torch.Tensor:
     """`Compressor._finish` with the backend's RoPE (the same maths): pooled [b, 1, d] fp32 -> the stored entry
@@ -126,8 +136,8 @@ def _finish(comp: Compressor, pooled: torch.Tensor, first_pos: torch.Tensor, dty
     FP4 rounding or the FP8 rounding of the nope channels."""
     k = backend.rope_tail(comp.norm(pooled.to(dtype)), first_pos, comp.inv_freq, comp.rd)
     if comp.is_indexer:
-        return comp.sim.fp4((k.float() @ comp.hadamard.T).to(dtype))
-    k[..., :-comp.rd] = comp.sim.kv_nope(k[..., :-comp.rd])
+        return _fp4(comp.sim, (k.float() @ comp.hadamard.T).to(dtype), backend)
+    k[..., :-comp.rd] = _kv_nope(comp.sim, k[..., :-comp.rd], backend)
     return k
 
 
@@ -136,7 +146,7 @@ def _select(ix: Indexer, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, k
     """`Indexer.select` at device position pos [1] over the static key slots: [b, 1, index_topk], -1 padded."""
     b = x.shape[0]
     q = backend.rope_tail(ix.wq_b(qr).unflatten(-1, (ix.n_heads, ix.head_dim)), pos, ix.inv_freq, ix.rd)
-    q = ix.sim.fp4((q.float() @ ix.hadamard.T).to(q.dtype))
+    q = _fp4(ix.sim, (q.float() @ ix.hadamard.T).to(q.dtype), backend)
     w = ix.weights_proj(x).float() * ix.weight_scale
     scores = ix.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))
     n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])
@@ -153,7 +163,7 @@ def _attention_step(attn: Attention, x: torch.Tensor, pos: torch.Tensor, sl: _St
     q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + attn.args.norm_eps)
     q = backend.rope_tail(q, pos, attn.inv_freq, rd)
     kv = attn.kv_norm(attn.wkv(x))
-    kv[..., :-rd] = attn.sim.kv_nope(kv[..., :-rd])
+    kv[..., :-rd] = _kv_nope(attn.sim, kv[..., :-rd], backend)
     kv = backend.rope_tail(kv, pos, attn.inv_freq, rd)
     sl.ring.index_copy_(1, pos % W, kv)
     slots = torch.arange(W, device=x.device)

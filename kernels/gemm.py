@@ -115,7 +115,7 @@ def round_e4m3(y):
     keep = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
     normal = keep.to(tl.float32, bitcast=True)
     r = (tl.abs(y) + 24576.0) - 24576.0
-    sub = tl.where(y < 0, -r, r)  # keeps the sign of a negative value rounded to zero (-0, as torch's cast)
+    sub = tl.where(bits < 0, -r, r)  # the sign BIT: -0.0 (also from an underflowed x * 2^-k) stays -0, as torch's cast
     return tl.where(tl.abs(y) >= 0.015625, normal, sub)
 
 

@@ -210,3 +210,21 @@ def test_rope_tail_on_cuda(seed, shape, inverse):
     mag = want.float().abs().amax(-1, keepdim=True)
     assert bool(((got.float() - want.float()).abs() <= 2.0 ** -6 * mag).all()), "rope tail"
     assert_mostly_bitwise(got, want, "rope bf16")
+
+
+@pytest.mark.parametrize("fmt,block,n", [("e4m3", 64, 448), ("e2m1", 32, 128), ("e4m3", 128, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_quant_sims_bitwise_on_cuda(seed, fmt, block, n, dtype):
+    """The graph decode's quantization simulations equal dsv4.quant BITWISE on the GPU, with the edge rows of
+    tests/unit/test_quant_kernels.py (scale boundaries, ties, saturation, floors, signed zeros, subnormals)."""
+    from dsv4 import quant
+    from kernels import quant as kq
+    from tests.unit.test_quant_kernels import _edge_rows
+    edge = _edge_rows(block, 448.0 if fmt == "e4m3" else 6.0).cuda()
+    edge = torch.cat([edge, torch.randn(64, block, device="cuda") * 3]).repeat(1, n // block)
+    x = torch.cat([edge, torch.randn(31, n, device="cuda") * torch.logspace(-6, 6, n, device="cuda")])
+    x = x.to(dtype).unsqueeze(1)
+    ref = quant.act_quant_sim(x, block) if fmt == "e4m3" else quant.fp4_act_quant_sim(x, block)
+    got = kq.act_quant_sim(x, block) if fmt == "e4m3" else kq.fp4_act_quant_sim(x, block)
+    iv = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(iv), ref.view(iv)), f"{int((got.view(iv) != ref.view(iv)).sum())} elements differ"

@@ -104,3 +104,46 @@ def test_graph_decode_needs_triton_bf16_quantized():
     m = _pair("reference")
     with pytest.raises(ValueError, match="backend 'reference'.*dtype torch.float32.*weights='dequantized'"):
         m.use_decode_graphs(256)
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
+def test_static_step_quantization_sims_use_the_backend(monkeypatch):
+    """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys) simulations run the
+    backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant,
+    and the step still equals the eager decode."""
+    import dataclasses
+
+    import kernels.quant
+    from dsv4.model import _Sim
+    args = tiny_args(vocab_size=512)
+    sd = {k: v for k, v in random_state_dict(args, seed=5).items() if not k.startswith("mtp.")}
+    m = Transformer(args, backend="triton", dtype=torch.bfloat16)
+    m.load_weights(sd)
+    assert m.backend.act_quant_sim is kernels.quant.act_quant_sim
+    calls = {"q8": 0, "q4": 0, "ref": 0}
+
+    def count(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
+                                    fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim))
+    ids = torch.randint(0, 512, (1, 23), generator=torch.Generator().manual_seed(3))
+    ref, st = m.new_state(1), GraphDecodeState(m, 1, 256, capture=False)
+    m(ids, ref)
+    m(ids, st)
+    monkeypatch.setattr(_Sim, "kv_nope", count("ref", _Sim.kv_nope))       # the model's own (torch) sims
+    monkeypatch.setattr(_Sim, "fp4", count("ref", _Sim.fp4))
+    before = dict(calls)
+    tok = torch.randint(0, 512, (1, 1))
+    b = m(tok, st)
+    n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
+    n_plain = sum(layer.attn.compressor is not None for layer in m.layers)
+    assert calls["q8"] - before["q8"] == len(m.layers) + n_plain, calls   # KV nope per layer + each entry
+    assert calls["q4"] - before["q4"] == 2 * n_csa, calls                 # indexer q + indexer entry
+    assert calls["ref"] == before["ref"], calls
+    monkeypatch.undo()
+    a = m(tok, ref)
+    assert_close(b.float(), a.float(), "bf16 static step vs decode", atol=2e-2, rtol=2e-2)
