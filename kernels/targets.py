@@ -52,6 +52,35 @@ def _specs():
               scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32),
          ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
     ]
+    from kernels import compressor, gemm, moe, norm, quant, rope
+    u8, f8 = "*u8", "*fp8e4nv"
+    specs += [
+        ("gemm._act_quant_kernel", gemm._act_quant_kernel, dict(x_ptr=bf, q_ptr=u8, s_ptr=f32), [],
+         dict(SIM=False, BR=16)),
+        ("gemm._fp8_gemv_kernel", gemm._fp8_gemv_kernel,
+         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32), [], dict(BM=16, BN=64, MMA=2)),
+        ("gemm._fp8_grouped_gemv_kernel", gemm._fp8_grouped_gemv_kernel,
+         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32), [], dict(BM=16, BN=64, MMA=1)),
+        ("gemm._fp8_dequant_kernel", gemm._fp8_dequant_kernel, dict(w_ptr=f8, ws_ptr=u8, out_ptr=bf), [],
+         dict(BN=64)),
+        ("gemm._fp8_gemm_kernel", gemm._fp8_gemm_kernel,
+         dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [], dict(BM=128, BN=128, GROUP_M=8, MMA=2)),
+        ("compressor._softmax_pool_kernel", compressor._softmax_pool_kernel, dict(z_ptr=f32, a_ptr=f32,
+                                                                               out_ptr=f32), [],
+         dict(BN=128, BD=64)),
+        ("norm._rms_norm_kernel", norm._rms_norm_kernel, dict(x_ptr=bf, w_ptr=f32, y_ptr=bf), ["eps"],
+         dict(BD=4096)),
+        ("rope._rope_tail_kernel", rope._rope_tail_kernel, dict(x_ptr=bf, pos_ptr=i64, f_ptr="*fp64"), ["SIGN"],
+         dict(BR=32)),
+        ("quant._quant_sim_kernel", quant._quant_sim_kernel, dict(x_ptr=bf, y_ptr=bf), [],
+         dict(FP4=True, B=32, BR=16)),
+        ("moe._moe_up_kernel", moe._moe_up_kernel,
+         dict(x_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
+              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=64, BN=64, MMA=2)),
+        ("moe._moe_down_kernel", moe._moe_down_kernel,
+         dict(h_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BM=64, BN=64, MMA=2)),
+    ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)
     return specs
