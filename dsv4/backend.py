@@ -43,8 +43,9 @@ class Backend:
     linear: Callable | None = None
     grouped_linear: Callable | None = None
     moe_routed: Callable | None = None
-    # the compressor's pooling of one window (graph decode): `kernels.compressor.softmax_pool_ref` signature
-    softmax_pool: Callable | None = None
+    # the compressor's decode step (graph decode): `kernels.compressor.compress_pool_ref` / `compress_commit_ref`
+    compress_pool: Callable | None = None
+    compress_commit: Callable | None = None
     #   rms_norm(norm, x) -> y                   `rms_norm_ref`        (every RMSNorm.forward)
     rms_norm: Callable | None = None
     # RoPE of the last rd columns (graph decode): `kernels.rope.rope_tail_ref(x, pos, inv_freq, rd, inverse)`
@@ -87,7 +88,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
-                       softmax_pool=compressor.softmax_pool_ref, rms_norm=ref.rms_norm_ref,
+                       compress_pool=compressor.compress_pool_ref,
+                       compress_commit=compressor.compress_commit_ref, rms_norm=ref.rms_norm_ref,
                        rope_tail=rope.rope_tail_ref, act_quant_sim=qref.act_quant_sim,
                        fp4_act_quant_sim=qref.fp4_act_quant_sim)
     if name == "triton":
@@ -103,7 +105,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
-                       softmax_pool=compressor.softmax_pool, rms_norm=fast.rms_norm,
+                       compress_pool=compressor.compress_pool,
+                       compress_commit=compressor.compress_commit, rms_norm=fast.rms_norm,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

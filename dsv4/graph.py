@@ -30,8 +30,6 @@ assert, loud, never a silent wrong row).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from dsv4.model import (Attention, Compressor, CompressorState, DecodeState, Indexer, LayerState,
@@ -95,28 +93,13 @@ class _Static:
 def _compress_step(comp: Compressor, x: torch.Tensor, pos: torch.Tensor, st: CompressorState,
                    out: torch.Tensor, backend) -> None:
     """`Compressor.decode` at device position pos [1]: the entry completed at (pos+1) % r == 0 goes to
-    out[:, pos // r] (out [b, n, d] static); branch-free (module docstring)."""
-    r, d = comp.ratio, comp.d
-    a = comp.wkv(x)[:, 0]
-    z = comp.wgate(x)[:, 0] + comp.ape.index_select(0, pos % r)
-    off = r if comp.overlap else 0
-    slot = off + pos % r
-    st.kv.index_copy_(1, slot, a[:, None])
-    st.score.index_copy_(1, slot, z[:, None])
-    done = ((pos + 1) % r == 0).view(1, 1, 1)
-    if comp.overlap:
-        A = torch.cat((st.kv[:, :r, :d], st.kv[:, r:, d:]), 1)
-        Z = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
-    else:
-        A, Z = st.kv, st.score
-    pooled = backend.softmax_pool(Z.contiguous(), A.contiguous())  # = (Z.softmax(1) * A).sum(1, keepdim=True)
+    out[:, pos // r] (out [b, n, d] static); branch-free (module docstring). The state update and pooling are
+    the backend's `compress_pool` / `compress_commit` (`kernels.compressor`: one launch each on triton)."""
+    r = comp.ratio
+    a, z = comp.wkv(x)[:, 0], comp.wgate(x)[:, 0]
+    pooled = backend.compress_pool(a.contiguous(), z.contiguous(), comp.ape, pos, st.kv, st.score, r, comp.overlap)
     new = _finish(comp, pooled, (pos // r) * r, x.dtype, backend)
-    w = (pos // r).clamp(max=out.shape[1] - 1)
-    out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
-    if comp.overlap:
-        st.kv[:, :r] = torch.where(done, st.kv[:, r:], st.kv[:, :r])
-        st.score[:, :r] = torch.where(done, st.score[:, r:], st.score[:, :r])
-    st.score[:, off:] = torch.where(done, torch.full_like(st.score[:, off:], -math.inf), st.score[:, off:])
+    backend.compress_commit(new.contiguous(), pos, st.kv, st.score, out, r, comp.overlap)
 
 
 def _kv_nope(sim, x: torch.Tensor, backend) -> torch.Tensor:

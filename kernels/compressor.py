@@ -1,21 +1,29 @@
-"""Compressor pooling of one window at decode (spec §6): `pooled[b, j] = sum_i softmax_i(Z[b, :, j]) * A[b, i, j]`.
+"""The KV compressor's decode step as two launches (spec §6), for the CUDA-graph decode (`dsv4/graph.py`).
 
-Spec: `dsv4_reference_spec.md` §6 (KV compressor): the entry that closes a window is the softmax-over-slots
-(score Z = wgate(x) + ape, fp32) weighted sum of the slots' kv rows A (fp32); the CSA compressor (r = 4) pools
-2r slots (the previous window's first halves and the current window's second halves), the HCA compressor
-(r = 128) r slots. `softmax_pool_ref` is exactly the model's `(Z.softmax(1) * A).sum(1, keepdim=True)`
-(`dsv4.model.Compressor.decode`). `softmax_pool` computes it in one launch: torch's `softmax(1)` over a middle
-axis runs its "spatial" kernel, measured at 39 µs per call on an H200 for [1, 128, 512] (3 of the 4.05 ms of a
-4-layer Flash decode step; benchmarks/RESULTS.md), plus a multiply and a sum launch.
+Spec: `dsv4_reference_spec.md` §6 (KV compressor). At each decode position p (window r, c = 2 for the
+overlapping CSA compressor, else 1; state kv / score fp32 [b, c*r, c*d]):
+  1. the token's row a = wkv(x), z = wgate(x) + ape[p % r] goes to slot (r if c == 2 else 0) + p % r;
+  2. the pooled entry of the window: `softmax over slots(Z) * A` summed over the slots, where A / Z are the
+     slots' kv / score rows (CSA: slots 0..r-1 give their first d columns, slots r..2r-1 their last d);
+  3. the entry (after `Compressor._finish`: norm, RoPE, quantization simulation) is stored at entry p // r only
+     where (p + 1) % r == 0, and then the CSA window shifts (slots r..2r-1 -> 0..r-1) and the current window's
+     scores reset to -inf.
+The references `compress_pool_ref` (1-2) and `compress_commit_ref` (3) are the graph step's torch code, branch-
+free on a device position (`torch.where`); they equal `dsv4.model.Compressor.decode` (tests/unit/
+test_graph_decode.py). `compress_pool` / `compress_commit` do the same in one launch each: in torch it is ~20
+launches per compressor per step, among them torch's softmax over the middle (slot) axis, which runs its
+"spatial" kernel (39 µs for [1, 128, 512] on an H200, benchmarks/RESULTS.md).
 
-Numerics: fp32 throughout, max-subtracted exponentials as torch's softmax; the kernel divides the weighted sum
-once by the sum of the exponentials (torch divides every weight first), so results agree within a few fp32 ulps
-(tests: rtol 1e-6). A column whose scores are all -inf gives NaN in both (torch: 0/0).
+Numerics: the slot write and the ape add are the same fp32 operations (bitwise); the pooling subtracts the max and
+divides the weighted sum once by the sum of exponentials (torch divides each weight first), so pooled values
+agree within a few fp32 ulps (tests: rtol 1e-6); a window whose scores are all -inf gives NaN in both (0 / 0).
 
-Dimension legend: b batch, n slots (r or 2r), d width (c*d of the compressor, or d after the CSA overlap cat).
+Dimension legend: b batch, r ratio, c series (2 for CSA), d entry width, W = c*d state width, n = c*r slots.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -25,55 +33,195 @@ from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
 
-def _check(op: str, Z, A) -> tuple[int, int, int]:
-    for name, t in (("Z", Z), ("A", A)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype != torch.float32:
-            _fail(op, name, f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}",
-                  "float32 [b, n, d]")
-    if Z.shape != A.shape:
-        _fail(op, "A", f"shape {tuple(A.shape)}", f"Z's shape {tuple(Z.shape)}")
-    b, n, d = Z.shape
-    if n == 0 or n > 4096:
-        _fail(op, "Z", f"{n} slots", "1..4096 slots (a compressor window: r or 2r)")
-    return b, n, d
-
-
 def softmax_pool_ref(Z: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """The model's pooling: Z, A fp32 [b, n, d] -> [b, 1, d] fp32 = (Z.softmax(1) * A).sum(1, keepdim=True).
-    Raises ValueError on a wrong shape or dtype."""
-    _check("softmax_pool_ref", Z, A)
+    """The model's pooling: Z, A fp32 [b, n, d] -> [b, 1, d] fp32 = (Z.softmax(1) * A).sum(1, keepdim=True)."""
     return (Z.softmax(1) * A).sum(1, keepdim=True)
 
 
+def _check(op: str, a, z, ape, pos, kv, score, ratio: int, overlap: bool) -> tuple[int, int, int]:
+    """(b, d, W) after checking every argument; ValueError naming the first wrong one."""
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or not 1 <= ratio <= 1024:
+        _fail(op, "ratio", repr(ratio), "an int in 1..1024")
+    for name, t in (("kv", kv), ("score", score)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype != torch.float32:
+            _fail(op, name, f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}",
+                  "float32 [b, c*r, c*d]")
+    c = 2 if overlap else 1
+    b, n, W = kv.shape
+    if n != c * ratio or W % c or tuple(score.shape) != (b, n, W):
+        _fail(op, "kv/score", f"shapes {tuple(kv.shape)} / {tuple(score.shape)}",
+              f"[b, {c * ratio}, c*d] (ratio {ratio}, overlap {overlap}), equal")
+    for name, t in (("a", a), ("z", z)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (b, W)
+                              or t.dtype != torch.float32):
+            _fail(op, name, f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}",
+                  f"float32 [{b}, {W}]")
+    if ape is not None and (not isinstance(ape, torch.Tensor) or tuple(ape.shape) != (ratio, W)
+                            or ape.dtype != torch.float32):
+        _fail(op, "ape", f"{getattr(ape, 'dtype', type(ape))} shape {tuple(getattr(ape, 'shape', ()))}",
+              f"float32 [{ratio}, {W}]")
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.numel() != 1:
+        _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
+              "int64 [1] (the decode position, on the device)")
+    return b, W // c, W
+
+
+# ---------------------------------------------------------------------------------------------------------
+# References (plain torch: the graph step's code)
+# ---------------------------------------------------------------------------------------------------------
+
+def compress_pool_ref(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                      score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """Steps 1-2 of the module docstring: writes the token's row into kv / score (in place) and returns the
+    window's pooled entry [b, 1, d] fp32. a, z [b, W] fp32 (wkv(x), wgate(x) without ape); ape [r, W] fp32;
+    pos int64 [1]; kv, score fp32 [b, c*r, W]. Raises ValueError naming a wrong argument."""
+    _, d, _ = _check("compress_pool_ref", a, z, ape, pos, kv, score, ratio, overlap)
+    r = ratio
+    slot = (r if overlap else 0) + pos % r
+    kv.index_copy_(1, slot, a[:, None])
+    score.index_copy_(1, slot, (z + ape.index_select(0, pos % r))[:, None])
+    if overlap:
+        A = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), 1)
+        Z = torch.cat((score[:, :r, :d], score[:, r:, d:]), 1)
+    else:
+        A, Z = kv, score
+    return softmax_pool_ref(Z, A)
+
+
+def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+                        out: torch.Tensor, ratio: int, overlap: bool) -> None:
+    """Step 3: where (pos + 1) % r == 0, out[:, pos // r] = new ([b, 1, d], out's dtype; the index clamped to
+    out's last entry), the CSA window shifts and the current scores reset to -inf; elsewhere nothing changes.
+    out [b, n_out, d] (may be a strided view). Raises ValueError naming a wrong argument."""
+    b, d, _ = _check("compress_commit_ref", None, None, None, pos, kv, score, ratio, overlap)
+    r = ratio
+    done = ((pos + 1) % r == 0).view(1, 1, 1)
+    w = (pos // r).clamp(max=out.shape[1] - 1)
+    out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
+    if overlap:
+        kv[:, :r] = torch.where(done, kv[:, r:], kv[:, :r])
+        score[:, :r] = torch.where(done, score[:, r:], score[:, :r])
+    off = r if overlap else 0
+    score[:, off:] = torch.where(done, torch.full_like(score[:, off:], -math.inf), score[:, off:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+
 @triton.jit
-def _softmax_pool_kernel(z_ptr, a_ptr, out_ptr, n, d, BN: tl.constexpr, BD: tl.constexpr):
-    """One program per (batch row, BD columns): all n slots of its columns in registers (n <= BN)."""
-    b = tl.program_id(0)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    offs_n = tl.arange(0, BN)
-    mask = (offs_n < n)[:, None] & (offs_d < d)[None, :]
-    rows = (b * n + offs_n).to(tl.int64) * d
-    z = tl.load(z_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=float("-inf"))
-    a = tl.load(a_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    m = tl.max(z, axis=0)
-    e = tl.exp(z - m[None, :])
-    e = tl.where(mask, e, 0.0)
-    pooled = tl.sum(e * a, axis=0) / tl.sum(e, axis=0)
-    tl.store(out_ptr + b.to(tl.int64) * d + offs_d, pooled, mask=offs_d < d)
+def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R,
+                          OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """Grid (b, cdiv(d, BD)). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
+    at column d + j), with the token's new row substituted in registers (no read-after-write), pools, stores
+    pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
+    mj = offs_j < d
+    p = tl.load(pos_ptr) % R
+    if OVERLAP:
+        n = 2 * R
+        slot = R + p
+        newcol = offs_j + d
+    else:
+        n = R
+        slot = p
+        newcol = offs_j
+    rows = tl.arange(0, BN)
+    mask = (rows < n)[:, None] & mj[None, :]
+    if OVERLAP:
+        col = tl.where(rows[:, None] < R, offs_j[None, :], offs_j[None, :] + d)
+    else:
+        col = offs_j[None, :] + rows[:, None] * 0
+    base = b * n * W
+    A = tl.load(kv_ptr + base + rows[:, None] * W + col, mask=mask, other=0.0)
+    Z = tl.load(sc_ptr + base + rows[:, None] * W + col, mask=mask, other=float("-inf"))
+    an = tl.load(a_ptr + b * W + newcol, mask=mj, other=0.0)
+    zn = tl.load(z_ptr + b * W + newcol, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + newcol, mask=mj,
+                                                                       other=0.0)
+    is_slot = (rows == slot)[:, None]
+    A = tl.where(is_slot, an[None, :], A)
+    Z = tl.where(is_slot, zn[None, :], Z)
+    m = tl.max(Z, axis=0)
+    e = tl.where(mask, tl.exp(Z - m[None, :]), 0.0)
+    pooled = tl.sum(e * A, axis=0) / tl.sum(e, axis=0)
+    tl.store(out_ptr + b * d + offs_j, pooled, mask=mj)
+    srow = base + slot * W
+    tl.store(kv_ptr + srow + newcol, an, mask=mj)
+    tl.store(sc_ptr + srow + newcol, zn, mask=mj)
+    if OVERLAP:  # the first half of the slot's row (pooled only once the window has shifted)
+        a0 = tl.load(a_ptr + b * W + offs_j, mask=mj, other=0.0)
+        z0 = tl.load(z_ptr + b * W + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
+                                                                           other=0.0)
+        tl.store(kv_ptr + srow + offs_j, a0, mask=mj)
+        tl.store(sc_ptr + srow + offs_j, z0, mask=mj)
 
 
-def softmax_pool(Z: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """`softmax_pool_ref` in one Triton launch (no host sync; CUDA-graph capturable).
+@triton.jit
+def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, n_out, so_b, so_n,
+                            OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value)."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BD + tl.arange(0, BD)
+    pos = tl.load(pos_ptr)
+    if (pos + 1) % R == 0:
+        w = tl.minimum(pos // R, n_out - 1)
+        md = offs < d
+        v = tl.load(new_ptr + b * d + offs, mask=md)
+        tl.store(out_ptr + b * so_b + w * so_n + offs, v, mask=md)
+        rows = tl.arange(0, BR)
+        mask = (rows < R)[:, None] & (offs < W)[None, :]
+        if OVERLAP:
+            n = 2 * R
+        else:
+            n = R
+        base = b * n * W + rows[:, None] * W + offs[None, :]
+        if OVERLAP:
+            cur_kv = tl.load(kv_ptr + base + R * W, mask=mask)
+            cur_sc = tl.load(sc_ptr + base + R * W, mask=mask)
+            tl.store(kv_ptr + base, cur_kv, mask=mask)
+            tl.store(sc_ptr + base, cur_sc, mask=mask)
+            tl.debug_barrier()
+            tl.store(sc_ptr + base + R * W, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
+        else:
+            tl.store(sc_ptr + base, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
 
-    Args: Z (scores), A (kv rows): float32 [b, n, d] contiguous, same shape and device, n <= 4096.
-    Returns: [b, 1, d] float32, equal to the reference within a few fp32 ulps (module docstring).
-    Raises: ValueError naming the wrong argument (shape, dtype, layout, device).
-    """
-    op = "softmax_pool"
-    b, n, d = _check(op, Z, A)
-    check_layout(op, {"Z": Z, "A": A})
-    out = torch.empty(b, 1, d, dtype=torch.float32, device=Z.device)
-    BN = max(2, triton.next_power_of_2(n))
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers
+# ---------------------------------------------------------------------------------------------------------
+
+def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                  score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
+    """`compress_pool_ref` in one launch (same arguments, same state writes; pooled within a few fp32 ulps).
+    Tensors contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync (CUDA-graph capturable).
+    Raises ValueError naming the wrong argument."""
+    op = "compress_pool"
+    b, d, W = _check(op, a, z, ape, pos, kv, score, ratio, overlap)
+    check_layout(op, {"a": a, "z": z, "ape": ape, "pos": pos, "kv": kv, "score": score})
+    out = torch.empty(b, 1, d, dtype=torch.float32, device=kv.device)
+    BN = max(2, triton.next_power_of_2(kv.shape[1]))
     BD = max(16, min(triton.next_power_of_2(d), 8192 // BN))
-    _softmax_pool_kernel[(b, triton.cdiv(d, BD))](Z, A, out, n, d, BN=BN, BD=BD, num_warps=4)
+    _compress_pool_kernel[(b, triton.cdiv(d, BD))](a, z, ape, pos, kv, score, out, d, W, ratio,
+                                                  OVERLAP=overlap, BN=BN, BD=BD, num_warps=4)
     return out
+
+
+def compress_commit(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, out: torch.Tensor,
+                    ratio: int, overlap: bool) -> None:
+    """`compress_commit_ref` in one launch. new [b, 1, d] contiguous in out's dtype; out [b, n_out, d] with a
+    contiguous last dim (a view into the static key buffer). Raises ValueError naming the wrong argument."""
+    op = "compress_commit"
+    b, d, W = _check(op, None, None, None, pos, kv, score, ratio, overlap)
+    if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != b or out.shape[2] != d \
+            or out.stride(2) != 1:
+        _fail(op, "out", f"shape {tuple(getattr(out, 'shape', ()))}", f"[{b}, n_out, {d}] with a contiguous last dim")
+    if not isinstance(new, torch.Tensor) or tuple(new.shape) != (b, 1, d) or new.dtype != out.dtype:
+        _fail(op, "new", f"{getattr(new, 'dtype', type(new))} shape {tuple(getattr(new, 'shape', ()))}",
+              f"{out.dtype} [{b}, 1, {d}]")
+    check_layout(op, {"new": new, "pos": pos, "kv": kv, "score": score})
+    BR = max(2, triton.next_power_of_2(ratio))
+    BD = max(16, min(triton.next_power_of_2(W), 8192 // BR))
+    _compress_commit_kernel[(b, triton.cdiv(W, BD))](new, pos, kv, score, out, d, W, ratio, out.shape[1],
+                                                    out.stride(0), out.stride(1), OVERLAP=overlap, BR=BR, BD=BD,
+                                                    num_warps=4)

@@ -160,16 +160,29 @@ def test_one_launch_agrees_with_two_launch(seed, T):
     assert_close(one, hc_head_ref(*head, hc_eps=EPS, norm_eps=EPS), f"hc_head one vs reference, T={T}")
 
 
-@pytest.mark.parametrize("b,n,d", [(1, 128, 512), (32, 128, 512), (1, 8, 512), (32, 8, 128)],
-                         ids=["hca_b1", "hca_b32", "csa_b1", "csa_index_b32"])
-def test_softmax_pool_on_cuda(seed, b, n, d):
-    """The graph decode's compressor pooling at real widths against the model's softmax (fp32, rtol 1e-6)."""
-    from kernels.compressor import softmax_pool, softmax_pool_ref
-    Z = torch.randn(b, n, d, device="cuda") * 3 + 80.0
-    Z[:, n // 2:] = float("-inf")                       # half-filled window, as the decode state holds it
-    A = torch.randn(b, n, d, device="cuda")
-    got, want = softmax_pool(Z, A), softmax_pool_ref(Z, A)
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max())), "softmax_pool"
+@pytest.mark.parametrize("r,overlap,d,b", [(128, False, 512, 1), (128, False, 512, 32), (4, True, 512, 1),
+                                           (4, True, 128, 32)], ids=["hca_b1", "hca_b32", "csa_b1", "csa_index_b32"])
+def test_compress_step_on_cuda(seed, r, overlap, d, b):
+    """The graph decode's compressor step at real widths against its torch reference over consecutive positions
+    (windows complete, shift, reset): state and entries bitwise, pooled within fp32 rtol 1e-6."""
+    import math
+    from kernels.compressor import compress_commit, compress_commit_ref, compress_pool, compress_pool_ref
+    c = 2 if overlap else 1
+    W = c * d
+    ape = torch.randn(r, W, device="cuda")
+    states = [(torch.zeros(b, c * r, W, device="cuda"), torch.full((b, c * r, W), -math.inf, device="cuda"))
+              for _ in range(2)]
+    outs = [torch.zeros(b, 4, d, device="cuda", dtype=torch.bfloat16)[:, 1:] for _ in range(2)]
+    for p in range(r + 6 if r > 4 else 11):
+        pos = torch.tensor([p], device="cuda")
+        a, z = torch.randn(b, W, device="cuda"), torch.randn(b, W, device="cuda") * 3 + 80.0
+        want = compress_pool_ref(a, z, ape, pos, *states[0], r, overlap)
+        got = compress_pool(a, z, ape, pos, *states[1], r, overlap)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max())), f"pooled at {p}"
+        new = torch.randn(b, 1, d, device="cuda").to(torch.bfloat16)
+        compress_commit_ref(new, pos, *states[0], outs[0], r, overlap)
+        compress_commit(new, pos, *states[1], outs[1], r, overlap)
+        assert all(torch.equal(x, y) for x, y in zip(states[0], states[1])) and torch.equal(*outs), f"state at {p}"
 
 
 @pytest.mark.parametrize("d", [512, 1024, 4096, 7168])

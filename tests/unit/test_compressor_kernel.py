@@ -1,14 +1,17 @@
-"""`kernels.compressor.softmax_pool` (the graph decode's compressor pooling) against `softmax_pool_ref` (= the
-model's `(Z.softmax(1) * A).sum(1, keepdim=True)`), under TRITON_INTERPRET=1 at the real slot counts (CSA 2r = 8,
-HCA r = 128) and small widths; tests/gpu/test_kernel_launchers.py runs real widths.
+"""`kernels.compressor.compress_pool` / `compress_commit` (the graph decode's compressor step) against their
+references (the graph step's torch code, itself equal to `Compressor.decode`: tests/unit/test_graph_decode.py),
+under TRITON_INTERPRET=1 at the real slot counts (CSA r = 4 with the overlap, HCA r = 128 at a small width) over
+enough consecutive positions that windows complete, shift and reset; tests/gpu/test_kernel_launchers.py runs
+real widths.
 
-Tolerance: fp32 maths in another order (one division instead of n): rtol 1e-6, atol 1e-7 of max|A| (module
-docstring). Edge values: partially filled windows (-inf scores, as the decode state holds them), one dominant
-slot, scores around +-80 so the max subtraction matters (exp overflows without it), and an all -inf column
-(NaN in both)."""
+Tolerance: the state writes and the committed entries are bitwise (same fp32 operations, then copies); pooled
+values are fp32 maths in another order (one division instead of n): rtol 1e-6, atol 1e-7 of max|A|. Edge values:
+scores around +80 (exp overflows without the max subtraction), ape that matters (different per slot), the first
+window of the CSA compressor (previous-window slots at -inf)."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -18,40 +21,64 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
 pytestmark = [pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)"),
-              # the interpreter's numpy evaluates -inf - -inf and 0/0 of the masked / empty columns, as intended
+              # the interpreter's numpy evaluates -inf - -inf of masked / empty columns, as intended
               pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
-def _close(got, want, what):
-    both_nan = torch.isnan(got) & torch.isnan(want)
+def _state(b, r, d, overlap):
+    c = 2 if overlap else 1
+    kv = torch.zeros(b, c * r, c * d, device=DEV)
+    score = torch.full((b, c * r, c * d), -math.inf, device=DEV)
+    return kv, score
+
+
+def _pool_close(got, want, what):
     err = (got - want).abs()
-    bound = 1e-6 * want.abs() + 1e-7 * float(want[~torch.isnan(want)].abs().max())
-    assert bool(((err <= bound) | both_nan).all()), f"{what}: max excess {(err - bound)[~both_nan].max():.3e}"
-    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"{what}: NaN pattern differs"
+    bound = 1e-6 * want.abs() + 1e-7 * float(want.abs().max())
+    assert bool((err <= bound).all()), f"{what}: max excess {(err - bound).max():.3e}"
 
 
-@pytest.mark.parametrize("b,n,d", [(1, 8, 96), (3, 128, 64), (2, 5, 300)])
-def test_softmax_pool_matches_reference(seed, b, n, d):
-    from kernels.compressor import softmax_pool, softmax_pool_ref
-    Z = torch.randn(b, n, d, device=DEV) * 3 + 80.0           # exp(80+) overflows without the max subtraction
-    A = torch.randn(b, n, d, device=DEV)
-    Z[:, n // 2:, : d // 2] = float("-inf")                   # a partially filled window
-    Z[0, 0, -1] = 200.0                                       # one dominant slot
-    got, want = softmax_pool(Z, A), softmax_pool_ref(Z, A)
-    assert got.shape == (b, 1, d) and got.dtype == torch.float32
-    assert not bool(torch.isnan(want).any())
-    _close(got, want, f"pool {b}x{n}x{d}")
-    Z[-1, :, 3] = float("-inf")                               # an empty column: NaN in both (0/0)
-    _close(softmax_pool(Z, A), softmax_pool_ref(Z, A), "all -inf column")
-    assert bool(torch.isnan(softmax_pool(Z, A)[-1, 0, 3]))
+@pytest.mark.parametrize("r,overlap,d,b", [(4, True, 96, 2), (128, False, 40, 1), (4, False, 64, 3)],
+                         ids=["csa", "hca", "r4_plain"])
+def test_compress_step_matches_reference(seed, r, overlap, d, b):
+    from kernels.compressor import compress_commit, compress_commit_ref, compress_pool, compress_pool_ref
+    c = 2 if overlap else 1
+    W = c * d
+    ape = torch.randn(r, W, device=DEV)
+    kv_r, sc_r = _state(b, r, d, overlap)
+    kv_k, sc_k = _state(b, r, d, overlap)
+    n_out = 3
+    out_r = torch.full((b, 2 + n_out, d), 7.0, device=DEV)[:, 2:]          # a strided view, as the key buffer
+    out_k = out_r.clone().new_full((b, 2 + n_out, d), 7.0)[:, 2:]
+    steps = 2 * r + 3 if r <= 8 else r + 2
+    for p in range(steps):
+        pos = torch.tensor([p], device=DEV)
+        a = torch.randn(b, W, device=DEV)
+        z = torch.randn(b, W, device=DEV) * 3 + 80.0
+        want = compress_pool_ref(a, z, ape, pos, kv_r, sc_r, r, overlap)
+        got = compress_pool(a, z, ape, pos, kv_k, sc_k, r, overlap)
+        _pool_close(got, want, f"pooled at {p}")
+        assert torch.equal(kv_k, kv_r) and torch.equal(sc_k, sc_r), f"state after the write at {p}"
+        new = torch.randn(b, 1, d, device=DEV)
+        compress_commit_ref(new, pos, kv_r, sc_r, out_r, r, overlap)
+        compress_commit(new, pos, kv_k, sc_k, out_k, r, overlap)
+        assert torch.equal(kv_k, kv_r) and torch.equal(sc_k, sc_r), f"state after the commit at {p}"
+        assert torch.equal(out_k, out_r), f"entries after the commit at {p}"
+    assert bool((out_r[:, 0] != 7.0).all()), "negative control: a window completed and was committed"
 
 
-def test_softmax_pool_names_bad_input():
-    from kernels.compressor import softmax_pool
-    Z = torch.randn(1, 8, 16, device=DEV)
-    with pytest.raises(ValueError, match=r"softmax_pool: A is shape \(1, 4, 16\)"):
-        softmax_pool(Z, Z[:, :4].contiguous())
-    with pytest.raises(ValueError, match="Z is torch.bfloat16"):
-        softmax_pool(Z.to(torch.bfloat16), Z)
-    with pytest.raises(ValueError, match="non-contiguous"):
-        softmax_pool(Z.transpose(1, 2).contiguous().transpose(1, 2), Z)
+def test_compress_names_bad_input():
+    from kernels.compressor import compress_commit, compress_pool
+    kv, sc = _state(1, 4, 16, True)
+    a = torch.randn(1, 32, device=DEV)
+    pos = torch.tensor([0], device=DEV)
+    ape = torch.randn(4, 32, device=DEV)
+    with pytest.raises(ValueError, match=r"compress_pool: kv/score is shapes \(1, 8, 32\)"):
+        compress_pool(a, a, ape, pos, kv, sc, 4, False)
+    with pytest.raises(ValueError, match="pos is torch.int32"):
+        compress_pool(a, a, ape, pos.int(), kv, sc, 4, True)
+    with pytest.raises(ValueError, match=r"ape is torch.float32 shape \(3, 32\)"):
+        compress_pool(a, a, ape[:3], pos, kv, sc, 4, True)
+    with pytest.raises(ValueError, match="new is torch.bfloat16"):
+        compress_commit(torch.randn(1, 1, 16, device=DEV, dtype=torch.bfloat16), pos, kv, sc,
+                        torch.zeros(1, 3, 16, device=DEV), 4, True)

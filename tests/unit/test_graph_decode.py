@@ -72,10 +72,10 @@ def test_static_step_uses_the_backends_kernels(monkeypatch):
 
     import kernels.compressor
     import kernels.rope
-    assert m.backend.softmax_pool is kernels.compressor.softmax_pool and m.backend.rope_tail is kernels.rope.rope_tail_
+    assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     calls.update(pool=0, rope=0)
     m.backend = dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
-                                    softmax_pool=count("pool", m.backend.softmax_pool),
+                                    compress_pool=count("pool", m.backend.compress_pool),
                                     rope_tail=count("rope", m.backend.rope_tail))
     monkeypatch.setattr(dsv4.graph, "indexer_topk_ref", count("ref", ref))
     st = GraphDecodeState(m, 1, 256, capture=False)
