@@ -10,7 +10,7 @@
 #   kernel edge values, GEMM/MoE, top-k, graph-captured decode, model backends).
 # Phase 2 (both GPUs): world size 2 on the tiny model and at real width (distributed final-norm test, both weight
 #   modes, diagnose under torchrun), then the measured memory (`measure_real_width.py`).
-# $STEPS selects parts: "a b bench 2" (default). Every step runs under `timeout`, so the script ends within
+# $STEPS selects parts: "a b bench 2" (default), plus "kbench" (lane B, after the suite: $KERNEL_BENCH). Every step runs under `timeout`, so the script ends within
 # BUDGET_S (default 540; the lanes stop at BUDGET_S - RESERVE_S, default 150, leaving phase 2 its time) and always
 # writes OUTDIR/summary.txt and OUTDIR/logs.tgz (each step's log, junit XML, JSON, benchmark tables).
 set -u -o pipefail
@@ -66,8 +66,11 @@ lane_a() {
 }
 lane_b() {
     local dev=$1
-    has b && step gpu_suite 330 env CUDA_VISIBLE_DEVICES=$dev $PY -m pytest -q -rfEs -p no:cacheprovider tests/gpu \
-        -k "not real" --junitxml="$LOG/gpu_suite.xml"
+    has b && step gpu_suite "${SUITE_MAX_S:-330}" env CUDA_VISIBLE_DEVICES=$dev $PY -m pytest -q -rfEs \
+        -p no:cacheprovider tests/gpu -k "not real" --junitxml="$LOG/gpu_suite.xml"
+    # kernel benchmarks after the suite on the same GPU (issue 14 rows): $KERNEL_BENCH, a shell command whose
+    # tables go to $LOG (exported as BENCH_OUT)
+    has kbench && step kernel_bench 400 env CUDA_VISIBLE_DEVICES=$dev BENCH_OUT="$LOG" bash -c "$KERNEL_BENCH"
 }
 
 if [ "$NGPU" -ge 2 ]; then
