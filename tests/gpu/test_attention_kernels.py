@@ -56,7 +56,7 @@ def test_decode_configs_agree(seed, splits, block_h, block_n, warps):
     q, kv, sink, idx = decode_case([100, 3000, 9000], 64, "csa", 512, generator=_gen(seed))
     out = torch.full_like(q, float("nan"))
     got = sparse_attn(q, kv, sink, idx, SCALE, out=out, num_splits=splits, block_h=block_h, block_n=block_n,
-                      num_warps=warps)
+                      num_warps=warps, path="blocks")
     assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn splits={splits}")
 
 
