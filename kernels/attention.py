@@ -327,6 +327,14 @@ if triton is not None:
                      mask=hmask[:, None])
 
 
+# `kernels.targets.compile_all` builds these too (name, jit function, pointer dtypes, float args, constexprs).
+TARGET_SPECS = () if triton is None else (
+    ("attention._sparse_decode_kernel", _sparse_decode_kernel,
+     dict(Q="*bf16", KV="*bf16", SINK="*fp32", IDX="*i64", O="*bf16", PACC="*fp32", PML="*fp32", SEM="*i32"),
+     ["qk_scale"], dict(HD=512, DV=512, BLOCK_H=64, BLOCK_N=32, SPLIT=True, DOT=0, PREFETCH=True)),
+)
+
+
 def _check_launch_device(tensors: dict, where: str) -> None:
     """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) whose innermost dimension is
     contiguous (stride 1); outer strides are passed to the kernels, so broadcast (stride-0) batch axes work."""
