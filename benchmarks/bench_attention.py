@@ -110,7 +110,10 @@ CONFIGS = [("default", {}),
            ("heads dv128 w4", dict(path="heads", dv=128, num_warps=4)),
            ("heads sp1", dict(path="heads", num_splits=1)),
            ("heads sp4", dict(path="heads", num_splits=4)),
-           ("heads dv128 w4 sp4", dict(path="heads", dv=128, num_warps=4, num_splits=4))]
+           ("heads sp8", dict(path="heads", num_splits=8)),
+           ("heads dv128 w4 sp4", dict(path="heads", dv=128, num_warps=4, num_splits=4)),
+           ("heads dv128 w4 sp8", dict(path="heads", dv=128, num_warps=4, num_splits=8)),
+           ("heads dv256 sp2", dict(path="heads", dv=256, num_splits=2))]
 
 
 def smoke_us(fn) -> float:
