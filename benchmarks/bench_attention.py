@@ -99,21 +99,19 @@ def attn_bytes(q, idx) -> int:
 # (label, sparse_attn keyword arguments). "default" = the launcher's defaults (path = `default_path`);
 # "blocks ..." = the 16-head-block kernel (`_sparse_attn_kernel`, the kernel before issue 14 item 1);
 # "heads ..." = `_sparse_decode_kernel` (64 heads per program). Keys: bh block_h, bn block_n, w num_warps,
-# sp num_splits, dv output columns per program, pf prefetch, st num_stages.
+# sp num_splits, dv output columns per program, no-pf prefetch=False, st num_stages.
 CONFIGS = [("default", {}),
            ("blocks", dict(path="blocks")),
            ("blocks bh16 bn32 w4 sp2", dict(path="blocks", block_h=16, block_n=32, num_warps=4, num_splits=2)),
            ("heads", dict(path="heads")),
-           ("heads pipeliner st3", dict(path="heads", prefetch=False, num_stages=3)),
-           ("heads bn16", dict(path="heads", block_n=16)),
-           ("heads dv256", dict(path="heads", dv=256)),
-           ("heads dv128 w4", dict(path="heads", dv=128, num_warps=4)),
+           ("heads st3", dict(path="heads", num_stages=3)),
+           ("heads no-pf st3", dict(path="heads", prefetch=False, num_stages=3)),
            ("heads sp1", dict(path="heads", num_splits=1)),
+           ("heads sp2", dict(path="heads", num_splits=2)),
            ("heads sp4", dict(path="heads", num_splits=4)),
            ("heads sp8", dict(path="heads", num_splits=8)),
-           ("heads dv128 w4 sp4", dict(path="heads", dv=128, num_warps=4, num_splits=4)),
-           ("heads dv128 w4 sp8", dict(path="heads", dv=128, num_warps=4, num_splits=8)),
-           ("heads dv256 sp2", dict(path="heads", dv=256, num_splits=2))]
+           ("heads dv256", dict(path="heads", dv=256)),
+           ("heads dv128 w4", dict(path="heads", dv=128, num_warps=4))]
 
 
 def smoke_us(fn) -> float:

@@ -256,22 +256,16 @@ if triton is not None:
         end = tl.minimum(start + CHUNK, K)
         ibase = IDX + b * sib + t * sis
         kvb = KV + b * skb
-        if PREFETCH:  # tile j+1's rows and tile j+2's indices are in flight while tile j is computed
+        if PREFETCH:  # indices one tile ahead in registers: the rows' gather then pipelines num_stages - 1 deep
             offs = start + tl.arange(0, BLOCK_N)
             ix_n = tl.load(ibase + offs, mask=offs < end, other=-1).to(tl.int64)
-            ix_n2 = tl.load(ibase + offs + BLOCK_N, mask=offs + BLOCK_N < end, other=-1).to(tl.int64)
-            rows_n = tl.load(kvb + ix_n[:, None] * skn + d[None, :], mask=((ix_n >= 0) & (ix_n < N))[:, None],
-                             other=0.0)
         for j0 in range(start, end, BLOCK_N):
             if PREFETCH:
                 ix = ix_n
-                rows = rows_n
-                ix_n = ix_n2
-                rows_n = tl.load(kvb + ix_n[:, None] * skn + d[None, :],
-                                 mask=((ix_n >= 0) & (ix_n < N))[:, None], other=0.0)
-                offs2 = j0 + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-                ix_n2 = tl.load(ibase + offs2, mask=offs2 < end, other=-1).to(tl.int64)
+                offs1 = j0 + BLOCK_N + tl.arange(0, BLOCK_N)
+                ix_n = tl.load(ibase + offs1, mask=offs1 < end, other=-1).to(tl.int64)
                 valid = (ix >= 0) & (ix < N)
+                rows = tl.load(kvb + ix[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
             else:
                 offs = j0 + tl.arange(0, BLOCK_N)
                 ix = tl.load(ibase + offs, mask=offs < end, other=-1).to(tl.int64)
@@ -362,9 +356,8 @@ def _num_sms(device: torch.device) -> int:
 
 # "heads" path tuning (measured on the H200, benchmarks/RESULTS.md "Sparse decode attention, all heads per
 # program"): 64 heads per program (a [64, 512] fp32 accumulator is 128 registers per thread at 8 warps; 128
-# heads would need 256), and the k-split targets this many programs per SM.
+# heads would need 256); its default k-split fills one wave of one program per SM.
 DECODE_BLOCK_H = 64
-DECODE_PROGRAMS_PER_SM = 1
 
 
 def default_path(b: int, s: int, h: int, hd: int) -> str:
@@ -402,8 +395,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         software-pipeline depth (default: Triton's).
         path: "blocks", "heads" or None (default_path). dv ("heads" only): output columns per program, a
             power of two >= 16 dividing hd (default hd: no column split). prefetch ("heads" only): True = the
-            kernel loads tile j+1's rows (and tile j+2's indices) into registers before computing tile j, and
-            Triton's pipeliner is off (num_stages defaults to 1); False = plain loads, Triton's pipeliner.
+            kernel loads the indices one tile ahead, so the rows' gather does not wait on an index load in the
+            same iteration and Triton's pipeliner keeps num_stages - 1 row tiles in flight (measured: without
+            it the pipeliner waits for every gather before computing); False = plain loop. num_stages default
+            on the "heads" path: 4 (bf16, dv = hd), 3 (dv < hd), 2 (fp32): what fits 227 KB of shared memory.
         check_idx: True = verify idx ∈ {-1} ∪ [0, n) on the host and raise ValueError (one device sync: an
             aminmax read back; not allowed inside CUDA-graph capture). Default False (decode hot path, CUDA
             graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
@@ -448,8 +443,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     programs = b * s * n_hblk * n_dv
     n_tiles = max(1, triton.cdiv(k, block_n))
     if num_splits is None:
-        per_sm = DECODE_PROGRAMS_PER_SM if heads_path else 2
-        num_splits = max(1, min(n_tiles, triton.cdiv(per_sm * _num_sms(q.device), programs)))
+        if heads_path:  # one wave: one program per SM (shared memory), never more programs than SMs
+            num_splits = max(1, min(n_tiles, _num_sms(q.device) // programs))
+        else:
+            num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{where}: num_splits must be an int >= 1, got {num_splits!r}")
     chunk = triton.cdiv(n_tiles, num_splits) * block_n
@@ -460,8 +457,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         n_acc = b * s * num_splits * h * hd  # partials [b*s, splits, h, hd] then (m, l) [b*s, splits, n_dv, h, 2]
         sem, ws = workspace(q.device, b * s * n_hblk * n_dv, n_acc + b * s * num_splits * n_dv * h * 2)
         pacc, pml = ws, ws[n_acc:]
-    if num_stages is None and heads_path and prefetch:
-        num_stages = 1
+    if num_stages is None and heads_path:  # shared memory: q [64, hd] + num_stages row tiles (+ dv tiles)
+        num_stages = 2 if q.dtype == torch.float32 else (4 if dv == hd else 3)
     extra = {} if num_stages is None else {"num_stages": num_stages}
     if heads_path:
         _sparse_decode_kernel[(b * s, n_hblk * n_dv, num_splits)](

@@ -65,8 +65,9 @@ def test_decode_configs_agree(seed, splits, block_h, block_n, warps):
 @pytest.mark.parametrize("path, kw", [
     ("heads", {}), ("heads", dict(prefetch=False, num_stages=3)), ("heads", dict(dv=256)),
     ("heads", dict(dv=128, num_warps=4, num_splits=4)), ("heads", dict(num_splits=1)), ("heads", dict(block_n=16)),
-    ("blocks", {})], ids=["heads", "heads-pipeliner", "heads-dv256", "heads-dv128-sp4", "heads-sp1",
-                          "heads-bn16", "blocks"])
+    ("heads", dict(num_splits=7, num_stages=3)), ("blocks", {})],
+    ids=["heads", "heads-no-prefetch", "heads-dv256", "heads-dv128-sp4", "heads-sp1", "heads-bn16", "heads-sp7-st3",
+         "blocks"])
 def test_decode_all_heads_kernel(seed, heads, topk, path, kw):
     """Both decode kernels at Flash / Pro sizes (64 / 128 heads, window 128 + top-512 / top-1024), batch 16 with
     ragged contexts (4k and 64k pools, a 5-token sequence, an all-empty query), NaN-poisoned output."""
