@@ -111,6 +111,7 @@ CONFIGS = [("default", {}),
            ("heads sp4", dict(path="heads", num_splits=4)),
            ("heads sp8", dict(path="heads", num_splits=8)),
            ("heads dv256", dict(path="heads", dv=256)),
+           ("heads bn16", dict(path="heads", block_n=16)),
            ("heads dv128 w4", dict(path="heads", dv=128, num_warps=4))]
 
 
