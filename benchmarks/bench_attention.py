@@ -342,8 +342,8 @@ def main(argv=None) -> int:
     head = (f"device {name}, torch {torch.__version__}, triton {triton.__version__}; "
             f"copy bandwidth {bw:.0f} GB/s (1 GiB D2D, read+write)")
     cols = ("op", "shape", "batch", "ctx", "MB moved", "default eager µs", "default graph µs", "default % of copy",
-            "blocks default graph µs", "blocks best graph µs", "blocks best % of copy", "best graph / hot µs (config)",
-            "best % of copy", "default × blocks best", "ref eager µs", "× ref eager (default graph)", "correct")
+            "blocks default graph µs", "blocks best graph µs", "blocks best % of copy",
+            "best graph / hot µs (config)", "best % of copy", "default × blocks best", "ref eager µs", "× ref eager (default graph)", "correct")
     out = open(a.markdown, "w") if a.markdown else None
 
     def emit_line(line: str) -> None:

@@ -232,7 +232,9 @@ if triton is not None:
         computes the full scores (K = HD) and accumulates only its DV columns (no merge needed for that
         split; all of them compute bitwise the same m and l). SPLIT=True: partials (acc, m, l) go to
         PACC [b*s, NSPLIT, H, HD] / PML [b*s, NSPLIT, HD//DV, H, 2], the program counts itself in
-        SEM[query, head block, dv] and the last one merges all partials (read back through L2), adds the sink and writes o, then resets the counter (one launch, no spin-wait).
+        SEM[query, head block, dv] and the last one merges all partials (read back through L2), adds the sink
+        and writes o, then resets the counter (one launch, no spin-wait). PREFETCH: the indices of tile j+1 are
+        loaded during tile j, so Triton's pipeliner can issue the rows' gather num_stages - 1 tiles ahead.
         """
         pid_bs = tl.program_id(0)
         pid_hd = tl.program_id(1)
@@ -356,8 +358,13 @@ def _num_sms(device: torch.device) -> int:
 
 # "heads" path tuning (measured on the H200, benchmarks/RESULTS.md "Sparse decode attention, all heads per
 # program"): 64 heads per program (a [64, 512] fp32 accumulator is 128 registers per thread at 8 warps; 128
-# heads would need 256); its default k-split fills one wave of one program per SM.
+# heads would need 256); its default k-split fills one wave of one program per SM. When b*s*ceil(h/64) <=
+# DECODE_DV_MAX_PROGRAMS (Flash batch <= 16, Pro batch <= 8) the output columns are split too: DECODE_DV columns
+# per program at 4 warps (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs
+# is faster with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured).
 DECODE_BLOCK_H = 64
+DECODE_DV = 128
+DECODE_DV_MAX_PROGRAMS = 16
 
 
 def default_path(b: int, s: int, h: int, hd: int) -> str:
@@ -375,11 +382,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
 
     A program owns one query and `block_h` heads (and `dv` output columns), so the gathered KV tile is loaded
-    once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU
-    (decode), the k slots are split over `num_splits` programs (flash-decoding); the last split program of each
-    (query, head block) merges the partials and adds the sink in the same launch. Always ONE launch; the
-    partials live in the stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless
-    check_idx=True.
+    once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU (decode), the k slots are
+    split over `num_splits` programs (flash-decoding); the last split program of each (query, head block)
+    merges the partials and adds the sink in the same launch. Always ONE launch; the partials live in the
+    stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless check_idx=True.
 
     Two kernels (`path`): "blocks" = `_sparse_attn_kernel`, a program per (query, 16-head block): prefill and
     the default for few heads; "heads" = `_sparse_decode_kernel`, a program per (query, 64 heads = all of
@@ -391,14 +397,17 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
         num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
         block_h: heads per program (default 16 "blocks" / 64 "heads"; a power of two >= 16 for tensor cores);
-        block_n: slots per tile (default 32; 16 for fp32 on the "heads" path: shared memory); num_warps (default 4 "blocks" / 8 "heads"); num_stages: Triton
-        software-pipeline depth (default: Triton's).
+        block_n: slots per tile (default 32; 16 for fp32 on the "heads" path: shared memory); num_warps
+        (default 4 "blocks", 8 "heads", 4 with the default column split); num_stages: Triton software-pipeline
+        depth (default: Triton's on "blocks", see below on "heads").
         path: "blocks", "heads" or None (default_path). dv ("heads" only): output columns per program, a
-            power of two >= 16 dividing hd (default hd: no column split). prefetch ("heads" only): True = the
+            power of two >= 16 dividing hd (default: DECODE_DV = 128 at 4 warps when b*s*ceil(h/block_h) <=
+            DECODE_DV_MAX_PROGRAMS and hd >= 256, else hd: no column split). prefetch ("heads" only): True = the
             kernel loads the indices one tile ahead, so the rows' gather does not wait on an index load in the
             same iteration and Triton's pipeliner keeps num_stages - 1 row tiles in flight (measured: without
             it the pipeliner waits for every gather before computing); False = plain loop. num_stages default
-            on the "heads" path: 4 (bf16, dv = hd), 3 (dv < hd), 2 (fp32): what fits 227 KB of shared memory.
+            on the "heads" path: 3 (bf16; 4 measured ~1 % slower), 2 (fp32: q alone takes 128 KB of shared
+            memory).
         check_idx: True = verify idx ∈ {-1} ∪ [0, n) on the host and raise ValueError (one device sync: an
             aminmax read back; not allowed inside CUDA-graph capture). Default False (decode hot path, CUDA
             graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
@@ -427,8 +436,11 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     heads_path = path == "heads"
     block_h = block_h or (DECODE_BLOCK_H if heads_path else 16)
     block_n = block_n or (16 if heads_path and q.dtype == torch.float32 else 32)
+    if dv is None:  # measured: few (query, head block) programs -> split the output columns instead of keys only
+        few = heads_path and hd >= 2 * DECODE_DV and b * s * triton.cdiv(h, block_h) <= DECODE_DV_MAX_PROGRAMS
+        dv = DECODE_DV if few else hd
+        num_warps = num_warps or (4 if few else None)
     num_warps = num_warps or (8 if heads_path else 4)
-    dv = hd if dv is None else dv
     if not heads_path and dv != hd:
         raise ValueError(f"{where}: dv (output column split) needs path='heads', got dv={dv} with path={path!r}")
     if dv < 16 or dv & (dv - 1) or hd % dv:
@@ -458,7 +470,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         sem, ws = workspace(q.device, b * s * n_hblk * n_dv, n_acc + b * s * num_splits * n_dv * h * 2)
         pacc, pml = ws, ws[n_acc:]
     if num_stages is None and heads_path:  # shared memory: q [64, hd] + num_stages row tiles (+ dv tiles)
-        num_stages = 2 if q.dtype == torch.float32 else (4 if dv == hd else 3)
+        num_stages = 2 if q.dtype == torch.float32 else 3
     extra = {} if num_stages is None else {"num_stages": num_stages}
     if heads_path:
         _sparse_decode_kernel[(b * s, n_hblk * n_dv, num_splits)](

@@ -253,3 +253,17 @@ def test_default_path_and_heads_path_arguments():
                       (dict(path="heads", dv=128), "dv must be"), (dict(path="blocks", dv=32), "needs path='heads'")):
         with pytest.raises(ValueError, match=match):
             sparse_attn(q, kv, sink, idx, 0.125, **kw)
+
+
+@needs_triton
+def test_all_heads_kernel_default_column_split(seed):
+    """hd 256 with one (query, head block) program: the launcher's default splits the output columns
+    (DECODE_DV = 128 per program, the measured choice for few programs); the result is the reference's."""
+    from kernels import attention
+    dev = "cuda" if not INTERPRET else "cpu"
+    assert attention.DECODE_DV == 128 and 256 >= 2 * attention.DECODE_DV
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 4, 256, 30, 20, torch.bfloat16))
+    got = attention.sparse_attn(q, kv, sink, idx, 256 ** -0.5, path="heads", block_n=16,
+                                out=torch.full_like(q, float("nan")))
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, 256 ** -0.5), "sparse_attn heads default dv",
+                 dtype=torch.bfloat16)
