@@ -464,11 +464,13 @@ def sink_dropped_in_kernel(mp: MP) -> None:
 
 def sink_dropped_in_decode_kernel(mp: MP) -> None:
     """The all-heads decode kernel (`_sparse_decode_kernel`, issue 14 item 1) leaves e^(sink - m) out of the
-    denominator where the last split program merges the partials (the path every split decode call takes)."""
+    denominator, both in the one-program store and where the last split program merges the partials."""
     from kernels import attention
 
     _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (ll + tl.exp2(sink - mm))[:, None]",
-                       "o = acc / ll[:, None]  # MUTANT: no sink term")
+                       "o = acc / ll[:, None]  # MUTANT: no sink term (merge)")
+    _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (l + tl.exp2(sink - m))[:, None]",
+                       "o = acc / l[:, None]  # MUTANT: no sink term (one program)")
 
 
 # ------------------------------------------------------------------------ gaps found by mutation (issue 21)

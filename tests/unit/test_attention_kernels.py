@@ -198,7 +198,7 @@ def test_ref_rounds_probabilities_to_bf16_like_the_official_kernel():
 @pytest.mark.hardstop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("h, kw", [
-    (8, dict()),                                              # default: register prefetch, heuristic split
+    (8, dict()),                                              # defaults (3 queries on 4 interpreter "SMs": no split)
     (16, dict(dv=32, num_splits=3, prefetch=False)),          # column split + ragged 3-way key split, pipeliner
     (70, dict(num_splits=2, block_h=64)),                     # two head blocks (the second partial), split 2
 ], ids=["h8", "h16-dv32-split3", "h70-split2"])
