@@ -352,8 +352,7 @@ def main(argv=None) -> int:
             out.write(line + "\n")
             out.flush()
 
-    for line in (head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
-        emit_line(line)
+    emit_line(head)
 
     def emit(row) -> None:
         emit_line("| " + " | ".join(str(x) for x in row) + " |")
@@ -361,10 +360,16 @@ def main(argv=None) -> int:
     timing = Timing(device)
     what = a.what.split(",")
     if "attn" in what:
+        for line in ("", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
+            emit_line(line)
         bench_attention(emit, bw, batches, contexts, timing, device,
                         configs=CONFIGS[:2] if a.smoke else (None if a.configs == "all" else
                                                                  [c for c in CONFIGS if c[0] in a.configs.split(",")]))
     if "indexer" in what:
+        icols = ("op", "shape", "batch", "ctx", "MB moved", "eager µs", "graph µs", "hot µs; top-k ref eager µs",
+                 "GB/s (graph)", "of copy BW", "ref eager µs", "× ref eager", "× ref (graph)", "correct")
+        for line in ("", "| " + " | ".join(icols) + " |", "|" + "---|" * len(icols)):
+            emit_line(line)
         bench_indexer(emit, bw, batches, contexts, timing, device)
     if "select" in what:
         bench_selection(emit_line, bw, batches, contexts, timing, device)
