@@ -96,9 +96,23 @@ def attn_bytes(q, idx) -> int:
     return rows * HD * 2 + 2 * q.numel() * q.element_size() + idx.numel() * idx.element_size()
 
 
-# None = the launcher's defaults; else (block_h, block_n, num_warps, num_splits or None for the heuristic).
-CONFIGS = [None, (16, 64, 4, None), (16, 32, 8, None), (32, 32, 8, None), (64, 16, 8, None),
-           (16, 32, 4, 1), (32, 32, 8, 1), (16, 32, 4, 2)]
+# (label, sparse_attn keyword arguments). "default" = the launcher's defaults (path = `default_path`);
+# "blocks ..." = the 16-head-block kernel (`_sparse_attn_kernel`, the kernel before issue 14 item 1);
+# "heads ..." = `_sparse_decode_kernel` (64 heads per program). Keys: bh block_h, bn block_n, w num_warps,
+# sp num_splits, dv output columns per program, no-pf prefetch=False, st num_stages.
+CONFIGS = [("default", {}),
+           ("blocks", dict(path="blocks")),
+           ("blocks bh16 bn32 w4 sp2", dict(path="blocks", block_h=16, block_n=32, num_warps=4, num_splits=2)),
+           ("heads", dict(path="heads")),
+           ("heads st3", dict(path="heads", num_stages=3)),
+           ("heads no-pf st3", dict(path="heads", prefetch=False, num_stages=3)),
+           ("heads sp1", dict(path="heads", num_splits=1)),
+           ("heads sp2", dict(path="heads", num_splits=2)),
+           ("heads sp4", dict(path="heads", num_splits=4)),
+           ("heads sp8", dict(path="heads", num_splits=8)),
+           ("heads dv256", dict(path="heads", dv=256)),
+           ("heads bn16", dict(path="heads", block_n=16)),
+           ("heads dv128 w4", dict(path="heads", dv=128, num_warps=4))]
 
 
 def smoke_us(fn) -> float:
@@ -135,6 +149,8 @@ class Timing:
 
 
 def bench_attention(emit, copy_bw: float, batches, contexts, timing: Timing, device="cuda", configs=None) -> None:
+    """One row per (model, ctx, batch): the default config (eager and graph µs), the "blocks" kernel's default
+    in the same run, and the best of `configs` by graph µs; every config's graph µs is printed to stdout."""
     from dsv4.testing import assert_close
     gen = torch.Generator(device=device).manual_seed(0)
     for name, heads, topk in (("Flash", 64, 512), ("Pro", 128, 1024)):
@@ -144,34 +160,44 @@ def bench_attention(emit, copy_bw: float, batches, contexts, timing: Timing, dev
                 scale = HD ** -0.5
                 ref = sparse_attn_ref(q, kv, sink, idx, scale)
                 t_ref = timing.eager(lambda: sparse_attn_ref(q, kv, sink, idx, scale))
-                results = []  # (graph µs, hot µs, eager µs, cfg)
+                results = {}  # label -> (graph µs, hot µs)
                 ok = True
-                for cfg in configs or CONFIGS:
-                    kw = {} if cfg is None else dict(block_h=cfg[0], block_n=cfg[1], num_warps=cfg[2],
-                                                     num_splits=cfg[3])
+                t_eager = float("nan")
+                for label, kw in configs or CONFIGS:
                     call = lambda kw=kw: sparse_attn(q, kv, sink, idx, scale, **kw)  # noqa: E731
                     try:
                         out = call()
                     except Exception as exc:  # a config that does not compile/fit is reported, not hidden
-                        print(f"  config {cfg} failed for {name} b={b}: {type(exc).__name__}: {exc}"[:300])
+                        print(f"  config {label} failed for {name} b={b}: {type(exc).__name__}: {exc}"[:300])
                         continue
                     try:
-                        assert_close(out, ref, f"sparse_attn {name} b={b} cfg={cfg}", dtype=torch.bfloat16)
+                        assert_close(out, ref, f"sparse_attn {name} b={b} cfg={label}", dtype=torch.bfloat16)
                     except AssertionError as exc:
                         ok = False
                         print(f"  WRONG: {exc}"[:300])
-                    t_eager = timing.eager(call)
-                    results.append((*timing.graph(call, t_eager), t_eager, cfg))
+                    if label == "default":
+                        t_eager = timing.eager(call)
+                    results[label] = timing.graph(call, 20.0)
+                    print(f"  {name} ctx={ctx} b={b} {label}: graph {results[label][0]:.1f} µs, hot "
+                          f"{results[label][1]:.1f} µs", flush=True)
                 nbytes = attn_bytes(q, idx)
                 if not results:
-                    emit(("attn", name, b, ctx, "-", "all configs failed", "", "", "", "", "", "", "", "no"))
+                    emit(("attn", name, b, ctx, "-", "all configs failed") + ("",) * 10 + ("no",))
                     continue
-                default = next((r for r in results if r[3] is None), (float("nan"),) * 3 + (None,))
-                g, hot, e, cfg = min(results, key=lambda r: r[0])
-                gbs = nbytes / (g * 1e-6) / 1e9 if g > 0 else float("nan")
-                emit(("attn", name, b, ctx, f"{nbytes / 1e6:.2f}", f"{default[2]:.1f}", f"{default[0]:.1f}",
-                      f"{g:.1f} / {hot:.1f} {cfg}", f"{gbs:.0f}", f"{gbs / copy_bw:.0%}", f"{t_ref:.1f}",
-                      f"{t_ref / default[2]:.1f}x" if ok else "-", f"{t_ref / g:.1f}x" if ok else "-",
+                nan2 = (float("nan"), float("nan"))
+                g_def = results.get("default", nan2)[0]
+                g_old = results.get("blocks", nan2)[0]
+                best = min(results, key=lambda k: results[k][0])
+                g, hot = results[best]
+                old_best = min((k for k in results if k.startswith("blocks")), key=lambda k: results[k][0],
+                               default=None)
+                g_old_best = results[old_best][0] if old_best else float("nan")
+
+                def pct(us):
+                    return f"{nbytes / (us * 1e-6) / 1e9 / copy_bw:.0%}" if us > 0 else "-"
+                emit(("attn", name, b, ctx, f"{nbytes / 1e6:.2f}", f"{t_eager:.1f}", f"{g_def:.1f}", pct(g_def),
+                      f"{g_old:.1f}", f"{g_old_best:.1f}", pct(g_old_best), f"{g:.1f} / {hot:.1f} ({best})", pct(g),
+                      f"{g_old_best / g_def:.2f}x", f"{t_ref:.1f}", f"{t_ref / g_def:.1f}x" if ok else "-",
                       "yes" if ok else "NO"))
 
 
@@ -297,6 +323,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,4,16,32,64")
     p.add_argument("--contexts", default="4096,65536")
     p.add_argument("--what", default="attn,indexer,select", help="tables to run: attn, indexer, select")
+    p.add_argument("--configs", default="all", help="attention configs: 'all' or comma-separated CONFIGS labels")
     p.add_argument("--smoke", action="store_true",
                    help="CPU under TRITON_INTERPRET=1: batch 1, context 4096, default config only; checks the script")
     a = p.parse_args(argv)
@@ -314,9 +341,9 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (TRITON_INTERPRET=1 smoke, not a measurement)"
     head = (f"device {name}, torch {torch.__version__}, triton {triton.__version__}; "
             f"copy bandwidth {bw:.0f} GB/s (1 GiB D2D, read+write)")
-    cols = ("op", "shape", "batch", "ctx", "MB moved", "default eager µs", "default graph µs",
-            "best graph / hot µs (block_h, block_n, warps, splits)", "GB/s (best graph)", "of copy BW",
-            "ref eager µs", "× ref eager (default)", "× ref (best graph)", "correct")
+    cols = ("op", "shape", "batch", "ctx", "MB moved", "default eager µs", "default graph µs", "default % of copy",
+            "blocks default graph µs", "blocks best graph µs", "blocks best % of copy",
+            "best graph / hot µs (config)", "best % of copy", "default × blocks best", "ref eager µs", "× ref eager (default graph)", "correct")
     out = open(a.markdown, "w") if a.markdown else None
 
     def emit_line(line: str) -> None:
@@ -325,8 +352,7 @@ def main(argv=None) -> int:
             out.write(line + "\n")
             out.flush()
 
-    for line in (head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
-        emit_line(line)
+    emit_line(head)
 
     def emit(row) -> None:
         emit_line("| " + " | ".join(str(x) for x in row) + " |")
@@ -334,8 +360,16 @@ def main(argv=None) -> int:
     timing = Timing(device)
     what = a.what.split(",")
     if "attn" in what:
-        bench_attention(emit, bw, batches, contexts, timing, device, configs=[None] if a.smoke else None)
+        for line in ("", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)):
+            emit_line(line)
+        bench_attention(emit, bw, batches, contexts, timing, device,
+                        configs=CONFIGS[:2] if a.smoke else (None if a.configs == "all" else
+                                                                 [c for c in CONFIGS if c[0] in a.configs.split(",")]))
     if "indexer" in what:
+        icols = ("op", "shape", "batch", "ctx", "MB moved", "eager µs", "graph µs", "hot µs; top-k ref eager µs",
+                 "GB/s (graph)", "of copy BW", "ref eager µs", "× ref eager", "× ref (graph)", "correct")
+        for line in ("", "| " + " | ".join(icols) + " |", "|" + "---|" * len(icols)):
+            emit_line(line)
         bench_indexer(emit, bw, batches, contexts, timing, device)
     if "select" in what:
         bench_selection(emit_line, bw, batches, contexts, timing, device)

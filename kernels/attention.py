@@ -214,6 +214,123 @@ if triton is not None:
             tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
                      mask=hmask[:, None])
 
+    @triton.jit
+    def _sparse_decode_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
+                              S, H, N, K, CHUNK, NSPLIT,
+                              sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
+                              qk_scale,
+                              HD: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                              SPLIT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr):
+        """Decode: one program = one query (b, t), BLOCK_H heads (all 64 of Flash; 64 of Pro's 128: a
+        [128, 512] fp32 accumulator does not fit one SM's registers), output columns [dv*DV, (dv+1)*DV) and
+        index slots [sp*CHUNK, (sp+1)*CHUNK). Every gathered KV row is loaded once for all BLOCK_H heads and
+        both dots have M = BLOCK_H = 64, so Hopper runs them as wgmma.
+
+        Same maths as `_sparse_attn_kernel` (log2-domain online softmax, m starts at the sink, bf16 P before
+        P.V, fp32 accumulation, the sync-free range guard: an index outside {-1} ∪ [0, N) is never loaded and
+        makes every output of its query NaN). DV < HD splits the output columns over HD // DV programs: each
+        computes the full scores (K = HD) and accumulates only its DV columns (no merge needed for that
+        split; all of them compute bitwise the same m and l). SPLIT=True: partials (acc, m, l) go to
+        PACC [b*s, NSPLIT, H, HD] / PML [b*s, NSPLIT, HD//DV, H, 2], the program counts itself in
+        SEM[query, head block, dv] and the last one merges all partials (read back through L2), adds the sink
+        and writes o, then resets the counter (one launch, no spin-wait). PREFETCH: the indices of tile j+1 are
+        loaded during tile j, so Triton's pipeliner can issue the rows' gather num_stages - 1 tiles ahead.
+        """
+        pid_bs = tl.program_id(0)
+        pid_hd = tl.program_id(1)
+        sp = tl.program_id(2)
+        NDV: tl.constexpr = HD // DV
+        pid_h = pid_hd // NDV
+        dv = pid_hd % NDV
+        b = (pid_bs // S).to(tl.int64)
+        t = (pid_bs % S).to(tl.int64)
+        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, HD)
+        dcol = dv * DV + tl.arange(0, DV)
+        q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + d[None, :], mask=hmask[:, None], other=0.0)
+        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
+        m = sink
+        l = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+        n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+        start = sp * CHUNK
+        end = tl.minimum(start + CHUNK, K)
+        ibase = IDX + b * sib + t * sis
+        kvb = KV + b * skb
+        if PREFETCH:  # indices one tile ahead in registers: the rows' gather then pipelines num_stages - 1 deep
+            offs = start + tl.arange(0, BLOCK_N)
+            ix_n = tl.load(ibase + offs, mask=offs < end, other=-1).to(tl.int64)
+        for j0 in range(start, end, BLOCK_N):
+            if PREFETCH:
+                ix = ix_n
+                offs1 = j0 + BLOCK_N + tl.arange(0, BLOCK_N)
+                ix_n = tl.load(ibase + offs1, mask=offs1 < end, other=-1).to(tl.int64)
+                valid = (ix >= 0) & (ix < N)
+                rows = tl.load(kvb + ix[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            else:
+                offs = j0 + tl.arange(0, BLOCK_N)
+                ix = tl.load(ibase + offs, mask=offs < end, other=-1).to(tl.int64)
+                valid = (ix >= 0) & (ix < N)
+                rows = tl.load(kvb + ix[:, None] * skn + d[None, :], mask=valid[:, None], other=0.0)
+            n_bad += ((ix < -1) | (ix >= N)).to(tl.int32)
+            sc = _dot(q, tl.trans(rows), DOT)
+            sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if DV == HD:
+                vals = rows
+            else:
+                vals = tl.load(kvb + ix[:, None] * skn + dcol[None, :], mask=valid[:, None], other=0.0)
+            pv = _dot(p.to(vals.dtype), vals, DOT)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        l = l + tl.where(tl.sum(n_bad, axis=0) > 0, float("nan"), 0.0)
+        if SPLIT:
+            base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
+            tl.store(PACC + (base + heads[:, None]) * HD + dcol[None, :], acc, mask=hmask[:, None])
+            mlb = ((pid_bs.to(tl.int64) * NSPLIT + sp) * NDV + dv) * H
+            tl.store(PML + (mlb + heads) * 2, m, mask=hmask)
+            tl.store(PML + (mlb + heads) * 2 + 1, l, mask=hmask)
+            tl.debug_barrier()
+            counter = SEM + pid_bs * tl.num_programs(1) + pid_hd
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
+                mm = sink
+                ll = tl.zeros([BLOCK_H], dtype=tl.float32)
+                acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+                for o_sp in range(0, NSPLIT):
+                    ob = (pid_bs.to(tl.int64) * NSPLIT + o_sp) * H
+                    omb = ((pid_bs.to(tl.int64) * NSPLIT + o_sp) * NDV + dv) * H
+                    m_i = tl.load(PML + (omb + heads) * 2, mask=hmask, other=0.0, cache_modifier=".cg")
+                    l_i = tl.load(PML + (omb + heads) * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
+                    a_i = tl.load(PACC + (ob + heads[:, None]) * HD + dcol[None, :], mask=hmask[:, None],
+                                  other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(mm, m_i)
+                    alpha = tl.exp2(mm - m_new)
+                    beta = tl.exp2(m_i - m_new)
+                    ll = ll * alpha + l_i * beta
+                    acc = acc * alpha[:, None] + a_i * beta[:, None]
+                    mm = m_new
+                o = acc / (ll + tl.exp2(sink - mm))[:, None]
+                tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
+                         mask=hmask[:, None])
+                tl.store(counter, 0)
+        else:
+            o = acc / (l + tl.exp2(sink - m))[:, None]
+            tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
+                     mask=hmask[:, None])
+
+
+# `kernels.targets.compile_all` builds these too (name, jit function, pointer dtypes, float args, constexprs).
+TARGET_SPECS = () if triton is None else (
+    ("attention._sparse_decode_kernel", _sparse_decode_kernel,
+     dict(Q="*bf16", KV="*bf16", SINK="*fp32", IDX="*i64", O="*bf16", PACC="*fp32", PML="*fp32", SEM="*i32"),
+     ["qk_scale"], dict(HD=512, DV=512, BLOCK_H=64, BLOCK_N=32, SPLIT=True, DOT=0, PREFETCH=True)),
+)
+
+
 def _check_launch_device(tensors: dict, where: str) -> None:
     """Triton needs CUDA tensors (CPU tensors only under TRITON_INTERPRET=1) whose innermost dimension is
     contiguous (stride 1); outer strides are passed to the kernels, so broadcast (stride-0) batch axes work."""
@@ -239,23 +356,58 @@ def _num_sms(device: torch.device) -> int:
     return sm_count(device, cpu_default=4)
 
 
+# "heads" path tuning (measured on the H200, benchmarks/RESULTS.md "Sparse decode attention, all heads per
+# program"): 64 heads per program (a [64, 512] fp32 accumulator is 128 registers per thread at 8 warps; 128
+# heads would need 256); its default k-split fills one wave of one program per SM. When b*s*ceil(h/64) <=
+# DECODE_DV_MAX_PROGRAMS (Flash batch <= 16, Pro batch <= 8) the output columns are split too: DECODE_DV columns
+# per program at 4 warps (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs
+# is faster with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured).
+DECODE_BLOCK_H = 64
+DECODE_DV = 128
+DECODE_DV_MAX_PROGRAMS = 16
+
+
+def default_path(b: int, s: int, h: int, hd: int) -> str:
+    """The kernel `sparse_attn` runs when `path` is None: "heads" (`_sparse_decode_kernel`) for decode (s == 1)
+    with at least DECODE_BLOCK_H heads, else "blocks" (`_sparse_attn_kernel`). Chosen by measurement, see the
+    module's RESULTS.md pointer in `sparse_attn`."""
+    return "heads" if s == 1 and h >= DECODE_BLOCK_H else "blocks"
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
                 softmax_scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-                block_h: int | None = None, block_n: int = 32, num_warps: int = 4,
-                check_idx: bool = False) -> torch.Tensor:
+                block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                check_idx: bool = False, path: str | None = None, dv: int | None = None,
+                num_stages: int | None = None, prefetch: bool = True) -> torch.Tensor:
     """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
 
-    Prefill (s > 1) and decode (s == 1) share one kernel: a program owns one query and `block_h` heads, so the
-    gathered KV tile is loaded once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU
-    (decode), the k slots are split over `num_splits` programs (flash-decoding); the last split program of each
-    (query, head block) merges the partials and adds the sink in the same launch. Always ONE launch; the
-    partials live in the stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless
-    check_idx=True.
+    A program owns one query and `block_h` heads (and `dv` output columns), so the gathered KV tile is loaded
+    once for those heads. When b*s*ceil(h/block_h) programs cannot fill the GPU (decode), the k slots are
+    split over `num_splits` programs (flash-decoding); the last split program of each (query, head block)
+    merges the partials and adds the sink in the same launch. Always ONE launch; the partials live in the
+    stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless check_idx=True.
+
+    Two kernels (`path`): "blocks" = `_sparse_attn_kernel`, a program per (query, 16-head block): prefill and
+    the default for few heads; "heads" = `_sparse_decode_kernel`, a program per (query, 64 heads = all of
+    Flash, half of Pro, optionally a slice of the output columns `dv`): each gathered KV row is read once per
+    64 heads and both dots run with M = 64 (wgmma on Hopper). Default (path=None): `default_path(b, s, h, hd)`,
+    chosen by measurement on the H200 (benchmarks/RESULTS.md, "Sparse decode attention, all heads per program").
 
     Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
         num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
-        block_h: heads per program (default 16; a power of two >= 16 for tensor cores); block_n: slots per tile.
+        block_h: heads per program (default 16 "blocks" / 64 "heads"; a power of two >= 16 for tensor cores);
+        block_n: slots per tile (default 32; 16 for fp32 on the "heads" path: shared memory); num_warps
+        (default 4 "blocks", 8 "heads", 4 with the default column split); num_stages: Triton software-pipeline
+        depth (default: Triton's on "blocks", see below on "heads").
+        path: "blocks", "heads" or None (default_path). dv ("heads" only): output columns per program, a
+            power of two >= 16 dividing hd (default: DECODE_DV = 128 at 4 warps when b*s*ceil(h/block_h) <=
+            DECODE_DV_MAX_PROGRAMS and hd >= 256, else hd: no column split). prefetch ("heads" only): True = the
+            kernel loads the indices one tile ahead, so the rows' gather does not wait on an index load in the
+            same iteration and Triton's pipeliner keeps num_stages - 1 row tiles in flight (measured: without
+            it the pipeliner waits for every gather before computing); False = plain loop. num_stages default
+            on the "heads" path: 3 (bf16; 4 measured ~1 % slower), 2 (fp32: q alone takes 128 KB of shared
+            memory).
         check_idx: True = verify idx ∈ {-1} ∪ [0, n) on the host and raise ValueError (one device sync: an
             aminmax read back; not allowed inside CUDA-graph capture). Default False (decode hot path, CUDA
             graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
@@ -277,17 +429,36 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
         raise ValueError(f"{where}: out must be contiguous {q.dtype} {tuple(q.shape)} on {q.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
-    block_h = block_h or 16
+    if path is None:
+        path = default_path(b, s, h, hd)
+    if path not in ("blocks", "heads"):
+        raise ValueError(f"{where}: path must be 'blocks', 'heads' or None, got {path!r}")
+    heads_path = path == "heads"
+    block_h = block_h or (DECODE_BLOCK_H if heads_path else 16)
+    block_n = block_n or (16 if heads_path and q.dtype == torch.float32 else 32)
+    if dv is None:  # measured: few (query, head block) programs -> split the output columns instead of keys only
+        few = heads_path and hd >= 2 * DECODE_DV and b * s * triton.cdiv(h, block_h) <= DECODE_DV_MAX_PROGRAMS
+        dv = DECODE_DV if few else hd
+        num_warps = num_warps or (4 if few else None)
+    num_warps = num_warps or (8 if heads_path else 4)
+    if not heads_path and dv != hd:
+        raise ValueError(f"{where}: dv (output column split) needs path='heads', got dv={dv} with path={path!r}")
+    if dv < 16 or dv & (dv - 1) or hd % dv:
+        raise ValueError(f"{where}: dv must be a power of two >= 16 dividing hd={hd}, got {dv}")
     for name, v, lo in (("block_h", block_h, 16), ("block_n", block_n, 16)):
         if v < lo or v & (v - 1):
             raise ValueError(f"{where}: {name} must be a power of two >= {lo}, got {v}")
     if b * s == 0 or h == 0:
         return out
     n_hblk = triton.cdiv(h, block_h)
-    programs = b * s * n_hblk
+    n_dv = hd // dv
+    programs = b * s * n_hblk * n_dv
     n_tiles = max(1, triton.cdiv(k, block_n))
     if num_splits is None:
-        num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
+        if heads_path:  # one wave: one program per SM (shared memory), never more programs than SMs
+            num_splits = max(1, min(n_tiles, _num_sms(q.device) // programs))
+        else:
+            num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{where}: num_splits must be an int >= 1, got {num_splits!r}")
     chunk = triton.cdiv(n_tiles, num_splits) * block_n
@@ -295,13 +466,24 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     split = num_splits > 1
     sem = pacc = pml = out  # unused placeholders when not splitting
     if split:
-        n_acc = b * s * num_splits * h * hd  # partials [b*s, splits, h, hd] then (m, l) [b*s, splits, h, 2]
-        sem, ws = workspace(q.device, b * s * n_hblk, n_acc + b * s * num_splits * h * 2)
+        n_acc = b * s * num_splits * h * hd  # partials [b*s, splits, h, hd] then (m, l) [b*s, splits, n_dv, h, 2]
+        sem, ws = workspace(q.device, b * s * n_hblk * n_dv, n_acc + b * s * num_splits * n_dv * h * 2)
         pacc, pml = ws, ws[n_acc:]
+    if num_stages is None and heads_path:  # shared memory: q [64, hd] + num_stages row tiles (+ dv tiles)
+        num_stages = 2 if q.dtype == torch.float32 else 3
+    extra = {} if num_stages is None else {"num_stages": num_stages}
+    if heads_path:
+        _sparse_decode_kernel[(b * s, n_hblk * n_dv, num_splits)](
+            q, kv, attn_sink, idx, out, pacc, pml, sem, s, h, n, k, chunk, num_splits,
+            q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
+            HD=hd, DV=dv, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
+            PREFETCH=bool(prefetch), num_warps=num_warps, **extra)
+        return out
     _sparse_attn_kernel[(b * s, n_hblk, num_splits)](
         q, kv, attn_sink, idx, out, pacc, pml, sem, s, h, n, k, chunk, num_splits,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
         out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
-        num_warps=num_warps)
+        num_warps=num_warps, **extra)
     return out

@@ -56,8 +56,45 @@ def test_decode_configs_agree(seed, splits, block_h, block_n, warps):
     q, kv, sink, idx = decode_case([100, 3000, 9000], 64, "csa", 512, generator=_gen(seed))
     out = torch.full_like(q, float("nan"))
     got = sparse_attn(q, kv, sink, idx, SCALE, out=out, num_splits=splits, block_h=block_h, block_n=block_n,
-                      num_warps=warps)
+                      num_warps=warps, path="blocks")
     assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn splits={splits}")
+
+
+@pytest.mark.hardstop
+@pytest.mark.parametrize("heads, topk", [(64, 512), (128, 1024)], ids=["flash", "pro"])
+@pytest.mark.parametrize("path, kw", [
+    ("heads", {}), ("heads", dict(prefetch=False, num_stages=3)), ("heads", dict(dv=256)),
+    ("heads", dict(dv=128, num_warps=4, num_splits=4)), ("heads", dict(num_splits=1)), ("heads", dict(block_n=16)),
+    ("heads", dict(num_splits=7, num_stages=3)), ("blocks", {})],
+    ids=["heads", "heads-no-prefetch", "heads-dv256", "heads-dv128-sp4", "heads-sp1", "heads-bn16", "heads-sp7-st3",
+         "blocks"])
+def test_decode_all_heads_kernel(seed, heads, topk, path, kw):
+    """Both decode kernels at Flash / Pro sizes (64 / 128 heads, window 128 + top-512 / top-1024), batch 16 with
+    ragged contexts (4k and 64k pools, a 5-token sequence, an all-empty query), NaN-poisoned output."""
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    contexts = [4096, 65536, 5, 300] * 4
+    q, kv, sink, idx = decode_case(contexts, heads, "csa", topk, generator=_gen(seed))
+    idx[3] = -1
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=out, path=path, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn {path} {kw} h={heads}")
+    assert torch.equal(got[3], torch.zeros_like(got[3])), "all-empty query gives exact zeros"
+
+
+def test_decode_all_heads_bad_index_is_nan(seed):
+    """The sync-free guard on the all-heads kernel: an index == n poisons its query (all heads, all columns,
+    every dv slice and split), other queries keep the reference result."""
+    from benchmarks.bench_attention import decode_case
+    from kernels.attention import sparse_attn, sparse_attn_ref
+    q, kv, sink, idx = decode_case([4096, 4096, 9000], 64, "csa", 512, generator=_gen(seed))
+    idx[1, 0, 300] = kv.shape[1]
+    for kw in ({}, dict(dv=128, num_warps=4), dict(num_splits=1)):
+        got = sparse_attn(q, kv, sink, idx, SCALE, path="heads", **kw)
+        assert bool(torch.isnan(got[1]).all()), f"bad index must poison its query ({kw})"
+        keep = torch.tensor([0, 2], device="cuda")
+        assert_close(got[keep], sparse_attn_ref(q[keep], kv[keep], sink, idx[keep], SCALE), f"others {kw}")
 
 
 @pytest.mark.hardstop

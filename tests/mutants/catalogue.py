@@ -115,6 +115,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
             "tests/unit/test_kernel_edges.py::test_hc_head_edges[saturated-fp32-two_launch]")),
     Mutant("sink_dropped_in_kernel", "attention sink dropped from the Triton kernel only",
            patches.sink_dropped_in_kernel, ("tests/unit/test_kernel_edges.py::test_sparse_attn_edges[1-fp32]",)),
+    Mutant("sink_dropped_in_decode_kernel", "attention sink dropped from the all-heads decode kernel only",
+           patches.sink_dropped_in_decode_kernel,
+           ("tests/unit/test_attention_kernels.py::test_all_heads_kernel_matches_ref[h8-fp32]",
+            "tests/unit/test_attention_kernels.py::test_all_heads_kernel_matches_ref[h16-dv32-split3-fp32]")),
     # issue 21: survivors of a mutation sweep (the sweep and its results: docs/mutants.md)
     Mutant("rmsnorm_eps_outside_root", "norm eps misplaced (outside the square root)",
            patches.rmsnorm_eps_outside_root, ("tests/unit/test_model.py::test_hf_parity_in_the_eps_regime",)),

@@ -462,6 +462,17 @@ def sink_dropped_in_kernel(mp: MP) -> None:
                        "o = acc / l[:, None]  # MUTANT: no sink term")
 
 
+def sink_dropped_in_decode_kernel(mp: MP) -> None:
+    """The all-heads decode kernel (`_sparse_decode_kernel`, issue 14 item 1) leaves e^(sink - m) out of the
+    denominator, both in the one-program store and where the last split program merges the partials."""
+    from kernels import attention
+
+    _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (ll + tl.exp2(sink - mm))[:, None]",
+                       "o = acc / ll[:, None]  # MUTANT: no sink term (merge)")
+    _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (l + tl.exp2(sink - m))[:, None]",
+                       "o = acc / l[:, None]  # MUTANT: no sink term (one program)")
+
+
 # ------------------------------------------------------------------------ gaps found by mutation (issue 21)
 def rmsnorm_eps_outside_root(mp: MP) -> None:
     """Every RMSNorm computes w·x / (sqrt(mean(x²)) + eps) instead of w·x·rsqrt(mean(x²) + eps): the eps

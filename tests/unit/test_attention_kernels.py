@@ -190,3 +190,80 @@ def test_ref_rounds_probabilities_to_bf16_like_the_official_kernel():
     assert int((got != want.bfloat16()).sum()) <= 4
     # without the P rounding 88 of 384 outputs differ (measured): the check can fail
     assert int((got != unrounded.bfloat16()).sum()) >= 20
+
+
+# ---- the all-heads decode kernel (`path="heads"`, issue 14 item 1) under the interpreter ---------------------
+
+@needs_triton
+@pytest.mark.hardstop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("h, kw", [
+    (8, dict()),                                              # defaults (3 queries on 4 interpreter "SMs": no split)
+    (16, dict(dv=32, num_splits=3, prefetch=False)),          # column split + ragged 3-way key split, pipeliner
+    (70, dict(num_splits=2, block_h=64)),                     # two head blocks (the second partial), split 2
+], ids=["h8", "h16-dv32-split3", "h70-split2"])
+def test_all_heads_kernel_matches_ref(seed, dtype, h, kw):
+    """Decode (s = 1), hd 64, n 100, k 40 with ~30 % empty slots and one all-empty query, sinks ~ N(0, 3²) on
+    logits of the same size (the sink carries a visible share of every softmax: without it the result moves far
+    outside the tolerance, checked below). NaN-poisoned output; tolerance from the dtype table."""
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(3, 1, h, 64, 100, 40, dtype))
+    sink = sink * 1.5
+    idx[2] = -1
+    want = sparse_attn_ref(q, kv, sink, idx, 0.125 * 2)
+    no_sink = sparse_attn_ref(q, kv, torch.full_like(sink, -1e30), idx, 0.125 * 2)
+    assert float((want[:2].float() - no_sink[:2].float()).abs().max()) > 0.1, "the sink must matter"
+    out = torch.full_like(q, float("nan"))
+    got = sparse_attn(q, kv, sink, idx, 0.125 * 2, out=out, path="heads", block_n=16, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    assert_close(got, want, f"sparse_attn heads {kw}", dtype=dtype)
+    assert torch.equal(got[2], torch.zeros_like(got[2])), "all-empty query: exact zeros"
+
+
+@needs_triton
+@pytest.mark.parametrize("kw", [dict(), dict(num_splits=3, dv=32)], ids=["default", "split3-dv32"])
+def test_all_heads_kernel_bad_index_is_nan(seed, kw):
+    """The sync-free range guard on the all-heads kernel: an index == n or < -1 makes every output of its query
+    NaN (all heads, all column slices), other queries keep the reference result; check_idx=True raises."""
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(3, 1, 8, 64, 50, 30, torch.float32))
+    good = sparse_attn_ref(q, kv, sink, idx, 0.125)
+    for bad_value in (50, -2):
+        bad = idx.clone()
+        bad[1, 0, 17] = bad_value
+        got = sparse_attn(q, kv, sink, bad, 0.125, path="heads", block_n=16, **kw)
+        assert bool(torch.isnan(got[1]).all()), f"index {bad_value}: its query must be NaN everywhere"
+        assert_close(got[0::2], good[0::2], "other queries", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"idx values must be -1 \(empty\) or in \[0, n=50\)"):
+        sparse_attn(q, kv, sink, bad, 0.125, path="heads", check_idx=True, **kw)
+
+
+@needs_triton
+def test_default_path_and_heads_path_arguments():
+    """Decode with >= 64 heads runs the all-heads kernel, prefill and few heads the head-block kernel; bad
+    path / dv values are refused with their value."""
+    from kernels.attention import default_path, sparse_attn
+    assert default_path(16, 1, 64, 512) == "heads" and default_path(16, 1, 128, 512) == "heads"
+    assert default_path(1, 5, 64, 512) == "blocks" and default_path(4, 1, 16, 512) == "blocks"
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 2, 64, 8, 4, torch.float32))
+    for kw, match in ((dict(path="rows"), "path must be"), (dict(path="heads", dv=48), "dv must be"),
+                      (dict(path="heads", dv=128), "dv must be"), (dict(path="blocks", dv=32), "needs path='heads'")):
+        with pytest.raises(ValueError, match=match):
+            sparse_attn(q, kv, sink, idx, 0.125, **kw)
+
+
+@needs_triton
+def test_all_heads_kernel_default_column_split(seed):
+    """hd 256 with one (query, head block) program: the launcher's default splits the output columns
+    (DECODE_DV = 128 per program, the measured choice for few programs); the result is the reference's."""
+    from kernels import attention
+    dev = "cuda" if not INTERPRET else "cpu"
+    assert attention.DECODE_DV == 128 and 256 >= 2 * attention.DECODE_DV
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 4, 256, 30, 20, torch.bfloat16))
+    got = attention.sparse_attn(q, kv, sink, idx, 256 ** -0.5, path="heads", block_n=16,
+                                out=torch.full_like(q, float("nan")))
+    assert_close(got, sparse_attn_ref(q, kv, sink, idx, 256 ** -0.5), "sparse_attn heads default dv",
+                 dtype=torch.bfloat16)
