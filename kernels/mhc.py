@@ -186,8 +186,13 @@ def _dot_bf16x3(x, xf, w, acc, MMA: tl.constexpr):
     Triton 3.9 interpreter); the only loss is a lo piece below bf16's normal range (|W| < 2^-110), far below
     any weight. X is bf16 already (H is bf16), so each product x·piece has ≤ 8 + 8 significant bits and is
     exact in fp32; the tensor core accumulates in fp32, so the dot is an fp32 dot of the exact products
-    (3 native bf16 MMAs, no split of X), tighter than tf32x3, which drops the lo·lo term and rounds W's pieces
-    to 11 bits. Pieces are summed small-first (lo, mid, hi) into the one accumulator.
+    (3 native bf16 MMAs, no split of X), tighter than tf32x3, which keeps only 22 of W's 24 bits (two 11-bit
+    pieces). Pieces are summed small-first (lo, mid, hi).
+    Accumulation: callers pass a zero `acc` per K-tile and add the tile's sum into their running fp32 sum in
+    registers (round to nearest). Measured on an H200 (RESULTS.md, issue 14 item 2): one tensor-core
+    accumulator carried over 90 K-tiles x 3 MMAs (D 7168, 5 splits) put hc_pre's post 3.2e-5 off the fp32
+    reference (163 of 16384 elements beyond 1e-5); the tensor core's in-MMA additions are evidently not
+    round-to-nearest fp32, so the long chain stays in the registers.
     MMA 1: bf16 tensor-core dots (GPU). MMA 0: fp32 dots with input_precision="ieee" on the same exact piece
     values (the interpreter, whose bf16 dots are not faithful in triton 3.9); both multiply the same values."""
     hi = w.to(tl.bfloat16)
@@ -230,8 +235,8 @@ def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_
         xf = x.to(tl.float32)
         w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        if SPLIT3:
-            acc = _dot_bf16x3(x, xf, w, acc, MMA)
+        if SPLIT3:  # this K-tile's 3 MMAs from zero, then one fp32 register add (see `_dot_bf16x3`)
+            acc += _dot_bf16x3(x, xf, w, tl.zeros([BT, NP], dtype=tl.float32), MMA)
         else:
             acc = tl.dot(xf, w, acc, input_precision="tf32x3")
         ss += tl.sum(xf * xf, axis=1)
@@ -457,7 +462,7 @@ def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device, waves: int 
 # Prefill projection tiles (two-launch path, T > ONE_LAUNCH_MAX_T): (BT token rows, BK K-elements per step,
 # waves of programs for the split count, num_warps, num_stages). BT 64 at T >= 1024 so Hopper's wgmma applies
 # (M = 64); 16 below (fewer padded rows at T ~ 100). Chosen on an H200, see RESULTS.md "issue 14, item 2".
-PREFILL_TILES_LONG = (64, 64, 2, 4, 3)
+PREFILL_TILES_LONG = (64, 64, 4, 4, 4)
 PREFILL_TILES_SHORT = (16, 64, 2, 4, 3)
 
 
