@@ -9,9 +9,10 @@ D model width, K = hc·D flattened stream-major width (index j·D + c), M = (2+h
 All inputs are exactly 3-D `[T, hc, D]`; callers flatten leading dims themselves.
 
 Kernel plan (pre and head): a split-K mix kernel computes, per token block and K-slice, the partial projections
-`fn @ X` (tensor cores in tf32x3, ≈fp32 accuracy) and the partial sum of squares into an fp32 workspace; a finish
-kernel (grid tokens × D-blocks) sums the partials in a fixed order (deterministic), applies the RMS scale,
-sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
+`fn @ X` and the partial sum of squares into an fp32 workspace (tensor cores: bf16 streams in bf16x3, fn split
+in-kernel into three exact bf16 pieces so every product is exact (`_dot_bf16x3`, issue 14 item 2); fp32
+streams in tf32x3, ≈fp32 accuracy); a finish kernel (grid tokens × D-blocks) sums the partials in a fixed
+order (deterministic), applies the RMS scale, sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
 pre/head site at T > 64 (prefill); H is read twice (the second read walks tokens in reverse so the tail still
 in L2 is reused). At T <= 64 (decode) one launch does both: tokens go in blocks of 2, the split-K programs of
 a block count themselves in its semaphore and the last one to arrive finishes and collapses those 2 tokens
