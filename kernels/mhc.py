@@ -193,7 +193,8 @@ def _dot_bf16x3(x, xf, w, acc, MMA: tl.constexpr):
     registers (round to nearest). Measured on an H200 (RESULTS.md, issue 14 item 2): one tensor-core
     accumulator carried over 90 K-tiles x 3 MMAs (D 7168, 5 splits) put hc_pre's post 3.2e-5 off the fp32
     reference (163 of 16384 elements beyond 1e-5); the tensor core's in-MMA additions are evidently not
-    round-to-nearest fp32, so the long chain stays in the registers.
+    round-to-nearest fp32, so the long chain stays in the registers (as in Triton's own tf32x3 lowering, whose
+    three dots start from zero per tile).
     MMA 1: bf16 tensor-core dots (GPU). MMA 0: fp32 dots with input_precision="ieee" on the same exact piece
     values (the interpreter, whose bf16 dots are not faithful in triton 3.9); both multiply the same values."""
     hi = w.to(tl.bfloat16)
