@@ -155,9 +155,11 @@ def lo_piece_inputs(T: int, D: int, device, head: bool, c: float = 4.0):
         X_t is zero except n positions of value ±2: its carrier c_t (distinct per token) and n-1 shared filler
         positions Z where every fn row is 0. So mean(X²) = 4n/K = 4^(1-j) and, with norm_eps = 0, the RMS scale
         2^(j-1) is exact, and fn·X_t is ONE exact product (the other terms are exact zeros).
-      * fn[i, c_t] = s_t·(F_i + δ_it), s_t the sign of X_t's carrier, F_i with 16 significant bits in one binade
-        [2^e, 2^(e+1)), δ_it = g_it·2^(e-23) with g an integer in [-255, 255] (|δ| < one 16-bit ulp of F_i),
-        so fn has 24 significant bits and its last 8 are g.
+      * fn[i, c_t] = s_t·(F_i + δ_it), s_t the sign of X_t's carrier, F_i with 16 significant bits in
+        [2^e, 1.5·2^e), δ_it = g_it·2^(e-23) with g an integer in [-255, 255] (|δ| < one 16-bit ulp of F_i),
+        so fn has 24 significant bits and its last 8 are g. Below 1.5·2^e, rounding fn to bf16 never carries
+        into the next binade, so every partial sum of the pieces (lo, lo + mid, fn) lies within 24 bits of the
+        larger addend: exact also in a tensor core that truncates what it aligns beyond fp32's width.
       * scale = c·2^(15-e-j) for every group and base_i = -F_i·2^(j-1)·2·scale (exact), so the logit of mix i at
         token t is m·scale + base = g_it·c/256 exactly: hi + mid alone (F_i, or F_i ± one 16-bit ulp when
         rounded to nearest) would give 0 or ±c instead.
@@ -176,7 +178,7 @@ def lo_piece_inputs(T: int, D: int, device, head: bool, c: float = 4.0):
     X[:, Z] = (torch.randint(0, 2, (T, n - 1)) * 2.0 - 1.0) * 2.0
     X[torch.arange(T), carriers] = 2.0 * s
     e = -math.ceil(math.log2(math.sqrt(K)))  # F ~ 1/sqrt(K), as a trained fn
-    F = (1.0 + torch.randint(0, 2 ** 15, (n_mix,)).double() / 2 ** 15) * 2.0 ** e  # 16 significant bits
+    F = (1.0 + torch.randint(0, 2 ** 14, (n_mix,)).double() / 2 ** 15) * 2.0 ** e  # 16 significant bits, < 1.5·2^e
     g = torch.randint(-255, 256, (T, n_mix))
     vals = (F[None, :] + g.double() * 2.0 ** (e - 23)) * s.double()[:, None]       # 24 significant bits
     fn = torch.randn(n_mix, K) / math.sqrt(K)
