@@ -3,6 +3,9 @@
 Shapes: decode T ∈ {1, 8, 64, 256} and prefill T = 4096 at D ∈ {4096, 7168}, hc = 4, bf16 streams.
 Ops: hc_pre, hc_post, hc_head, and (issue 14) the layer boundary hc_post_pre forced to one launch, as
 hc_post + hc_pre (its fallback), and one launch with 8 warps / a 2048-wide collapse; `--ops` selects.
+"hc_pre (tf32x3, before)" / "hc_head (tf32x3, before)": the same launchers with the projection used before
+issue 14 item 2 (tf32x3 dot, `kernels.mhc._mix_sites(dot="tf32x3")`), selected by `--ops hc_pre` / `hc_head`
+too. `--sweep`: the prefill projection's tiles instead (`SWEEP`, graph µs of the whole call).
 Per call (see benchmarks/graph_timing.py): "eager µs" = one launcher call timed by do_bench (L2 flushed; host
 time when the launcher's Python outlasts its kernels); "graph µs" = GPU time per call from a CUDA graph of the
 call with an L2 flush before each call, flush time subtracted; "hot µs" = graph replay back to back, L2 warm.
@@ -14,6 +17,7 @@ the reference within a time budget. Each row is checked against the reference (t
 it is timed; a failing row says so and shows no speedup.
 
 Usage:  PYTHONPATH=. python benchmarks/bench_mhc.py [--markdown FILE] [--compile-budget-s 0] [--ts 1,8,64]
+        PYTHONPATH=. python benchmarks/bench_mhc.py --sweep --ts 4096
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import triton
 
 from benchmarks.graph_timing import GraphTimer, copy_bandwidth, eager_us
 from dsv4.testing import assert_close
-from kernels.mhc import (hc_head, hc_head_ref, hc_post, hc_post_pre, hc_post_pre_ref, hc_post_ref, hc_pre,
-                         hc_pre_ref)
+from kernels.mhc import (ONE_LAUNCH_MAX_T, _mix_sites, hc_head, hc_head_ref, hc_post, hc_post_pre,
+                         hc_post_pre_ref, hc_post_ref, hc_pre, hc_pre_ref)
 
 HC, ITERS, EPS = 4, 20, 1e-6
 TS = [1, 8, 64, 256, 4096]
@@ -82,8 +86,24 @@ def cases(T: int, D: int, device: str = "cuda"):
     def fused_8w(*args, **kwargs):
         return hc_post_pre(*args, one_launch=True, num_warps=8, block_d=2048, **kwargs)
 
+    def pre_tf32x3(H, fn, base, scale, **k):  # the projection before issue 14 item 2 (tf32x3 on bf16 H)
+        out = (torch.empty(T, D, dtype=H.dtype, device=device), torch.empty(T, HC, device=device),
+               torch.empty(T, HC, HC, device=device))
+        _mix_sites(H, fn, base, scale, *out, k["sinkhorn_iters"], k["hc_eps"], k["norm_eps"], False,
+                   T <= ONE_LAUNCH_MAX_T, dot="tf32x3")
+        return out
+
+    def head_tf32x3(H, fn, base, scale, **k):
+        y = torch.empty(T, D, dtype=H.dtype, device=device)
+        _mix_sites(H, fn, base, scale, y, None, None, 1, k["hc_eps"], k["norm_eps"], True, T <= ONE_LAUNCH_MAX_T,
+                   dot="tf32x3")
+        return y
+
     return [
         ("hc_pre", hc_pre, hc_pre_ref, (H, fn, base, scale), kw, pre_bytes, check_pre),
+        ("hc_pre (tf32x3, before)", pre_tf32x3, hc_pre_ref, (H, fn, base, scale), kw, pre_bytes, check_pre),
+        ("hc_head (tf32x3, before)", head_tf32x3, hc_head_ref, (H, fh, bh, sh), dict(hc_eps=EPS, norm_eps=EPS),
+         head_bytes, check_one("y")),
         ("hc_post", hc_post, hc_post_ref, (a, H, post, comb), {}, post_bytes, check_one("H_new")),
         ("hc_head", hc_head, hc_head_ref, (H, fh, bh, sh), dict(hc_eps=EPS, norm_eps=EPS), head_bytes,
          check_one("y")),
@@ -94,6 +114,42 @@ def cases(T: int, D: int, device: str = "cuda"):
         ("hc_post_pre (8 warps, BD 2048)", fused_8w, hc_post_pre_ref, boundary_args, kw, boundary_bytes,
          check_boundary),
     ]
+
+
+SWEEP = [(64, 64, 2, 4, 3), (64, 128, 2, 4, 3), (128, 64, 2, 8, 4), (64, 64, 4, 4, 4), (128, 128, 1, 8, 3)]
+
+
+def sweep(T: int, ds: list[int], tiles: list[tuple], timer: GraphTimer, bw: float, emit) -> None:
+    """Prefill projection tiles (BT, BK, waves, num_warps, num_stages) of the two-launch bf16x3 path: graph µs
+    (cold L2) of the whole hc_pre / hc_head call, % of copy, each checked against the reference first."""
+    emit(f"\n| op | D | T | tiles (BT, BK, waves, warps, stages) | graph µs | % of copy | correct |\n"
+         "|---|---|---|---|---|---|---|")
+    for D in ds:
+        for op, _, ref_fn, fargs, fkw, nbytes, check in cases(T, D):
+            if op not in ("hc_pre", "hc_head"):
+                continue
+            head = op == "hc_head"
+            H, fn, base, scale = fargs
+            outs = ((torch.empty(T, D, dtype=H.dtype, device="cuda"),) if head else
+                    (torch.empty(T, D, dtype=H.dtype, device="cuda"), torch.empty(T, HC, device="cuda"),
+                     torch.empty(T, HC, HC, device="cuda")))
+            for tiles_ in tiles:
+                def call(t=tiles_):
+                    if head:
+                        _mix_sites(H, fn, base, scale, outs[0], None, None, 1, EPS, EPS, True, False, tiles=t)
+                        return outs[0]
+                    _mix_sites(H, fn, base, scale, *outs, ITERS, EPS, EPS, False, False, tiles=t)
+                    return outs
+                try:
+                    check(call(), ref_fn(*fargs, **fkw))
+                    ok = "yes"
+                except Exception as err:  # a tile that fails to compile or to match is recorded, never hidden
+                    emit(f"| {op} | {D} | {T} | {tiles_} | - | - | NO: {type(err).__name__} {str(err)[:100]} |")
+                    continue
+                g, _ = timer.time(call, 100.0)
+                gbs = nbytes / (g * 1e-6) / 1e9
+                emit(f"| {op} | {D} | {T} | {tiles_} | {g:.1f} | {100 * gbs / bw:.0f}% | {ok} |")
+        torch.cuda.empty_cache()
 
 
 def compiled_refs():
@@ -110,6 +166,8 @@ def main() -> None:
     ap.add_argument("--ts", default=",".join(map(str, TS)), help="token counts T")
     ap.add_argument("--ds", default=",".join(map(str, DS)), help="model widths D")
     ap.add_argument("--ops", default="", help="comma-separated op names to run (default: all)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead: prefill projection tiles of hc_pre / hc_head at the first T (graph µs)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_mhc.py needs a CUDA GPU; none is visible")
@@ -135,6 +193,10 @@ def main() -> None:
 
     for line in head:
         emit(line)
+    if args.sweep:
+        sweep(int(args.ts.split(",")[0]), list(map(int, args.ds.split(","))), SWEEP, timer, bw, emit)
+        emit(f"\ntotal sweep wall time {time.time() - start:.0f} s")
+        return
     comp = compiled_refs() if args.compile_budget_s > 0 else {}
     for D in map(int, args.ds.split(",")):
         for T in map(int, args.ts.split(",")):

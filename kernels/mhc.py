@@ -9,9 +9,10 @@ D model width, K = hc·D flattened stream-major width (index j·D + c), M = (2+h
 All inputs are exactly 3-D `[T, hc, D]`; callers flatten leading dims themselves.
 
 Kernel plan (pre and head): a split-K mix kernel computes, per token block and K-slice, the partial projections
-`fn @ X` (tensor cores in tf32x3, ≈fp32 accuracy) and the partial sum of squares into an fp32 workspace; a finish
-kernel (grid tokens × D-blocks) sums the partials in a fixed order (deterministic), applies the RMS scale,
-sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
+`fn @ X` and the partial sum of squares into an fp32 workspace (tensor cores: bf16 streams in bf16x3, fn split
+in-kernel into three exact bf16 pieces so every product is exact (`_dot_bf16x3`, issue 14 item 2); fp32
+streams in tf32x3, ≈fp32 accuracy); a finish kernel (grid tokens × D-blocks) sums the partials in a fixed
+order (deterministic), applies the RMS scale, sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
 pre/head site at T > 64 (prefill); H is read twice (the second read walks tokens in reverse so the tail still
 in L2 is reused). At T <= 64 (decode) one launch does both: tokens go in blocks of 2, the split-K programs of
 a block count themselves in its semaphore and the last one to arrive finishes and collapses those 2 tokens
@@ -29,6 +30,7 @@ import triton.language as tl
 from kernels.gemm import cast_for_store
 from kernels.launch import check_layout as _check_layout
 from kernels.launch import fail as _fail
+from kernels.launch import interpreting
 from kernels.launch import sm_count, workspace
 
 _H_DTYPES = (torch.bfloat16, torch.float32)
@@ -174,12 +176,51 @@ def hc_post_pre_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: 
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _dot_bf16x3(x, xf, w, acc, MMA: tl.constexpr):
+    """`acc + X @ W` with X bf16-exact (x: the bf16 tile, xf: the same values in fp32) and W [BK, NP] fp32, every
+    product exact, for bf16 streams (prefill and decode mHC projections).
+
+    Exactness: W is split into three bf16 pieces, hi = bf16(W), mid = bf16(W - hi), lo = bf16(W - hi - mid).
+    W has a 24-bit significand; hi takes its leading 8 bits, W - hi is exact in fp32 (a residual below hi's
+    last bit, ≤ 16 significant bits), mid takes 8 of those, and the rest (≤ 8 bits) is lo exactly, so
+    hi + mid + lo == W bit for bit. This holds whether the cast rounds to nearest (GPU) or truncates (the
+    Triton 3.9 interpreter); the only loss is a lo piece below bf16's normal range (|W| < 2^-110), far below
+    any weight. X is bf16 already (H is bf16), so each product x·piece has ≤ 8 + 8 significant bits and is
+    exact in fp32; the tensor core accumulates in fp32, so the dot is an fp32 dot of the exact products
+    (3 native bf16 MMAs, no split of X), tighter than tf32x3, which keeps only 22 of W's 24 bits (two 11-bit
+    pieces). Pieces are summed small-first (lo, mid, hi).
+    Accumulation: callers pass a zero `acc` per K-tile and add the tile's sum into their running fp32 sum in
+    registers (round to nearest). Measured on an H200 (RESULTS.md, issue 14 item 2): one tensor-core
+    accumulator carried over 90 K-tiles x 3 MMAs (D 7168, 5 splits) put hc_pre's post 3.2e-5 off the fp32
+    reference (163 of 16384 elements beyond 1e-5); the tensor core's in-MMA additions are evidently not
+    round-to-nearest fp32, so the long chain stays in the registers (as in Triton's own tf32x3 lowering, whose
+    three dots start from zero per tile).
+    MMA 1: bf16 tensor-core dots (GPU). MMA 0: fp32 dots with input_precision="ieee" on the same exact piece
+    values (the interpreter, whose bf16 dots are not faithful in triton 3.9); both multiply the same values."""
+    hi = w.to(tl.bfloat16)
+    r = w - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    if MMA == 1:
+        acc = tl.dot(x, lo, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, hi, acc)
+    else:
+        acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
-                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr):
+                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
+                 SPLIT3: tl.constexpr, MMA: tl.constexpr):
     """Partial `fn @ X` and Σ X² of tokens [pid_t·TOK, pid_t·TOK + TOK) over K-slice pid_s → mix[t, pid_s, :],
     ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum; BT a multiple of TOK); a token sits in row
     t mod BT whatever TOK is, the other rows are masked (never loaded), so TOK < BT computes every token's row
-    exactly as TOK = BT does (bitwise; the interpreter's numpy dot rounds by row position too)."""
+    exactly as TOK = BT does (bitwise; the interpreter's numpy dot rounds by row position too).
+    SPLIT3 (bf16 H): `_dot_bf16x3` on the bf16 tile (exact products); else (fp32 H, not bf16-exact) tf32x3."""
     offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
     mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
     offs_n = tl.arange(0, NP)
@@ -192,12 +233,15 @@ def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_
     for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < k_hi
-        x = tl.load(h_ptr + row[:, None] + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(h_ptr + row[:, None] + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        xf = x.to(tl.float32)
         w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision="tf32x3")
-        ss += tl.sum(x * x, axis=1)
+        if SPLIT3:  # this K-tile's 3 MMAs from zero, then one fp32 register add (see `_dot_bf16x3`)
+            acc += _dot_bf16x3(x, xf, w, tl.zeros([BT, NP], dtype=tl.float32), MMA)
+        else:
+            acc = tl.dot(xf, w, acc, input_precision="tf32x3")
+        ss += tl.sum(xf * xf, axis=1)
     out_row = offs_t.to(tl.int64) * n_split + pid_s
     tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
     tl.store(ss_ptr + out_row, ss, mask=mask_t)
@@ -259,10 +303,11 @@ def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr,
 
 @triton.jit
 def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
-                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each."""
+                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                   SPLIT3: tl.constexpr, MMA: tl.constexpr):
+    """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each (bf16x3 dot for bf16 H)."""
     _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT)
+                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT, SPLIT3, MMA)
 
 
 @triton.jit
@@ -284,7 +329,7 @@ def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_p
                      T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
                      HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                      IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
-                     BD: tl.constexpr):
+                     BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr):
     """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
     then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
     threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
@@ -296,7 +341,7 @@ def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_p
     mix_ptr = ws_ptr
     ss_ptr = ws_ptr + T * n_split * NP
     _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, tl.program_id(1), n_split, T, K, K_PER_SPLIT,
-                 N_MIX, NP, BT, BK, TOK)
+                 N_MIX, NP, BT, BK, TOK, SPLIT3, MMA)
     tl.debug_barrier()
     arrived = tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
     if arrived == n_split - 1:
@@ -408,40 +453,60 @@ POST_PRE_ONE_LAUNCH_MAX_T = 4  # hc_post_pre fuses up to this many tokens; beyon
                                # on H200 (RESULTS.md, issue 14: T 8 equal or slower, T 64 2-4x slower)
 
 
-def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device) -> tuple[int, int]:
-    """(K elements per split, split count S ≤ 128): enough (token block, split) programs for ~2 waves."""
+def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device, waves: int = 2) -> tuple[int, int]:
+    """(K elements per split, split count S ≤ 128): enough (token block, split) programs for ~`waves` waves."""
     n_tb, n_kb = triton.cdiv(T, BT), triton.cdiv(K, BK)
-    target = 2 * sm_count(device, cpu_default=4)  # interpreter: 8, enough to exercise the split-K path
+    target = waves * sm_count(device, cpu_default=4)  # interpreter: 8, enough to exercise the split-K path
     per_split = triton.cdiv(n_kb, max(1, min(n_kb, 128, triton.cdiv(target, n_tb)))) * BK
     return per_split, triton.cdiv(K, per_split)
 
 
-def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_head, one_launch):
-    """Launch hc_pre (is_head False) or hc_head: one fused launch, or mix + finish (two launches)."""
+# Prefill projection tiles (two-launch path, T > ONE_LAUNCH_MAX_T): (BT token rows, BK K-elements per step,
+# waves of programs for the split count, num_warps, num_stages). BT 64 at T >= 1024 so Hopper's wgmma applies
+# (M = 64); 16 below (fewer padded rows at T ~ 100). Chosen on an H200, see RESULTS.md "issue 14, item 2".
+PREFILL_TILES_LONG = (64, 64, 4, 4, 4)
+PREFILL_TILES_SHORT = (16, 64, 2, 4, 3)
+
+
+def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_head, one_launch, *,
+               dot: str = "auto", tiles: tuple | None = None):
+    """Launch hc_pre (is_head False) or hc_head: one fused launch, or mix + finish (two launches).
+
+    dot: "auto" = "bf16x3" for bf16 H (`_dot_bf16x3`, exact products), "tf32x3" for fp32 H; a name forces it
+    (benchmarks compare against the former tf32x3 path; "bf16x3" on fp32 H raises: X would not be exact).
+    tiles: the two-launch path's (BT, BK, waves, num_warps, num_stages) (benchmark sweeps), None = defaults."""
     T, hc, D = H.shape
     K, n_mix = hc * D, (hc if is_head else (2 + hc) * hc)
+    if dot == "auto":
+        dot = "bf16x3" if H.dtype == torch.bfloat16 else "tf32x3"
+    if dot not in ("bf16x3", "tf32x3") or (dot == "bf16x3" and H.dtype != torch.bfloat16):
+        _fail("hc_pre/hc_head", "dot", f"{dot!r} with H {H.dtype}", "'bf16x3' (bf16 H only) or 'tf32x3'")
+    split3 = dot == "bf16x3"
+    mma = 0 if interpreting() else 1
     np_ = max(16, triton.next_power_of_2(n_mix))
     post = x if post is None else post  # post/comb pointers are unused when IS_HEAD
     comb = x if comb is None else comb
     consts = dict(HC=hc, NP=np_, IS_HEAD=is_head)
     scalars = (iters, float(hc_eps), float(norm_eps), 1.0 / K)
-    BK, BT = 64, (64 if T >= 1024 else 16)
+    BT, BK, waves, warps, stages = tiles or (PREFILL_TILES_LONG if T >= 1024 else PREFILL_TILES_SHORT)
     # The split count is that of the two-launch path (token blocks of BT) in both paths: every token's partial
-    # sums then cover the same K-slices in the same order, so both paths give bitwise the same outputs. (Splits
-    # sized for 2-token blocks made each program walk 50 K-tiles serially: 47-93 µs at T = 64, see RESULTS.md.)
-    per_split, S = _split_k(T, K, BT, BK, H.device)
+    # sums then cover the same K-slices in the same order, so both paths give bitwise the same outputs under
+    # the interpreter. (Splits sized for 2-token blocks made each program walk 50 K-tiles serially: 47-93 µs
+    # at T = 64, see RESULTS.md.)
+    per_split, S = _split_k(T, K, BT, BK, H.device, waves)
     if one_launch:
         TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
         n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
         _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
                                     N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=16, BK=BK, TOK=TOK,
-                                    BD=min(1024, triton.next_power_of_2(D)), num_warps=4, **consts)
+                                    BD=min(1024, triton.next_power_of_2(D)), SPLIT3=split3, MMA=mma,
+                                    num_warps=4, **consts)
         return
     mix = torch.empty((T, S, np_), dtype=torch.float32, device=H.device)
     ss = torch.empty((T, S), dtype=torch.float32, device=H.device)
     _hc_mix_kernel[(triton.cdiv(T, BT), S)](H, fn, mix, ss, T, K, per_split, N_MIX=n_mix, NP=np_, BT=BT, BK=BK,
-                                            num_warps=4)
+                                            SPLIT3=split3, MMA=mma, num_warps=warps, num_stages=stages)
     BTF, BD = 2, min(1024, triton.next_power_of_2(D))
     _hc_finish_kernel[(triton.cdiv(T, BTF), triton.cdiv(D, BD))](
         H, mix, ss, base, scale, x, post, comb, T, D, S, *scalars, SP=triton.next_power_of_2(S), BT=BTF, BD=BD,

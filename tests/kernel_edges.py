@@ -146,6 +146,107 @@ def check_hc_post_exact(T: int, D: int, dtype, device) -> None:
         assert torch.equal(got, want), "hc_post != reference on exact inputs"
 
 
+def lo_piece_inputs(T: int, D: int, device, head: bool, c: float = 4.0):
+    """(H, fn, base, scale, g) where every mix logit is decided by the LOW 8 bits of an fp32 fn value (issue 14,
+    item 2: the bf16x3 projection splits fn into bf16 hi/mid/lo; a kernel that drops or mis-rounds the lo piece,
+    or multiplies in tf32/bf16, must fail here). Exact by construction, so any correct fp32 projection gives the
+    same logits bit for bit:
+      * K = hc·D = n·4^j with n as small as possible (n = 1 at D 64 / 4096, 7 at D 7168). Token t's stream row
+        X_t is zero except n positions of value ±2: its carrier c_t (distinct per token) and n-1 shared filler
+        positions Z where every fn row is 0. So mean(X²) = 4n/K = 4^(1-j) and, with norm_eps = 0, the RMS scale
+        2^(j-1) is exact, and fn·X_t is ONE exact product (the other terms are exact zeros).
+      * fn[i, c_t] = s_t·(F_i + δ_it), s_t the sign of X_t's carrier, F_i with 16 significant bits in
+        [2^e, 1.5·2^e), δ_it = g_it·2^(e-23) with g an integer in [-255, 255] (|δ| < one 16-bit ulp of F_i),
+        so fn has 24 significant bits and its last 8 are g. Below 1.5·2^e, rounding fn to bf16 never carries
+        into the next binade, so every partial sum of the pieces (lo, lo + mid, fn) lies within 24 bits of the
+        larger addend: exact also in a tensor core that truncates what it aligns beyond fp32's width.
+      * scale = c·2^(15-e-j) for every group and base_i = -F_i·2^(j-1)·2·scale (exact), so the logit of mix i at
+        token t is m·scale + base = g_it·c/256 exactly: hi + mid alone (F_i, or F_i ± one 16-bit ulp when
+        rounded to nearest) would give 0 or ±c instead.
+    fn elsewhere is random fp32 (multiplied by X = 0). Returns g [T, n_mix] (the integer lo bits)."""
+    K, n_mix = HC * D, (HC if head else (2 + HC) * HC)
+    j = 0
+    while K % (4 ** (j + 1)) == 0:
+        j += 1
+    n = K // 4 ** j
+    if T + n - 1 > K:
+        raise ValueError(f"lo_piece_inputs: T={T} carriers + {n - 1} fillers exceed K={K}")
+    perm = torch.randperm(K)
+    Z, carriers = perm[:n - 1], perm[n - 1:n - 1 + T]
+    s = torch.randint(0, 2, (T,)) * 2.0 - 1.0
+    X = torch.zeros(T, K)
+    X[:, Z] = (torch.randint(0, 2, (T, n - 1)) * 2.0 - 1.0) * 2.0
+    X[torch.arange(T), carriers] = 2.0 * s
+    e = -math.ceil(math.log2(math.sqrt(K)))  # F ~ 1/sqrt(K), as a trained fn
+    F = (1.0 + torch.randint(0, 2 ** 14, (n_mix,)).double() / 2 ** 15) * 2.0 ** e  # 16 significant bits, < 1.5·2^e
+    g = torch.randint(-255, 256, (T, n_mix))
+    vals = (F[None, :] + g.double() * 2.0 ** (e - 23)) * s.double()[:, None]       # 24 significant bits
+    fn = torch.randn(n_mix, K) / math.sqrt(K)
+    fn[:, Z] = 0.0
+    fn[:, carriers] = vals.t().float()
+    assert torch.equal(fn[:, carriers].double(), vals.t()), "fn values must be exact in fp32"
+    sc = c * 2.0 ** (15 - e - j)
+    base = -(F * 2.0 * 2.0 ** (j - 1) * sc)  # |X_carrier| · rms scale · scale · F
+    assert torch.equal(base.float().double(), base), "base must be exact in fp32"
+    scale = torch.full((1 if head else 3,), sc)
+    H = X.reshape(T, HC, D).bfloat16()
+    return H.to(device), fn.to(device), base.float().to(device), scale.float().to(device), g
+
+
+def _two_piece(fn: torch.Tensor, rounding: str) -> torch.Tensor:
+    """fn with only its leading 16 bits (hi + mid bf16 pieces), cut by truncation or by rounding to nearest."""
+    if rounding == "nearest":
+        hi = fn.bfloat16().float()
+        return hi + (fn - hi).bfloat16().float()
+    return (fn.view(torch.int32) & ~0xFF).view(torch.float32)
+
+
+def check_hc_lo_piece(T: int, D: int, device, one_launch: bool, head: bool, dot: str | None = None) -> None:
+    """hc_pre / hc_head on `lo_piece_inputs` (norm_eps 0): post and comb (pre) or y (head) against the reference
+    (fp32 rtol 1e-5 / bf16 rtol 1.6e-2 of the row's scale), after checking on the reference that the case is an
+    edge: its post logits are exactly g·c/256 and fn cut to its leading 16 bits (a projection that drops the lo
+    piece) moves post by > 1e-2 (1000x the tolerance). `dot` forces the launcher's projection ("tf32x3": the
+    negative control on CUDA, whose 22-bit weights must fail here); None = the public launchers."""
+    from kernels import mhc
+    from kernels.mhc import hc_head, hc_head_ref, hc_pre, hc_pre_ref
+
+    if dot is not None:
+        def hc_pre(H, fn, base, scale, *, out, one_launch, sinkhorn_iters, hc_eps, norm_eps):  # noqa: F811
+            mhc._mix_sites(H, fn, base, scale, *out, sinkhorn_iters, hc_eps, norm_eps, False, one_launch, dot=dot)
+            return out
+
+        def hc_head(H, fn, base, scale, *, out, one_launch, hc_eps, norm_eps):  # noqa: F811
+            mhc._mix_sites(H, fn, base, scale, out, None, None, 1, hc_eps, norm_eps, True, one_launch, dot=dot)
+            return out
+
+    H, fn, base, scale, g = lo_piece_inputs(T, D, device, head)
+    if head:
+        kw = dict(hc_eps=EPS, norm_eps=0.0)
+        ry = hc_head_ref(H, fn, base, scale, **kw)
+        for rounding in ("truncate", "nearest"):
+            cut = hc_head_ref(H, _two_piece(fn, rounding), base, scale, **kw)
+            assert float((cut.double() - ry.double()).abs().max()) > 1e-2 * float(ry.double().abs().max()), \
+                f"no power: dropping fn's lo piece ({rounding}) leaves y unchanged"
+        y = hc_head(H, fn, base, scale, one_launch=one_launch,
+                    out=torch.full((T, D), float("nan"), dtype=H.dtype, device=device), **kw)
+        _rel_rows(y, ry, _rtol(H.dtype), "y (lo piece)")
+        return
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=0.0)
+    rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, **kw)
+    hand = 2.0 / (1.0 + torch.exp(-(g[:, HC:2 * HC].double() * 4.0 / 256)))
+    assert torch.allclose(rpost.double().cpu(), hand, rtol=1e-6, atol=1e-6), "reference post != 2 sigmoid(g c/256)"
+    for rounding in ("truncate", "nearest"):
+        cut = hc_pre_ref(H, _two_piece(fn, rounding), base, scale, **kw)[1]
+        assert float((cut - rpost).abs().max()) > 1e-2, f"no power: dropping fn's lo piece ({rounding}) keeps post"
+    nan = float("nan")
+    out = (torch.full((T, D), nan, dtype=H.dtype, device=device), torch.full((T, HC), nan, device=device),
+           torch.full((T, HC, HC), nan, device=device))
+    x, post, comb = hc_pre(H, fn, base, scale, out=out, one_launch=one_launch, **kw)
+    _rel_rows(post, rpost, 1e-5, "post (lo piece)")
+    _rel_rows(comb, rcomb, 1e-5, "comb (lo piece)")
+    _rel_rows(x, rx, _rtol(H.dtype), "x (lo piece)")
+
+
 # ------------------------------------------------------------------------------------------- attention
 def check_sparse_attn_edge(b: int, s: int, h: int, hd: int, n: int, k: int, dtype, device, splits: int) -> None:
     """Rows (per batch): 0 all slots -1; 1 exactly one valid slot; 2.. random with holes. Heads: even ones have a

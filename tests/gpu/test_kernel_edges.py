@@ -61,3 +61,19 @@ def test_sparse_attn_edges_gpu(seed, heads, splits, dtype):
 @DTYPES
 def test_indexer_scores_edges_gpu(seed, dtype):
     E.check_indexer_edge(2, 3, 64, 128, 4096, dtype, "cuda")
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
+@DS
+@pytest.mark.parametrize("T", [3, 129, 4097], ids=["T3", "T129", "T4097"])
+def test_hc_lo_piece_decides_gpu(seed, T, D, head):
+    """issue 14 item 2: every mix logit carried by the last 8 bits of fn (tests/kernel_edges.py::lo_piece_inputs,
+    exact by construction); the default path for T (one launch at T 3, two launches with 16- / 64-row tiles)."""
+    E.check_hc_lo_piece(T, D, "cuda", T <= 64, head)
+
+
+@DS
+def test_hc_lo_piece_catches_tf32x3_gpu(seed, D):
+    """Negative control: the former tf32x3 projection (22-bit weights) fails the lo-piece case on the GPU."""
+    with pytest.raises(AssertionError, match="lo piece"):
+        E.check_hc_lo_piece(4097, D, "cuda", False, False, dot="tf32x3")

@@ -135,6 +135,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("row_parallel_partial_rounded", "tensor-parallel partial sums rounded to bf16 before the all-reduce",
            patches.row_parallel_partial_rounded,
            ("tests/unit/test_parallel.py::test_row_parallel_partials_are_summed_before_the_bf16_rounding",)),
+    Mutant("mhc_lo_piece_dropped", "the bf16x3 mHC projection drops fn's lo bf16 piece (16-bit weights)",
+           patches.mhc_lo_piece_dropped,
+           ("tests/unit/test_kernel_edges.py::test_hc_lo_piece_decides[two_launch-hc_pre]",
+            "tests/unit/test_kernel_edges.py::test_hc_lo_piece_decides[one_launch-hc_head]")),
 ]}
 
 

@@ -453,6 +453,16 @@ def hc_eps_dropped_in_kernel(mp: MP) -> None:
                        "+ tl.load(base_ptr + j)[None, :])  # MUTANT: no + hc_eps")
 
 
+def mhc_lo_piece_dropped(mp: MP) -> None:
+    """The Triton mHC projection for bf16 streams (`_dot_bf16x3`, both launch paths, GPU and interpreter
+    branches) multiplies by fn's hi + mid bf16 pieces only: 16-bit weights, a ~2^-17 relative error per product
+    that random inputs hide inside the fp32 tolerance (issue 14 item 2)."""
+    from kernels import mhc
+
+    _jit_source_mutant(mp, mhc, "_dot_bf16x3", "lo = (r - mid.to(tl.float32)).to(tl.bfloat16)",
+                       "lo = (r - r).to(tl.bfloat16)  # MUTANT: lo piece dropped")
+
+
 def sink_dropped_in_kernel(mp: MP) -> None:
     """The Triton sparse-attention kernel leaves the sink term e^(sink - m) out of the final softmax denominator
     (the one-program path; the running max still starts at the sink); the reference keeps it."""

@@ -113,3 +113,15 @@ def test_round_bf16_bit_patterns(seed):
     assert torch.equal(y[comp].view(torch.int16), want[comp].view(torch.int16)), "bf16 store != torch's cast"
     naive = _naive_round_bits(x.cpu().view(torch.int32))
     assert int(torch.isnan(naive[nan.cpu()]).sum()) < 7, "negative control: the edge NaNs must break the naive rounding"
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["hc_pre", "hc_head"])
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one_launch", "two_launch"])
+# norm_eps = 0: the masked padding rows of a token block (never stored) compute 0 / 0 in the interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                            "ignore:divide by zero:RuntimeWarning", "ignore:All-NaN slice encountered:RuntimeWarning")
+def test_hc_lo_piece_decides(seed, one_launch, head):
+    """issue 14 item 2: logits carried by the last 8 bits of fn (the bf16x3 split's lo piece), exact by
+    construction (tests/kernel_edges.py::lo_piece_inputs); D 64 (K 256, n 1) and 96 (K 384, n 6 fillers)."""
+    E.check_hc_lo_piece(5, 64, DEV, one_launch, head)
+    E.check_hc_lo_piece(3, 96, DEV, one_launch, head)
