@@ -383,9 +383,12 @@ benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)", grouped MoE rewrite)."""
 
 def moe_config(n_pairs: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs (measured on one H200; RESULTS.md): the decode path while
-    P <= GEMV_MAX_PAIRS, else the tile path with 64-row tiles (128 from 8192 pairs)."""
+    P <= GEMV_MAX_PAIRS; then the tile path with 16-row tiles while most experts hold few pairs (P <= 512),
+    64-row tiles, and 128-row tiles from 8192 pairs."""
     if n_pairs <= GEMV_MAX_PAIRS:
         return MoeConfig("gemv", 1, 16, 128, 4, 1)
+    if n_pairs <= 512:
+        return MoeConfig("tiles", 16, 128, 64, 4, 3)
     return MoeConfig("tiles", 64 if n_pairs < 8192 else 128, 128, 64, 8, 3)
 
 
