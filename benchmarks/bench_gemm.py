@@ -215,9 +215,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 # launch variants swept at Flash width (MoeConfig: path, block_m, block_n, block_kh, num_warps, num_stages)
-GEMV_SWEEP = [(32, 128, 4), (16, 256, 4), (32, 256, 8), (8, 128, 4)]
-TILE_SWEEP = [(64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 32, 4, 3), (64, 128, 64, 4, 4),
-              (32, 128, 64, 4, 3)]
+GEMV_SWEEP = [(32, 256, 4), (16, 512, 4), (8, 256, 4), (16, 256, 8), (16, 128, 4)]
+TILE_SWEEP = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 64, 64, 4, 3),
+              (128, 128, 64, 8, 3), (32, 64, 64, 4, 3), (16, 128, 64, 4, 3)]
 
 
 def bench_moe(args, bw: float) -> None:
@@ -234,6 +234,7 @@ def bench_moe(args, bw: float) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
         ex = moe_inputs(E, D, I)
+        ex_old = moe_before.StackedExperts(*ex)  # the same tensors in the old module's type
         per_expert = 3 * I * D // 2 + 3 * I * D // 32
         Ts = (1, 8, 32, 1024, 4096) if geom == "flash" else (1, 8, 32, 1024)
         for T in Ts:
@@ -243,14 +244,14 @@ def bench_moe(args, bw: float) -> None:
             it, reps = (20, 5) if T <= 64 else (3, 3)
             us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=it, reps=reps)
             old = float("nan") if args.no_before else safe(
-                gpu_time, lambda i: moe_before.moe_experts(x, g, idxs[i % 8], ex, 10.0, mma="fp8"),
+                gpu_time, lambda i: moe_before.moe_experts(x, g, idxs[i % 8], ex_old, 10.0, mma="fp8"),
                 iters=min(it, 5), reps=min(reps, 2))
             n_exp = sum(int(ix.unique().numel()) for ix in idxs) / 8
             gbs = n_exp * per_expert / us * 1e-3
             tf = 2 * 3 * T * 6 * I * D / us * 1e-6
             print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {moe_config(6 * T).path} | {gbs:.0f} | "
                   f"{100 * gbs / bw:.0f}% | {tf:.0f} | {old:.1f} | {old / us:.1f}x |", flush=True)
-        del ex
+        del ex, ex_old
         torch.cuda.empty_cache()
     E, D, I = 256, 4096, 2048
     ex = moe_inputs(E, D, I)
@@ -278,10 +279,10 @@ def bench_moe(args, bw: float) -> None:
     print("\n| Flash T | config (path, BM, BN, BKH, warps, stages) | µs | rel err vs default |\n|---|---|---|---|")
     runs = [(T, MoeConfig("gemv", 1, bn, bkh, w, 1)) for T in (1, 8) for bn, bkh, w in GEMV_SWEEP]
     runs += [(1024, MoeConfig("tiles", bm, bn, bkh, w, st)) for bm, bn, bkh, w, st in TILE_SWEEP]
-    runs += [(4096, MoeConfig("tiles", 64, 128, 64, 8, 3))]
-    runs += [(T, moe_config(100)) for T in (1, 8, 16, 64)]              # 16-row tiles
-    runs += [(T, moe_config(1)) for T in (16, 32, 64)]                  # gemv
-    runs += [(T, moe_config(1000)) for T in (32, 64)]                   # 64-row tiles
+    runs += [(4096, MoeConfig("tiles", bm, 128, 64, w, 3)) for bm, w in ((32, 4), (128, 8))]
+    runs += [(T, moe_config(1000)) for T in (1, 8, 16, 32, 64)]           # 32-row tiles
+    runs += [(T, MoeConfig("tiles", 16, 128, 64, 4, 3)) for T in (16, 32, 64, 128)]
+    runs += [(T, moe_config(1)) for T in (128, 256)]                       # gemv
     for T, cfg in runs:
         torch.manual_seed(T)
         x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)

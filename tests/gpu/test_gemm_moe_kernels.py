@@ -89,18 +89,18 @@ def test_moe_experts_gpu(seed, geom, T, path):
     ref = moe_grouped_ref(x, g, idx, ex, 10.0)
     cfg = moe_config(6 * T)
     if cfg.path != path:
-        cfg = moe_config(1) if path == "gemv" else moe_config(100)  # 16-row tiles
+        cfg = moe_config(1) if path == "gemv" else moe_config(1000)  # 32-row tiles
     assert isinstance(cfg, MoeConfig) and cfg.path == path
     y = moe_experts(x, g, idx, ex, 10.0, config=cfg)
     close_bf16(y, ref, f"moe y [{path}]")
 
 
-@pytest.mark.parametrize("T", [4, 64], ids=["T4-gemv", "T64-tiles"])
+@pytest.mark.parametrize("T", [4, 128], ids=["T4-gemv", "T128-tiles"])
 def test_moe_experts_sync_free_and_graph_replay(seed, T):
     """No host sync (sync debug mode "error") and a CUDA graph replayed with new routing equals eager, on both
-    paths (the default config: gemv at 24 pairs, tiles at 384)."""
+    paths (the default config: gemv at 24 pairs, tiles at 768)."""
     from kernels.moe import moe_config, moe_experts
-    assert moe_config(6 * 4).path == "gemv" and moe_config(6 * 64).path == "tiles"
+    assert moe_config(6 * 4).path == "gemv" and moe_config(6 * 128).path == "tiles"
     E, D, I = GEOM["flash"]
     ex = make_experts(E, D, I)
     x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
