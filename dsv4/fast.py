@@ -10,7 +10,7 @@ numerics, never by a failure (nothing falls back silently; every row below is de
 | other bf16 linears (weights_proj, dequantized mode) | act quant (if `quantized`) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
 | fp32 linears (compressor wkv/wgate, head) | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
-| routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free) | reference loop |
+| routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs, bf16 tensor-core tiles above) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (host sync per expert) | reference loop |
 
 Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 code x power of two) and

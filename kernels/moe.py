@@ -186,50 +186,36 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _e2m1_pairs(w, J: tl.constexpr):
-    """Packed e2m1 words w (uint32: 4 bytes = 8 nibbles, nibble j = input 8k + j of word k) -> the fp32 values of
-    inputs 8k + J and 8k + J + 4 (J in 0..3) times 2^-14, exact.
-
-    Two nibbles per integer op: the 3 magnitude bits of nibbles J and J + 4 are moved to bits 9-11 and 25-27, their
-    sign bits to 15 and 31, making two fp16 numbers in one word; the fp16 number is e2m1 * 2^-14 for every code
-    (0.5 lands on the fp16 subnormal 2^-15), and the fp16 -> fp32 widening is exact. ~5 integer ops per 2 inputs,
-    no table, no multiply."""
-    if J == 0:
-        h = ((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000)
-    elif J == 1:
-        h = ((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000)
-    elif J == 2:
-        h = ((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000)
+def _e2m1(b, HI: tl.constexpr):
+    """Packed e2m1 bytes b (int32, from int8) -> the low (HI False: even input) or high (HI True: odd input)
+    nibble's value times 2^-14, fp32, exact. The nibble's 3 magnitude bits go to fp16 bits 9-11 (exponent low
+    bits + mantissa MSB) and its sign to bit 15: that fp16 number is e2m1 * 2^-14 for every code (0.5 lands on
+    the fp16 subnormal 2^-15), and the fp16 -> fp32 widening is exact. 4 integer ops, no table, no multiply."""
+    if HI:
+        bits = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
     else:
-        h = ((w >> 3) & 0x0E000E00) | (w & 0x80008000)
-    lo = h.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
+        bits = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _fp4_gemv_chunk(acc, w_ptr, s_ptr, rows64, kw0, KW, KS, x_ptr, BN: tl.constexpr, BKW: tl.constexpr):
-    """acc [BN, BKW // 4] += per 32-input group of the chunk of 8 * BKW inputs from input 8 * kw0: the fp32 sum of
-    the exact products (e2m1 * 2^-14) * xq over the group, times the group's 2^(s-127) * 2^14 (a power of two:
-    exact). w_ptr: FP4 rows as uint32 words (8 inputs each), x_ptr: this row of xq (bf16, exact act-quantized
-    values), read as its 8 input slots x[8k + j] so the packed words are never unpacked into input order."""
-    offs = kw0 + tl.arange(0, BKW)
-    w = tl.load(w_ptr + rows64[:, None] * KW + offs[None, :]).to(tl.uint32, bitcast=True)
-    part = tl.zeros((BN, BKW), dtype=tl.float32)
-    for j in tl.static_range(4):
-        lo, hi = _e2m1_pairs(w, j)
-        xl = tl.load(x_ptr + 8 * offs + j).to(tl.float32)
-        xh = tl.load(x_ptr + 8 * offs + j + 4).to(tl.float32)
-        part += lo * xl[None, :] + hi * xh[None, :]
-    grp = tl.sum(tl.reshape(part, (BN, BKW // 4, 4)), axis=2)
-    s = tl.load(s_ptr + rows64[:, None] * KS + kw0 // 4 + tl.arange(0, BKW // 4)[None, :]).to(tl.int32)
-    return acc + grp * (e8m0_to_f32(s) * 16384.0)
+def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
+    """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
+    xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
+    bytes are never interleaved). Per 32-input group (16 bytes): fp32 sum of the exact products
+    (e2m1 * 2^-14) * xq, times the group's 2^(s-127) * 2^14 (a power of two: exact)."""
+    offs = kh0 + tl.arange(0, BKH)
+    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+    p = _e2m1(b, False) * xe[None, :] + _e2m1(b, True) * xo[None, :]
+    grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2)
+    s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+    return tl.sum(grp * (e8m0_to_f32(s) * 16384.0), axis=1)
 
 
 @triton.jit
 def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                         E, D, I, K_SLOTS, limit,
-                        HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr):
+                        HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
     """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
     in expert order, so programs reading one expert's rows run side by side and share them through L2).
     xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
@@ -241,21 +227,24 @@ def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_pt
     tok = pair // K_SLOTS
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     rows64 = e * I + offs_n
-    KW = D // 8
+    KH = D // 2
     KS = D // 32
-    u = tl.zeros((BN, BKW // 4), dtype=tl.float32)
-    v = tl.zeros((BN, BKW // 4), dtype=tl.float32)
-    for kw0 in range(0, KW, BKW):
-        u = _fp4_gemv_chunk(u, w1_ptr, s1_ptr, rows64, kw0, KW, KS, xq_ptr + tok * D, BN, BKW)
-        v = _fp4_gemv_chunk(v, w3_ptr, s3_ptr, rows64, kw0, KW, KS, xq_ptr + tok * D, BN, BKW)
-    h = _swiglu(tl.sum(u, axis=1), tl.sum(v, axis=1), tl.load(g_ptr + pair), limit, HAS_LIMIT)
+    offs_j = tl.arange(0, BKH)
+    u = tl.zeros((BN,), dtype=tl.float32)
+    v = tl.zeros((BN,), dtype=tl.float32)
+    for kh0 in range(0, KH, BKH):
+        xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
+        xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+        u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+        v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+    h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
     h = tl.where(bad, float("nan"), h)
     tl.store(h_ptr + pair * I + offs_n, round_bf16(h).to(tl.bfloat16))
 
 
 @triton.jit
 def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                          BN: tl.constexpr, BKW: tl.constexpr):
+                          BN: tl.constexpr, BKH: tl.constexpr):
     """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
     exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
     pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
@@ -264,12 +253,15 @@ def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, 
     e = tl.where(bad, 0, e)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     rows64 = e * D + offs_n
-    KW = I // 8
+    KH = I // 2
     KS = I // 32
-    acc = tl.zeros((BN, BKW // 4), dtype=tl.float32)
-    for kw0 in range(0, KW, BKW):
-        acc = _fp4_gemv_chunk(acc, w2_ptr, s2_ptr, rows64, kw0, KW, KS, hq_ptr + pair * I, BN, BKW)
-    acc = tl.where(bad, float("nan"), tl.sum(acc, axis=1))
+    offs_j = tl.arange(0, BKH)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for kh0 in range(0, KH, BKH):
+        he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
+        ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+        acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
+    acc = tl.where(bad, float("nan"), acc)
     tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
 
 
@@ -286,44 +278,30 @@ def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
-def _operand(t, MMA: tl.constexpr):
-    """fp32 tile of exact bf16 values -> the dot operand: bf16 on the GPU (exact cast), fp32 under the interpreter."""
+def _fp4_tile_dot(acc, xe, xo, w_ptr, s_ptr, rows64, kh0, KH, KS, BKH: tl.constexpr, MMA: tl.constexpr):
+    """acc [BM, BN] += xq[:, chunk] . W[rows, chunk]^T for one chunk of 2*BKH inputs: xe / xo [BM, BKH] the even /
+    odd inputs (bf16 exact values), W's bytes decoded to exact e2m1 * 2^(s-127) values (`_e2m1` times the
+    group's scale times 2^14). MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the scales are
+    screened at load), two tensor-core dots with fp32 accumulation; MMA 0 (the interpreter, whose bf16 casts and
+    dots are not faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
+    offs = kh0 + tl.arange(0, BKH)
+    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+    s = e8m0_to_f32(tl.load(s_ptr + rows64[:, None] * KS + (offs // 16)[None, :]).to(tl.int32)) * 16384.0
+    lo = _e2m1(b, False) * s
+    hi = _e2m1(b, True) * s
     if MMA == 0:
-        return t
-    return t.to(tl.bfloat16)
-
-
-@triton.jit
-def _fp4_tile_dot(acc, x, w_ptr, s_ptr, rows64, kw0, KW, KS, BN: tl.constexpr, BKW: tl.constexpr,
-                  MMA: tl.constexpr):
-    """acc [BM, BN] += x . W[rows, chunk]^T for one chunk of 8 * BKW inputs from input 8 * kw0: x [BM, 8 * BKW] the
-    gathered rows of xq (bf16 exact values); W's words decoded two nibbles at a time (`_e2m1_pairs`), times the
-    group's 2^(s-127) * 2^14 (exact values e2m1 * 2^(s-127)), put back in input order by three joins (the slot
-    bits b2, b1, b0 of input 8k + 4 b2 + 2 b1 + b0 become the last three axes) and ONE dot. MMA 1: both operands
-    bf16 (exact: e2m1 has 2 significant bits, the scales are screened at load), tensor cores with fp32
-    accumulation; MMA 0 (the interpreter, whose bf16 casts and dots are not faithful in triton 3.9): an fp32 dot
-    with input_precision="ieee" on the same values."""
-    offs = kw0 + tl.arange(0, BKW)
-    w = tl.load(w_ptr + rows64[:, None] * KW + offs[None, :]).to(tl.uint32, bitcast=True)
-    f = e8m0_to_f32(tl.load(s_ptr + rows64[:, None] * KS + (offs // 4)[None, :]).to(tl.int32)) * 16384.0
-    l0, h0 = _e2m1_pairs(w, 0)
-    l1, h1 = _e2m1_pairs(w, 1)
-    l2, h2 = _e2m1_pairs(w, 2)
-    l3, h3 = _e2m1_pairs(w, 3)
-    a0 = tl.join(_operand(l0 * f, MMA), _operand(h0 * f, MMA))   # slot b2 last: inputs 8k + 0 / 8k + 4
-    a1 = tl.join(_operand(l1 * f, MMA), _operand(h1 * f, MMA))
-    a2 = tl.join(_operand(l2 * f, MMA), _operand(h2 * f, MMA))
-    a3 = tl.join(_operand(l3 * f, MMA), _operand(h3 * f, MMA))
-    wt = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (BN, 8 * BKW))
-    if MMA == 0:
-        return acc + tl.dot(x.to(tl.float32), tl.trans(wt), input_precision="ieee")
-    return tl.dot(x, tl.trans(wt), acc)
+        acc += tl.dot(xe.to(tl.float32), tl.trans(lo), input_precision="ieee")
+        acc += tl.dot(xo.to(tl.float32), tl.trans(hi), input_precision="ieee")
+    else:
+        acc = tl.dot(xe, tl.trans(lo.to(tl.bfloat16)), acc)
+        acc = tl.dot(xo, tl.trans(hi.to(tl.bfloat16)), acc)
+    return acc
 
 
 @triton.jit
 def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                         E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BKW: tl.constexpr, MMA: tl.constexpr):
+                        BKH: tl.constexpr, MMA: tl.constexpr):
     """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
     one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x). Padding rows (g = 0) and the rows
     of unused tiles are written as 0, so every row of h [n_tiles * BM, I] bf16 is defined."""
@@ -337,15 +315,17 @@ def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr,
         valid = pair >= 0
         tok = tl.where(valid, pair // K_SLOTS, 0).to(tl.int64)
         rows64 = e.to(tl.int64) * I + offs_n
-        KW = D // 8
+        KH = D // 2
         KS = D // 32
-        offs_k = tl.arange(0, 8 * BKW)
+        offs_j = tl.arange(0, BKH)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
-        for kw0 in range(0, KW, BKW):
-            x = tl.load(xq_ptr + tok[:, None] * D + 8 * kw0 + offs_k[None, :], mask=valid[:, None], other=0.0)
-            u = _fp4_tile_dot(u, x, w1_ptr, s1_ptr, rows64, kw0, KW, KS, BN, BKW, MMA)
-            v = _fp4_tile_dot(v, x, w3_ptr, s3_ptr, rows64, kw0, KW, KS, BN, BKW, MMA)
+        for kh0 in range(0, KH, BKH):
+            xp = xq_ptr + tok[:, None] * D + 2 * (kh0 + offs_j)[None, :]
+            xe = tl.load(xp, mask=valid[:, None], other=0.0)
+            xo = tl.load(xp + 1, mask=valid[:, None], other=0.0)
+            u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BKH, MMA)
+            v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BKH, MMA)
         g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
         h = _swiglu(u, v, g[:, None], limit, HAS_LIMIT)
         tl.store(out, round_bf16(h).to(tl.bfloat16))
@@ -355,7 +335,7 @@ def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr,
 
 @triton.jit
 def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                          BM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, MMA: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
     """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
     valid rows (hq [n_tiles * BM, I] bf16, act-quantized h), scattered to pair order."""
     tile = tl.program_id(0)
@@ -366,14 +346,14 @@ def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_pt
         valid = pair >= 0
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
         rows64 = e.to(tl.int64) * D + offs_n
-        KW = I // 8
+        KH = I // 2
         KS = I // 32
-        offs_k = tl.arange(0, 8 * BKW)
+        offs_j = tl.arange(0, BKH)
         r64 = offs_r.to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kw0 in range(0, KW, BKW):
-            h = tl.load(hq_ptr + r64[:, None] * I + 8 * kw0 + offs_k[None, :])
-            acc = _fp4_tile_dot(acc, h, w2_ptr, s2_ptr, rows64, kw0, KW, KS, BN, BKW, MMA)
+        for kh0 in range(0, KH, BKH):
+            hp = hq_ptr + r64[:, None] * I + 2 * (kh0 + offs_j)[None, :]
+            acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BKH, MMA)
         p64 = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
                  mask=valid[:, None])
@@ -397,23 +377,20 @@ class MoeConfig(NamedTuple):
 
 
 GEMV_MAX_PAIRS = 384
-"""Pairs (T * k) up to which `moe_experts` takes the decode path (chosen by measurement on one H200:
-benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)", grouped MoE rewrite)."""
+"""Pairs (T * k) up to which `moe_experts` takes the decode path: on one H200 at Flash width the gemv path was
+faster at every measured P <= 384 (T = 64: 3.3 ms vs 3.9 ms for 16-row tiles, 16.8 ms for 64-row tiles); the
+tile path is the one measured at P = 6144 (benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)", grouped MoE
+rewrite). The exact crossover between 384 and 6144 pairs was not measured."""
 
 
 def moe_config(n_pairs: int) -> MoeConfig:
-    """Default launch for P = n_pairs pairs (measured on one H200; RESULTS.md): the decode path while
-    P <= GEMV_MAX_PAIRS; then the tile path with 32-row tiles, and 64-row tiles from 8192 pairs (~32 per expert
-    at E = 256)."""
+    """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
+    16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS, else 32-row tiles, 128 weight
+    rows per program, 128-input K steps, 4 warps, 3 stages (T = 1024: 10.1 ms vs 11.7-28.3 ms for the other
+    tiles tried)."""
     if n_pairs <= GEMV_MAX_PAIRS:
         return MoeConfig("gemv", 1, 16, 256, 4, 1)
-    return MoeConfig("tiles", 32 if n_pairs < 8192 else 64, 128, 64, 4, 3)
-
-
-def i32(w: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 bytes [E, out, in/2] int8 viewed as uint32-sized words [E, out, in/8] (8 inputs per word; the
-    kernels bitcast them to uint32). in % 128 == 0, so every row is whole words."""
-    return w.view(torch.int32)
+    return MoeConfig("tiles", 32, 128, 64, 4, 3)
 
 
 def _chunk(block_kh: int, half_width: int) -> int:
@@ -445,8 +422,8 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
-        xq, weights, order, indices, i32(experts.w1), u8(experts.s1), i32(experts.w3), u8(experts.s3), h, E, D, I,
-        indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n, BKW=_chunk(cfg.block_kh, D // 2) // 4,
+        xq, weights, order, indices, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h, E, D, I,
+        indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, D // 2),
         num_warps=cfg.num_warps)
     return h
 
@@ -460,8 +437,8 @@ def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, 
         _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
     y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
-        hq, order, indices, i32(experts.w2), experts.s2.view(torch.uint8), y, E, D, I, BN=cfg.block_n,
-        BKW=_chunk(cfg.block_kh, I // 2) // 4, num_warps=cfg.num_warps)
+        hq, order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I, BN=cfg.block_n,
+        BKH=_chunk(cfg.block_kh, I // 2), num_warps=cfg.num_warps)
     return y
 
 
@@ -475,9 +452,9 @@ def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, exper
     h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_tile_kernel[(route.tile_expert.numel(), I // cfg.block_n)](
-        xq, weights, route.row_pair, route.tile_expert, i32(experts.w1), u8(experts.s1), i32(experts.w3),
-        u8(experts.s3), h, E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m,
-        BN=cfg.block_n, BKW=_chunk(cfg.block_kh, D // 2) // 4, MMA=_moe_mma(mma), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        xq, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h,
+        E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m, BN=cfg.block_n,
+        BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return h
 
 
@@ -489,8 +466,8 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
         _fail("moe_down_tiles", "cfg", repr(cfg), f"block_n dividing D = {D}, block_m = route.block_m")
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_tile_kernel[(route.tile_expert.numel(), D // cfg.block_n)](
-        hq, route.row_pair, route.tile_expert, i32(experts.w2), experts.s2.view(torch.uint8), y, E, D, I,
-        BM=cfg.block_m, BN=cfg.block_n, BKW=_chunk(cfg.block_kh, I // 2) // 4, MMA=_moe_mma(mma),
+        hq, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
+        BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
