@@ -41,6 +41,14 @@ the two sums: 1 bf16 ulp, in a small fraction of elements (tests/unit/test_gemm_
 TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_precision="ieee" (triton 3.9's
 interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
 
+`mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
+interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
+
+Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite"): Flash T=1 90 µs per call (78.5 µs of
+kernels; 364 µs before), T=1024 10.1 ms (21 ms before). Both miss issue 13's targets (40 µs, 2.1 ms); the
+nibble decode's integer ops bound the decode path. A decode of two nibbles per integer op (uint32 words) is
+written and interpreter-tested in this branch's commit 08b4564 but not yet measured, so not shipped.
+
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
 w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).
 """
