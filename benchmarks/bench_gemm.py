@@ -21,7 +21,7 @@ import torch
 
 from dsv4 import quant
 from kernels.gemm import fp8_linear, fp8_linear_ref
-from kernels.moe import StackedExperts, moe_experts, moe_grouped_ref
+from kernels.moe import StackedExperts, moe_experts
 
 DECODE = [("wq_a", 4096, 1024), ("wq_b", 1024, 32768), ("wkv", 4096, 512), ("wo_b", 8192, 4096),
           ("shared w1/w3", 4096, 2048), ("shared w2", 2048, 4096), ("pro wq_a", 7168, 1536),
@@ -133,6 +133,7 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
+    ap.add_argument("--no-before", action="store_true", help="skip the MoE kernels before the rewrite")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -199,38 +200,102 @@ def bench_prefill(args, peak: float) -> None:
             print(f"| {name} | {K}->{N} | {M} | " + " | ".join(cells) + " |")
 
 
+def moe_inputs(E: int, D: int, I: int) -> StackedExperts:
+    parts = {}
+    for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
+        parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
+        parts["s" + n] = torch.randint(118, 126, (E, o, i // 32), dtype=torch.uint8,
+                                       device="cuda").view(torch.float8_e8m0fnu)
+    return StackedExperts(**parts)
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |y - ref| / max |ref| (the tests' criterion scale: bf16 table relative to the output's magnitude)."""
+    return float((y - ref).abs().max() / ref.abs().max())
+
+
+# launch variants swept at Flash width (MoeConfig: path, block_m, block_n, block_kh, num_warps, num_stages)
+GEMV_SWEEP = [(32, 256, 4), (16, 512, 4), (8, 256, 4), (16, 256, 8), (16, 128, 4)]
+TILE_SWEEP = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 4, 3), (64, 64, 64, 4, 3),
+              (128, 128, 64, 8, 3), (32, 64, 64, 4, 3), (16, 128, 64, 4, 3)]
+
+
 def bench_moe(args, bw: float) -> None:
-    print("\n### Grouped FP4 MoE (routed experts, top-6; µs in a CUDA graph)\n")
-    print("| geometry | T | experts read | triton µs (fp8 dot) | GB/s | % copy BW | TFLOP/s | triton µs (bf16 dot) "
-          "| ref µs (eager loop) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    """Grouped MoE: default `moe_experts` (after) vs the kernels before the rewrite (benchmarks/moe_before.py), per T;
+    then (Flash) the up / down split, a sweep of launch variants and the gemv / tiles crossover. Each variant's
+    output is compared with the default's (max |diff| / max |y|; the default is tested against the reference)."""
+    import moe_before
+
+    from kernels.gemm import act_quant
+    from kernels.moe import MoeConfig, moe_config, moe_down_gemv, moe_down_tiles, moe_route, moe_up_gemv, \
+        moe_up_tiles
+    print("\n### Grouped FP4 MoE (routed experts, top-6; µs per call in a CUDA graph)\n")
+    print("| geometry | T | experts read | after µs (default) | path | GB/s | % copy BW | TFLOP/s | before µs | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
-        if args.quick and geom == "pro":
-            continue
-        parts = {}
-        for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
-            parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
-            parts["s" + n] = torch.randint(118, 126, (E, o, i // 32), dtype=torch.uint8,
-                                           device="cuda").view(torch.float8_e8m0fnu)
-        ex = StackedExperts(**parts)
+        ex = moe_inputs(E, D, I)
+        ex_old = moe_before.StackedExperts(*ex)  # the same tensors in the old module's type
         per_expert = 3 * I * D // 2 + 3 * I * D // 32
-        for T in (1, 8, 32, 1024, 4096):
+        Ts = (1, 8, 32, 1024, 4096) if geom == "flash" else (1, 8, 32, 1024)
+        for T in Ts:
             x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
             idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
             g = torch.rand(T, 6, device="cuda") + 0.1
-            it = 5 if T > 64 else 20
-            us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma="fp8"), iters=it)
-            us16 = float("nan") if args.skip_bf16 else \
-                safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma="bf16"), iters=it)
+            it, reps = (20, 5) if T <= 64 else (3, 3)
+            us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=it, reps=reps)
+            old = float("nan") if args.no_before else safe(
+                gpu_time, lambda i: moe_before.moe_experts(x, g, idxs[i % 8], ex_old, 10.0, mma="fp8"),
+                iters=min(it, 5), reps=min(reps, 2))
             n_exp = sum(int(ix.unique().numel()) for ix in idxs) / 8
             gbs = n_exp * per_expert / us * 1e-3
             tf = 2 * 3 * T * 6 * I * D / us * 1e-6
-            ref = f"{eager_time(lambda i: moe_grouped_ref(x, g, idxs[i % 8], ex, 10.0), iters=2):.0f}" \
-                if T <= 8 and not args.no_ref else "-"
-            print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {gbs:.0f} | {100 * gbs / bw:.0f}% | {tf:.0f} | "
-                  f"{us16:.1f} | {ref} |")
-        del ex, parts
+            print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {moe_config(6 * T).path} | {gbs:.0f} | "
+                  f"{100 * gbs / bw:.0f}% | {tf:.0f} | {old:.1f} | {old / us:.1f}x |", flush=True)
+        del ex, ex_old
         torch.cuda.empty_cache()
+    E, D, I = 256, 4096, 2048
+    ex = moe_inputs(E, D, I)
+    # up / down split of the default launches (no act_quant, sort or slot sum)
+    print("\n| Flash T | path | up µs | down µs | up+down µs |\n|---|---|---|---|---|")
+    for T in (1, 8, 1024):
+        x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+        idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+        g = torch.rand(T, 6, device="cuda") + 0.1
+        cfg = moe_config(6 * T)
+        xq = act_quant(x, sim=True)[0]
+        it = 20 if T <= 64 else 3
+        if cfg.path == "gemv":
+            orders = [torch.sort(ix.reshape(-1), stable=True).indices.to(torch.int32) for ix in idxs]
+            hq = act_quant(moe_up_gemv(xq, g, idxs[0], orders[0], ex, 10.0, cfg), sim=True)[0]
+            up = safe(gpu_time, lambda i: moe_up_gemv(xq, g, idxs[i % 8], orders[i % 8], ex, 10.0, cfg), iters=it)
+            dn = safe(gpu_time, lambda i: moe_down_gemv(hq, idxs[i % 8], orders[i % 8], ex, cfg), iters=it)
+        else:
+            routes = [moe_route(ix, E, cfg.block_m) for ix in idxs]
+            hq = act_quant(moe_up_tiles(xq, g, routes[0], ex, 10.0, cfg), sim=True)[0]
+            up = safe(gpu_time, lambda i: moe_up_tiles(xq, g, routes[i % 8], ex, 10.0, cfg), iters=it, reps=3)
+            dn = safe(gpu_time, lambda i: moe_down_tiles(hq, routes[0], ex, 6 * T, cfg), iters=it, reps=3)
+        print(f"| {T} | {cfg.path} | {up:.1f} | {dn:.1f} | {up + dn:.1f} |", flush=True)
+    # launch variants (whole moe_experts, forced config) and the crossover
+    print("\n| Flash T | config (path, BM, BN, BKH, warps, stages) | µs | rel err vs default |\n|---|---|---|---|")
+    runs = [(T, MoeConfig("gemv", 1, bn, bkh, w, 1)) for T in (1, 8) for bn, bkh, w in GEMV_SWEEP]
+    runs += [(1024, MoeConfig("tiles", bm, bn, bkh, w, st)) for bm, bn, bkh, w, st in TILE_SWEEP]
+    runs += [(4096, MoeConfig("tiles", bm, 128, 64, w, 3)) for bm, w in ((32, 4), (128, 8))]
+    runs += [(T, moe_config(1000)) for T in (1, 8, 16, 32, 64)]           # 32-row tiles
+    runs += [(T, MoeConfig("tiles", 16, 128, 64, 4, 3)) for T in (16, 32, 64, 128)]
+    runs += [(T, moe_config(1)) for T in (128, 256)]                       # gemv
+    for T, cfg in runs:
+        torch.manual_seed(T)
+        x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+        idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+        g = torch.rand(T, 6, device="cuda") + 0.1
+        it, reps = (20, 3) if T <= 64 else (3, 2)
+        try:
+            err = rel_err(moe_experts(x, g, idxs[0], ex, 10.0, config=cfg), moe_experts(x, g, idxs[0], ex, 10.0))
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
+            print(f"| {T} | {tuple(cfg)} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | - |", flush=True)
+            continue
+        us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=cfg), iters=it, reps=reps)
+        print(f"| {T} | {tuple(cfg)} | {us:.1f} | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

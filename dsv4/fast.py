@@ -12,7 +12,7 @@ numerics, never by a failure (nothing falls back silently; every row below is de
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
 | RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
-| routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free) | reference loop |
+| routed experts (FP4, widths % 128 == 0, all experts on this rank) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs, bf16 tensor-core tiles above) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (host sync per expert) | reference loop |
 
 Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 code x power of two) and

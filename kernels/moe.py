@@ -13,16 +13,41 @@ the shared expert and the final bf16 cast stay with the caller.
 Reading order (STYLE §1): `moe_grouped_ref`, routing (`moe_route`, plain torch, sync-free), the kernels, the
 launchers, `stack_experts`.
 
-Plan (vLLM fused_moe, STYLE §14): `moe_route` sorts the T*k pairs by expert on the device and pads each expert's
-run to the row tile BM; rows are `row_pair[r]` (pair index or -1), tiles `tile_expert[i]` (E = unused tile).
-Every shape is static (`n_tiles = cdiv(P, BM) + min(E, P)` bounds the padded tiles), nothing reads back to the
-host, so the whole thing can be captured in a CUDA graph. `_moe_up_kernel` (grid tiles x I-blocks) gathers its
-tokens' rows of x, act-quantizes them in registers, widens the FP4 tiles of W1 and W3 of the tile's expert to
-e4m3 per 32-input group (as the official Hopper path: e2m1 * 2^-6 is exact in e4m3, the group's ue8m0 scale
-applied to the fp32 group product), runs both dots and the SwiGLU epilogue (clamps, routing
-weight) and writes h [rows, I] bf16. `_moe_down_kernel` (grid tiles x D-blocks) act-quantizes h and writes y_pair
-[P, D] bf16 scattered to pair order. A tile whose expert has no tokens is never launched work; an expert's bytes
-are read only by its own tiles, so decode reads only the selected experts.
+Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once
+(`kernels.gemm.act_quant(sim=True)`: bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
+`act_quant_sim`), h likewise after the up launch; the kernels read those exact values. Two paths, chosen by
+P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
+  * decode, "gemv": `_moe_up_gemv_kernel` / `_moe_down_gemv_kernel`, grid (P, out / BN): one short program per
+    (pair, BN output rows), pairs visited in expert order (stable `torch.sort` of the flattened ids, on the
+    device) so programs that read one expert's rows run side by side and share them through L2. Each program
+    runs the whole K loop in chunks of 2*BKH inputs on CUDA cores: packed bytes [BN, BKH] decoded to exact fp32
+    e2m1 * 2^-14 (`_e2m1`: 4 integer ops through an fp16 bit pattern, low nibble = even input, high = odd; x is
+    loaded as its even / odd inputs instead of interleaving the weights), FMA with x, a sum per 32-input group
+    times that group's 2^(s-127) * 2^14, then the SwiGLU epilogue (`_swiglu`).
+  * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
+    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (tiles, out / BN): per chunk of
+    2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
+    rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation
+    (wgmma on Hopper), no per-group split. A tile whose expert has no pair is never computed; an expert's bytes
+    are read only by its own tiles.
+
+Exactness (both paths): every product is exact in fp32 - an e2m1 value has 2 significant bits, an act-quantized
+activation 4 (e4m3), and the scales are powers of two (ue8m0 screened for overflow at load:
+`dsv4.model.check_dequantized_range`), so each weight value e2m1 * 2^(s-127) is exact in bf16 and fp32, and so is a
+product of it with an activation (<= 6 significant bits, no underflow at realistic scales). Only the order of
+the fp32 sums differs from `moe_grouped_ref` (and, on the tensor cores, the MMA's internal accumulation), so
+the bf16 outputs u, v, h and y_pair differ from the reference at most where a rounding boundary falls between
+the two sums: 1 bf16 ulp, in a small fraction of elements (tests/unit/test_gemm_moe_kernels.py). Under
+TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_precision="ieee" (triton 3.9's
+interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
+
+`mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
+interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
+
+Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite"): Flash T=1 90 µs per call (78.5 µs of
+kernels; 364 µs before), T=1024 10.1 ms (21 ms before). Both miss issue 13's targets (40 µs, 2.1 ms); the
+nibble decode's integer ops bound the decode path. A decode of two nibbles per integer op (uint32 words) is
+written and interpreter-tested in this branch's commit 08b4564 but not yet measured, so not shipped.
 
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
 w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).
@@ -36,7 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import act_apply, act_scale, dot_q_w, e8m0_to_f32, mma_mode, round_bf16
+from kernels.gemm import act_quant, e8m0_to_f32, mma_mode, round_bf16
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -169,112 +194,158 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _split4(t, R: tl.constexpr):
-    """[R, 128] -> the four [R, 32] column groups 0..3 (reshape / permute / split; no memory traffic)."""
-    t = tl.permute(tl.reshape(t, (R, 2, 2, 32)), (0, 3, 1, 2))  # [R, 32, g // 2, g % 2]
-    a, b = tl.split(t)
-    t0, t2 = tl.split(a)
-    t1, t3 = tl.split(b)
-    return t0, t1, t2, t3
+def _e2m1(b, HI: tl.constexpr):
+    """Packed e2m1 bytes b (int32, from int8) -> the low (HI False: even input) or high (HI True: odd input)
+    nibble's value times 2^-14, fp32, exact. The nibble's 3 magnitude bits go to fp16 bits 9-11 (exponent low
+    bits + mantissa MSB) and its sign to bit 15: that fp16 number is e2m1 * 2^-14 for every code (0.5 lands on
+    the fp16 subnormal 2^-15), and the fp16 -> fp32 widening is exact. 4 integer ops, no table, no multiply."""
+    if HI:
+        bits = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+    else:
+        bits = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _split4s(s, R: tl.constexpr):
-    """[R, 4] -> its four columns, each [R]."""
-    a, b = tl.split(tl.reshape(s, (R, 2, 2)))
-    s0, s2 = tl.split(a)
-    s1, s3 = tl.split(b)
-    return s0, s1, s2, s3
+def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
+    """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
+    xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
+    bytes are never interleaved). Per 32-input group (16 bytes): fp32 sum of the exact products
+    (e2m1 * 2^-14) * xq, times the group's 2^(s-127) * 2^14 (a power of two: exact)."""
+    offs = kh0 + tl.arange(0, BKH)
+    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+    p = _e2m1(b, False) * xe[None, :] + _e2m1(b, True) * xo[None, :]
+    grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2)
+    s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+    return tl.sum(grp * (e8m0_to_f32(s) * 16384.0), axis=1)
 
 
 @triton.jit
-def _e4m3(c):
-    return c.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                        E, D, I, K_SLOTS, limit,
+                        HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+    """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
+    in expert order, so programs reading one expert's rows run side by side and share them through L2).
+    xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
+    reads expert 0 and writes NaN (fail loud, never a plausible row)."""
+    pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    bad = (e < 0) | (e >= E)
+    e = tl.where(bad, 0, e)
+    tok = pair // K_SLOTS
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows64 = e * I + offs_n
+    KH = D // 2
+    KS = D // 32
+    offs_j = tl.arange(0, BKH)
+    u = tl.zeros((BN,), dtype=tl.float32)
+    v = tl.zeros((BN,), dtype=tl.float32)
+    for kh0 in range(0, KH, BKH):
+        xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
+        xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+        u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+        v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+    h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
+    h = tl.where(bad, float("nan"), h)
+    tl.store(h_ptr + pair * I + offs_n, round_bf16(h).to(tl.bfloat16))
 
 
 @triton.jit
-def _fp4_kblock(q, sx, wb, ws, R: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """One 128-input block of `act_quant(x) . W^T` for FP4 W, as the official Hopper path widens it (spec §2):
-    q [R, 128] fp32 on the e4m3 grid with row scales sx [R]; wb [BN, 64] packed bytes; ws [BN, 4] ue8m0 bytes.
-
-    Each nibble's 3 magnitude bits moved to bits 2-4 of an e4m3 byte and its sign to bit 7 give exactly the e4m3
-    number e2m1 * 2^-6 (normal for e >= 1, the e4m3 subnormal 2^-7 for 0.5): ~3.5 integer ops per weight, no
-    multiply. Low nibble = even column (join + reshape). Per 32-input group j: `dot(q_j, w_j) * 2^(s_j-127) * 2^6`
-    in fp32; the sum of the four times sx. Returns [R, BN] fp32."""
-    b = wb.to(tl.int32)
-    lo = ((b & 7) << 2) | ((b & 8) << 4)
-    hi = ((b >> 2) & 0x1C) | (b & 0x80)
-    w0, w1, w2, w3 = _split4(tl.reshape(tl.join(lo, hi), (BN, 128)), BN)
-    s0, s1, s2, s3 = _split4s(e8m0_to_f32(ws.to(tl.int32) & 0xFF) * 64.0, BN)
-    q0, q1, q2, q3 = _split4(q, R)
-    acc = dot_q_w(q0, _e4m3(w0), MMA) * s0[None, :]
-    acc += dot_q_w(q1, _e4m3(w1), MMA) * s1[None, :]
-    acc += dot_q_w(q2, _e4m3(w2), MMA) * s2[None, :]
-    acc += dot_q_w(q3, _e4m3(w3), MMA) * s3[None, :]
-    return acc * sx[:, None]
-
-
-@triton.jit
-def _fp4_load(w_ptr, s_ptr, rows64, kb, KH, KS, wmask):
-    """K block `kb` (128 inputs) of the FP4 rows `rows64`: packed e2m1 codes [BN, 64] int8 (two per byte) and
-    their ue8m0 scales [BN, 4] (one per 32 inputs); masked rows read code 0 and scale 127 (= 1.0)."""
-    codes = tl.load(w_ptr + rows64[:, None] * KH + kb * 64 + tl.arange(0, 64)[None, :], mask=wmask, other=0)
-    scales = tl.load(s_ptr + rows64[:, None] * KS + kb * 4 + tl.arange(0, 4)[None, :], mask=wmask, other=127)
-    return codes, scales
+def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
+                          BN: tl.constexpr, BKH: tl.constexpr):
+    """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
+    exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
+    pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    bad = (e < 0) | (e >= E)
+    e = tl.where(bad, 0, e)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    rows64 = e * D + offs_n
+    KH = I // 2
+    KS = I // 32
+    offs_j = tl.arange(0, BKH)
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for kh0 in range(0, KH, BKH):
+        he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
+        ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+        acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
+    acc = tl.where(bad, float("nan"), acc)
+    tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
 
 
 @triton.jit
-def _moe_up_kernel(x_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                   E, D, I, K_SLOTS, limit,
-                   HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """h[r, n] for the BM rows of tile program_id(0) and I-columns program_id(1)*BN.. (module docstring).
-    The next K block's weight bytes and scales are loaded before the current block is computed (prefetch)."""
+def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
+    """h = silu(u) * v * g in fp32 after rounding u and v to bf16 (the Linear outputs) and the clamps: v two-sided,
+    u from above only (spec §8.5). Any shape; g broadcasts."""
+    u = round_bf16(u)
+    v = round_bf16(v)
+    if HAS_LIMIT:
+        v = tl.minimum(tl.maximum(v, -limit), limit)
+        u = tl.minimum(u, limit)
+    return u * tl.sigmoid(u) * v * g
+
+
+@triton.jit
+def _fp4_tile_dot(acc, xe, xo, w_ptr, s_ptr, rows64, kh0, KH, KS, BKH: tl.constexpr, MMA: tl.constexpr):
+    """acc [BM, BN] += xq[:, chunk] . W[rows, chunk]^T for one chunk of 2*BKH inputs: xe / xo [BM, BKH] the even /
+    odd inputs (bf16 exact values), W's bytes decoded to exact e2m1 * 2^(s-127) values (`_e2m1` times the
+    group's scale times 2^14). MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the scales are
+    screened at load), two tensor-core dots with fp32 accumulation; MMA 0 (the interpreter, whose bf16 casts and
+    dots are not faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
+    offs = kh0 + tl.arange(0, BKH)
+    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+    s = e8m0_to_f32(tl.load(s_ptr + rows64[:, None] * KS + (offs // 16)[None, :]).to(tl.int32)) * 16384.0
+    lo = _e2m1(b, False) * s
+    hi = _e2m1(b, True) * s
+    if MMA == 0:
+        acc += tl.dot(xe.to(tl.float32), tl.trans(lo), input_precision="ieee")
+        acc += tl.dot(xo.to(tl.float32), tl.trans(hi), input_precision="ieee")
+    else:
+        acc = tl.dot(xe, tl.trans(lo.to(tl.bfloat16)), acc)
+        acc = tl.dot(xo, tl.trans(hi.to(tl.bfloat16)), acc)
+    return acc
+
+
+@triton.jit
+def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                        E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        BKH: tl.constexpr, MMA: tl.constexpr):
+    """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
+    one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x). Padding rows (g = 0) and the rows
+    of unused tiles are written as 0, so every row of h [n_tiles * BM, I] bf16 is defined."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
+    offs_r = tile * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    out = h_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :]
     if e < E:
-        offs_r = tile * BM + tl.arange(0, BM)
         pair = tl.load(row_pair_ptr + offs_r)
         valid = pair >= 0
         tok = tl.where(valid, pair // K_SLOTS, 0).to(tl.int64)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask_n = offs_n < I
         rows64 = e.to(tl.int64) * I + offs_n
-        offs_k = tl.arange(0, 128)
         KH = D // 2
         KS = D // 32
-        KB = D // 128
-        wmask = mask_n[:, None]
-        w1b, s1b = _fp4_load(w1_ptr, s1_ptr, rows64, 0, KH, KS, wmask)
-        w3b, s3b = _fp4_load(w3_ptr, s3_ptr, rows64, 0, KH, KS, wmask)
+        offs_j = tl.arange(0, BKH)
         u = tl.zeros((BM, BN), dtype=tl.float32)
         v = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, KB):
-            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
-            w1n, s1n = _fp4_load(w1_ptr, s1_ptr, rows64, kn, KH, KS, wmask)
-            w3n, s3n = _fp4_load(w3_ptr, s3_ptr, rows64, kn, KH, KS, wmask)
-            x = tl.load(x_ptr + tok[:, None] * D + kb * 128 + offs_k[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            inv, sx = act_scale(x)
-            q = act_apply(x, inv)
-            u += _fp4_kblock(q, sx, w1b, s1b, BM, BN, MMA)
-            v += _fp4_kblock(q, sx, w3b, s3b, BM, BN, MMA)
-            w1b, w3b, s1b, s3b = w1n, w3n, s1n, s3n
-        u = round_bf16(u)
-        v = round_bf16(v)
-        if HAS_LIMIT:
-            v = tl.minimum(tl.maximum(v, -limit), limit)
-            u = tl.minimum(u, limit)
+        for kh0 in range(0, KH, BKH):
+            xp = xq_ptr + tok[:, None] * D + 2 * (kh0 + offs_j)[None, :]
+            xe = tl.load(xp, mask=valid[:, None], other=0.0)
+            xo = tl.load(xp + 1, mask=valid[:, None], other=0.0)
+            u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BKH, MMA)
+            v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BKH, MMA)
         g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-        h = u * tl.sigmoid(u) * v * g[:, None]
-        tl.store(h_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :], round_bf16(h).to(tl.bfloat16),
-                 mask=valid[:, None] & mask_n[None, :])
+        h = _swiglu(u, v, g[:, None], limit, HAS_LIMIT)
+        tl.store(out, round_bf16(h).to(tl.bfloat16))
+    else:
+        tl.store(out, tl.zeros((BM, BN), dtype=tl.bfloat16))
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """y_pair[pair, n] = bf16(act_quant_sim(h_row) . W2_e[n]) for the tile's rows, D-columns program_id(1)*BN..
-    (next K block prefetched as in `_moe_up_kernel`)."""
+def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
+                          BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
+    """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
+    valid rows (hq [n_tiles * BM, I] bf16, act-quantized h), scattered to pair order."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -282,73 +353,155 @@ def _moe_down_kernel(h_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, 
         pair = tl.load(row_pair_ptr + offs_r)
         valid = pair >= 0
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        mask_n = offs_n < D
         rows64 = e.to(tl.int64) * D + offs_n
-        offs_k = tl.arange(0, 128)
         KH = I // 2
         KS = I // 32
-        KB = I // 128
-        wmask = mask_n[:, None]
+        offs_j = tl.arange(0, BKH)
         r64 = offs_r.to(tl.int64)
-        wb, sb = _fp4_load(w2_ptr, s2_ptr, rows64, 0, KH, KS, wmask)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, KB):
-            kn = tl.minimum(kb + 1, KB - 1)  # the last iteration re-loads its own block (cached, unused)
-            wn, sn = _fp4_load(w2_ptr, s2_ptr, rows64, kn, KH, KS, wmask)
-            h = tl.load(h_ptr + r64[:, None] * I + kb * 128 + offs_k[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            inv, sh = act_scale(h)
-            acc += _fp4_kblock(act_apply(h, inv), sh, wb, sb, BM, BN, MMA)
-            wb, sb = wn, sn
+        for kh0 in range(0, KH, BKH):
+            hp = hq_ptr + r64[:, None] * I + 2 * (kh0 + offs_j)[None, :]
+            acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BKH, MMA)
         p64 = tl.where(valid, pair, 0).to(tl.int64)
         tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
-                 mask=valid[:, None] & mask_n[None, :])
+                 mask=valid[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------
 
-def _tiles(P: int) -> tuple[int, int]:
-    """(BM, BN): 16-row tiles while P <= 256 pairs (decode: most tiles hold 1-2 rows), else 64; N blocks of 64
-    weight rows (each K block then loads 4 KiB of FP4 bytes per projection, prefetched one block ahead)."""
-    return (16, 64) if P <= 256 else (64, 64)
+class MoeConfig(NamedTuple):
+    """Launch choice of `moe_experts`: path "gemv" (decode kernels, pairs in expert order) or "tiles" (prefill
+    kernels on `moe_route`'s padded tiles); block_m rows per tile (tiles only; 16, 32, 64 or 128), block_n weight
+    rows per program, block_kh packed bytes per K step (2 * block_kh inputs; a power of two >= 16, reduced to
+    divide D/2 and I/2), num_warps, num_stages (tiles only)."""
+    path: str
+    block_m: int
+    block_n: int
+    block_kh: int
+    num_warps: int
+    num_stages: int
 
 
-def moe_up(x: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
-           block_n: int, mma: str | None = None) -> torch.Tensor:
-    """h [n_tiles * BM, I] bf16 of `_moe_up_kernel`; rows with row_pair = -1 are left unwritten (never read)."""
-    E, D, I = _check_experts("moe_up", experts)
-    h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=x.device)
-    grid = (route.tile_expert.numel(), triton.cdiv(I, block_n))
+GEMV_MAX_PAIRS = 384
+"""Pairs (T * k) up to which `moe_experts` takes the decode path: on one H200 at Flash width the gemv path was
+faster at every measured P <= 384 (T = 64: 3.3 ms vs 3.9 ms for 16-row tiles, 16.8 ms for 64-row tiles); the
+tile path is the one measured at P = 6144 (benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)", grouped MoE
+rewrite). The exact crossover between 384 and 6144 pairs was not measured."""
+
+
+def moe_config(n_pairs: int) -> MoeConfig:
+    """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
+    16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS, else 32-row tiles, 128 weight
+    rows per program, 128-input K steps, 4 warps, 3 stages (T = 1024: 10.1 ms vs 11.7-28.3 ms for the other
+    tiles tried)."""
+    if n_pairs <= GEMV_MAX_PAIRS:
+        return MoeConfig("gemv", 1, 16, 256, 4, 1)
+    return MoeConfig("tiles", 32, 128, 64, 4, 3)
+
+
+def _chunk(block_kh: int, half_width: int) -> int:
+    """The largest power of two <= block_kh that divides half_width (D/2 or I/2, multiples of 64)."""
+    b = block_kh
+    while half_width % b:
+        b //= 2
+    return b
+
+
+def _moe_mma(mma: str | None) -> int:
+    """Dot flavour of the tile path: 1 (bf16 operands, tensor cores) on the GPU for mma None or "bf16", 0 under
+    TRITON_INTERPRET=1 (fp32 "ieee" dots; `kernels.gemm.dot_q_w`). "fp8" is refused: an e4m3 dot would need one dot
+    per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the slow layout this
+    path replaced. Raises ValueError for any other value."""
+    if mma not in (None, "bf16"):
+        _fail("moe_experts", "mma", repr(mma), "None or 'bf16' (the FP4 tile path multiplies exact bf16 operands)")
+    return mma_mode("bf16")
+
+
+def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
+                experts: StackedExperts, limit: float, cfg: MoeConfig) -> torch.Tensor:
+    """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`; xq [T, D] bf16 act-quantized x,
+    order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids)."""
+    E, D, I = _check_experts("moe_up_gemv", experts)
+    P = indices.numel()
+    if I % cfg.block_n:
+        _fail("moe_up_gemv", "block_n", cfg.block_n, f"a divisor of I = {I}")
+    h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
-    _moe_up_kernel[grid](x, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3,
-                         u8(experts.s3), h, E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0,
-                         BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
+    _moe_up_gemv_kernel[(P, I // cfg.block_n)](
+        xq, weights, order, indices, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h, E, D, I,
+        indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, D // 2),
+        num_warps=cfg.num_warps)
     return h
 
 
-def moe_down(h: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, block_n: int,
-             mma: str | None = None) -> torch.Tensor:
-    """y_pair [n_pairs, D] bf16 of `_moe_down_kernel` (every pair's row written once)."""
-    E, D, I = _check_experts("moe_down", experts)
-    y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=h.device)
-    grid = (route.tile_expert.numel(), triton.cdiv(D, block_n))
-    _moe_down_kernel[grid](h, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y,
-                           E, D, I, BM=route.block_m, BN=block_n, MMA=mma_mode(mma), num_warps=4)
+def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, experts: StackedExperts,
+                  cfg: MoeConfig) -> torch.Tensor:
+    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h."""
+    E, D, I = _check_experts("moe_down_gemv", experts)
+    P = indices.numel()
+    if D % cfg.block_n:
+        _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
+    y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
+    _moe_down_gemv_kernel[(P, D // cfg.block_n)](
+        hq, order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I, BN=cfg.block_n,
+        BKH=_chunk(cfg.block_kh, I // 2), num_warps=cfg.num_warps)
     return y
 
 
-def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
-                limit: float, *, mma: str | None = None) -> torch.Tensor:
-    """Routed experts of one MoE layer in three device steps and no host sync: `moe_route` (torch), the up
-    launch (w1, w3, SwiGLU with clamps and routing weight), the down launch (w2), then the fp32 sum over slots.
+def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
+                 cfg: MoeConfig, mma: str | None = None) -> torch.Tensor:
+    """h [n_tiles * BM, I] bf16 of `_moe_up_tile_kernel` (row r belongs to pair route.row_pair[r]; padding and
+    unused rows are 0); xq [T, D] bf16 act-quantized x."""
+    E, D, I = _check_experts("moe_up_tiles", experts)
+    if I % cfg.block_n or cfg.block_m != route.block_m:
+        _fail("moe_up_tiles", "cfg", repr(cfg), f"block_n dividing I = {I}, block_m = route.block_m")
+    h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=xq.device)
+    u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
+    _moe_up_tile_kernel[(route.tile_expert.numel(), I // cfg.block_n)](
+        xq, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h,
+        E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m, BN=cfg.block_n,
+        BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
 
-    Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E) (out of range: device assert);
-    experts: StackedExperts (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: "fp8" | "bf16" dot flavour
-    (`kernels.gemm.mma_mode`; same result).
+
+def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, cfg: MoeConfig,
+                   mma: str | None = None) -> torch.Tensor:
+    """y_pair [n_pairs, D] bf16 of `_moe_down_tile_kernel` (every pair's row written once); hq act-quantized h."""
+    E, D, I = _check_experts("moe_down_tiles", experts)
+    if D % cfg.block_n or cfg.block_m != route.block_m:
+        _fail("moe_down_tiles", "cfg", repr(cfg), f"block_n dividing D = {D}, block_m = route.block_m")
+    y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=hq.device)
+    _moe_down_tile_kernel[(route.tile_expert.numel(), D // cfg.block_n)](
+        hq, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
+        BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def _check_config(cfg, D: int, I: int) -> None:
+    ok = isinstance(cfg, MoeConfig) and cfg.path in ("gemv", "tiles") and cfg.block_n >= 1 and \
+        D % cfg.block_n == 0 and I % cfg.block_n == 0 and cfg.block_kh >= 16 and \
+        cfg.block_kh & (cfg.block_kh - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0 and \
+        (cfg.path == "gemv" or cfg.block_m in (16, 32, 64, 128))
+    if not ok:
+        _fail("moe_experts", "config", repr(cfg), f"a MoeConfig: path 'gemv'/'tiles', power-of-two block_n "
+              f"dividing D = {D} and I = {I}, power-of-two block_kh >= 16, tiles: block_m in 16/32/64/128")
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
+                limit: float, *, mma: str | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer on the device, no host sync: act-quantize x, the up launch (w1, w3, SwiGLU
+    with clamps and routing weight), act-quantize h, the down launch (w2), then the fp32 sum over slots.
+
+    Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E); experts: StackedExperts
+    (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16", the tile path's dot flavour
+    (`_moe_mma`; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
+    `moe_config(T * k)`.
     Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
-    Raises: ValueError naming the wrong argument (shape, dtype, layout, device).
+    An id outside [0, E): the gemv path writes NaN rows; the tile path trips `moe_route`'s device-side assert.
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, mma, config).
     """
     op = "moe_experts"
     E, D, I = _check_experts(op, experts)
@@ -356,14 +509,21 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     check_layout(op, {"x": x, "weights": weights, "indices": indices, **experts._asdict()})
     if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit >= 0:
         _fail(op, "limit", repr(limit), "a float >= 0 (swiglu_limit; 0 = no clamp)")
+    _moe_mma(mma)  # validate before any launch
     P = T * k
+    cfg = moe_config(P) if config is None else config
+    _check_config(cfg, D, I)
     if P == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    BM, BN = _tiles(P)
-    route = moe_route(indices, E, BM)
-    mma_mode(mma)  # validate before any launch
-    h = moe_up(x, weights, route, experts, limit, BN, mma)
-    y = moe_down(h, route, experts, P, BN, mma)
+    xq, _ = act_quant(x, sim=True)
+    if cfg.path == "gemv":
+        order = torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
+        h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg)
+        y = moe_down_gemv(act_quant(h, sim=True)[0], indices, order, experts, cfg)
+    else:
+        route = moe_route(indices, E, cfg.block_m)
+        h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
+        y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)
     return y.view(T, k, D).float().sum(1)
 
 

@@ -69,10 +69,16 @@ def make_experts(E, D, I):
 GEOM = {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
 
 
-@pytest.mark.parametrize("geom,T", [("flash", 1), ("flash", 8), ("flash", 32), ("flash", 512), ("pro", 1),
-                                    ("pro", 8)], ids=lambda v: str(v))
-def test_moe_experts_gpu(seed, geom, T):
-    from kernels.moe import moe_experts, moe_grouped_ref
+MOE_T = [1, 8, 32, 1024]
+
+
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+@pytest.mark.parametrize("T", MOE_T, ids=[f"T{t}" for t in MOE_T])
+@pytest.mark.parametrize("geom", ["flash", "pro"])
+def test_moe_experts_gpu(seed, geom, T, path):
+    """Both paths at every T (the default `moe_config` picks one of them; the other is forced with its default
+    tiles), against `moe_grouped_ref`; two tokens share their six experts (an expert read by several pairs)."""
+    from kernels.moe import MoeConfig, moe_config, moe_experts, moe_grouped_ref
     E, D, I = GEOM[geom]
     ex = make_experts(E, D, I)
     x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
@@ -81,18 +87,25 @@ def test_moe_experts_gpu(seed, geom, T):
         idx[1] = idx[0]  # two tokens on the same six experts
     g = torch.rand(T, 6, device="cuda") + 0.1
     ref = moe_grouped_ref(x, g, idx, ex, 10.0)
-    for mma in ("fp8", "bf16"):
-        close_bf16(moe_experts(x, g, idx, ex, 10.0, mma=mma), ref, f"moe y [{mma}]")
+    cfg = moe_config(6 * T)
+    if cfg.path != path:
+        cfg = moe_config(1) if path == "gemv" else moe_config(1000)  # 32-row tiles
+    assert isinstance(cfg, MoeConfig) and cfg.path == path
+    y = moe_experts(x, g, idx, ex, 10.0, config=cfg)
+    close_bf16(y, ref, f"moe y [{path}]")
 
 
-def test_moe_experts_sync_free_and_graph_replay(seed):
-    """No host sync (sync debug mode "error") and a CUDA graph replayed with new routing equals eager."""
-    from kernels.moe import moe_experts
+@pytest.mark.parametrize("T", [4, 128], ids=["T4-gemv", "T128-tiles"])
+def test_moe_experts_sync_free_and_graph_replay(seed, T):
+    """No host sync (sync debug mode "error") and a CUDA graph replayed with new routing equals eager, on both
+    paths (the default config: gemv at 24 pairs, tiles at 768)."""
+    from kernels.moe import moe_config, moe_experts
+    assert moe_config(6 * 4).path == "gemv" and moe_config(6 * 128).path == "tiles"
     E, D, I = GEOM["flash"]
     ex = make_experts(E, D, I)
-    x = (torch.randn(4, D, device="cuda") * 0.3).to(torch.bfloat16)
-    idx = torch.rand(4, E, device="cuda").topk(6, dim=-1).indices
-    g = torch.rand(4, 6, device="cuda") + 0.1
+    x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
+    g = torch.rand(T, 6, device="cuda") + 0.1
     moe_experts(x, g, idx, ex, 10.0)  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -103,9 +116,9 @@ def test_moe_experts_sync_free_and_graph_replay(seed):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = moe_experts(x, g, idx, ex, 10.0)
-    x.copy_((torch.randn(4, D, device="cuda") * 0.3).to(torch.bfloat16))
-    idx.copy_(torch.rand(4, E, device="cuda").topk(6, dim=-1).indices)
-    g.copy_(torch.rand(4, 6, device="cuda") + 0.1)
+    x.copy_((torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16))
+    idx.copy_(torch.rand(T, E, device="cuda").topk(6, dim=-1).indices)
+    g.copy_(torch.rand(T, 6, device="cuda") + 0.1)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, moe_experts(x, g, idx, ex, 10.0)), "graph replay differs from eager"

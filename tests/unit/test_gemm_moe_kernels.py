@@ -26,7 +26,9 @@ import torch
 from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
 from kernels.gemm import act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
-from kernels.moe import StackedExperts, moe_experts, moe_grouped_ref, moe_route, moe_up
+from kernels.gemm import act_quant as act_quant_kernel
+from kernels.moe import (GEMV_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts, moe_grouped_ref,
+                         moe_route, moe_up_gemv, moe_up_tiles)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
@@ -159,10 +161,37 @@ def test_moe_route_is_a_padded_permutation():
     assert 1 not in used and 4 not in used and E in used, "empty experts get no tile; spare tiles say E"
 
 
+# both paths at the test widths, with several K chunks per program (block_kh 32 = 64 inputs) and 16-row tiles;
+# None = the default `moe_config` (the gemv path with its default chunk at these pair counts)
+PATHS = {"gemv": MoeConfig("gemv", 1, 16, 32, 4, 1), "tiles": MoeConfig("tiles", 16, 32, 32, 4, 1), "default": None}
+# (the gemv path treats every pair alike, so T40 adds nothing there but 3 interpreter minutes)
+CASES = [(T, limit, path) for T in (1, 5, 40) for limit in (10.0, 0.0) for path in ("gemv", "tiles")
+         if T < 40 or path == "tiles"]
+CASES += [(5, 10.0, "default")]
+
+
+def hidden(x, g, idx, ex, limit, path):
+    """h [P, I] bf16 in pair order from the up launch of `path` ("gemv" / "tiles")."""
+    xq, _ = act_quant_kernel(x, sim=True)
+    cfg = PATHS[path]
+    if path == "gemv":
+        order = torch.sort(idx.reshape(-1), stable=True).indices.to(torch.int32)
+        return moe_up_gemv(xq, g, idx, order, ex, limit, cfg)
+    route = moe_route(idx, E, cfg.block_m)
+    h = moe_up_tiles(xq, g, route, ex, limit, cfg)
+    rows = (route.row_pair >= 0).nonzero().flatten()
+    got = torch.empty(idx.numel(), I, dtype=torch.bfloat16, device=DEV)
+    got[route.row_pair[rows].long()] = h[rows]
+    pad = (route.row_pair < 0).nonzero().flatten()
+    assert bool((h[pad] == 0).all()), "padding / unused rows of h must be written as 0"
+    return got
+
+
 @needs_triton
-@pytest.mark.parametrize("limit", [10.0, 0.0], ids=["clamped", "no-limit"])
-@pytest.mark.parametrize("T", [1, 5, 40], ids=["T1", "T5-dup", "T40"])
-def test_moe_experts(seed, T, limit):
+@pytest.mark.parametrize("T,limit,path", CASES,
+                         ids=[f"T{t}{'-dup' if t == 5 else ''}-{'clamped' if lim else 'no-limit'}-{p}"
+                              for t, lim, p in CASES])
+def test_moe_experts(seed, T, limit, path):
     ex = make_experts()
     g, idx = routing(T, 3, IDX5 if T == 5 else ([[4, 1, 0]] if T == 1 else None))
     x = (torch.randn(T, D) * 0.5).to(torch.bfloat16).to(DEV)
@@ -174,22 +203,24 @@ def test_moe_experts(seed, T, limit):
         u = xq @ quant.fp4_dequant(ex.w1[e0], ex.s1[e0]).T
         v = xq @ quant.fp4_dequant(ex.w3[e0], ex.s3[e0]).T
         assert bool((u > limit).any()) and bool((v.abs() > limit).any()), "test input does not engage the clamps"
-    y = moe_experts(x, g, idx, ex, limit)
+    y = moe_experts(x, g, idx, ex, limit, config=PATHS[path])
     close_bf16(y, ref, "moe y")
     rounded_once(y, ref, "moe y")
 
 
+def test_moe_config_switches_path_at_the_documented_constant():
+    assert moe_config(GEMV_MAX_PAIRS).path == "gemv" and moe_config(GEMV_MAX_PAIRS + 1).path == "tiles"
+    assert moe_config(1).path == "gemv"
+
+
 @needs_triton
-def test_moe_up_rows_match_reference(seed):
-    """The intermediate h (one bf16 rounding after the SwiGLU) row by row in pair order."""
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+def test_moe_up_rows_match_reference(seed, path):
+    """The intermediate h (one bf16 rounding after the SwiGLU) row by row in pair order, on both paths."""
     ex = make_experts()
     g, idx = routing(5, 3, IDX5)
     x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
-    route = moe_route(idx, E, 16)
-    h = moe_up(x, g, route, ex, 10.0, 32)
-    rows = (route.row_pair >= 0).nonzero().flatten()
-    got = torch.empty(15, I, dtype=torch.bfloat16, device=DEV)
-    got[route.row_pair[rows].long()] = h[rows]
+    got = hidden(x, g, idx, ex, 10.0, path)
     xq = quant.act_quant_sim(x, 128).float()
     want = torch.empty_like(got)
     for p in range(15):
@@ -201,14 +232,15 @@ def test_moe_up_rows_match_reference(seed):
         close_bf16(got[p], want[p], f"h[pair {p}]")
     # u and v are rounded to bf16 before the SwiGLU (spec §8.5, Linear outputs in bf16): the kernel and the
     # formula then differ only where the fp32 summation order flips that rounding (measured under the
-    # interpreter: 99.99-100 % of h bitwise equal; Hopper's FP8 MMA accumulates with fewer bits, a few % flips).
+    # interpreter: 99.99-100 % of h bitwise equal; Hopper's MMA accumulates differently, a few % flips).
     # Skipping the rounding of u leaves ~53 % equal (measured), which the 1 %-of-max criterion above cannot see.
     same = float((got == want).float().mean())
     assert same >= 0.9, f"h bitwise equal to the formula in only {same:.1%} of elements (>= 90 % expected)"
 
 
 @needs_triton
-def test_moe_up_gate_far_below_the_limit_is_not_clamped(seed):
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+def test_moe_up_gate_far_below_the_limit_is_not_clamped(seed, path):
     """Edge value for the one-sided gate clamp (spec §8.5: u <= limit, no lower bound): expert 2's w1 rows are all
     +0.5 (e2m1 code 1, scale 2^0) and every x is negative, so u = 0.5 * sum(x) lies in [-60, -20] for every
     output: silu(u) ~ u e^u is 1e-25..1e-8, where a lower clamp at -limit would give silu(-10) = -4.5e-4. h is
@@ -225,11 +257,7 @@ def test_moe_up_gate_far_below_the_limit_is_not_clamped(seed):
     x = (torch.rand(T, D) + 0.5) * (2 * target / D / 1.0)                     # mean(x) = 2 u / D, all negative
     x = x.to(torch.bfloat16).to(DEV)
     g, idx = torch.rand(T, 1).add(0.5).to(DEV), torch.full((T, 1), e, device=DEV)
-    route = moe_route(idx, E, 16)
-    h = moe_up(x, g, route, ex, 10.0, 32)
-    rows = (route.row_pair >= 0).nonzero().flatten()
-    got = torch.empty(T, I, dtype=torch.bfloat16, device=DEV)
-    got[route.row_pair[rows].long()] = h[rows]
+    got = hidden(x, g, idx, ex, 10.0, path)
     xq = quant.act_quant_sim(x, 128).float()
     u = (xq @ quant.fp4_dequant(ex.w1[e], ex.s1[e]).T).bfloat16().float()
     v = (xq @ quant.fp4_dequant(ex.w3[e], ex.s3[e]).T).bfloat16().float()
@@ -242,6 +270,87 @@ def test_moe_up_gate_far_below_the_limit_is_not_clamped(seed):
             close_bf16(lower, want[t], "two-sided clamp")
 
 
+@needs_triton
+def test_moe_every_e2m1_code_and_sign_decodes_exactly(seed):
+    """All 16 nibble codes in both nibble positions (low = even input, high = odd input) against
+    `quant.fp4_dequant`, on both paths: expert 3's w2 bytes cycle through all 256 byte values, x and h are
+    the input h one-hot at input 4 / 5 (byte 2's low / high nibble: all 256 byte values over the rows), so each
+    y element is one weight value, no sum: the decode must be exact (bitwise)."""
+    ex = make_experts()
+    e = 3
+    w2 = ex.w2.clone()
+    w2[e] = ((torch.arange(D)[:, None] + 37 * torch.arange(I // 2)[None, :]) % 256).to(torch.uint8).view(torch.int8)
+    w2 = w2.to(DEV)
+    ex = ex._replace(w2=w2)
+    idx = torch.full((1, 1), e, device=DEV)
+    w = quant.fp4_dequant(ex.w2[e], ex.s2[e]).float()
+    from kernels.moe import moe_down_gemv, moe_down_tiles
+    hq = torch.zeros(1, I, dtype=torch.bfloat16, device=DEV)
+    for col in (4, 5):
+        hq.zero_()
+        hq[0, col] = 1.0
+        want = w[:, col].to(torch.bfloat16)
+        order = torch.zeros(1, dtype=torch.int32, device=DEV)
+        got = moe_down_gemv(hq, idx, order, ex, PATHS["gemv"])[0]
+        assert torch.equal(got, want), f"gemv: column {col} decoded wrong"
+        route = moe_route(idx, E, 16)
+        hpad = torch.zeros(route.row_pair.numel(), I, dtype=torch.bfloat16, device=DEV)
+        hpad[(route.row_pair == 0).nonzero().flatten()] = hq
+        got = moe_down_tiles(hpad, route, ex, 1, PATHS["tiles"])[0]
+        assert torch.equal(got, want), f"tiles: column {col} decoded wrong"
+    assert len(set(w[:, 4].tolist())) >= 15 and len(set(w[:, 5].tolist())) >= 15, "not every code was exercised"
+
+
+@needs_triton
+def test_moe_gemv_bad_expert_id_writes_nan(seed):
+    """The gemv path has no `moe_route` (whose scatter asserts on a bad id): an id outside [0, E) must give NaN
+    rows for its token, never a plausible row read from another expert's bytes; the other tokens stay finite."""
+    ex = make_experts()
+    g, idx = routing(2, 3, [[0, 2, 3], [5, E, 2]])
+    x = (torch.randn(2, D) * 0.5).to(torch.bfloat16).to(DEV)
+    y = moe_experts(x, g, idx, ex, 10.0, config=PATHS["gemv"])
+    assert bool(y[1].isnan().all()), "a bad expert id did not poison its token"
+    assert bool(y[0].isfinite().all()), "a bad expert id leaked into another token"
+
+
+def test_moe_experts_reads_nothing_back_to_the_host(seed):
+    """Sync-free (CUDA-graph capturable): no op of moe_experts on either path turns a device value into a host
+    value (item / tolist / bool / int / nonzero / unique ...); the shapes depend on (T, k, E) only. Checked by a
+    TorchFunctionMode that raises on those calls (the GPU test adds sync debug mode and graph capture)."""
+    from torch.overrides import TorchFunctionMode
+    banned = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.nonzero, torch.Tensor.nonzero, torch.unique,
+              torch.Tensor.unique, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    class NoHostReads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in banned:
+                raise AssertionError(f"moe_experts read a device value back: {func.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
+    if INTERP:  # the interpreter itself copies tensors to numpy; check the torch-side routing and glue only
+        import kernels.moe as moe
+        from unittest import mock
+        with mock.patch.object(moe, "act_quant", lambda t, sim: (t, None)), \
+                mock.patch.object(moe, "moe_up_gemv", lambda *a: torch.zeros(15, I, dtype=torch.bfloat16)), \
+                mock.patch.object(moe, "moe_down_gemv", lambda *a: torch.zeros(15, D, dtype=torch.bfloat16)), \
+                mock.patch.object(moe, "moe_up_tiles", lambda *a: torch.zeros(1, I, dtype=torch.bfloat16)), \
+                mock.patch.object(moe, "moe_down_tiles", lambda *a: torch.zeros(15, D, dtype=torch.bfloat16)):
+            for path in ("gemv", "tiles"):
+                with NoHostReads():
+                    moe.moe_experts(x, g, idx, ex, 10.0, config=PATHS[path])
+        with pytest.raises(AssertionError, match="read a device value back"):  # negative control
+            with NoHostReads():
+                moe_grouped_ref(x, g, idx, ex, 10.0)
+    else:
+        for path in ("gemv", "tiles"):
+            with NoHostReads():
+                moe_experts(x, g, idx, ex, 10.0, config=PATHS[path])
+
+
 def test_moe_names_bad_input():
     ex = StackedExperts(*(t.cpu() for t in make_experts()))
     x = torch.zeros(2, D, dtype=torch.bfloat16)
@@ -252,6 +361,10 @@ def test_moe_names_bad_input():
         moe_experts(x, g.double(), idx, ex, 10.0)
     with pytest.raises(ValueError, match=r"indices is range \[6, 6\]"):
         moe_grouped_ref(x, g, idx + 6, ex, 10.0)
+    with pytest.raises(ValueError, match="mma is 'fp8'"):
+        moe_experts(x, g, idx, ex, 10.0, mma="fp8")
+    with pytest.raises(ValueError, match="config is"):
+        moe_experts(x, g, idx, ex, 10.0, config=MoeConfig("tiles", 48, 32, 32, 4, 1))
 
 
 def test_stack_experts_views_and_values():
