@@ -76,12 +76,17 @@ def _specs():
          dict(BR=32)),
         ("quant._quant_sim_kernel", quant._quant_sim_kernel, dict(x_ptr=bf, y_ptr=bf), [],
          dict(FP4=True, B=32, BR=16)),
-        ("moe._moe_up_kernel", moe._moe_up_kernel,
-         dict(x_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=64, BN=64, MMA=2)),
-        ("moe._moe_down_kernel", moe._moe_down_kernel,
-         dict(h_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=64, BN=64, MMA=2)),
+        ("moe._moe_up_gemv_kernel", moe._moe_up_gemv_kernel,
+         dict(xq_ptr=bf, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256)),
+        ("moe._moe_down_gemv_kernel", moe._moe_down_gemv_kernel,
+         dict(hq_ptr=bf, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [], dict(BN=16, BKH=256)),
+        ("moe._moe_up_tile_kernel", moe._moe_up_tile_kernel,
+         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
+              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1)),
+        ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
+         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BM=32, BN=128, BKH=64, MMA=1)),
     ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)
