@@ -61,7 +61,7 @@ lane_a() {
         tests/gpu/test_final_norm.py tests/gpu/test_real_width.py tests/gpu/test_resident_quant.py \
         -k "real" --junitxml="$LOG/real_w1.xml"
     # shellcheck disable=SC2086
-    has bench && step bench_model 240 env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_model.py $BENCH_ARGS \
+    has bench && step bench_model "${BENCH_MAX_S:-240}" env CUDA_VISIBLE_DEVICES=0 $PY benchmarks/bench_model.py $BENCH_ARGS \
         --markdown "$LOG/bench_model.md" --json "$LOG/bench_model.json"
 }
 lane_b() {
