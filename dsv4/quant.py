@@ -233,10 +233,13 @@ def act_quant_sim(x: torch.Tensor, block: int = 128, scale_fmt: str | None = "ue
 def fp4_act_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """Official `fp4_act_quant(v, 32, inplace)`: per `block` channels `amax = max(max|x|, 6*2^-126)`,
     `s = 2^ceil(log2(amax/6))`, `v <- e2m1(clamp(v/s, +-6)) * s` (round to nearest, ties to even); spec §2.
+    A NaN input stays NaN (the nearest-code search would map it to code 0: a quiet 0; dsv4 keeps it loud, see
+    docs/differences.md).
 
     Args: x: [..., n] float, n % block == 0. Returns: [..., n] in `x.dtype`.
     """
     g = _groups(x, block, "fp4_act_quant_sim")
     s = _pow2(ceil_log2(g.abs().amax(-1).clamp_min(FP4_AMAX_FLOOR) / E2M1_MAX))[..., None]
     v = _e2m1_decode(e2m1_codes((g / s).clamp(-E2M1_MAX, E2M1_MAX))) * s
+    v = torch.where(torch.isnan(g), g, v)  # e2m1 has no NaN code: a NaN input stays NaN, never a quiet 0
     return v.reshape(x.shape).to(x.dtype)

@@ -42,6 +42,8 @@ def _check(op: str, a, z, ape, pos, kv, score, ratio: int, overlap: bool) -> tup
     """(b, d, W) after checking every argument; ValueError naming the first wrong one."""
     if not isinstance(ratio, int) or isinstance(ratio, bool) or not 1 <= ratio <= 1024:
         _fail(op, "ratio", repr(ratio), "an int in 1..1024")
+    if not isinstance(overlap, bool):
+        _fail(op, "overlap", repr(overlap), "a bool (True for the CSA compressor, r = 4)")
     for name, t in (("kv", kv), ("score", score)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype != torch.float32:
             _fail(op, name, f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}",
@@ -60,7 +62,7 @@ def _check(op: str, a, z, ape, pos, kv, score, ratio: int, overlap: bool) -> tup
                             or ape.dtype != torch.float32):
         _fail(op, "ape", f"{getattr(ape, 'dtype', type(ape))} shape {tuple(getattr(ape, 'shape', ()))}",
               f"float32 [{ratio}, {W}]")
-    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.numel() != 1:
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) != (1,):
         _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
               "int64 [1] (the decode position, on the device)")
     return b, W // c, W
@@ -118,7 +120,9 @@ def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_pt
     b = tl.program_id(0).to(tl.int64)
     offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
     mj = offs_j < d
-    p = tl.load(pos_ptr) % R
+    pos = tl.load(pos_ptr)
+    ok = pos >= 0  # a negative position (never made by the graph step) writes nothing and pools NaN: loud
+    p = tl.where(ok, pos, 0) % R
     if OVERLAP:
         n = 2 * R
         slot = R + p
@@ -145,16 +149,17 @@ def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_pt
     m = tl.max(Z, axis=0)
     e = tl.where(mask, tl.exp(Z - m[None, :]), 0.0)
     pooled = tl.sum(e * A, axis=0) / tl.sum(e, axis=0)
-    tl.store(out_ptr + b * d + offs_j, pooled, mask=mj)
+    tl.store(out_ptr + b * d + offs_j, tl.where(ok, pooled, float("nan")), mask=mj)
     srow = base + slot * W
-    tl.store(kv_ptr + srow + newcol, an, mask=mj)
-    tl.store(sc_ptr + srow + newcol, zn, mask=mj)
+    mw = mj & ((offs_j * 0 + pos) >= 0)
+    tl.store(kv_ptr + srow + newcol, an, mask=mw)
+    tl.store(sc_ptr + srow + newcol, zn, mask=mw)
     if OVERLAP:  # the first half of the slot's row (pooled only once the window has shifted)
         a0 = tl.load(a_ptr + b * W + offs_j, mask=mj, other=0.0)
         z0 = tl.load(z_ptr + b * W + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
                                                                            other=0.0)
-        tl.store(kv_ptr + srow + offs_j, a0, mask=mj)
-        tl.store(sc_ptr + srow + offs_j, z0, mask=mj)
+        tl.store(kv_ptr + srow + offs_j, a0, mask=mw)
+        tl.store(sc_ptr + srow + offs_j, z0, mask=mw)
 
 
 @triton.jit
@@ -164,7 +169,7 @@ def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, 
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BD + tl.arange(0, BD)
     pos = tl.load(pos_ptr)
-    if (pos + 1) % R == 0:
+    if (pos >= 0) & ((pos + 1) % R == 0):
         w = tl.minimum(pos // R, n_out - 1)
         md = offs < d
         v = tl.load(new_ptr + b * d + offs, mask=md)
@@ -194,9 +199,15 @@ def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, 
 def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
                   score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """`compress_pool_ref` in one launch (same arguments, same state writes; pooled within a few fp32 ulps).
-    Tensors contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync (CUDA-graph capturable).
-    Raises ValueError naming the wrong argument."""
+
+    Args: a, z fp32 [b, W]; ape fp32 [r, W]; pos int64 [1] >= 0 (device value: a negative one is not read back,
+    it makes pooled NaN and writes nothing); kv, score fp32 [b, c*r, W] (c = 2 iff overlap); ratio r; overlap
+    bool. Tensors contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync.
+    Returns: pooled [b, 1, W / c] fp32. Raises: ValueError naming the wrong argument."""
     op = "compress_pool"
+    for name, t in (("a", a), ("z", z), ("ape", ape)):
+        if not isinstance(t, torch.Tensor):
+            _fail(op, name, type(t).__name__, "a float32 tensor")
     b, d, W = _check(op, a, z, ape, pos, kv, score, ratio, overlap)
     check_layout(op, {"a": a, "z": z, "ape": ape, "pos": pos, "kv": kv, "score": score})
     out = torch.empty(b, 1, d, dtype=torch.float32, device=kv.device)
@@ -209,13 +220,15 @@ def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torc
 
 def compress_commit(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, out: torch.Tensor,
                     ratio: int, overlap: bool) -> None:
-    """`compress_commit_ref` in one launch. new [b, 1, d] contiguous in out's dtype; out [b, n_out, d] with a
-    contiguous last dim (a view into the static key buffer). Raises ValueError naming the wrong argument."""
+    """`compress_commit_ref` in one launch: new [b, 1, d] contiguous in out's dtype; pos int64 [1] (a negative
+    value commits nothing); kv, score as `compress_pool`; out [b, n_out >= 1, d] with a contiguous last dim (a
+    view into the static key buffer). Returns None (writes in place). Raises ValueError naming the wrong argument."""
     op = "compress_commit"
     b, d, W = _check(op, None, None, None, pos, kv, score, ratio, overlap)
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != b or out.shape[2] != d \
-            or out.stride(2) != 1:
-        _fail(op, "out", f"shape {tuple(getattr(out, 'shape', ()))}", f"[{b}, n_out, {d}] with a contiguous last dim")
+            or out.shape[1] < 1 or out.stride(2) != 1:
+        _fail(op, "out", f"shape {tuple(getattr(out, 'shape', ()))}",
+              f"[{b}, n_out >= 1, {d}] with a contiguous last dim")
     if not isinstance(new, torch.Tensor) or tuple(new.shape) != (b, 1, d) or new.dtype != out.dtype:
         _fail(op, "new", f"{getattr(new, 'dtype', type(new))} shape {tuple(getattr(new, 'shape', ()))}",
               f"{out.dtype} [{b}, 1, {d}]")

@@ -147,14 +147,15 @@ def cast_for_store(x, ptr):
 
 @triton.jit
 def e4m3_to_f32(b):
-    """float8e4nv tensor -> fp32 by integer decoding (exact, subnormals kept; the interpreter-proof route)."""
+    """float8e4nv tensor -> fp32 by integer decoding (exact, subnormals kept, the NaN codes 0x7F / 0xFF NaN; the
+    interpreter-proof route)."""
     v = b.to(tl.uint8, bitcast=True).to(tl.int32)
     e = (v >> 3) & 15
     m = v & 7
     normal = (((v & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     sub = m.to(tl.float32) * 0.001953125
     sub = tl.where((v & 0x80) != 0, -sub, sub)
-    return tl.where(e == 0, sub, normal)
+    return tl.where((v & 0x7F) == 0x7F, float("nan"), tl.where(e == 0, sub, normal))  # 0x7F / 0xFF: e4m3fn NaN
 
 
 @triton.jit
@@ -191,7 +192,7 @@ def e4m3_bits(q):
     e = ((bits >> 23) & 0xFF) - 127 + 7
     normal = (e << 3) | ((bits >> 20) & 7)
     sub = (tl.abs(q) * 512.0).to(tl.int32)
-    return sign | tl.where(e >= 1, normal, sub)
+    return tl.where(q != q, sign | 0x7F, sign | tl.where(e >= 1, normal, sub))  # NaN -> the e4m3fn NaN code
 
 
 @triton.jit
@@ -200,17 +201,29 @@ def act_scale(x):
     `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32.
 
     ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
-    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route."""
+    1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route. A row with a
+    NaN or an inf gets k = 0, as the reference (`_nonfinite_rows`)."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.where(_nonfinite_rows(x), 0, k)
     return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
+def _nonfinite_rows(x):
+    """[R] bool: the row of the [R, C] tile holds a NaN or an inf. The reference's scale is then 2^0 (torch's
+    frexp gives exponent 0 for NaN and inf), so the kernels use k = 0 there too: an inf saturates to +-448 and
+    the other values keep their scale-1 codes, exactly as `dsv4.quant.act_quant`; NaNs stay NaN (`act_apply`)."""
+    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+
+
+@triton.jit
 def act_apply(x, inv):
-    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`."""
-    return round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0))
+    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`. A NaN stays
+    NaN (the GPU's min / max would drop it and the bit rounding would make it a number: a NaN activation must
+    reach the output, as in the reference)."""
+    return tl.where(x != x, x, round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)))
 
 
 @triton.jit
@@ -524,10 +537,10 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     M = x.shape[0]
     if M > GEMV_MAX_M:
         _fail(op, "x", f"{M} rows", f"at most GEMV_MAX_M = {GEMV_MAX_M} (decode)")
-    check_fp8_linear_args(op, x.view(M * groups, K) if M else x.new_empty(0, K), weight, scale)
-    if N % BLOCK:
-        _fail(op, "weight", f"N = {N} rows per group", "a multiple of 128 (one scale row per 128 rows)")
+    if N == 0 or N % BLOCK:
+        _fail(op, "weight", f"N = {N} rows per group", "a positive multiple of 128 (one scale row per 128 rows)")
     check_layout(op, {"x": x, "weight": weight, "scale": scale})
+    check_fp8_linear_args(op, x.view(M * groups, K), weight, scale)
     mode = mma_mode(mma)
     mode = 1 if mode == 2 else mode
     out = torch.empty(M, groups * N, dtype=torch.bfloat16, device=x.device)

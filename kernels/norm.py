@@ -50,8 +50,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
               f"{tuple(getattr(weight, 'shape', ()))}", f"float32 [{d}]")
     if not 0 < d <= MAX_DIM:
         _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
-    if not isinstance(eps, float) or not eps > 0:
-        _fail(op, "eps", repr(eps), "a float > 0")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "eps", repr(eps), "a finite float > 0")
     check_layout(op, {"x": x, "weight": weight})
     y = torch.empty_like(x)
     rows = x.numel() // d

@@ -14,7 +14,10 @@ the same values BITWISE (tests/unit/test_quant_kernels.py):
   * x * 2^-k is exact (power of two), then round to the grid: e4m3 by `kernels.gemm.round_e4m3`, e2m1 by
     round-half-even of |v| / step with step 0.5 / 1 / 2 on [0, 2) / [2, 4) / [4, 6] (the even integer is the
     even e2m1 code in every range), then times 2^k (exact) and one cast to x.dtype (exact: the value is on the
-    format's grid times a power of two).
+    format's grid times a power of two);
+  * a block holding a NaN or an inf uses the scale 2^0 (torch's frexp gives exponent 0 for both, so the
+    reference does), an inf saturates to +-448 / +-6 and a NaN stays NaN (in the e2m1 reference too, see
+    `dsv4.quant.fp4_act_quant_sim`): a NaN activation reaches the model's output, never a plausible value.
 
 Used by the triton backend's graph decode step (`dsv4/graph.py`) through `Backend.act_quant_sim` /
 `Backend.fp4_act_quant_sim`.
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import act_apply, act_scale, cast_for_store
+from kernels.gemm import _nonfinite_rows, act_apply, act_scale, cast_for_store
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -48,6 +51,7 @@ def _fp4_sim_tile(x):
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), 6.0 * 1.1754943508222875e-38)  # 6 * 2^-126
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 2 + ((ab & 0x7FFFFF) > 0x400000).to(tl.int32)
+    k = tl.where(_nonfinite_rows(x), 0, k)  # NaN / inf in the block: scale 2^0, as the reference's frexp
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
     s = ((127 + k) << 23).to(tl.float32, bitcast=True)
     v = tl.minimum(tl.maximum(x * inv[:, None], -6.0), 6.0)
@@ -55,7 +59,7 @@ def _fp4_sim_tile(x):
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     q = _round_half_even(a / step) * step
     q = tl.where(v < 0, -q, q)
-    return q * s[:, None]
+    return tl.where(x != x, x, q * s[:, None])
 
 
 @triton.jit

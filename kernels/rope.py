@@ -57,6 +57,8 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, rd).
     """
     op = "rope_tail_"
+    if not isinstance(inverse, bool):
+        _fail(op, "inverse", repr(inverse), "a bool")
     if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or x.dtype not in (torch.bfloat16, torch.float32):
         _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
               "bf16 / float32 [b, s, D] or [b, s, h, D]")

@@ -130,4 +130,9 @@ if __name__ == "__main__":
     import json
     import sys
     caps = [int(c) for c in (sys.argv[1:] or ["90", "100"])]
-    print(json.dumps({cap: compile_all(cap) for cap in caps}, indent=1))
+    report = {cap: compile_all(cap) for cap in caps}
+    print(json.dumps(report, indent=1))
+    failed = [f"sm_{cap}: {name}" for cap, r in report.items() for name, v in r.items() if not v["ok"]]
+    if failed:
+        print("kernels that do not build: " + ", ".join(failed), file=sys.stderr)
+        sys.exit(1)

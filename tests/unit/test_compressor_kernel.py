@@ -91,3 +91,28 @@ def test_compress_names_bad_input():
     with pytest.raises(ValueError, match="new is torch.bfloat16"):
         compress_commit(torch.randn(1, 1, 16, device=DEV, dtype=torch.bfloat16), pos, kv, sc,
                         torch.zeros(1, 3, 16, device=DEV), 4, True)
+
+
+def test_compress_edges_fail_loud():
+    """A negative device position writes nothing and pools NaN (no host sync to refuse it), an empty entry
+    buffer is refused by name (it used to write before the buffer), None / non-bool arguments are named."""
+    from kernels.compressor import compress_commit, compress_pool
+    kv, sc = _state(1, 4, 16, False)
+    kv0, sc0 = kv.clone(), sc.clone()
+    a = torch.randn(1, 16, device=DEV)
+    ape = torch.randn(4, 16, device=DEV)
+    neg = torch.tensor([-1], device=DEV)
+    pooled = compress_pool(a, a, ape, neg, kv, sc, 4, False)
+    assert bool(torch.isnan(pooled).all()) and torch.equal(kv, kv0) and torch.equal(sc, sc0)
+    out = torch.full((1, 2, 16), 7.0, device=DEV)
+    compress_commit(torch.randn(1, 1, 16, device=DEV), torch.tensor([-1], device=DEV), kv, sc, out, 4, False)
+    assert bool((out == 7.0).all()) and torch.equal(sc, sc0)
+    with pytest.raises(ValueError, match=r"out is shape \(1, 0, 16\)"):
+        compress_commit(torch.randn(1, 1, 16, device=DEV), torch.tensor([3], device=DEV), kv, sc,
+                        torch.zeros(1, 0, 16, device=DEV), 4, False)
+    with pytest.raises(ValueError, match="compress_pool: ape is NoneType"):
+        compress_pool(a, a, None, torch.tensor([0], device=DEV), kv, sc, 4, False)
+    with pytest.raises(ValueError, match="overlap is 'yes'"):
+        compress_pool(a, a, ape, torch.tensor([0], device=DEV), kv, sc, 4, "yes")
+    with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(\)"):
+        compress_pool(a, a, ape, torch.tensor(0, device=DEV), kv, sc, 4, False)

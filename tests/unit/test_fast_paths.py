@@ -101,3 +101,13 @@ def test_fp8_grouped_gemv_names_bad_input():
     with pytest.raises(ValueError, match="N = 64 rows per group"):
         fp8_grouped_gemv(torch.randn(3, 512).to(torch.bfloat16), w, torch.full((2, 1), 127, dtype=torch.uint8).view(
             torch.float8_e8m0fnu), 4)
+
+
+def test_fp8_grouped_gemv_refuses_empty_and_strided_input():
+    from dsv4 import quant
+    from kernels.gemm import fp8_grouped_gemv
+    w, s = quant.fp8_block_quant(torch.randn(256, 128))
+    with pytest.raises(ValueError, match="N = 0 rows per group"):
+        fp8_grouped_gemv(torch.randn(3, 256).to(torch.bfloat16), w[:0], s[:0], 2)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        fp8_grouped_gemv(torch.randn(256, 3).to(torch.bfloat16).T, w, s, 2)

@@ -106,6 +106,21 @@ def test_fp8_linear_prefill(seed, method):
     rounded_once(y, ref, "y")
 
 
+@pytest.mark.parametrize("M", [3, 70], ids=["gemv", "prefill"])
+def test_fp8_linear_nan_row_stays_nan(M):
+    """A NaN activation reaches the output of the FP8 linear (its row all NaN, as the reference), and an inf
+    saturates like the reference's act_quant (scale 2^0): a kernel that let the GPU's max / min or the bit
+    rounding turn a NaN into a number would hide exactly the failure the model must show (docs/differences.md M6)."""
+    x, (w, s) = make_x(M, 256), make_w8(136, 256)
+    x[1, 10] = float("nan")
+    x[2, 200] = float("inf")
+    y, ref = fp8_linear(x, w, s), fp8_linear_ref(x, w, s)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isnan(ref[1]).all())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    ok = ~torch.isnan(ref).any(1)
+    close_bf16(y[ok], ref[ok], "y (finite rows)")
+
+
 def test_fp8_linear_names_bad_input():
     x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16), make_w8(64, 256)
     w, s = w.cpu(), s.cpu()

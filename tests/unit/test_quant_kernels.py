@@ -81,3 +81,24 @@ def test_quant_sim_names_bad_input():
         kq.fp4_act_quant_sim(torch.randn(2, 64, device=DEV).half(), 32)
     with pytest.raises(ValueError, match="non-contiguous"):
         kq.fp4_act_quant_sim(torch.randn(64, 4, device=DEV).T, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nonfinite_blocks_match_the_reference(seed, dtype):
+    """A block with a NaN keeps the NaN where it was (never a plausible number), a block with an inf saturates it
+    to the format's max; both use the scale 2^0 as the reference does (docs/differences.md M6). Negative control:
+    the NaN must not vanish from either output."""
+    from kernels import quant as kq
+    x = torch.randn(4, 64, device=DEV) * 3
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 9] = -float("inf")
+    x = x.to(dtype)
+    iv = torch.int32 if dtype == torch.float32 else torch.int16
+    for ours, ref, block in ((kq.act_quant_sim, quant.act_quant_sim, 32), (kq.fp4_act_quant_sim,
+                                                                          quant.fp4_act_quant_sim, 32)):
+        got, want = ours(x, block), ref(x, block)
+        assert bool(torch.isnan(want[0, 5])) and bool(torch.isnan(got[0, 5])), ours.__name__
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), ours.__name__
+        fin = ~torch.isnan(want)
+        assert torch.equal(got.view(iv)[fin], want.view(iv)[fin]), ours.__name__

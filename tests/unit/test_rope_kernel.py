@@ -62,3 +62,13 @@ def test_rope_tail_names_bad_input():
         rope_tail_(x, pos, f.float(), 32)
     with pytest.raises(ValueError, match="x is torch.float16"):
         rope_tail_(x.half(), pos, f, 32)
+
+
+def test_rope_and_norm_refuse_non_bool_and_non_finite():
+    from kernels.norm import rms_norm
+    from kernels.rope import rope_tail_
+    f = torch.ones(16, dtype=torch.float64, device=DEV)
+    with pytest.raises(ValueError, match="inverse is 'no'"):
+        rope_tail_(torch.randn(1, 2, 64, device=DEV), torch.arange(2, device=DEV), f, 32, inverse="no")
+    with pytest.raises(ValueError, match="eps is inf"):
+        rms_norm(torch.randn(2, 8, device=DEV), torch.ones(8, device=DEV), float("inf"))
