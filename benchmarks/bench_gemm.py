@@ -133,7 +133,6 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
-    ap.add_argument("--no-before", action="store_true", help="skip the MoE kernels before the rewrite")
     args = ap.parse_args()
     torch.manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -221,20 +220,18 @@ TILE_SWEEP = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (32, 128, 128, 4, 3), (
 
 
 def bench_moe(args, bw: float) -> None:
-    """Grouped MoE: default `moe_experts` (after) vs the kernels before the rewrite (benchmarks/moe_before.py), per T;
-    then (Flash) the up / down split, a sweep of launch variants and the gemv / tiles crossover. Each variant's
+    """Grouped MoE: default `moe_experts` per T (the kernels before the rewrite were timed at a25eefc, RESULTS.md
+    "Grouped FP4 MoE"; `git show a25eefc:kernels/moe.py` holds them); then (Flash) the up / down split, a sweep
+    of launch variants and the gemv / tiles crossover. Each variant's
     output is compared with the default's (max |diff| / max |y|; the default is tested against the reference)."""
-    import moe_before
-
     from kernels.gemm import act_quant
     from kernels.moe import MoeConfig, moe_config, moe_down_gemv, moe_down_tiles, moe_route, moe_up_gemv, \
         moe_up_tiles
     print("\n### Grouped FP4 MoE (routed experts, top-6; µs per call in a CUDA graph)\n")
-    print("| geometry | T | experts read | after µs (default) | path | GB/s | % copy BW | TFLOP/s | before µs | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| geometry | T | experts read | µs (default) | path | GB/s | % copy BW | TFLOP/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
         ex = moe_inputs(E, D, I)
-        ex_old = moe_before.StackedExperts(*ex)  # the same tensors in the old module's type
         per_expert = 3 * I * D // 2 + 3 * I * D // 32
         Ts = (1, 8, 32, 1024, 4096) if geom == "flash" else (1, 8, 32, 1024)
         for T in Ts:
@@ -243,15 +240,12 @@ def bench_moe(args, bw: float) -> None:
             g = torch.rand(T, 6, device="cuda") + 0.1
             it, reps = (20, 5) if T <= 64 else (3, 3)
             us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=it, reps=reps)
-            old = float("nan") if args.no_before else safe(
-                gpu_time, lambda i: moe_before.moe_experts(x, g, idxs[i % 8], ex_old, 10.0, mma="fp8"),
-                iters=min(it, 5), reps=min(reps, 2))
             n_exp = sum(int(ix.unique().numel()) for ix in idxs) / 8
             gbs = n_exp * per_expert / us * 1e-3
             tf = 2 * 3 * T * 6 * I * D / us * 1e-6
             print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {moe_config(6 * T).path} | {gbs:.0f} | "
-                  f"{100 * gbs / bw:.0f}% | {tf:.0f} | {old:.1f} | {old / us:.1f}x |", flush=True)
-        del ex, ex_old
+                  f"{100 * gbs / bw:.0f}% | {tf:.0f} |", flush=True)
+        del ex
         torch.cuda.empty_cache()
     E, D, I = 256, 4096, 2048
     ex = moe_inputs(E, D, I)
