@@ -122,24 +122,20 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
     @triton.jit
-    def _merge_splits(SINK, O, PACC, PML, pid_bs, pid_h, S, H, NSPLIT, sob, sos, soh,
-                      HD: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Merge the NSPLIT partials of query pid_bs and head block pid_h, add the sink, write o. Partials are
-        read with `.cg` (L2, not L1): other programs of this launch wrote them."""
-        b = (pid_bs // S).to(tl.int64)
-        t = (pid_bs % S).to(tl.int64)
-        heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        d = tl.arange(0, HD)
-        sink = tl.load(SINK + heads, mask=hmask, other=0.0) * 1.4426950408889634
+    def _merge_splits(O, PACC, PML, pid_bs, heads, hmask, sink, dcol, dv, b, t, H, NSPLIT, NDV, sob, sos, soh,
+                      HD: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Merge the NSPLIT partials of query pid_bs for `heads` and output columns `dcol` (column slice dv of
+        NDV), add the sink (log2 domain), write o. Partials are read with `.cg` (L2, not L1): other programs of
+        this launch wrote them. Shared by both kernels (the head-block kernel: NDV 1, dv 0, DV = HD)."""
         mm = sink
         ll = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, HD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
         for sp in range(0, NSPLIT):
             base = (pid_bs.to(tl.int64) * NSPLIT + sp) * H
-            m_i = tl.load(PML + (base + heads) * 2, mask=hmask, other=0.0, cache_modifier=".cg")
-            l_i = tl.load(PML + (base + heads) * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
-            a_i = tl.load(PACC + (base + heads[:, None]) * HD + d[None, :], mask=hmask[:, None], other=0.0,
+            mlb = ((pid_bs.to(tl.int64) * NSPLIT + sp) * NDV + dv) * H
+            m_i = tl.load(PML + (mlb + heads) * 2, mask=hmask, other=0.0, cache_modifier=".cg")
+            l_i = tl.load(PML + (mlb + heads) * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
+            a_i = tl.load(PACC + (base + heads[:, None]) * HD + dcol[None, :], mask=hmask[:, None], other=0.0,
                           cache_modifier=".cg")
             m_new = tl.maximum(mm, m_i)
             alpha = tl.exp2(mm - m_new)
@@ -148,7 +144,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + a_i * beta[:, None]
             mm = m_new
         o = acc / (ll + tl.exp2(sink - mm))[:, None]
-        tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
+        tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
                  mask=hmask[:, None])
 
     @triton.jit
@@ -207,7 +203,8 @@ if triton is not None:
             tl.debug_barrier()
             counter = SEM + pid_bs * tl.num_programs(1) + pid_h
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
-                _merge_splits(SINK, O, PACC, PML, pid_bs, pid_h, S, H, NSPLIT, sob, sos, soh, HD, BLOCK_H)
+                _merge_splits(O, PACC, PML, pid_bs, heads, hmask, sink, d, 0, b, t, H, NSPLIT, 1, sob, sos, soh,
+                              HD, HD, BLOCK_H)
                 tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
@@ -297,25 +294,8 @@ if triton is not None:
             tl.debug_barrier()
             counter = SEM + pid_bs * tl.num_programs(1) + pid_hd
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
-                mm = sink
-                ll = tl.zeros([BLOCK_H], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
-                for o_sp in range(0, NSPLIT):
-                    ob = (pid_bs.to(tl.int64) * NSPLIT + o_sp) * H
-                    omb = ((pid_bs.to(tl.int64) * NSPLIT + o_sp) * NDV + dv) * H
-                    m_i = tl.load(PML + (omb + heads) * 2, mask=hmask, other=0.0, cache_modifier=".cg")
-                    l_i = tl.load(PML + (omb + heads) * 2 + 1, mask=hmask, other=0.0, cache_modifier=".cg")
-                    a_i = tl.load(PACC + (ob + heads[:, None]) * HD + dcol[None, :], mask=hmask[:, None],
-                                  other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(mm, m_i)
-                    alpha = tl.exp2(mm - m_new)
-                    beta = tl.exp2(m_i - m_new)
-                    ll = ll * alpha + l_i * beta
-                    acc = acc * alpha[:, None] + a_i * beta[:, None]
-                    mm = m_new
-                o = acc / (ll + tl.exp2(sink - mm))[:, None]
-                tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
-                         mask=hmask[:, None])
+                _merge_splits(O, PACC, PML, pid_bs, heads, hmask, sink, dcol, dv, b, t, H, NSPLIT, NDV, sob, sos,
+                              soh, HD, DV, BLOCK_H)
                 tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
