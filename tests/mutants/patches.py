@@ -474,10 +474,11 @@ def sink_dropped_in_kernel(mp: MP) -> None:
 
 def sink_dropped_in_decode_kernel(mp: MP) -> None:
     """The all-heads decode kernel (`_sparse_decode_kernel`, issue 14 item 1) leaves e^(sink - m) out of the
-    denominator, both in the one-program store and where the last split program merges the partials."""
+    denominator, both in the one-program store and where the last split program merges the partials (the merge
+    is `_merge_splits`, shared with the head-block kernel)."""
     from kernels import attention
 
-    _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (ll + tl.exp2(sink - mm))[:, None]",
+    _jit_source_mutant(mp, attention, "_merge_splits", "o = acc / (ll + tl.exp2(sink - mm))[:, None]",
                        "o = acc / ll[:, None]  # MUTANT: no sink term (merge)")
     _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "o = acc / (l + tl.exp2(sink - m))[:, None]",
                        "o = acc / l[:, None]  # MUTANT: no sink term (one program)")
