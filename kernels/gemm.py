@@ -256,46 +256,58 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.c
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, KB, KB_PER_SPLIT, SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT). BN divides 128, so one weight scale per K block.
-    Quantizes x in registers (`act_quant_block`), reads the e4m3 weight codes, dot per K block (`dot_q_w`, fp32
-    accumulation), scales per K block. SPLIT > 1: partials [SPLIT, M, N] in part_ptr, the last program of an
-    N block (acq_rel semaphore) sums them in split order, writes bf16 and resets its semaphore."""
+def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr):
+    """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
+    x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T, x [M, G*K] bf16, W [G*N, K] e4m3 codes with one ue8m0 scale per
+    128x128 block, y [M, G*N] bf16, fp32 accumulation. G = 1 is `fp8_linear`'s decode path; G > 1 the grouped
+    `wo_a` (`fp8_grouped_gemv`). BN divides 128, so one weight scale per K block (G > 1 needs N % 128 == 0).
+    QUANT_X: x is quantized in registers per 128 block (`act_quant_block`, the official act_quant) and the
+    block's scale applied; otherwise x is used as it is (wo_a: no activation quantization, spec §5).
+    SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
+    semaphore) sums them in split order, writes bf16 and resets its semaphore."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
+    g = tl.program_id(2)
     offs_m = tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, 128)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    n64 = offs_n.to(tl.int64)
+    GK = G * K
+    GN = G * N
+    rows64 = (g * N + offs_n).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     kb0 = pid_s * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
-    srow = (pid_n * BN) // 128
+    srow = (g * N + pid_n * BN) // 128
     for kb in range(kb0, kb1):
-        x = tl.load(x_ptr + offs_m[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
+        x = tl.load(x_ptr + offs_m[:, None] * GK + g * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
                     other=0.0).to(tl.float32)
-        q, sx = act_quant_block(x)
-        w = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        blk = dot_q_w(q, w, MMA)
+        w = tl.load(w_ptr + rows64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
         sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
-        acc += blk * (sx * sw)[:, None]
+        if QUANT_X:
+            q, sx = act_quant_block(x)
+            acc += dot_q_w(q, w, MMA) * (sx * sw)[:, None]
+        else:
+            acc += dot_q_w(x, w, MMA) * sw
     out_mask = mask_m[:, None] & mask_n[None, :]
+    yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
     if SPLIT == 1:
-        tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+        tl.store(y_ptr + yoffs, round_bf16(acc).to(tl.bfloat16), mask=out_mask)
     else:
-        tl.store(part_ptr + (pid_s * M + offs_m[:, None]) * N + n64[None, :], acc, mask=out_mask)
+        base = (g * SPLIT * M).to(tl.int64) * N
+        poffs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + base + pid_s * M * N + poffs, acc, mask=out_mask)
         tl.debug_barrier()
-        arrived = tl.atomic_add(sem_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        sem = sem_ptr + g * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             tot = tl.zeros((BM, BN), dtype=tl.float32)
             for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + (s * M + offs_m[:, None]) * N + n64[None, :], mask=out_mask,
-                               other=0.0, volatile=True)
-            tl.store(y_ptr + offs_m[:, None] * N + n64[None, :], round_bf16(tot).to(tl.bfloat16), mask=out_mask)
-            tl.store(sem_ptr + pid_n, 0)
+                tot += tl.load(part_ptr + base + s * M * N + poffs, mask=out_mask, other=0.0, volatile=True)
+            tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
+            tl.store(sem, 0)
 
 
 @triton.jit
@@ -309,54 +321,6 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
     w = tl.load(w_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     s = e8m0_to_f32(tl.load(ws_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=127).to(tl.int32))
     tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
-
-
-@triton.jit
-def _fp8_grouped_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
-                             BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr):
-    """Grouped weight-only FP8 GEMV (the decode `wo_a`), grid (cdiv(N, BN), SPLIT, G): for group g,
-    y[:, g*N:(g+1)*N] = x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T with x bf16 used as it is (NO activation
-    quantization: official wo_a, spec §5), W e4m3 codes with one ue8m0 scale per 128x128 block, fp32
-    accumulation. x [M, G*K], W [G*N, K], y [M, G*N]; N % BN == 0 and BN divides 128. SPLIT > 1: partials
-    [G, SPLIT, M, N], the last split of a (group, N block) sums them in split order (semaphore, as
-    `_fp8_gemv_kernel`)."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    g = tl.program_id(2)
-    offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, 128)
-    mask_m = offs_m < M
-    GK = G * K
-    GN = G * N
-    rows64 = (g * N + offs_n).to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    kb0 = pid_s * KB_PER_SPLIT
-    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
-    srow = (g * N + pid_n * BN) // 128
-    for kb in range(kb0, kb1):
-        x = tl.load(x_ptr + offs_m[:, None] * GK + g * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows64[:, None] * K + kb * 128 + offs_k[None, :])
-        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
-        acc += dot_q_w(x, w, MMA) * sw
-    ycols = (g * N + offs_n).to(tl.int64)
-    out_mask = mask_m[:, None]
-    if SPLIT == 1:
-        tl.store(y_ptr + offs_m[:, None] * GN + ycols[None, :], round_bf16(acc).to(tl.bfloat16), mask=out_mask)
-    else:
-        base = (g * SPLIT * M).to(tl.int64) * N
-        tl.store(part_ptr + base + (pid_s * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=out_mask)
-        tl.debug_barrier()
-        sem = sem_ptr + g * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tot = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + base + (s * M + offs_m[:, None]) * N + offs_n[None, :], mask=out_mask,
-                               other=0.0, volatile=True)
-            tl.store(y_ptr + offs_m[:, None] * GN + ycols[None, :], round_bf16(tot).to(tl.bfloat16), mask=out_mask)
-            tl.store(sem, 0)
 
 
 @triton.jit
@@ -494,8 +458,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         n_blocks = triton.cdiv(N, BN)
         split, per = _gemv_split(x.device, n_blocks, KB)
         sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
-        _fp8_gemv_kernel[(n_blocks, split)](x, weight, ws, out, part, sem, M, N, K, KB, per, split,
-                                            BM=BM, BN=BN, MMA=mma, num_warps=4)
+        _fp8_gemv_kernel[(n_blocks, split, 1)](x, weight, ws, out, part, sem, M, N, K, 1, KB, per, split,
+                                               BM=BM, BN=BN, MMA=mma, QUANT_X=True, num_warps=4)
         return out
     if method == "dequant":
         xq, _ = act_quant(x, sim=True)
@@ -552,9 +516,9 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n_blocks = N // BN
     split, per = _gemv_split(x.device, n_blocks * groups, KB)
     sem, part = workspace(x.device, n_blocks * groups, groups * split * M * N if split > 1 else 1)
-    _fp8_grouped_gemv_kernel[(n_blocks, split, groups)](x, weight, scale.view(torch.uint8), out, part, sem,
-                                                        M, N, K, groups, KB, per, split, BM=BM, BN=BN, MMA=mode,
-                                                        num_warps=4)
+    _fp8_gemv_kernel[(n_blocks, split, groups)](x, weight, scale.view(torch.uint8), out, part, sem, M, N, K,
+                                                groups, KB, per, split, BM=BM, BN=BN, MMA=mode, QUANT_X=False,
+                                                num_warps=4)
     return out
 
 
