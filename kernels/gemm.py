@@ -238,9 +238,9 @@ def act_quant_block(x):
 # ---------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.constexpr):
-    """Grid (cdiv(M, BR), K/128). SIM: q_ptr <- bf16(q * s) (quantize->dequantize, `act_quant_sim`); else
-    q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`)."""
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
+    """Grid (cdiv(M, BR), K/128): q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`). The
+    quantize -> dequantize form is `kernels.quant.act_quant_sim`."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     kb = tl.program_id(1)
     cols = kb * 128 + tl.arange(0, 128)
@@ -248,11 +248,8 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, SIM: tl.constexpr, BR: tl.c
     r64 = rows.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q, s = act_quant_block(x)
-    if SIM:
-        tl.store(q_ptr + r64[:, None] * K + cols[None, :], (q * s[:, None]).to(tl.bfloat16), mask=mask)
-    else:
-        tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
-        tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
+    tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
+    tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
 
 
 @triton.jit
@@ -363,8 +360,8 @@ def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
 
 def act_quant(x: torch.Tensor, *, sim: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton `dsv4.quant.act_quant(x, 128, "ue8m0")` (sim=False: e4m3 codes [M, K] + fp32 scales [M, K/128]) or
-    `act_quant_sim` (sim=True: bf16 [M, K], scales None). x [M, K] bf16, K % 128 == 0; bitwise equal to the torch
-    functions. Raises ValueError on a wrong shape, dtype or layout."""
+    `act_quant_sim` (sim=True: bf16 [M, K], scales None; `kernels.quant.act_quant_sim` with 128-channel blocks).
+    x [M, K] bf16, K % 128 == 0; bitwise equal to the torch functions. Raises ValueError on a wrong shape, dtype or layout."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
         _fail("act_quant", "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
               "a 2-D bf16 tensor [M, K]")
@@ -372,16 +369,15 @@ def act_quant(x: torch.Tensor, *, sim: bool = False) -> tuple[torch.Tensor, torc
     if K % BLOCK or K == 0:
         _fail("act_quant", "K", K, f"a positive multiple of {BLOCK}")
     check_layout("act_quant", {"x": x})
-    KB = K // BLOCK
     if sim:
-        q, s = torch.empty(M, K, dtype=torch.bfloat16, device=x.device), None
-    else:
-        q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-        s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
+        from kernels.quant import act_quant_sim
+        return act_quant_sim(x, BLOCK), None
+    KB = K // BLOCK
+    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(M, KB, dtype=torch.float32, device=x.device)
     if M:
-        BR = 16
-        codes = q if sim else q.view(torch.uint8)  # e4m3 bytes are assembled bit by bit (`e4m3_bits`)
-        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, codes, q if s is None else s, M, K, KB, SIM=sim, BR=BR)
+        BR = 16  # e4m3 bytes are assembled bit by bit (`e4m3_bits`)
+        _act_quant_kernel[(triton.cdiv(M, BR), KB)](x, q.view(torch.uint8), s, M, K, KB, BR=BR)
     return q, s
 
 

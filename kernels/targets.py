@@ -56,7 +56,7 @@ def _specs():
     u8, f8 = "*u8", "*fp8e4nv"
     specs += [
         ("gemm._act_quant_kernel", gemm._act_quant_kernel, dict(x_ptr=bf, q_ptr=u8, s_ptr=f32), [],
-         dict(SIM=False, BR=16)),
+         dict(BR=16)),
         ("gemm._fp8_gemv_kernel", gemm._fp8_gemv_kernel,
          dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32), [],
          dict(BM=16, BN=64, MMA=2, QUANT_X=True)),
