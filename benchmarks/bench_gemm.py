@@ -133,7 +133,11 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
+    ap.add_argument("--smoke", action="store_true", help="moe_tiles only: tiny shapes on the CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.smoke:
+        bench_moe_tiles(args)
+        return 0
     torch.manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     import triton
@@ -153,6 +157,8 @@ def main() -> int:
         bench_prefill(args, peak)
     if "moe" in sections:
         bench_moe(args, bw)
+    if "moe_tiles" in sections:
+        bench_moe_tiles(args)
     return 0
 
 
@@ -199,12 +205,12 @@ def bench_prefill(args, peak: float) -> None:
             print(f"| {name} | {K}->{N} | {M} | " + " | ".join(cells) + " |")
 
 
-def moe_inputs(E: int, D: int, I: int) -> StackedExperts:
+def moe_inputs(E: int, D: int, I: int, device: str = "cuda") -> StackedExperts:
     parts = {}
     for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
-        parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
+        parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device=device)
         parts["s" + n] = torch.randint(118, 126, (E, o, i // 32), dtype=torch.uint8,
-                                       device="cuda").view(torch.float8_e8m0fnu)
+                                       device=device).view(torch.float8_e8m0fnu)
     return StackedExperts(**parts)
 
 
@@ -290,6 +296,55 @@ def bench_moe(args, bw: float) -> None:
             continue
         us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=cfg), iters=it, reps=reps)
         print(f"| {T} | {tuple(cfg)} | {us:.1f} | {err:.1e} |", flush=True)
+
+
+def bench_moe_tiles(args) -> None:
+    """Prefill tile path of `moe_experts`: the default tiles against the swapped tile (`MoeConfig.swap`, weight
+    rows as the dot's M: wgmma with the decoded weight in registers) and the broadcast group scales, at Flash and
+    Pro width, T = 1024 / 4096 (µs of the whole call in a CUDA graph; rel err = max |y - y_default| / max |y|,
+    the default itself being tested against `moe_grouped_ref` in tests/gpu). Ends with the fastest per row."""
+    from kernels.moe import MoeConfig, moe_config
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    geoms = {"tiny": (8, 256, 128)} if smoke else {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
+    Ts = (24,) if smoke else (1024, 4096)
+    variants = [("default", moe_config(10 ** 6))]
+    if smoke:
+        variants += [("swap bm16 bn32", MoeConfig("tiles", 16, 32, 32, 4, 1, True, True))]
+    else:
+        variants += [("scale bcast", moe_config(10 ** 6)._replace(scale_bcast=True))]
+        variants += [(f"swap bm{bm} bn{bn} kh{kh} w{w} sb{int(sb)}", MoeConfig("tiles", bm, bn, kh, w, 3, True, sb))
+                     for bm, bn, kh, w, sb in ((32, 128, 64, 4, True), (32, 128, 64, 4, False), (64, 128, 64, 4, True),
+                                               (128, 128, 64, 4, True), (64, 64, 64, 4, True),
+                                               (32, 64, 64, 4, True), (64, 128, 128, 4, True),
+                                               (128, 256, 64, 8, True), (64, 256, 64, 8, True))]
+    print("\n### Grouped FP4 MoE, prefill tiles: swapped tile sweep (µs per call in a CUDA graph)\n")
+    print("| geometry | T | variant | config | µs | × default | rel err vs default |\n|---|---|---|---|---|---|---|")
+    best = {}
+    for geom, (E, D, I) in geoms.items():
+        ex = moe_inputs(E, D, I, dev)
+        for T in Ts:
+            torch.manual_seed(T)
+            x = (torch.randn(T, D, device=dev) * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device=dev).topk(6, dim=-1).indices for _ in range(2 if smoke else 8)]
+            g = torch.rand(T, 6, device=dev) + 0.1
+            y0 = moe_experts(x, g, idxs[0], ex, 10.0, config=variants[0][1])
+            t0 = None
+            for name, cfg in variants:
+                try:
+                    err = rel_err(moe_experts(x, g, idxs[0], ex, 10.0, config=cfg), y0)
+                except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
+                    print(f"| {geom} | {T} | {name} | {tuple(cfg)} | {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:100]} | - | - |", flush=True)
+                    continue
+                us = float("nan") if smoke else \
+                    safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=cfg), iters=3, reps=3)
+                t0 = us if t0 is None else t0
+                print(f"| {geom} | {T} | {name} | {tuple(cfg)} | {us:.1f} | {t0 / us:.2f} | {err:.1e} |", flush=True)
+                if err < 1e-2 and not us >= best.get((geom, T), (float("inf"),))[0]:
+                    best[(geom, T)] = (us, name)
+        del ex
+    print("\nfastest: " + "; ".join(f"{g} T={t}: {n} ({u:.1f} µs)" for (g, t), (u, n) in best.items()))
 
 
 if __name__ == "__main__":
