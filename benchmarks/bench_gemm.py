@@ -299,26 +299,20 @@ def bench_moe(args, bw: float) -> None:
 
 
 def bench_moe_tiles(args) -> None:
-    """Prefill tile path of `moe_experts`: the default tiles against the swapped tile (`MoeConfig.swap`, weight
-    rows as the dot's M: wgmma with the decoded weight in registers) and the broadcast group scales, at Flash and
-    Pro width, T = 1024 / 4096 (µs of the whole call in a CUDA graph; rel err = max |y - y_default| / max |y|,
-    the default itself being tested against `moe_grouped_ref` in tests/gpu). Ends with the fastest per row."""
+    """Prefill tile path of `moe_experts` at Flash and Pro width, T = 1024 / 4096: the default tiles against other
+    tile shapes (µs of the whole call in a CUDA graph; rel err = max |y - y_default| / max |y|, the default itself
+    being tested against `moe_grouped_ref` in tests/gpu). The untransposed tile these replaced (32-row, mma.sync)
+    was measured in the same sweep at 08b4564's successor 77ec9de (RESULTS.md). Ends with the fastest per row."""
     from kernels.moe import MoeConfig, moe_config
     smoke = args.smoke
     dev = "cpu" if smoke else "cuda"
     geoms = {"tiny": (8, 256, 128)} if smoke else {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
     Ts = (24,) if smoke else (1024, 4096)
     variants = [("default", moe_config(10 ** 6))]
-    if smoke:
-        variants += [("swap bm16 bn32", MoeConfig("tiles", 16, 32, 32, 4, 1, True, True))]
-    else:
-        variants += [("scale bcast", moe_config(10 ** 6)._replace(scale_bcast=True))]
-        variants += [(f"swap bm{bm} bn{bn} kh{kh} w{w} sb{int(sb)}", MoeConfig("tiles", bm, bn, kh, w, 3, True, sb))
-                     for bm, bn, kh, w, sb in ((32, 128, 64, 4, True), (32, 128, 64, 4, False), (64, 128, 64, 4, True),
-                                               (128, 128, 64, 4, True), (64, 64, 64, 4, True),
-                                               (32, 64, 64, 4, True), (64, 128, 128, 4, True),
-                                               (128, 256, 64, 8, True), (64, 256, 64, 8, True))]
-    print("\n### Grouped FP4 MoE, prefill tiles: swapped tile sweep (µs per call in a CUDA graph)\n")
+    shapes = ((16, 32, 32, 4),) if smoke else ((64, 128, 64, 4), (32, 64, 64, 4), (64, 256, 64, 8))
+    variants += [(f"bm{bm} bn{bn} kh{kh} w{w}", MoeConfig("tiles", bm, bn, kh, w, 3 if not smoke else 1))
+                 for bm, bn, kh, w in shapes]
+    print("\n### Grouped FP4 MoE, prefill tiles (µs per call in a CUDA graph)\n")
     print("| geometry | T | variant | config | µs | × default | rel err vs default |\n|---|---|---|---|---|---|---|")
     best = {}
     for geom, (E, D, I) in geoms.items():
@@ -345,7 +339,6 @@ def bench_moe_tiles(args) -> None:
                     best[(geom, T)] = (us, name)
         del ex
     print("\nfastest: " + "; ".join(f"{g} T={t}: {n} ({u:.1f} µs)" for (g, t), (u, n) in best.items()))
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,9 +27,11 @@ P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
   * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
     shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (tiles, out / BN): per chunk of
     2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
-    rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation
-    (wgmma on Hopper), no per-group split. A tile whose expert has no pair is never computed; an expert's bytes
-    are read only by its own tiles.
+    rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation,
+    no per-group split. The tile is computed transposed ("swap AB": [BN weight rows, BM token rows]), so the
+    decoded weight is the dot's LHS, held in registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens);
+    the untransposed 32-row tile compiled to mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair
+    is never computed; an expert's bytes are read only by its own tiles.
 
 Exactness (both paths): every product is exact in fp32 - an e2m1 value has 2 significant bits, an act-quantized
 activation 4 (e4m3), and the scales are powers of two (ue8m0 screened for overflow at load:
@@ -44,9 +46,10 @@ interpreter bf16 casts and dots are not faithful), and bf16 stores round through
 `mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
 interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
 
-Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite"): Flash T=1 90 µs per call (78.5 µs of
-kernels; 364 µs before), T=1024 10.1 ms (21 ms before). Both miss issue 13's targets (40 µs, 2.1 ms); the
-nibble decode's integer ops bound the decode path. A decode of two nibbles per integer op (uint32 words) is
+Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
+call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
+T=4096 13.7 ms (33.8 ms). Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's integer ops bound
+the decode path. A decode of two nibbles per integer op (uint32 words) is
 written and interpreter-tested in this branch's commit 08b4564 but not yet measured, so not shipped.
 
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
@@ -287,63 +290,46 @@ def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
 
 @triton.jit
 def _fp4_tile_dot(acc, xe, xo, w_ptr, s_ptr, rows64, kh0, KH, KS, BN: tl.constexpr, BKH: tl.constexpr,
-                  MMA: tl.constexpr, SWAP: tl.constexpr, SCALE_BCAST: tl.constexpr):
-    """One chunk of 2*BKH inputs of the tile product, fp32 accumulation. W's bytes [BN, BKH] are decoded to exact
-    e2m1 * 2^(s-127) values (`_e2m1` times the group's scale times 2^14), the even inputs from the low nibbles,
-    the odd ones from the high nibbles, so the product is TWO dots (even, odd).
-      SWAP 0: acc [BM, BN] += xq[:, chunk] . W^T   (xe / xo [BM, BKH]: the gathered rows' even / odd inputs);
-      SWAP 1: acc [BN, BM] += W . xq[:, chunk]^T   (xe / xo [BKH, BM]): "swap AB", the decoded weight tile is the
-              LHS, which Hopper's wgmma can take from registers (no shared-memory round trip of the decoded tile,
-              and an M of 64/128 weight rows instead of the tile's few token rows).
-    SCALE_BCAST 1: the [BN, BKH/16] group scales are loaded once and broadcast to the bytes; 0: gathered per byte.
-    MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the scales are screened at load), tensor-core
-    dots; MMA 0 (the interpreter, whose bf16 casts and dots are not faithful in triton 3.9): fp32 dots with
-    input_precision="ieee" on the same values."""
+                  MMA: tl.constexpr):
+    """acc [BN, BM] += W[rows, chunk] . xq[:, chunk]^T for one chunk of 2*BKH inputs (fp32 accumulation): xe / xo
+    [BKH, BM] the even / odd inputs of the tile's gathered rows (bf16 exact values); W's bytes [BN, BKH] decoded
+    to exact e2m1 * 2^(s-127) values (`_e2m1` times the group's scale times 2^14; the [BN, BKH/16] group scales
+    are loaded once and broadcast to their 16 bytes), the even inputs from the low nibbles and the odd ones from
+    the high nibbles, so the product is TWO dots. "Swap AB": the decoded weight tile is the dot's LHS (M = BN
+    weight rows), which Hopper's wgmma takes from registers - no shared-memory round trip of the decoded tile,
+    and an M of 128 instead of the tile's 32 token rows (which compiled to mma.sync; 2.2-2.5x slower at Flash
+    and Pro width, benchmarks/RESULTS.md). MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the
+    scales are screened at load), tensor-core dots; MMA 0 (the interpreter, whose bf16 casts and dots are not
+    faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
     offs = kh0 + tl.arange(0, BKH)
     b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
-    if SCALE_BCAST:
-        sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
-        sg = e8m0_to_f32(sg) * 16384.0
-        s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-    else:
-        s = e8m0_to_f32(tl.load(s_ptr + rows64[:, None] * KS + (offs // 16)[None, :]).to(tl.int32)) * 16384.0
+    sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+    sg = e8m0_to_f32(sg) * 16384.0
+    s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
     lo = _e2m1(b, False) * s
     hi = _e2m1(b, True) * s
-    if SWAP:
-        if MMA == 0:
-            acc += tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
-            acc += tl.dot(hi, xo.to(tl.float32), input_precision="ieee")
-        else:
-            acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
-            acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
+    if MMA == 0:
+        acc += tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
+        acc += tl.dot(hi, xo.to(tl.float32), input_precision="ieee")
     else:
-        if MMA == 0:
-            acc += tl.dot(xe.to(tl.float32), tl.trans(lo), input_precision="ieee")
-            acc += tl.dot(xo.to(tl.float32), tl.trans(hi), input_precision="ieee")
-        else:
-            acc = tl.dot(xe, tl.trans(lo.to(tl.bfloat16)), acc)
-            acc = tl.dot(xo, tl.trans(hi.to(tl.bfloat16)), acc)
+        acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
+        acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
     return acc
 
 
 @triton.jit
 def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                         E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BKH: tl.constexpr, MMA: tl.constexpr, SWAP: tl.constexpr, SCALE_BCAST: tl.constexpr):
+                        BKH: tl.constexpr, MMA: tl.constexpr):
     """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
-    one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x). Padding rows (g = 0) and the rows
-    of unused tiles are written as 0, so every row of h [n_tiles * BM, I] bf16 is defined. SWAP 1 computes the
-    transposed tile [BN, BM] (`_fp4_tile_dot`); the values are the same."""
+    one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
+    [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
+    of h [n_tiles * BM, I] bf16 is defined."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     offs_r = tile * BM + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    if SWAP:
-        out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
-        zero = tl.zeros((BN, BM), dtype=tl.float32)
-    else:
-        out = h_ptr + offs_r.to(tl.int64)[:, None] * I + offs_n[None, :]
-        zero = tl.zeros((BM, BN), dtype=tl.float32)
+    out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
     if e < E:
         pair = tl.load(row_pair_ptr + offs_r)
         valid = pair >= 0
@@ -352,35 +338,27 @@ def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr,
         KH = D // 2
         KS = D // 32
         offs_j = tl.arange(0, BKH)
-        u = zero
-        v = zero
+        u = tl.zeros((BN, BM), dtype=tl.float32)
+        v = tl.zeros((BN, BM), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            if SWAP:
-                xp = xq_ptr + tok[None, :] * D + 2 * (kh0 + offs_j)[:, None]
-                xmask = valid[None, :]
-            else:
-                xp = xq_ptr + tok[:, None] * D + 2 * (kh0 + offs_j)[None, :]
-                xmask = valid[:, None]
-            xe = tl.load(xp, mask=xmask, other=0.0)
-            xo = tl.load(xp + 1, mask=xmask, other=0.0)
-            u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BN, BKH, MMA, SWAP, SCALE_BCAST)
-            v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BN, BKH, MMA, SWAP, SCALE_BCAST)
+            xp = xq_ptr + tok[None, :] * D + 2 * (kh0 + offs_j)[:, None]
+            xe = tl.load(xp, mask=valid[None, :], other=0.0)
+            xo = tl.load(xp + 1, mask=valid[None, :], other=0.0)
+            u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
+            v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
         g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-        if SWAP:
-            h = _swiglu(u, v, g[None, :], limit, HAS_LIMIT)
-        else:
-            h = _swiglu(u, v, g[:, None], limit, HAS_LIMIT)
+        h = _swiglu(u, v, g[None, :], limit, HAS_LIMIT)
         tl.store(out, round_bf16(h).to(tl.bfloat16))
     else:
-        tl.store(out, zero.to(tl.bfloat16))
+        tl.store(out, tl.zeros((BN, BM), dtype=tl.bfloat16))
 
 
 @triton.jit
 def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                          BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr,
-                          SWAP: tl.constexpr, SCALE_BCAST: tl.constexpr):
+                          BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
     """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
-    valid rows (hq [n_tiles * BM, I] bf16, act-quantized h), scattered to pair order (SWAP as in the up kernel)."""
+    valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
+    pair order."""
     tile = tl.program_id(0)
     e = tl.load(tile_e_ptr + tile)
     if e < E:
@@ -393,23 +371,13 @@ def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_pt
         KS = I // 32
         offs_j = tl.arange(0, BKH)
         r64 = offs_r.to(tl.int64)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for kh0 in range(0, KH, BKH):
+            hp = hq_ptr + r64[None, :] * I + 2 * (kh0 + offs_j)[:, None]
+            acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN, BKH,
+                                MMA)
         p64 = tl.where(valid, pair, 0).to(tl.int64)
-        if SWAP:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-            for kh0 in range(0, KH, BKH):
-                hp = hq_ptr + r64[None, :] * I + 2 * (kh0 + offs_j)[:, None]
-                acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN,
-                                    BKH, MMA, SWAP, SCALE_BCAST)
-            tl.store(y_ptr + p64[None, :] * D + offs_n[:, None], round_bf16(acc).to(tl.bfloat16),
-                     mask=valid[None, :])
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for kh0 in range(0, KH, BKH):
-                hp = hq_ptr + r64[:, None] * I + 2 * (kh0 + offs_j)[None, :]
-                acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN,
-                                    BKH, MMA, SWAP, SCALE_BCAST)
-            tl.store(y_ptr + p64[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
-                     mask=valid[:, None])
+        tl.store(y_ptr + p64[None, :] * D + offs_n[:, None], round_bf16(acc).to(tl.bfloat16), mask=valid[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -420,17 +388,13 @@ class MoeConfig(NamedTuple):
     """Launch choice of `moe_experts`: path "gemv" (decode kernels, pairs in expert order) or "tiles" (prefill
     kernels on `moe_route`'s padded tiles); block_m rows per tile (tiles only; 16, 32, 64 or 128), block_n weight
     rows per program, block_kh packed bytes per K step (2 * block_kh inputs; a power of two >= 16, reduced to
-    divide D/2 and I/2), num_warps, num_stages (tiles only); swap (tiles only): compute the transposed tile,
-    weight rows as the dot's M (`_fp4_tile_dot`); scale_bcast (tiles only): load the weight scales once per
-    32-input group and broadcast them (else one gathered load per byte)."""
+    divide D/2 and I/2), num_warps, num_stages (tiles only)."""
     path: str
     block_m: int
     block_n: int
     block_kh: int
     num_warps: int
     num_stages: int
-    swap: bool = False
-    scale_bcast: bool = False
 
 
 GEMV_MAX_PAIRS = 384
@@ -443,8 +407,9 @@ rewrite). The exact crossover between 384 and 6144 pairs was not measured."""
 def moe_config(n_pairs: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
     16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS, else 32-row tiles, 128 weight
-    rows per program, 128-input K steps, 4 warps, 3 stages (T = 1024: 10.1 ms vs 11.7-28.3 ms for the other
-    tiles tried)."""
+    rows per program, 128-input K steps, 4 warps, 3 stages (swapped tile; Flash T = 1024: 4.4 ms vs 4.8-29.9 ms
+    for the other tiles swept, T = 4096: 13.7 ms vs 13.1 ms for 64 x 256 tiles with 8 warps, the one faster
+    row; Pro T = 1024 / 4096: fastest)."""
     if n_pairs <= GEMV_MAX_PAIRS:
         return MoeConfig("gemv", 1, 16, 256, 4, 1)
     return MoeConfig("tiles", 32, 128, 64, 4, 3)
@@ -511,8 +476,8 @@ def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, exper
     _moe_up_tile_kernel[(route.tile_expert.numel(), I // cfg.block_n)](
         xq, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h,
         E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m, BN=cfg.block_n,
-        BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), SWAP=cfg.swap, SCALE_BCAST=cfg.scale_bcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return h
 
 
@@ -525,8 +490,8 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_tile_kernel[(route.tile_expert.numel(), D // cfg.block_n)](
         hq, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
-        BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma), SWAP=cfg.swap,
-        SCALE_BCAST=cfg.scale_bcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -534,12 +499,10 @@ def _check_config(cfg, D: int, I: int) -> None:
     ok = isinstance(cfg, MoeConfig) and cfg.path in ("gemv", "tiles") and cfg.block_n >= 1 and \
         D % cfg.block_n == 0 and I % cfg.block_n == 0 and cfg.block_kh >= 16 and \
         cfg.block_kh & (cfg.block_kh - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0 and \
-        (cfg.path == "gemv" or cfg.block_m in (16, 32, 64, 128)) and \
-        all(isinstance(f, bool) for f in (cfg.swap, cfg.scale_bcast))
+        (cfg.path == "gemv" or cfg.block_m in (16, 32, 64, 128))
     if not ok:
         _fail("moe_experts", "config", repr(cfg), f"a MoeConfig: path 'gemv'/'tiles', power-of-two block_n "
-              f"dividing D = {D} and I = {I}, power-of-two block_kh >= 16, tiles: block_m in 16/32/64/128, "
-              "swap / scale_bcast bools")
+              f"dividing D = {D} and I = {I}, power-of-two block_kh >= 16, tiles: block_m in 16/32/64/128")
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,

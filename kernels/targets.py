@@ -80,17 +80,13 @@ def _specs():
               h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256)),
         ("moe._moe_down_gemv_kernel", moe._moe_down_gemv_kernel,
          dict(hq_ptr=bf, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [], dict(BN=16, BKH=256)),
+        ("moe._moe_up_tile_kernel", moe._moe_up_tile_kernel,
+         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
+              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1)),
+        ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
+         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BM=32, BN=128, BKH=64, MMA=1)),
     ]
-    for tag, swap in (("", False), ("[swap]", True)):  # both tile layouts (MoeConfig.swap)
-        specs += [
-            ("moe._moe_up_tile_kernel" + tag, moe._moe_up_tile_kernel,
-             dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-                  s3_ptr=u8, h_ptr=bf), ["limit"],
-             dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1, SWAP=swap, SCALE_BCAST=swap)),
-            ("moe._moe_down_tile_kernel" + tag, moe._moe_down_tile_kernel,
-             dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-             dict(BM=32, BN=128, BKH=64, MMA=1, SWAP=swap, SCALE_BCAST=swap)),
-        ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)
     return specs

@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOT_KERNELS = ("moe._moe_up_tile_kernel", "moe._moe_down_tile_kernel", "moe._moe_up_tile_kernel[swap]",
-               "moe._moe_down_tile_kernel[swap]", "gemm._fp8_gemm_kernel",
+DOT_KERNELS = ("moe._moe_up_tile_kernel", "moe._moe_down_tile_kernel", "gemm._fp8_gemm_kernel",
                "indexer._indexer_scores_kernel", "indexer._indexer_select_kernel", "mhc._hc_mix_kernel",
                "attention._sparse_attn_kernel", "mhc._hc_fused_kernel", "mhc._hc_post_pre_kernel",
                "attention._sparse_decode_kernel")
