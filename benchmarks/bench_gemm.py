@@ -339,6 +339,28 @@ def bench_moe_tiles(args) -> None:
                     best[(geom, T)] = (us, name)
         del ex
     print("\nfastest: " + "; ".join(f"{g} T={t}: {n} ({u:.1f} µs)" for (g, t), (u, n) in best.items()))
+    # the gemv / tiles crossover (GEMV_MAX_PAIRS) at decode batch sizes, Flash width (Pro: the same T list)
+    print("\n| geometry | T | pairs | gemv µs | tiles bm32 bn128 µs | tiles bm16 bn128 µs | tiles bm16 bn64 µs | "
+          "default path | rel err (tiles bm16 vs gemv) |\n|---|---|---|---|---|---|---|---|---|")
+    cfgs = [moe_config(1), MoeConfig("tiles", 32, 128, 64, 4, 3), MoeConfig("tiles", 16, 128, 64, 4, 3),
+            MoeConfig("tiles", 16, 64, 64, 4, 3)]
+    if smoke:
+        cfgs = [MoeConfig("gemv", 1, 16, 32, 4, 1)] + [MoeConfig("tiles", 16, 32, 32, 4, 1)] * 3
+    for geom, (E, D, I) in geoms.items():
+        ex = moe_inputs(E, D, I, dev)
+        for T in ((4,) if smoke else (1, 2, 4, 8, 16, 32, 64, 128)):
+            torch.manual_seed(T)
+            x = (torch.randn(T, D, device=dev) * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device=dev).topk(6, dim=-1).indices for _ in range(2 if smoke else 8)]
+            g = torch.rand(T, 6, device=dev) + 0.1
+            err = rel_err(moe_experts(x, g, idxs[0], ex, 10.0, config=cfgs[2]),
+                          moe_experts(x, g, idxs[0], ex, 10.0, config=cfgs[0]))
+            us = [float("nan") if smoke else
+                  safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=c), iters=10, reps=3)
+                  for c in cfgs]
+            print(f"| {geom} | {T} | {6 * T} | " + " | ".join(f"{u:.1f}" for u in us) +
+                  f" | {moe_config(6 * T).path} | {err:.1e} |", flush=True)
+        del ex
 
 if __name__ == "__main__":
     sys.exit(main())
