@@ -137,6 +137,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.smoke:
         bench_moe_tiles(args)
+        bench_moe_crossover(args)
         return 0
     torch.manual_seed(0)
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -159,6 +160,8 @@ def main() -> int:
         bench_moe(args, bw)
     if "moe_tiles" in sections:
         bench_moe_tiles(args)
+    if "moe_crossover" in sections:
+        bench_moe_crossover(args)
     return 0
 
 
@@ -339,7 +342,15 @@ def bench_moe_tiles(args) -> None:
                     best[(geom, T)] = (us, name)
         del ex
     print("\nfastest: " + "; ".join(f"{g} T={t}: {n} ({u:.1f} µs)" for (g, t), (u, n) in best.items()))
-    # the gemv / tiles crossover (GEMV_MAX_PAIRS) at decode batch sizes, Flash width (Pro: the same T list)
+
+
+def bench_moe_crossover(args) -> None:
+    """The gemv / tiles crossover of `moe_experts` (GEMV_MAX_PAIRS) at decode batch sizes, Flash and Pro width:
+    µs of the whole call in a CUDA graph per path / tile shape, rel err of 16-row tiles vs gemv."""
+    from kernels.moe import MoeConfig, moe_config
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    geoms = {"tiny": (8, 256, 128)} if smoke else {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
     print("\n| geometry | T | pairs | gemv µs | tiles bm32 bn128 µs | tiles bm16 bn128 µs | tiles bm16 bn64 µs | "
           "default path | rel err (tiles bm16 vs gemv) |\n|---|---|---|---|---|---|---|---|---|")
     cfgs = [moe_config(1), MoeConfig("tiles", 32, 128, 64, 4, 3), MoeConfig("tiles", 16, 128, 64, 4, 3),
