@@ -10,6 +10,15 @@ bandwidth. Prefill rows: TFLOP/s (2*M*N*K) and % of the bf16 peak, per method. "
 (dequantize + act_quant_sim + fp32 matmul; MoE: the per-expert loop of moe_grouped_ref), timed eagerly.
 Also probes which `torch.nn.functional.scaled_mm` block-scaling recipes this torch build accepts for
 1x128 (x) x 128x128 (W). Prints a markdown table.
+
+`--sections head` (the fp32-compute linears held bf16, `kernels.fp32_linear`): the bf16-weight fp32 GEMV against
+`x @ W_fp32.T` (cuBLAS fp32, what the dequantized model runs) at the Flash / Pro head, router and compressor
+shapes, M = 1 / 8 / 32, plus a (BN, BK, warps) sweep at the Flash head; correctness = max |y - y_exact| over the
+fp32 summation bound 2 * K * 2^-24 * sum_k |x_k w_k| (fp64 exact product; <= 1 passes, as tests/unit). About 20 s
+on one H200:
+
+    python benchmarks/bench_gemm.py --sections head
+    TRITON_INTERPRET=1 python benchmarks/bench_gemm.py --sections head --smoke   # CPU, tiny shapes, no timing
 """
 
 from __future__ import annotations
@@ -133,8 +142,15 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
+    ap.add_argument("--smoke", action="store_true", help="--sections head only: tiny shapes on CPU under "
+                    "TRITON_INTERPRET=1, correctness only (no timing)")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.smoke:
+        if args.sections != "head":
+            ap.error("--smoke runs only --sections head")
+        bench_head(args, float("nan"))
+        return 0
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     import triton
     print(f"triton {triton.__version__}")
@@ -153,6 +169,8 @@ def main() -> int:
         bench_prefill(args, peak)
     if "moe" in sections:
         bench_moe(args, bw)
+    if "head" in sections:
+        bench_head(args, bw)
     return 0
 
 
@@ -290,6 +308,71 @@ def bench_moe(args, bw: float) -> None:
             continue
         us = safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=cfg), iters=it, reps=reps)
         print(f"| {T} | {tuple(cfg)} | {us:.1f} | {err:.1e} |", flush=True)
+
+
+# (name, N, K): the fp32-compute linears held bf16 (Flash dim 4096, Pro dim 7168; CSA compressor wkv 2 * 512)
+HEAD_SHAPES = [("flash head", 129280, 4096), ("pro head", 129280, 7168), ("flash router gate", 256, 4096),
+               ("pro router gate", 384, 7168), ("flash CSA compressor wkv", 1024, 4096)]
+HEAD_SWEEP = [(16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8)]   # (BN, BK, warps), M <= 8
+HEAD_DOT_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 8)]                # M > 8 (FMA tl.dot)
+
+
+def _bound_ratio(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> float:
+    """max over outputs of |y - exact| / (2 K 2^-24 sum_k |x_k w_k|), exact = the fp64 product (wd: W in fp64)."""
+    xd = x.double()
+    exact = xd @ wd.T
+    bound = 2 * x.shape[1] * 2.0 ** -24 * (xd.abs() @ wd.abs().T)
+    return float(((y.double() - exact).abs() / bound.clamp_min(1e-300)).max())
+
+
+def bench_head(args, bw: float) -> None:
+    """The bf16-held fp32 linears (module docstring): `kernels.fp32_linear.fp32_linear` vs cuBLAS fp32."""
+    from kernels.fp32_linear import fp32_linear
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    shapes = [("smoke head", 300, 256), ("smoke router", 16, 1024)] if smoke else HEAD_SHAPES
+    print("\n### fp32 linears held bf16 (kernels.fp32_linear; µs per call in a CUDA graph; weights from HBM)\n")
+    print("| linear | N x K | M | bf16-weight kernel µs | GB/s | % copy BW | cuBLAS fp32 µs (x @ W_fp32.T) | GB/s "
+          "| % copy BW | speedup | err/bound kernel | err/bound cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, N, K in shapes:
+        copies = 1 if smoke else max(1, -(-(256 << 20) // (2 * N * K)))
+        w16 = [torch.randn(N, K, device=dev).to(torch.bfloat16) for _ in range(copies)]
+        w32 = [w.float() for w in w16]
+        wd = w16[0].double()
+        for M in (1, 8, 32):
+            x = torch.randn(M, K, device=dev)
+            y = fp32_linear(x, w16[0])
+            ok_k, ok_c = _bound_ratio(y, x, wd), _bound_ratio(x @ w32[0].T, x, wd)
+            if smoke:
+                print(f"| {name} | {N} x {K} | {M} | - | - | - | - | - | - | - | {ok_k:.1e} | {ok_c:.1e} |")
+                continue
+            out = torch.empty(M, N, device=dev)
+            us = safe(gpu_time, lambda i: fp32_linear(x, w16[i % copies], out=out))
+            usc = safe(gpu_time, lambda i: torch.mm(x, w32[i % copies].T, out=out))
+            gb, gbc = (2 * N * K + 4 * M * (K + N)) / us * 1e-3, (4 * N * K + 4 * M * (K + N)) / usc * 1e-3
+            print(f"| {name} | {N} x {K} | {M} | {us:.1f} | {gb:.0f} | {100 * gb / bw:.0f}% | {usc:.1f} | {gbc:.0f} "
+                  f"| {100 * gbc / bw:.0f}% | {usc / us:.2f}x | {ok_k:.1e} | {ok_c:.1e} |", flush=True)
+        del w16, w32, wd
+    print("\n| Flash head M | (BN, BK, warps) | µs | % copy BW | err/bound |\n|---|---|---|---|---|")
+    N, K = (300, 256) if smoke else (129280, 4096)
+    w16 = torch.randn(N, K, device=dev).to(torch.bfloat16)
+    wd = w16.double()
+    for M, sweep in ((1, HEAD_SWEEP), (8, HEAD_SWEEP), (32, HEAD_DOT_SWEEP)):
+        x = torch.randn(M, K, device=dev)
+        for bn, bk, warps in sweep:
+            try:
+                err = _bound_ratio(fp32_linear(x, w16, block=(bn, bk), num_warps=warps), x, wd)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
+                print(f"| {M} | {(bn, bk, warps)} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | - | - |")
+                continue
+            if smoke:
+                print(f"| {M} | {(bn, bk, warps)} | - | - | {err:.1e} |")
+                continue
+            out = torch.empty(M, N, device=dev)
+            us = safe(gpu_time, lambda i: fp32_linear(x, w16, out=out, block=(bn, bk), num_warps=warps))
+            gb = (2 * N * K + 4 * M * (K + N)) / us * 1e-3
+            print(f"| {M} | {(bn, bk, warps)} | {us:.1f} | {100 * gb / bw:.0f}% | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
