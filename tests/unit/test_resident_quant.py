@@ -90,7 +90,13 @@ def test_quantized_resident_logits_equal_dequantized_bitwise(tiny_ckpt, dtype):
         assert_equal(y, x, f"{dtype} quantized-resident logits step {step}")
     wo_a = qnt.layers[1].attn.wo_a
     assert wo_a.fmt == "fp8" and wo_a.codes.dtype == torch.float8_e4m3fn and wo_a.dequantized_weight().dtype == dtype
-    assert qnt.layers[1].ffn.experts[0].w2.codes.dtype == torch.int8 and qnt.head.fmt is None
+    assert qnt.layers[1].ffn.experts[0].w2.codes.dtype == torch.int8
+    # held bf16 as on disk, computed in fp32 (docs/differences.md): head, router, compressor wkv / wgate
+    assert qnt.head.fmt == "bf16" and qnt.head.codes.dtype == torch.bfloat16
+    assert qnt.head.dequantized_weight().dtype == torch.float32
+    assert qnt.layers[1].ffn.gate.weight.dtype == torch.bfloat16
+    assert qnt.layers[1].attn.compressor.wgate.fmt == "bf16"
+    assert deq.head.fmt is None and deq.head.codes.dtype == deq.layers[1].ffn.gate.weight.dtype == torch.float32
 
 
 def test_negative_a_wrong_scale_is_seen(tiny_ckpt):
