@@ -150,7 +150,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     if M == 0 or N == 0:
         return out
     if M > GEMV_MAX_M:
-        return torch.mm(x.float(), weight.float().T, out=out)
+        return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
     dot = M > ROWS_MAX
     BN, BK = DEFAULT_BLOCKS[dot] if block is None else block
     if not all(isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in (BN, BK)) or BK < 16 or (dot and BN < 16):

@@ -149,6 +149,42 @@ def test_linear_dequantizes_per_use():
         Linear(48, 8, sim, quantized=True).hold("fp4", "cpu")
 
 
+def test_fp32_linear_held_bf16_computes_the_fp32_product():
+    """fmt "bf16" (head / compressor wkv, wgate under weights="quantized"): the on-disk bf16 tensor loads without a
+    rename, `dequantized_weight()` is its exact fp32 upcast and the forward is the fp32 product, bitwise."""
+    sim = _Sim(True)
+    sim.resident = "quantized"
+    lin = Linear(64, 40, sim, quantized=False, fp32=True)
+    lin.hold("bf16", "cpu")
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    lin.load_state_dict({"weight": w})
+    assert lin.codes.dtype == torch.bfloat16 and lin.state_dict()["weight"].dtype == torch.bfloat16
+    assert_equal(lin.dequantized_weight(), w.float(), "bf16 upcast")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert_equal(y, x.float() @ w.float().T, "fp32 linear held bf16")
+    with pytest.raises(ValueError, match=r"only an fp32-compute linear \(fp32=True\)"):
+        Linear(64, 40, sim, quantized=True).hold("bf16", "cpu")
+
+
+def test_bf16_held_weight_refuses_a_value_it_would_round(tiny_ckpt):
+    """No quiet cast: a head / router value that bf16 cannot hold exactly is an error naming tensor and index; the
+    same values rounded to bf16 first (what the checkpoint holds) load. Both loaders."""
+    _, raw = load_checkpoint(tiny_ckpt, progress=False, dequantize=False, dtype=torch.float32)
+    assert raw["head.weight"].dtype == torch.float32  # the BF16 tensor read in fp32: exact, loads
+    m = Transformer(load_checkpoint(tiny_ckpt, progress=False, dequantize=False)[0], weights="quantized")
+    m.load_weights(raw)
+    assert_equal(m.head.codes.float(), raw["head.weight"], "head held bf16")
+    for name in ("head.weight", "layers.1.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"):
+        bad = dict(raw)
+        bad[name] = raw[name].clone()
+        bad[name][1, 2] += bad[name][1, 2].abs() * 2 ** -12  # between two bf16 values
+        with pytest.raises(RuntimeError, match=rf"{name}: torch.float32 value .* at index \[1, 2\] \(1 values in all\) "
+                                               "is not exactly representable in bf16"):
+            m.load_weights(bad)
+
+
 def test_errors(tiny_ckpt, tiny_ckpt_bf16):
     with pytest.raises(ValueError, match=r"weights='bogus'"):
         Transformer(tiny_args(vocab_size=512), weights="bogus")
