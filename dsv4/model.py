@@ -107,8 +107,9 @@ class Linear(nn.Module):
     """`y = x @ W^T` with fp32 accumulation, output in x.dtype. weight [out, in].
 
     `quantized=True` marks a linear stored FP8/FP4 on disk: in bf16 mode its input is FP8-quantized first
-    (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor,
-    router, head): input and weight in fp32, output fp32.
+    (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor
+    wkv / wgate, head; the router is `Gate`): input and weight in fp32 (a bf16-held weight upcast exactly), output
+    fp32.
 
     Resident format `fmt` (spec §2; set by `hold`, which `Transformer(weights="quantized")` calls):
         None    parameter `weight` [out, in] in `dtype` (fp32 with `fp32=True`): the dequantized model.
@@ -809,7 +810,9 @@ class Transformer(nn.Module):
         backend: "reference" or "triton" (`dsv4.backend.get_backend`; triton needs CUDA or TRITON_INTERPRET=1).
         weights: "dequantized" (every weight a parameter in `dtype`) or "quantized" (every linear that is FP8 /
             FP4 on disk, `wo_a` included, holds its on-disk codes + ue8m0 scales under the official names and
-            is dequantized to `dtype` per use; see `Linear`). Both compute the same logits bit for bit.
+            is dequantized to `dtype` per use; the BF16 fp32-compute weights - head, router, compressor wkv /
+            wgate - stay bf16 and are upcast exactly; see `Linear`, `Gate`). Both compute the same logits bit
+            for bit with the reference backend.
     Raises:
         ValueError: unsupported dtype, backend or weights mode; weights="quantized" for args whose checkpoint
             holds no FP8/FP4 weight (a bf16 checkpoint).
