@@ -313,8 +313,10 @@ def bench_moe(args, bw: float) -> None:
 # (name, N, K): the fp32-compute linears held bf16 (Flash dim 4096, Pro dim 7168; CSA compressor wkv 2 * 512)
 HEAD_SHAPES = [("flash head", 129280, 4096), ("pro head", 129280, 7168), ("flash router gate", 256, 4096),
                ("pro router gate", 384, 7168), ("flash CSA compressor wkv", 1024, 4096)]
-HEAD_SWEEP = [(16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8)]   # (BN, BK, warps), M <= 8
-HEAD_DOT_SWEEP = [(32, 64, 4), (64, 32, 4), (64, 64, 8)]                # M > 8 (FMA tl.dot)
+# launch variants (BN, BK, warps) at the Flash head per M: the first is the default (`DEFAULT_BLOCKS`)
+HEAD_SWEEP = {1: [(16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8)],   # CUDA-core rows (M <= ROWS_MAX)
+              8: [(16, 256, 4), (8, 512, 4), (32, 128, 4)],
+              32: [(32, 64, 4), (64, 32, 4)]}                                 # FMA tl.dot (M > ROWS_MAX)
 
 
 def _bound_ratio(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> float:
@@ -358,7 +360,7 @@ def bench_head(args, bw: float) -> None:
     N, K = (300, 256) if smoke else (129280, 4096)
     w16 = torch.randn(N, K, device=dev).to(torch.bfloat16)
     wd = w16.double()
-    for M, sweep in ((1, HEAD_SWEEP), (8, HEAD_SWEEP), (32, HEAD_DOT_SWEEP)):
+    for M, sweep in HEAD_SWEEP.items():
         x = torch.randn(M, K, device=dev)
         for bn, bk, warps in sweep:
             try:
