@@ -314,9 +314,11 @@ def bench_moe(args, bw: float) -> None:
 HEAD_SHAPES = [("flash head", 129280, 4096), ("pro head", 129280, 7168), ("flash router gate", 256, 4096),
                ("pro router gate", 384, 7168), ("flash CSA compressor wkv", 1024, 4096)]
 # launch variants (BN, BK, warps) at the Flash head per M: the first is the default (`DEFAULT_BLOCKS`)
-HEAD_SWEEP = {1: [(16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8)],   # CUDA-core rows (M <= ROWS_MAX)
-              8: [(16, 256, 4), (8, 512, 4), (32, 128, 4)],
-              32: [(32, 64, 4), (64, 32, 4)]}                                 # FMA tl.dot (M > ROWS_MAX)
+# (BN, BK, warps, acc2d): acc2d None = the default (elementwise [BN, BK] accumulator at M = 1 only)
+HEAD_SWEEP = {1: [(16, 256, 4, None), (16, 256, 4, False), (32, 128, 4, None), (8, 512, 4, None),
+                  (16, 512, 8, None)],                                             # CUDA-core rows (M <= ROWS_MAX)
+              8: [(16, 256, 4, None), (8, 512, 4, None), (32, 128, 4, None)],
+              32: [(32, 64, 4, None), (64, 32, 4, None)]}                          # FMA tl.dot (M > ROWS_MAX)
 
 
 def _bound_ratio(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> float:
@@ -356,25 +358,26 @@ def bench_head(args, bw: float) -> None:
             print(f"| {name} | {N} x {K} | {M} | {us:.1f} | {gb:.0f} | {100 * gb / bw:.0f}% | {usc:.1f} | {gbc:.0f} "
                   f"| {100 * gbc / bw:.0f}% | {usc / us:.2f}x | {ok_k:.1e} | {ok_c:.1e} |", flush=True)
         del w16, w32, wd
-    print("\n| Flash head M | (BN, BK, warps) | µs | % copy BW | err/bound |\n|---|---|---|---|---|")
+    print("\n| Flash head M | (BN, BK, warps, acc2d) | µs | % copy BW | err/bound |\n|---|---|---|---|---|")
     N, K = (300, 256) if smoke else (129280, 4096)
     w16 = torch.randn(N, K, device=dev).to(torch.bfloat16)
     wd = w16.double()
     for M, sweep in HEAD_SWEEP.items():
         x = torch.randn(M, K, device=dev)
-        for bn, bk, warps in sweep:
+        for bn, bk, warps, acc in sweep:
+            kw = dict(block=(bn, bk), num_warps=warps, acc2d=acc)
             try:
-                err = _bound_ratio(fp32_linear(x, w16, block=(bn, bk), num_warps=warps), x, wd)
+                err = _bound_ratio(fp32_linear(x, w16, **kw), x, wd)
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
-                print(f"| {M} | {(bn, bk, warps)} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | - | - |")
+                print(f"| {M} | {(bn, bk, warps, acc)} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | - | - |")
                 continue
             if smoke:
-                print(f"| {M} | {(bn, bk, warps)} | - | - | {err:.1e} |")
+                print(f"| {M} | {(bn, bk, warps, acc)} | - | - | {err:.1e} |")
                 continue
             out = torch.empty(M, N, device=dev)
-            us = safe(gpu_time, lambda i: fp32_linear(x, w16, out=out, block=(bn, bk), num_warps=warps))
+            us = safe(gpu_time, lambda i: fp32_linear(x, w16, out=out, **kw))
             gb = (2 * N * K + 4 * M * (K + N)) / us * 1e-3
-            print(f"| {M} | {(bn, bk, warps)} | {us:.1f} | {100 * gb / bw:.0f}% | {err:.1e} |", flush=True)
+            print(f"| {M} | {(bn, bk, warps, acc)} | {us:.1f} | {100 * gb / bw:.0f}% | {err:.1e} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ fp32 products reading half the weight bytes (the decode head GEMV is bandwidth b
 Paths (chosen by M, never by a failure):
   * M <= ROWS_MAX (8): `_bf16w_gemv_kernel` with DOT=False, CUDA cores: each program holds a [BN, BK] weight
     tile upcast to fp32 in registers and, for each of its BM rows, sums the fp32 products `x[m, k] * w[n, k]`
-    over the tile (`tl.sum`), accumulating in fp32. Each weight byte is read once.
+    over the tile (`tl.sum`), accumulating in fp32; at M = 1 the products accumulate elementwise in a [BN, BK]
+    fp32 tile instead and are summed once at the end (ACC2D). Each weight byte is read once.
   * ROWS_MAX < M <= GEMV_MAX_M (64): the same kernel with DOT=True: `tl.dot(x, w^T, input_precision="ieee")`,
     which Triton lowers to fp32 FMA on CUDA cores (no TF32, no tensor cores: "tf32" / "tf32x3" would round x
     or the products; bf16 tensor-core dots would round x to bf16). Exact products, fp32 accumulation.
@@ -51,11 +52,13 @@ def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, ACC2D: tl.constexpr):
     """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
     bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
     products summed over each BK tile (CUDA cores); DOT=True: `tl.dot(..., input_precision="ieee")` (fp32 FMA).
-    EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). SPLIT > 1: partials
+    EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
+    products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
+    reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
     [SPLIT, M, N] in part_ptr; the last program of an N block (acq_rel semaphore) sums them in split order,
     writes y and resets its semaphore to 0."""
     pid_n = tl.program_id(0)
@@ -67,6 +70,7 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
     mask_n = offs_n < N
     rows64 = offs_n.to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BK), dtype=tl.float32)
     k0 = pid_s * K_PER_SPLIT
     k1 = tl.minimum(k0 + K_PER_SPLIT, K)
     for k in range(k0, k1, BK):
@@ -84,6 +88,12 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
                 x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None] & (kk < k1)[None, :],
                             other=0.0)
             acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        elif ACC2D:
+            if EVEN_K:
+                x0 = tl.load(x_ptr + kk)
+            else:
+                x0 = tl.load(x_ptr + kk, mask=kk < k1, other=0.0)
+            acc2 += w * x0.to(tl.float32)[None, :]
         else:
             for m in tl.static_range(BM):
                 if EVEN_K:
@@ -92,6 +102,8 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
                     xm = tl.load(x_ptr + m * K + kk, mask=(kk < k1) & ((offs_k * 0 + m) < M), other=0.0)
                 part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN] fp32
                 acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    if ACC2D:
+        acc = tl.sum(acc2, axis=1)[None, :]
     out_mask = mask_m[:, None] & mask_n[None, :]
     yoffs = offs_m[:, None].to(tl.int64) * N + rows64[None, :]
     if SPLIT == 1:
@@ -118,7 +130,7 @@ def _split(device: torch.device, n_blocks: int, k_tiles: int) -> tuple[int, int]
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-                block: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+                block: tuple[int, int] | None = None, num_warps: int = 4, acc2d: bool | None = None) -> torch.Tensor:
     """`fp32_linear_ref` with the weight read as bf16 (module docstring): x [M, K] fp32 or bf16, weight [N, K]
     bf16 -> y [M, N] fp32.
 
@@ -126,6 +138,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         out: optional [M, N] fp32 output (written completely).
         block: (BN, BK) of the kernel (powers of two, BK >= 16; default `DEFAULT_BLOCKS`; for benchmarks).
         num_warps: warps per program (for benchmarks).
+        acc2d: M == 1 only: accumulate elementwise over K, reduce once (default True; False for benchmarks).
     Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring). Never synchronises
     with the device (CUDA-graph capturable).
     Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block).
@@ -156,11 +169,15 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     if not all(isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in (BN, BK)) or BK < 16 or (dot and BN < 16):
         _fail(op, "block", repr(block), "(BN, BK) powers of two, BK >= 16 (and BN >= 16 for M > ROWS_MAX)")
     BM = triton.next_power_of_2(M) if not dot else max(16, triton.next_power_of_2(M))
+    if acc2d is None:
+        acc2d = BM == 1
+    elif acc2d and BM != 1:
+        _fail(op, "acc2d", repr(acc2d), f"False or None for M = {M} (the [BN, BK] accumulator is for M == 1)")
     n_blocks = triton.cdiv(N, BN)
     split, per = _split(x.device, n_blocks, triton.cdiv(K, BK))
     k_per = per * BK
     sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
     _bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, k_per, split,
-                                          BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0,
+                                          BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
                                           num_warps=num_warps)
     return out

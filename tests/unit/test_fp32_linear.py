@@ -102,3 +102,16 @@ def test_names_bad_input():
         fp32_linear(x, w, block=(24, 64))
     with pytest.raises(ValueError, match=r"out is torch.bfloat16"):
         fp32_linear(x, w, out=torch.empty(2, 16, dtype=torch.bfloat16, device=DEV))
+
+
+def test_single_row_accumulators():
+    """M = 1: the elementwise [BN, BK] accumulator (default) and the per-tile sum both stay within the bound
+    (K masked and not); the elementwise one is refused for more rows."""
+    for K in (1024, 2100):
+        x, w = make(1, 40, K, K)
+        ref = fp32_linear_ref(x, w)
+        for acc in (None, True, False):
+            within_fp32_sum_bound(fp32_linear(x, w, acc2d=acc), ref, x, w, f"K={K} acc2d={acc}")
+    x, w = make(2, 16, 64, 2)
+    with pytest.raises(ValueError, match=r"acc2d is True; expected False or None for M = 2"):
+        fp32_linear(x, w, acc2d=True)

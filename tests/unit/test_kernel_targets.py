@@ -73,6 +73,7 @@ def test_fp32_linear_dot_stays_off_tensor_cores(sm100):
     would round x or the products (kernels/fp32_linear.py). Control: in the same report a bf16 / fp8 dot kernel
     does lower to an MMA instruction, so the feature scan sees one where it exists."""
     mma = {"mma.sync", "wgmma", "tcgen05"}
-    for name in ("fp32_linear._bf16w_gemv_kernel", "fp32_linear._bf16w_gemv_kernel[dot]"):
+    for name in ("fp32_linear._bf16w_gemv_kernel", "fp32_linear._bf16w_gemv_kernel[m1]",
+                 "fp32_linear._bf16w_gemv_kernel[dot]"):
         assert sm100[name]["ok"] and not mma & set(sm100[name]["features"]), (name, sm100[name]["features"])
     assert mma & set(sm100["gemm._fp8_gemm_kernel"]["features"])
