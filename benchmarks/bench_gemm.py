@@ -10,6 +10,15 @@ bandwidth. Prefill rows: TFLOP/s (2*M*N*K) and % of the bf16 peak, per method. "
 (dequantize + act_quant_sim + fp32 matmul; MoE: the per-expert loop of moe_grouped_ref), timed eagerly.
 Also probes which `torch.nn.functional.scaled_mm` block-scaling recipes this torch build accepts for
 1x128 (x) x 128x128 (W). Prints a markdown table.
+
+`--sections head` (the fp32-compute linears held bf16, `kernels.fp32_linear`): the bf16-weight fp32 GEMV against
+`x @ W_fp32.T` (cuBLAS fp32, what the dequantized model runs) at the Flash / Pro head, router and compressor
+shapes, M = 1 / 8 / 32, plus a (BN, BK, warps) sweep at the Flash head; correctness = max |y - y_exact| over the
+fp32 summation bound 2 * K * 2^-24 * sum_k |x_k w_k| (fp64 exact product; <= 1 passes, as tests/unit). About 20 s
+on one H200:
+
+    python benchmarks/bench_gemm.py --sections head
+    TRITON_INTERPRET=1 python benchmarks/bench_gemm.py --sections head --smoke   # CPU, tiny shapes, no timing
 """
 
 from __future__ import annotations
@@ -133,13 +142,19 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
-    ap.add_argument("--smoke", action="store_true", help="moe_tiles only: tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    ap.add_argument("--smoke", action="store_true", help="the sections head / moe_tiles / moe_crossover at tiny "
+                    "shapes on CPU under TRITON_INTERPRET=1, correctness only (no timing)")
     args = ap.parse_args()
-    if args.smoke:
-        bench_moe_tiles(args)
-        bench_moe_crossover(args)
-        return 0
     torch.manual_seed(0)
+    if args.smoke:
+        smoke = {"head": lambda: bench_head(args, float("nan")), "moe_tiles": lambda: bench_moe_tiles(args),
+                 "moe_crossover": lambda: bench_moe_crossover(args)}
+        asked = args.sections.split(",")
+        if not set(asked) <= set(smoke):
+            ap.error(f"--smoke runs only the sections {sorted(smoke)}, not {sorted(set(asked) - set(smoke))}")
+        for name in asked:
+            smoke[name]()
+        return 0
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     import triton
     print(f"triton {triton.__version__}")
@@ -162,6 +177,8 @@ def main() -> int:
         bench_moe_tiles(args)
     if "moe_crossover" in sections:
         bench_moe_crossover(args)
+    if "head" in sections:
+        bench_head(args, bw)
     return 0
 
 
@@ -372,6 +389,77 @@ def bench_moe_crossover(args) -> None:
             print(f"| {geom} | {T} | {6 * T} | " + " | ".join(f"{u:.1f}" for u in us) +
                   f" | {moe_config(6 * T).path} | {err:.1e} |", flush=True)
         del ex
+
+
+# (name, N, K): the fp32-compute linears held bf16 (Flash dim 4096, Pro dim 7168; CSA compressor wkv 2 * 512)
+HEAD_SHAPES = [("flash head", 129280, 4096), ("pro head", 129280, 7168), ("flash router gate", 256, 4096),
+               ("pro router gate", 384, 7168), ("flash CSA compressor wkv", 1024, 4096)]
+# launch variants (BN, BK, warps) at the Flash head per M: the first is the default (`DEFAULT_BLOCKS`)
+# (BN, BK, warps, acc2d): acc2d None = the default (elementwise [BN, BK] accumulator at M = 1 only)
+HEAD_SWEEP = {1: [(16, 256, 4, None), (16, 256, 4, False), (32, 128, 4, None), (8, 512, 4, None),
+                  (16, 512, 8, None)],                                             # CUDA-core rows (M <= ROWS_MAX)
+              8: [(16, 256, 4, None), (8, 512, 4, None), (32, 128, 4, None)],
+              32: [(32, 64, 4, None), (64, 32, 4, None)]}                          # FMA tl.dot (M > ROWS_MAX)
+
+
+def _bound_ratio(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> float:
+    """max over outputs of |y - exact| / (2 K 2^-24 sum_k |x_k w_k|), exact = the fp64 product (wd: W in fp64)."""
+    xd = x.double()
+    exact = xd @ wd.T
+    bound = 2 * x.shape[1] * 2.0 ** -24 * (xd.abs() @ wd.abs().T)
+    return float(((y.double() - exact).abs() / bound.clamp_min(1e-300)).max())
+
+
+def bench_head(args, bw: float) -> None:
+    """The bf16-held fp32 linears (module docstring): `kernels.fp32_linear.fp32_linear` vs cuBLAS fp32."""
+    from kernels.fp32_linear import fp32_linear
+    smoke = args.smoke
+    dev = "cpu" if smoke else "cuda"
+    shapes = [("smoke head", 300, 256), ("smoke router", 16, 1024)] if smoke else HEAD_SHAPES
+    print("\n### fp32 linears held bf16 (kernels.fp32_linear; µs per call in a CUDA graph; weights from HBM)\n")
+    print("| linear | N x K | M | bf16-weight kernel µs | GB/s | % copy BW | cuBLAS fp32 µs (x @ W_fp32.T) | GB/s "
+          "| % copy BW | speedup | err/bound kernel | err/bound cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, N, K in shapes:
+        copies = 1 if smoke else max(1, -(-(256 << 20) // (2 * N * K)))
+        w16 = [torch.randn(N, K, device=dev).to(torch.bfloat16) for _ in range(copies)]
+        w32 = [w.float() for w in w16]
+        wd = w16[0].double()
+        for M in (1, 8, 32):
+            x = torch.randn(M, K, device=dev)
+            y = fp32_linear(x, w16[0])
+            ok_k, ok_c = _bound_ratio(y, x, wd), _bound_ratio(x @ w32[0].T, x, wd)
+            if smoke:
+                print(f"| {name} | {N} x {K} | {M} | - | - | - | - | - | - | - | {ok_k:.1e} | {ok_c:.1e} |")
+                continue
+            out = torch.empty(M, N, device=dev)
+            us = safe(gpu_time, lambda i: fp32_linear(x, w16[i % copies], out=out))
+            usc = safe(gpu_time, lambda i: torch.mm(x, w32[i % copies].T, out=out))
+            gb, gbc = (2 * N * K + 4 * M * (K + N)) / us * 1e-3, (4 * N * K + 4 * M * (K + N)) / usc * 1e-3
+            print(f"| {name} | {N} x {K} | {M} | {us:.1f} | {gb:.0f} | {100 * gb / bw:.0f}% | {usc:.1f} | {gbc:.0f} "
+                  f"| {100 * gbc / bw:.0f}% | {usc / us:.2f}x | {ok_k:.1e} | {ok_c:.1e} |", flush=True)
+        del w16, w32, wd
+    print("\n| Flash head M | (BN, BK, warps, acc2d) | µs | % copy BW | err/bound |\n|---|---|---|---|---|")
+    N, K = (300, 256) if smoke else (129280, 4096)
+    w16 = torch.randn(N, K, device=dev).to(torch.bfloat16)
+    wd = w16.double()
+    for M, sweep in HEAD_SWEEP.items():
+        x = torch.randn(M, K, device=dev)
+        for bn, bk, warps, acc in sweep:
+            kw = dict(block=(bn, bk), num_warps=warps, acc2d=acc)
+            try:
+                err = _bound_ratio(fp32_linear(x, w16, **kw), x, wd)
+            except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
+                print(f"| {M} | {(bn, bk, warps, acc)} | {type(e).__name__}: {str(e).splitlines()[0][:100]} | - | - |")
+                continue
+            if smoke:
+                print(f"| {M} | {(bn, bk, warps, acc)} | - | - | {err:.1e} |")
+                continue
+            out = torch.empty(M, N, device=dev)
+            us = safe(gpu_time, lambda i: fp32_linear(x, w16, out=out, **kw))
+            gb = (2 * N * K + 4 * M * (K + N)) / us * 1e-3
+            print(f"| {M} | {(bn, bk, warps, acc)} | {us:.1f} | {100 * gb / bw:.0f}% | {err:.1e} |", flush=True)
+
 
 if __name__ == "__main__":
     sys.exit(main())

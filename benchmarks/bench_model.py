@@ -117,7 +117,7 @@ def gemm_peak() -> float:
 
 def _lin_bytes(lin: Linear) -> int:
     """On-disk bytes of one linear: codes + scales, or bf16 for a bf16-on-disk weight (fp32 compute too)."""
-    if lin.fmt is not None:
+    if lin.fmt in ("fp8", "fp4"):
         return lin._buffers["weight"].nbytes + lin._buffers["scale"].nbytes
     return lin.codes.numel() * 2
 
@@ -138,7 +138,7 @@ def decode_bytes(model: Transformer, batch: int, ctx: int, distinct: list[int]) 
         total += sum(_lin_bytes(m) for m in mods)
         e0 = layer.ffn.experts[0]
         total += n_exp * sum(_lin_bytes(m) for m in (e0.w1, e0.w2, e0.w3))
-        total += layer.ffn.gate.weight.numel() * 4
+        total += layer.ffn.gate.weight.nbytes  # bf16 as on disk (weights="quantized")
         total += 2 * 4 * layer.hc_attn_fn.numel()
         kv_rows = a.window_size
         if at.ratio == 128:
@@ -233,7 +233,7 @@ def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     memory: tensor by tensor to the CPU, so the GPU holds the quantized model and transformers' bf16 copy only
     (a GPU-resident dequantized dict as well ran the 4-layer Flash column out of an H200's memory)."""
     sd = {}
-    quant = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.fmt is not None}
+    quant = {n for n, m in model.named_modules() if isinstance(m, Linear) and m.fmt in ("fp8", "fp4")}
     for k, v in model.state_dict().items():
         mod = k.rsplit(".", 1)[0]
         if mod in quant:

@@ -2,7 +2,8 @@
 
 `reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec).
 `triton` = the Triton launchers of the same modules, and the model-level fast paths of `dsv4/fast.py` (FP8 /
-FP4 GEMMs of `kernels/gemm.py` and `kernels/moe.py`, bf16 cuBLAS GEMMs; table there). The choice is explicit and checked: asking for the
+FP4 GEMMs of `kernels/gemm.py` and `kernels/moe.py`, the bf16-weight fp32 GEMV of `kernels/fp32_linear.py`, bf16
+cuBLAS GEMMs; table there). The choice is explicit and checked: asking for the
 triton backend where it cannot run (no CUDA device and no `TRITON_INTERPRET=1`, or triton not installed) is
 an error, never a silent fallback to the reference.
 """
@@ -43,6 +44,9 @@ class Backend:
     linear: Callable | None = None
     grouped_linear: Callable | None = None
     moe_routed: Callable | None = None
+    #   fp32_linear(x, weight) -> y fp32         `fp32_linear_ref`     (the router `Gate`; `linear` uses it for
+    #                                                                  the fp32 linears head / compressor)
+    fp32_linear: Callable | None = None
     # the compressor's decode step (graph decode): `kernels.compressor.compress_pool_ref` / `compress_commit_ref`
     compress_pool: Callable | None = None
     compress_commit: Callable | None = None
@@ -56,13 +60,16 @@ class Backend:
     fp4_act_quant_sim: Callable | None = None
 
     def bind(self, model) -> None:
-        """Point every `Linear` and `RMSNorm` (`.kernel`) and `MoE` (`.routed`) of `model` at this backend's entries; the
+        """Point every `Linear` and `RMSNorm` (`.kernel`), `Gate` (`.kernel` = `fp32_linear`) and `MoE` (`.routed`)
+        of `model` at this backend's entries; the
         triton backend also stacks each layer's FP4 routed experts for the grouped kernel (`dsv4.fast.bind`).
         Called once by `Transformer.__init__`."""
-        from dsv4.model import MoE, Linear, RMSNorm
+        from dsv4.model import Gate, MoE, Linear, RMSNorm
         for m in model.modules():
             if isinstance(m, Linear):
                 m.kernel = self.linear
+            elif isinstance(m, Gate):
+                m.kernel = self.fp32_linear
             elif isinstance(m, RMSNorm):
                 m.kernel = self.rms_norm
             elif isinstance(m, MoE):
@@ -88,6 +95,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
+                       fp32_linear=ref.fp32_linear_ref,
                        compress_pool=compressor.compress_pool_ref,
                        compress_commit=compressor.compress_commit_ref, rms_norm=ref.rms_norm_ref,
                        rope_tail=rope.rope_tail_ref, act_quant_sim=qref.act_quant_sim,
@@ -105,6 +113,7 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
+                       fp32_linear=fast.fp32_linear,
                        compress_pool=compressor.compress_pool,
                        compress_commit=compressor.compress_commit, rms_norm=fast.rms_norm,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,

@@ -8,7 +8,9 @@ numerics, never by a failure (nothing falls back silently; every row below is de
 |---|---|---|
 | FP8 linear (`quantized`, fmt "fp8", in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
 | other bf16 linears (weights_proj, dequantized mode) | act quant (if `quantized`) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
-| fp32 linears (compressor wkv/wgate, head) | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
+| fp32 linears (head, compressor wkv/wgate via `linear`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
+| those, weight held bf16, M > 64 (prefill of router / compressor) | exact fp32 upcast of the weight + fp32 cuBLAS `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
+| those, weight held fp32 (weights="dequantized") | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
 | RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
@@ -27,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.model import Linear, MoE, grouped_linear_ref, linear_ref, moe_routed_ref
+from dsv4.model import Linear, MoE, fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref
 
-__all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "bind"]
+__all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "fp32_linear", "bind"]
 
 _BLOCK = 128
 
@@ -45,7 +47,9 @@ def _bf16_weight(lin: Linear) -> torch.Tensor:
 def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     """Triton-backend `Linear.forward` (table in the module docstring): x [..., in] -> [..., out], same dtype
     contract as `linear_ref` (fp32 out for fp32 linears, x.dtype otherwise)."""
-    if lin.fp32 or not lin.sim.enabled or x.dtype != torch.bfloat16:
+    if lin.fp32:
+        return fp32_linear(x, lin.codes)
+    if not lin.sim.enabled or x.dtype != torch.bfloat16:
         return linear_ref(lin, x)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
@@ -61,6 +65,22 @@ def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
             else:
                 x2 = lin.sim.act(x2)
         y = x2 @ _bf16_weight(lin).T
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton-backend fp32-compute linear (`fp32_linear_ref` signature): x [..., in] any float dtype, weight
+    [out, in] -> [..., out] fp32. A bf16 weight (held as on disk) goes to `kernels.fp32_linear.fp32_linear` (the
+    GEMV kernel up to 64 rows, exact upcast + fp32 torch.mm above); an fp32 weight (the dequantized model) to the
+    reference maths. x in fp32 / bf16 is read as it is (upcast exactly in the kernel), other dtypes upcast first."""
+    if weight.dtype != torch.bfloat16:
+        return fp32_linear_ref(x, weight)
+    from kernels.fp32_linear import fp32_linear as kernel
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    y = kernel(x2.contiguous(), weight)
     return y.view(*shape[:-1], y.shape[-1])
 
 

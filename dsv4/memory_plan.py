@@ -6,7 +6,12 @@ Two residency plans (bytes per tensor; "logical" = the dequantized [out, in] ele
                  norms, hc_*, attn_sink, ape, gate.bias in fp32 (4 B), embed bf16, tid2eid int64, no scales.
     "quantized"  weights kept in their on-disk precision (FP8 e4m3 1 B + ue8m0 scale per 128x128 block; FP4 0.5 B +
                  ue8m0 per 32), dequantized per use; attn.wo_a FP8 too (the official convert.py dequantizes it at convert time; we keep the on-disk codes);
-                 everything else as in "bf16". Adds a transient: the largest per-use bf16 dequantization.
+                 the fp32-compute linears (head, router gate, compressor wkv/wgate) BF16 as on disk (2 B), computed
+                 in fp32; everything else as in "bf16". Adds a transient `dequant_temp`: the largest per-use
+                 temporary of the reference path, i.e. the max of a bf16 dequantization of an FP8/FP4 weight
+                 (2 B/element) and the fp32 upcast of a bf16-held fp32 linear (4 B/element; for Flash/Pro the head's
+                 [V/W, dim] x 4 B dominates). The triton backend's decode (M <= 64 rows, `kernels.fp32_linear`)
+                 reads the bf16 head / router / compressor weights directly and makes no such upcast.
 Distribution (dsv4.parallel.shard_rule): split tensors / W, routed experts E / W per rank, the rest replicated.
 MTP blocks are not counted (the model never runs them) unless `include_mtp`. The decode state (`state_bytes`) is
 replicated on every rank and comes on top, as do activations (a prefill of s tokens needs O(s * hc * d)).
@@ -31,7 +36,8 @@ _FP32_LINEARS = ("head.weight", ".ffn.gate.weight", ".compressor.wkv.weight", ".
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes one rank holds: `weights` in all, split into `replicated`, `split` (vocab / head shards) and `experts`;
-    `dequant_temp` the largest per-use bf16 temporary ("quantized" only, else 0); `peak` = weights + temp."""
+    `dequant_temp` the largest per-use temporary ("quantized" only, else 0; the module docstring says which);
+    `peak` = weights + temp."""
 
     world_size: int
     rank: int
@@ -64,6 +70,8 @@ def _resident(name: str, shape: tuple[int, ...], dt: str, resident: str) -> tupl
         return (math.prod(shape) * DTYPE_BYTES[dt], dt) if keep else (0, "none")
     if quantized and resident == "quantized":
         return math.prod(shape) * DTYPE_BYTES[dt], dt
+    if resident == "quantized" and dt == "BF16" and name.endswith(_FP32_LINEARS):
+        return 2 * math.prod(shape), "BF16"  # held as on disk, computed in fp32
     if dt == "I64":
         return math.prod(shape) * 8, "I64"
     n = _logical(name, shape, dt)
@@ -104,6 +112,8 @@ def rank_memory(args: ModelArgs, world_size: int, rank: int = 0, resident: str =
         by_dtype[held] = by_dtype.get(held, 0) + nbytes
         if resident == "quantized" and dt in ("F8_E4M3", "I8") and name.endswith(".weight"):
             temp = max(temp, 2 * _logical(name, shape, dt) // (world_size if kind == "split" else 1))
+        if resident == "quantized" and dt == "BF16" and name.endswith(_FP32_LINEARS):  # fp32 upcast per use
+            temp = max(temp, 4 * math.prod(shape) // (world_size if kind == "split" else 1))
     return RankMemory(world_size, rank, resident, acc["replicated"], acc["split"], acc["experts"], temp,
                       {k: v for k, v in sorted(by_dtype.items()) if v})
 

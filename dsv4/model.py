@@ -39,8 +39,8 @@ from dsv4.config import ModelArgs
 from kernels.indexer import indexer_topk_ref
 
 __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
-           "check_loaded_values", "check_dequantized_range",
-           "hadamard_matrix"]
+           "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
+           "fp32_linear_ref", "hadamard_matrix"]
 
 
 # ----------------------------------------------------------------------------------------------- numerics
@@ -107,18 +107,22 @@ class Linear(nn.Module):
     """`y = x @ W^T` with fp32 accumulation, output in x.dtype. weight [out, in].
 
     `quantized=True` marks a linear stored FP8/FP4 on disk: in bf16 mode its input is FP8-quantized first
-    (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor,
-    router, head): input and weight in fp32, output fp32.
+    (official act_quant + FP8 GEMM, spec §2). `fp32=True` marks official fp32-compute linears (compressor
+    wkv / wgate, head; the router is `Gate`): input and weight in fp32 (a bf16-held weight upcast exactly), output
+    fp32.
 
     Resident format `fmt` (spec §2; set by `hold`, which `Transformer(weights="quantized")` calls):
         None    parameter `weight` [out, in] in `dtype` (fp32 with `fp32=True`): the dequantized model.
         "fp8"   buffers `weight` float8_e4m3fn [out, in] + `scale` float8_e8m0fnu [ceil(out/128), ceil(in/128)]
         "fp4"   buffers `weight` int8 [out, in/2] (two e2m1 codes, low nibble first) + `scale` float8_e8m0fnu
                 [out, in/32]
+        "bf16"  (`fp32=True` linears only: head, compressor wkv / wgate, BF16 on disk) buffer `weight` bfloat16
+                [out, in], computed in fp32 as officially: `dequantized_weight()` is its exact fp32 upcast (a
+                temporary), the triton backend reads the bf16 bytes directly (`kernels.fp32_linear`).
     The buffers carry the official names, so the raw checkpoint tensors load without a rename. Whoever needs
     the [out, in] weight in the compute dtype (`forward`, the grouped `wo_a` einsum) calls
-    `dequantized_weight()`, which dequantizes the codes per use with `dsv4.quant` (a temporary), so both
-    formats compute exactly what the dequantized model computes. The stored tensor is `linear.codes`.
+    `dequantized_weight()`, which dequantizes the codes per use with `dsv4.quant` (a temporary), so every
+    format computes exactly what the dequantized model computes. The stored tensor is `linear.codes`.
 
     When `sim.resident == "quantized"` (set by `Transformer`) the parameter is created on the meta device, so
     no full-precision copy is ever allocated; `hold` then gives the linear its storage.
@@ -137,9 +141,9 @@ class Linear(nn.Module):
 
     def hold(self, fmt: str | None, device: str | torch.device) -> None:
         """Give a deferred (meta) linear its storage on `device`: `fmt` None -> parameter [out, in] in the
-        compute dtype; "fp8" / "fp4" -> the on-disk buffers listed in the class docstring (uninitialised until
-        loaded). Raises ValueError for an unknown fmt, an FP4 width not divisible by 32, or a linear that
-        already holds storage."""
+        compute dtype; "fp8" / "fp4" / "bf16" -> the on-disk buffers listed in the class docstring (uninitialised
+        until loaded). Raises ValueError for an unknown fmt, an FP4 width not divisible by 32, "bf16" for a linear
+        that is not `fp32=True`, or a linear that already holds storage."""
         w = self._parameters.get("weight")
         if self.fmt is not None or w is None or not w.is_meta:
             raise ValueError("Linear.hold: the linear already holds its weight (only a deferred one can be held)")
@@ -153,13 +157,21 @@ class Linear(nn.Module):
             b = quant.FP8_BLOCK
             codes = torch.empty(out, inp, dtype=torch.float8_e4m3fn, device=device)
             scale = torch.empty(-(-out // b), -(-inp // b), dtype=torch.float8_e8m0fnu, device=device)
+        elif fmt == "bf16":
+            if not self.fp32:
+                raise ValueError("Linear.hold('bf16'): only an fp32-compute linear (fp32=True) is held bf16 and "
+                                 "computed in fp32; a bf16-compute linear holds its weight with fmt=None")
+            del self.weight
+            self.register_buffer("weight", torch.empty(out, inp, dtype=torch.bfloat16, device=device))
+            self.fmt = fmt
+            return
         elif fmt == "fp4":
             if inp % quant.FP4_BLOCK:
                 raise ValueError(f"Linear.hold('fp4'): in_features={inp} is not divisible by {quant.FP4_BLOCK}")
             codes = torch.empty(out, inp // 2, dtype=torch.int8, device=device)
             scale = torch.empty(out, inp // quant.FP4_BLOCK, dtype=torch.float8_e8m0fnu, device=device)
         else:
-            raise ValueError(f"Linear.hold: fmt={fmt!r}, expected None, 'fp8' or 'fp4'")
+            raise ValueError(f"Linear.hold: fmt={fmt!r}, expected None, 'fp8', 'fp4' or 'bf16'")
         del self.weight
         self.register_buffer("weight", codes)
         self.register_buffer("scale", scale)
@@ -167,14 +179,18 @@ class Linear(nn.Module):
 
     @property
     def codes(self) -> torch.Tensor:
-        """The stored weight tensor: the on-disk codes in "fp8" / "fp4", the parameter otherwise."""
+        """The stored weight tensor: the on-disk codes in "fp8" / "fp4", the bf16 weight in "bf16", the parameter
+        otherwise."""
         return self._buffers["weight"] if self.fmt is not None else self._parameters["weight"]
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the compute dtype: the parameter itself, or the codes dequantized now (fp8:
-        `quant.fp8_block_dequant`, fp4: `quant.fp4_dequant`; exact in fp32 and bf16)."""
+        `quant.fp8_block_dequant`, fp4: `quant.fp4_dequant`; exact in fp32 and bf16; "bf16": the fp32 upcast,
+        exact)."""
         if self.fmt is None:
             return self._parameters["weight"]
+        if self.fmt == "bf16":
+            return self._buffers["weight"].float()
         from dsv4 import quant
         deq = quant.fp8_block_dequant if self.fmt == "fp8" else quant.fp4_dequant
         return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
@@ -188,12 +204,20 @@ def linear_ref(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     """The reference `Linear` maths (the `linear` entry of the reference backend): x [..., in] -> [..., out].
     fp32 linears: fp32 in, fp32 out. Otherwise FP8 activation quantization first when `lin.quantized` (bf16
     mode), fp32 GEMM on the dequantized weight, output in x.dtype (spec §2)."""
-    w = lin.dequantized_weight()
     if lin.fp32:
-        return x.float() @ w.float().T
+        return fp32_linear_ref(x, lin.dequantized_weight())
+    w = lin.dequantized_weight()
     if lin.quantized:
         x = lin.sim.act(x)
     return (x.float() @ w.float().T).to(x.dtype)
+
+
+def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The official fp32-compute linear (head spec §9, router §8.1, compressor §6; the `fp32_linear` entry of the
+    reference backend): x [..., in] any float dtype, weight [out, in] fp32 or bf16 (held as on disk, upcast
+    exactly) -> `x.float() @ weight.float().T` [..., out] fp32. Same maths as `kernels.fp32_linear.fp32_linear_ref`
+    (kernels/ does not import dsv4)."""
+    return x.float() @ weight.float().T
 
 
 def grouped_linear_ref(o: torch.Tensor, lin: Linear) -> torch.Tensor:
@@ -538,13 +562,20 @@ class Expert(nn.Module):
 
 class Gate(nn.Module):
     """Router (spec §8.1-4): fp32 logits, sqrtsoftplus scores, top-k of (score + bias) or `tid2eid[token]` on
-    hash layers; weights = unbiased scores of the picks, normalised, times route_scale."""
+    hash layers; weights = unbiased scores of the picks, normalised, times route_scale.
 
-    def __init__(self, args: ModelArgs, layer_id: int):
+    `weight` [E, dim] (BF16 on disk) is held in `held`: torch.float32 (the dequantized model, as officially) or
+    torch.bfloat16 (`weights="quantized"`: as on disk); either way the logits are the fp32 product of its exact
+    fp32 value (`fp32_linear_ref`; the triton backend's `fp32_linear` reads the bf16 bytes directly)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, held: torch.dtype = torch.float32):
         super().__init__()
+        if held not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"Gate: held={held}, expected torch.float32 or torch.bfloat16")
         self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
         self.hash = layer_id < args.n_hash_layers
-        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=torch.float32))
+        self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=held))
+        self.kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear_ref  # Backend.fp32_linear
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
         else:
@@ -552,7 +583,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], input_ids [N] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
-        logits = x.float() @ self.weight.float().T
+        logits = self.kernel(x, self.weight)  # fp32 [N, E]
         if self.score_func == "softmax":
             scores = logits.softmax(-1)
         elif self.score_func == "sigmoid":
@@ -569,12 +600,17 @@ class Gate(nn.Module):
         return w * self.route_scale, ids
 
 
+def gate_held(sim: _Sim) -> torch.dtype:
+    """The router weight's resident dtype: bf16 as on disk under `weights="quantized"`, else fp32 (`Gate`)."""
+    return torch.bfloat16 if getattr(sim, "resident", "dequantized") == "quantized" else torch.float32
+
+
 class MoE(nn.Module):
     """Routed experts + shared expert (spec §8): y = sum_e g_e * expert_e(x) + shared(x), fp32 accumulation."""
 
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
-        self.gate = Gate(args, layer_id)
+        self.gate = Gate(args, layer_id, gate_held(sim))
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
@@ -720,6 +756,30 @@ def check_loaded_values(name: str, value: torch.Tensor, given: torch.Tensor, n_r
 _OVERFLOW_SCALE_BYTE = {torch.float8_e4m3fn: 247, torch.int8: 253}
 
 
+def held_bf16_names(model: nn.Module) -> set[str]:
+    """State-dict names of the fp32-compute weights held bf16 as on disk (`weights="quantized"`): every `Linear`
+    with fmt "bf16" (head, compressor wkv / wgate) and every bf16 `Gate.weight` (the router)."""
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if (isinstance(m, Linear) and m.fmt == "bf16")
+            or (isinstance(m, Gate) and m.weight.dtype == torch.bfloat16)}
+
+
+def check_bf16_exact(name: str, given: torch.Tensor) -> None:
+    """A value for a weight held bf16 as on disk (`held_bf16_names`) must be exactly representable in bf16 (an
+    on-disk BF16 tensor read in any wider dtype is): rounding it would change the fp32 maths the official model
+    computes, so it is never cast quietly. RuntimeError naming the tensor, the first bad index and the count.
+    NaN is left to `check_loaded_values` (its own message)."""
+    if given.dtype == torch.bfloat16:
+        return
+    bad = (given.to(torch.bfloat16).to(given.dtype) != given) & (given == given)
+    if bool(bad.any()):
+        idx = [int(i) for i in torch.nonzero(bad)[0]]
+        raise RuntimeError(f"{name}: {given.dtype} value {float(given[tuple(idx)])!r} at index {idx} "
+                           f"({int(bad.sum())} values in all) is not exactly representable in bf16; the model holds this fp32-compute "
+                           "weight in bf16 as on disk (weights='quantized') and never rounds it quietly (load the "
+                           "checkpoint's BF16 tensor, or use weights='dequantized')")
+
+
 def check_dequantized_range(name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
     """Codes that are valid one by one (no NaN code, no NaN scale byte) can still dequantize to inf: e4m3 448 in a
     block whose ue8m0 scale is 2^127. `codes` float8_e4m3fn [out, in] + `scale` [ceil(out/128), ceil(in/128)], or
@@ -750,7 +810,9 @@ class Transformer(nn.Module):
         backend: "reference" or "triton" (`dsv4.backend.get_backend`; triton needs CUDA or TRITON_INTERPRET=1).
         weights: "dequantized" (every weight a parameter in `dtype`) or "quantized" (every linear that is FP8 /
             FP4 on disk, `wo_a` included, holds its on-disk codes + ue8m0 scales under the official names and
-            is dequantized to `dtype` per use; see `Linear`). Both compute the same logits bit for bit.
+            is dequantized to `dtype` per use; the BF16 fp32-compute weights - head, router, compressor wkv /
+            wgate - stay bf16 and are upcast exactly; see `Linear`, `Gate`). Both compute the same logits bit
+            for bit with the reference backend.
     Raises:
         ValueError: unsupported dtype, backend or weights mode; weights="quantized" for args whose checkpoint
             holds no FP8/FP4 weight (a bf16 checkpoint).
@@ -800,9 +862,11 @@ class Transformer(nn.Module):
         """Load an official-name state dict (from `dsv4.checkpoint.load_checkpoint`; with weights="quantized"
         from `load_checkpoint(..., dequantize=False)`, which adds the `.scale` tensors), casting each
         floating tensor to the dtype of its parameter. On-disk codes are never cast: a float8 / int8 tensor
-        must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else.
-        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, or such a dtype mismatch
-        (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
+        must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else; a weight held bf16
+        as on disk (head, router, compressor wkv / wgate with weights="quantized") accepts only values exact in
+        bf16 (`check_bf16_exact`).
+        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, such a dtype mismatch or a value
+        not exact in bf16 (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
         first bad index and the count when a tensor holds a value
         that is NaN / inf as loaded (NaN or inf given, a finite value that overflows the parameter's dtype in
         the cast, an e4m3 NaN code, a ue8m0 scale byte 0xFF) or a `tid2eid` expert id outside
@@ -819,6 +883,7 @@ class Transformer(nn.Module):
                                f"{missing[:10]}{'...' if len(missing) > 10 else ''} unexpected={unexpected[:10]}"
                                f"{'...' if len(unexpected) > 10 else ''}")
         codes = (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.int8)
+        held_bf16 = held_bf16_names(self)
         for k, v in state_dict.items():
             if not isinstance(v, torch.Tensor):
                 raise TypeError(f"load_weights: state_dict[{k!r}] is a {type(v).__name__}, expected a torch.Tensor "
@@ -828,6 +893,8 @@ class Transformer(nn.Module):
             if (v.dtype in codes or own[k].dtype in codes) and v.dtype != own[k].dtype:
                 raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's {own[k].dtype} "
                                    f"(weights={self.weights!r}; on-disk codes are never cast)")
+            if k in held_bf16:
+                check_bf16_exact(k, v)
         cast = {k: v.to(own[k].dtype) for k, v in state_dict.items()}
         for k, v in cast.items():
             check_loaded_values(k, v, state_dict[k], self.args.n_routed_experts)

@@ -40,7 +40,8 @@ from torch import nn
 from dsv4 import quant
 from dsv4.config import ModelArgs
 from dsv4.model import (Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim,
-                        check_dequantized_range, check_loaded_values)
+                        check_bf16_exact, check_dequantized_range, check_loaded_values, gate_held,
+                        held_bf16_names)
 from dsv4.resident import WEIGHTS
 
 __all__ = ["Comm", "comm_from_env", "leave_process_group", "attention_args", "shard_rule", "shard_tensor", "shard_state_dict",
@@ -247,7 +248,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(Linear):
-    """`head` of rank r: fp32 weight `[V/W, d]`; x [b, s, d] -> all-gathered logits [b, s, V] fp32."""
+    """`head` of rank r: weight `[V/W, d]` (fp32, or bf16 as on disk with weights="quantized": `Linear` fmt
+    "bf16"); x [b, s, d] -> all-gathered logits [b, s, V] fp32."""
 
     def __init__(self, dim: int, vocab: int, sim: _Sim, comm: Comm):
         super().__init__(dim, vocab // comm.world_size, sim, quantized=False, fp32=True)
@@ -302,7 +304,7 @@ class ParallelMoE(MoE):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
         nn.Module.__init__(self)
         self.comm, self.local = comm, expert_range(args, comm)
-        self.gate = Gate(args, layer_id)
+        self.gate = Gate(args, layer_id, gate_held(sim))
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      if e in self.local else None for e in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
@@ -489,6 +491,7 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
         raise RuntimeError(f"rank {comm.rank}: model and read plan disagree: only in model "
                            f"{sorted(set(own) - set(plan))[:5]}, only in plan {sorted(set(plan) - set(own))[:5]}")
     raw = weights == "quantized"
+    held_bf16 = held_bf16_names(model)
     with torch.no_grad():
         for name, part in plan.items():
             t = _read(ck, name, part, dtype if own[name].is_floating_point() else torch.float32, device,
@@ -499,11 +502,13 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
             if t.dtype in _TORCH_CODES and t.dtype != own[name].dtype:
                 raise RuntimeError(f"{name}: rank {comm.rank} read {t.dtype}, model holds {own[name].dtype} "
                                    "(on-disk codes are never cast)")
+            if name in held_bf16:
+                check_bf16_exact(name, t)  # as `Transformer.load_weights`
             v = t.to(own[name].dtype)
             check_loaded_values(name, v, t, args.n_routed_experts)  # as `Transformer.load_weights`
             own[name].copy_(v)
         for mod_name, mod in model.named_modules():
-            if isinstance(mod, Linear) and mod.fmt is not None:
+            if isinstance(mod, Linear) and mod.fmt in ("fp8", "fp4"):
                 check_dequantized_range(f"{mod_name}.weight", mod.codes, mod._buffers["scale"])
     return model.eval()
 

@@ -6,11 +6,16 @@ meta device, then `hold_on_disk` gives each one its storage from the official in
 
     F8_E4M3 `X.weight`  -> Linear.hold("fp8"): float8_e4m3fn [out, in] + float8_e8m0fnu `X.scale` [out/128, in/128]
     I8      `X.weight`  -> Linear.hold("fp4"): int8 [out, in/2]       + float8_e8m0fnu `X.scale` [out, in/32]
-    BF16    `X.weight`  -> Linear.hold(None):  a parameter in the model dtype (fp32 for the fp32 linears)
+    BF16    `X.weight`  -> Linear.hold("bf16") for the fp32-compute linears (head, compressor wkv / wgate):
+                           bfloat16 [out, in] as on disk, computed in fp32 (the exact upcast)
+                           Linear.hold(None) for the others: a parameter in the model dtype
+    BF16    `ffn.gate.weight` (the router, not a Linear) -> bfloat16 as on disk (`dsv4.model.gate_held`), computed
+                           in fp32
 
 So the attention projections (wq_a, wq_b, wkv, wo_a, wo_b), the indexer's wq_b, the shared expert and the routed
-experts stay FP8 / FP4 (experts follow `args.expert_dtype`); embed, head, router, compressors, norms, hc_* are
-unchanged. The shapes are the module's own (per-rank shapes under tensor parallelism).
+experts stay FP8 / FP4 (experts follow `args.expert_dtype`); head, router and compressor weights stay BF16 (the
+official code holds them in fp32: docs/differences.md); embed, norms, hc_* are unchanged. The shapes are the
+module's own (per-rank shapes under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -51,14 +56,15 @@ def check_weights_mode(weights: str, args: ModelArgs) -> None:
 
 def hold_on_disk(model: nn.Module, args: ModelArgs, device: str | torch.device) -> None:
     """Give every deferred `Linear` of `model` its storage on `device` (see the module docstring); the module
-    name decides the format. Raises ValueError (from `Linear.hold`) for a linear that is not deferred (already
+    name (its on-disk dtype) and `Linear.fp32` decide the format. Raises ValueError (from `Linear.hold`) for a linear that is not deferred (already
     holds its weight) or an FP4 width not divisible by 32."""
     from dsv4.model import Linear
 
     fmts = on_disk_formats(args)
+    bf16 = {name.removesuffix(".weight") for name, (_, dt) in expected_tensors(args).items() if dt == "BF16"}
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
-            mod.hold(fmts.get(name), device)
+            mod.hold(fmts.get(name, "bf16" if mod.fp32 and name in bf16 else None), device)
 
 
 def held_bytes(model: nn.Module) -> dict[str, int]:

@@ -171,7 +171,7 @@ def fill_random_quantized_(model, seed: int = 0) -> None:
     g = torch.Generator(device=model.device).manual_seed(seed)
     args = model.args
     for name, mod in model.named_modules():
-        if getattr(mod, "fmt", None) is not None:
+        if getattr(mod, "fmt", None) in ("fp8", "fp4"):  # "bf16" weights (head, compressors): the rules below
             codes, scale = mod._buffers["weight"], mod._buffers["scale"]
             inp = codes.shape[1] * (2 if mod.fmt == "fp4" else 1)
             if mod.fmt == "fp8":

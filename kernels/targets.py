@@ -52,9 +52,18 @@ def _specs():
               scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32),
          ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
     ]
-    from kernels import compressor, gemm, moe, norm, quant, rope
+    from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope
     u8, f8 = "*u8", "*fp8e4nv"
     specs += [
+        ("fp32_linear._bf16w_gemv_kernel", fp32_linear._bf16w_gemv_kernel,
+         dict(x_ptr=f32, w_ptr=bf, y_ptr=f32, part_ptr=f32, sem_ptr=i32), [],
+         dict(BM=8, BN=16, BK=256, DOT=False, EVEN_K=True, ACC2D=False)),
+        ("fp32_linear._bf16w_gemv_kernel[m1]", fp32_linear._bf16w_gemv_kernel,
+         dict(x_ptr=f32, w_ptr=bf, y_ptr=f32, part_ptr=f32, sem_ptr=i32), [],
+         dict(BM=1, BN=16, BK=256, DOT=False, EVEN_K=True, ACC2D=True)),
+        ("fp32_linear._bf16w_gemv_kernel[dot]", fp32_linear._bf16w_gemv_kernel,
+         dict(x_ptr=f32, w_ptr=bf, y_ptr=f32, part_ptr=f32, sem_ptr=i32), [],
+         dict(BM=32, BN=32, BK=64, DOT=True, EVEN_K=True, ACC2D=False)),
         ("gemm._act_quant_kernel", gemm._act_quant_kernel, dict(x_ptr=bf, q_ptr=u8, s_ptr=f32), [],
          dict(BR=16)),
         ("gemm._fp8_gemv_kernel", gemm._fp8_gemv_kernel,

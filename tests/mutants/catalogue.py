@@ -102,6 +102,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.router_logits_bf16, (BF16 + "test_router_computes_in_fp32",)),
     Mutant("fp32_linear_in_bf16", "compressor / head linears computed in bf16 instead of fp32",
            patches.fp32_linear_in_bf16, (BF16 + "test_compressor_and_head_compute_in_fp32",)),
+    Mutant("fp32_linear_kernel_x_bf16", "fp32 linear kernel (bf16-held head / router / compressor) rounds x to bf16",
+           patches.fp32_linear_kernel_x_bf16,
+           ("tests/unit/test_fp32_linear.py::test_matches_reference_within_fp32_sum_bound[3-300-512]",
+            "tests/unit/test_fast_paths.py::test_fp32_linears_read_the_bf16_weight[decode_gemv]")),
     Mutant("hf_tools_misplaced", "HF tools= placed elsewhere than a first system message by the template",
            patches.hf_tools_misplaced,
            ("tests/unit/test_tools_kwarg_gate.py::test_tools_kwarg_equals_encoder_with_documented_system_message"

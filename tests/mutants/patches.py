@@ -389,6 +389,21 @@ def fp32_linear_in_bf16(mp: MP) -> None:
     mp.setattr(Linear, "forward", forward)
 
 
+def fp32_linear_kernel_x_bf16(mp: MP) -> None:
+    """The Triton bf16-weight fp32 linear (`kernels.fp32_linear.fp32_linear`, head / router / compressor held bf16)
+    rounds x to bf16 before its products, as a bf16 tensor-core dot would; the references are unchanged."""
+    import kernels.fp32_linear as kf
+
+    orig = kf.fp32_linear
+
+    def fp32_linear(x, weight, **kw):
+        if x.dim() == 2 and x.shape[0] <= kf.GEMV_MAX_M:
+            x = x.to(torch.bfloat16)  # MUTANT: x rounded to bf16
+        return orig(x, weight, **kw)
+
+    mp.setattr(kf, "fp32_linear", fp32_linear)
+
+
 # ------------------------------------------------------------------------------ template / sampler (issue 17)
 def hf_tools_misplaced(mp: MP) -> None:
     """`apply_chat_template(messages, tools=T)` without a system message appends the new system message carrying

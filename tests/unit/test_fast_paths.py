@@ -50,11 +50,36 @@ def test_fp8_linear_matches_reference(model):
         _close(fast.linear(lin, x), linear_ref(lin, x), ULP, f"linear {tuple(lin.codes.shape)}")
 
 
-def test_fp32_linear_is_the_reference(model):
-    lin = model.layers[1].attn.compressor.wkv
-    x = torch.randn(2, 3, 128).to(torch.bfloat16)
-    y = fast.linear(lin, x)
-    assert y.dtype == torch.float32 and torch.equal(y, linear_ref(lin, x))
+@pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_mm"])
+def test_fp32_linears_read_the_bf16_weight(model, rows, monkeypatch):
+    """Compressor wkv / wgate, head and router gate (held bf16 as on disk, weights="quantized") run
+    `kernels.fp32_linear` (the spy counts launches up to GEMV_MAX_M rows; above, its upcast + torch.mm path,
+    bitwise the reference) and stay within the fp32 summation bound of `fp32_linear_ref` (tests/unit/
+    test_fp32_linear.py); fp32 out."""
+    import kernels.fp32_linear as kf
+    from tests.unit.test_fp32_linear import within_fp32_sum_bound
+    calls = []
+    real = kf._bf16w_gemv_kernel
+    monkeypatch.setattr(kf, "_bf16w_gemv_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: calls.append(1) or real[grid](*a, **k))})())
+    comp, gate = model.layers[1].attn.compressor, model.layers[1].ffn.gate
+    assert gate.kernel is fast.fp32_linear and gate.weight.dtype == torch.bfloat16
+    for lin in (comp.wkv, comp.wgate, model.head):
+        assert lin.fmt == "bf16" and lin.kernel is fast.linear
+        x = torch.randn(*rows, 128).to(torch.bfloat16)
+        y, want = fast.linear(lin, x), linear_ref(lin, x)
+        w = lin.codes.float()
+        within_fp32_sum_bound(y.reshape(-1, y.shape[-1]), want.reshape(-1, y.shape[-1]),
+                              x.reshape(-1, 128).float(), w, f"{tuple(w.shape)} linear")
+    x = torch.randn(rows[0] * rows[1], 128)
+    within_fp32_sum_bound(gate.kernel(x, gate.weight), x @ gate.weight.float().T, x, gate.weight.float(), "gate")
+    assert len(calls) == (4 if rows[0] * rows[1] <= kf.GEMV_MAX_M else 0)
+
+
+def test_fp32_linear_of_an_fp32_weight_is_the_reference():
+    """The dequantized model's fp32 weights keep the reference maths (fp32 cuBLAS / CPU GEMM), bitwise."""
+    x, w = torch.randn(3, 64).to(torch.bfloat16), torch.randn(40, 64)
+    assert torch.equal(fast.fp32_linear(x, w), x.float() @ w.T)
 
 
 @pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_bmm"])

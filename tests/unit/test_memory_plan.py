@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -40,6 +41,23 @@ def test_flash_quantized_experts_match_the_published_total():
     plan = rank_memory(_args("flash"), 1, 0, "quantized")
     assert plan.experts == pytest.approx(147.17e9, abs=0.006e9)
     assert rank_memory(_args("flash"), 1, 0, "bf16").weights / 1e9 == pytest.approx(570.5, abs=0.5)  # issue: ~570 GB
+
+
+@pytest.mark.parametrize("name", ["flash", "pro"])
+def test_quantized_plan_holds_the_fp32_linears_bf16(name):
+    """"quantized": head, router gate, compressor wkv / wgate at 2 B (as on disk) instead of the bf16 plan's 4 B;
+    the temp is the reference path's fp32 upcast of the head shard, [V/W, dim] x 4 B, where that is the largest."""
+    a = _args(name)
+    inv = expected_tensors(a)
+    fp32_lin = sum(math.prod(shape) for n, (shape, dt) in inv.items() if not n.startswith("mtp.")
+                   and n.endswith(("head.weight", ".ffn.gate.weight", ".compressor.wkv.weight",
+                                   ".compressor.wgate.weight")))
+    head = a.vocab_size * a.dim
+    for w in (1, 8):
+        q, b = rank_memory(a, w, inventory=inv), rank_memory(a, w, 0, "bf16", inventory=inv)
+        f32_q = q.by_dtype["F32"]
+        assert b.by_dtype["F32"] - f32_q == 4 * (fp32_lin - head) + 4 * head // w
+        assert q.dequant_temp == 4 * head // w
 
 
 @pytest.mark.parametrize("name", ["flash", "pro"])

@@ -15,6 +15,7 @@ part is 128 rows / columns). This file is also the rank worker: `torchrun --npro
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -90,7 +91,37 @@ def test_quantized_resident_logits_equal_dequantized_bitwise(tiny_ckpt, dtype):
         assert_equal(y, x, f"{dtype} quantized-resident logits step {step}")
     wo_a = qnt.layers[1].attn.wo_a
     assert wo_a.fmt == "fp8" and wo_a.codes.dtype == torch.float8_e4m3fn and wo_a.dequantized_weight().dtype == dtype
-    assert qnt.layers[1].ffn.experts[0].w2.codes.dtype == torch.int8 and qnt.head.fmt is None
+    assert qnt.layers[1].ffn.experts[0].w2.codes.dtype == torch.int8
+    # held bf16 as on disk, computed in fp32 (docs/differences.md): head, router, compressor wkv / wgate
+    assert qnt.head.fmt == "bf16" and qnt.head.codes.dtype == torch.bfloat16
+    assert qnt.head.dequantized_weight().dtype == torch.float32
+    assert qnt.layers[1].ffn.gate.weight.dtype == torch.bfloat16
+    assert qnt.layers[1].attn.compressor.wgate.fmt == "bf16"
+    assert deq.head.fmt is None and deq.head.codes.dtype == deq.layers[1].ffn.gate.weight.dtype == torch.float32
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (CPU)")
+def test_triton_quantized_resident_equals_reference_dequantized(aligned_ckpt, monkeypatch):
+    """Triton backend, fp32 mode, weights held as on disk (head / router / compressors bf16 through
+    `kernels.fp32_linear`, both its paths: prefill all-positions head at 40 rows, decode at 1) against the
+    reference backend's dequantized fp32 model: logits within atol 1e-4 (tests/unit/test_backend.py: only fp32
+    summation order differs) and the same greedy tokens. The spy proves the kernel ran."""
+    import kernels.fp32_linear as kf
+    calls = []
+    real = kf._bf16w_gemv_kernel
+    monkeypatch.setattr(kf, "_bf16w_gemv_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: calls.append(grid) or real[grid](*a, **k))})())
+    ids = _ids(512)
+    ref, _ = load_model(aligned_ckpt, progress=False)
+    tri, _ = load_model(aligned_ckpt, progress=False, backend="triton", weights="quantized")
+    assert tri.head.fmt == "bf16" and tri.layers[0].ffn.gate.weight.dtype == torch.bfloat16
+    want, got = _run(ref, ids), _run(tri, ids)
+    assert want[0].abs().max() > 1.0, "degenerate logits would make the comparison meaningless"
+    for step, (a, b) in enumerate(zip(want, got)):
+        assert_close(b, a, f"triton quantized vs reference dequantized step {step}", atol=1e-4, rtol=0)
+        assert torch.equal(a[..., -1, :].argmax(-1) if a.dim() == 3 else a.argmax(-1),
+                           b[..., -1, :].argmax(-1) if b.dim() == 3 else b.argmax(-1)), f"greedy token step {step}"
+    assert len(calls) > 0
 
 
 def test_negative_a_wrong_scale_is_seen(tiny_ckpt):
@@ -141,6 +172,42 @@ def test_linear_dequantizes_per_use():
         lin.hold("fp8", "cpu")
     with pytest.raises(ValueError, match="not divisible by 32"):
         Linear(48, 8, sim, quantized=True).hold("fp4", "cpu")
+
+
+def test_fp32_linear_held_bf16_computes_the_fp32_product():
+    """fmt "bf16" (head / compressor wkv, wgate under weights="quantized"): the on-disk bf16 tensor loads without a
+    rename, `dequantized_weight()` is its exact fp32 upcast and the forward is the fp32 product, bitwise."""
+    sim = _Sim(True)
+    sim.resident = "quantized"
+    lin = Linear(64, 40, sim, quantized=False, fp32=True)
+    lin.hold("bf16", "cpu")
+    w = torch.randn(40, 64).to(torch.bfloat16)
+    lin.load_state_dict({"weight": w})
+    assert lin.codes.dtype == torch.bfloat16 and lin.state_dict()["weight"].dtype == torch.bfloat16
+    assert_equal(lin.dequantized_weight(), w.float(), "bf16 upcast")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert_equal(y, x.float() @ w.float().T, "fp32 linear held bf16")
+    with pytest.raises(ValueError, match=r"only an fp32-compute linear \(fp32=True\)"):
+        Linear(64, 40, sim, quantized=True).hold("bf16", "cpu")
+
+
+def test_bf16_held_weight_refuses_a_value_it_would_round(tiny_ckpt):
+    """No quiet cast: a head / router value that bf16 cannot hold exactly is an error naming tensor and index; the
+    same values rounded to bf16 first (what the checkpoint holds) load. Both loaders."""
+    _, raw = load_checkpoint(tiny_ckpt, progress=False, dequantize=False, dtype=torch.float32)
+    assert raw["head.weight"].dtype == torch.float32  # the BF16 tensor read in fp32: exact, loads
+    m = Transformer(load_checkpoint(tiny_ckpt, progress=False, dequantize=False)[0], weights="quantized")
+    m.load_weights(raw)
+    assert_equal(m.head.codes.float(), raw["head.weight"], "head held bf16")
+    for name in ("head.weight", "layers.1.ffn.gate.weight", "layers.2.attn.compressor.wgate.weight"):
+        bad = dict(raw)
+        bad[name] = raw[name].clone()
+        bad[name][1, 2] += bad[name][1, 2].abs() * 2 ** -12  # between two bf16 values
+        with pytest.raises(RuntimeError, match=rf"{name}: torch.float32 value .* at index \[1, 2\] \(1 values in all\) "
+                                               "is not exactly representable in bf16"):
+            m.load_weights(bad)
 
 
 def test_errors(tiny_ckpt, tiny_ckpt_bf16):

@@ -1,0 +1,183 @@
+"""fp32-compute linear on a bf16-held weight: `y [M, N] fp32 = x [M, K] . W [N, K]^T`, x fp32 (or bf16), W bf16.
+
+Spec: `dsv4_reference_spec.md` §2 / §6 / §8 / §9: `head.weight`, the router `ffn.gate.weight` and the compressors'
+`wkv` / `wgate` are BF16 on disk and computed in fp32 officially (the parameter held in fp32; an fp32 matmul).
+bf16 -> fp32 is exact, so with the weight kept bf16 as on disk (`Transformer(weights="quantized")`) the official
+product is `x_f32 @ W.float().T` exactly: that is `fp32_linear_ref`, and this kernel computes the same sum of
+fp32 products reading half the weight bytes (the decode head GEMV is bandwidth bound: 2.1 GB fp32 for Flash).
+
+Paths (chosen by M, never by a failure):
+  * M <= ROWS_MAX (8): `_bf16w_gemv_kernel` with DOT=False, CUDA cores: each program holds a [BN, BK] weight
+    tile upcast to fp32 in registers and, for each of its BM rows, sums the fp32 products `x[m, k] * w[n, k]`
+    over the tile (`tl.sum`), accumulating in fp32; at M = 1 the products accumulate elementwise in a [BN, BK]
+    fp32 tile instead and are summed once at the end (ACC2D). Each weight byte is read once.
+  * ROWS_MAX < M <= GEMV_MAX_M (64): the same kernel with DOT=True: `tl.dot(x, w^T, input_precision="ieee")`,
+    which Triton lowers to fp32 FMA on CUDA cores (no TF32, no tensor cores: "tf32" / "tf32x3" would round x
+    or the products; bf16 tensor-core dots would round x to bf16). Exact products, fp32 accumulation.
+  * M > GEMV_MAX_M (prefill of the router / compressor at T tokens; the head runs on the last position only):
+    upcast the weight and `torch.mm` in fp32 (cuBLAS, what the dequantized model runs; an [N, K] fp32 temporary).
+Small N (the router: N = 256, K = 4096) is split over K (about two programs per SM); the last program of an N
+block (an acq_rel semaphore from `kernels.launch.workspace`) sums the fp32 partials in split order and writes y
+(deterministic). Nothing is read back to the host (CUDA-graph capturable). A NaN / inf in x reaches y as in the
+reference (no max / min / clamp on the path).
+
+Differences from `fp32_linear_ref`: only the order of the fp32 sum (per output element |y - y_ref| <=
+2 * K * 2^-24 * sum_k |x_k w_k|, the textbook bound of two fp32 summations of K products; tests use it).
+
+Dimension legend: M rows (tokens), K = in_features, N = out_features.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.launch import check_layout, sm_count, workspace
+from kernels.launch import fail as _fail
+
+__all__ = ["fp32_linear", "fp32_linear_ref", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
+
+ROWS_MAX = 8          # CUDA-core row loop up to this many rows, FMA tl.dot above
+GEMV_MAX_M = 64       # the kernel up to this many rows; upcast + torch.mm above
+DEFAULT_BLOCKS = {False: (16, 256), True: (32, 64)}  # DOT -> (BN, BK); benchmarks/bench_gemm.py --sections head
+
+
+def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The official fp32 linear (spec §2, §9): x [..., K] any float dtype, weight [N, K] bf16 or fp32 ->
+    `x.float() @ weight.float().T` [..., N] fp32 (the bf16 weight upcast exactly, an [N, K] fp32 temporary)."""
+    return x.float() @ weight.float().T
+
+
+@triton.jit
+def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                       EVEN_K: tl.constexpr, ACC2D: tl.constexpr):
+    """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
+    bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
+    products summed over each BK tile (CUDA cores); DOT=True: `tl.dot(..., input_precision="ieee")` (fp32 FMA).
+    EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
+    products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
+    reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
+    [SPLIT, M, N] in part_ptr; the last program of an N block (acq_rel semaphore) sums them in split order,
+    writes y and resets its semaphore to 0."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    rows64 = offs_n.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BN, BK), dtype=tl.float32)
+    k0 = pid_s * K_PER_SPLIT
+    k1 = tl.minimum(k0 + K_PER_SPLIT, K)
+    for k in range(k0, k1, BK):
+        kk = k + offs_k
+        if EVEN_K:
+            w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=mask_n[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=mask_n[:, None] & (kk < k1)[None, :],
+                        other=0.0)
+        w = w.to(tl.float32)
+        if DOT:
+            if EVEN_K:
+                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None], other=0.0)
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None] & (kk < k1)[None, :],
+                            other=0.0)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        elif ACC2D:
+            if EVEN_K:
+                x0 = tl.load(x_ptr + kk)
+            else:
+                x0 = tl.load(x_ptr + kk, mask=kk < k1, other=0.0)
+            acc2 += w * x0.to(tl.float32)[None, :]
+        else:
+            for m in tl.static_range(BM):
+                if EVEN_K:
+                    xm = tl.load(x_ptr + m * K + kk, mask=(offs_k * 0 + m) < M, other=0.0)
+                else:
+                    xm = tl.load(x_ptr + m * K + kk, mask=(kk < k1) & ((offs_k * 0 + m) < M), other=0.0)
+                part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN] fp32
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    if ACC2D:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    yoffs = offs_m[:, None].to(tl.int64) * N + rows64[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptr + yoffs, acc, mask=out_mask)
+    else:
+        poffs = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_s * M * N + poffs, acc, mask=out_mask)
+        tl.debug_barrier()
+        sem = sem_ptr + pid_n
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tot = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + s * M * N + poffs, mask=out_mask, other=0.0, volatile=True)
+            tl.store(y_ptr + yoffs, tot, mask=out_mask)
+            tl.store(sem, 0)
+
+
+def _split(device: torch.device, n_blocks: int, k_tiles: int) -> tuple[int, int]:
+    """(SPLIT, K tiles per split): about 2 programs per SM, splits of >= 2 K tiles (as `gemm._gemv_split`)."""
+    want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), k_tiles // 2 if k_tiles >= 4 else 1))
+    per = -(-k_tiles // want)
+    return -(-k_tiles // per), per
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+                block: tuple[int, int] | None = None, num_warps: int = 4, acc2d: bool | None = None) -> torch.Tensor:
+    """`fp32_linear_ref` with the weight read as bf16 (module docstring): x [M, K] fp32 or bf16, weight [N, K]
+    bf16 -> y [M, N] fp32.
+
+    Args:
+        out: optional [M, N] fp32 output (written completely).
+        block: (BN, BK) of the kernel (powers of two, BK >= 16; default `DEFAULT_BLOCKS`; for benchmarks).
+        num_warps: warps per program (for benchmarks).
+        acc2d: M == 1 only: accumulate elementwise over K, reduce once (default True; False for benchmarks).
+    Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring). Never synchronises
+    with the device (CUDA-graph capturable).
+    Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block).
+    """
+    op = "fp32_linear"
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            _fail(op, name, f"shape {tuple(getattr(t, 'shape', ()))}", "a 2-D torch.Tensor")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        _fail(op, "x", f"dtype {x.dtype}", "torch.float32 or torch.bfloat16 (upcast exactly)")
+    if weight.dtype != torch.bfloat16:
+        _fail(op, "weight", f"dtype {weight.dtype}", "torch.bfloat16 (the on-disk BF16 weight; fp32 weights: "
+              "fp32_linear_ref)")
+    (M, K), (N, K2) = x.shape, weight.shape
+    if K != K2:
+        _fail(op, "weight", f"shape {(N, K2)}", f"[N, {K}] (in_features of x)")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32, device=x.device)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.float32:
+        _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"fp32 {(M, N)}")
+    check_layout(op, {"x": x, "weight": weight, "out": out})
+    if M == 0 or N == 0:
+        return out
+    if M > GEMV_MAX_M:
+        return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
+    dot = M > ROWS_MAX
+    BN, BK = DEFAULT_BLOCKS[dot] if block is None else block
+    if not all(isinstance(v, int) and v >= 1 and v & (v - 1) == 0 for v in (BN, BK)) or BK < 16 or (dot and BN < 16):
+        _fail(op, "block", repr(block), "(BN, BK) powers of two, BK >= 16 (and BN >= 16 for M > ROWS_MAX)")
+    BM = triton.next_power_of_2(M) if not dot else max(16, triton.next_power_of_2(M))
+    if acc2d is None:
+        acc2d = BM == 1
+    elif acc2d and BM != 1:
+        _fail(op, "acc2d", repr(acc2d), f"False or None for M = {M} (the [BN, BK] accumulator is for M == 1)")
+    n_blocks = triton.cdiv(N, BN)
+    split, per = _split(x.device, n_blocks, triton.cdiv(K, BK))
+    k_per = per * BK
+    sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
+    _bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, k_per, split,
+                                          BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
+                                          num_warps=num_warps)
+    return out
