@@ -261,7 +261,7 @@ def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: t
     (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
     row: `sum(q_m * w, axis=1)` of the same exact fp32 products (e4m3 x e4m3, or bf16 x e4m3: <= 12 significant
     bits), summed by `tl.sum`'s tree instead of the MMA's order; each row quantized (QUANT_X) as `act_quant_block`.
-    A masked row (m >= M) or block (live [1, 1] False) loads zeros and adds nothing."""
+    A masked row (DOT, m >= M) or block (live [1, 1] False) loads zeros and adds nothing."""
     offs_k = tl.arange(0, 128)
     if DOT:
         x = tl.load(x_ptr + offs_m[:, None] * GK + xcol + offs_k[None, :], mask=mask_m[:, None] & live,
@@ -276,9 +276,8 @@ def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: t
             wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
         else:
             wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
-        for m in tl.static_range(BM):
-            xm = tl.load(x_ptr + m * GK + xcol + offs_k[None, :],
-                         mask=((m + tl.zeros((1, 128), tl.int32)) < M) & live, other=0.0).to(tl.float32)
+        for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
+            xm = tl.load(x_ptr + m * GK + xcol + offs_k[None, :], mask=live, other=0.0).to(tl.float32)
             if QUANT_X:
                 q, sx = act_quant_block(xm)
                 row = tl.sum(q * wf, axis=1) * (sx * sw)
