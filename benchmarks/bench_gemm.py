@@ -331,7 +331,8 @@ def gemv_variants(M: int) -> dict:
                 "core bn128 u2": C(dot=False, bn=128, unroll=2),
                 "core bn64 u4 x4": C(dot=False, bn=64, unroll=4, per_sm=4),
                 "core bn128 u4 w8": C(dot=False, bn=128, unroll=4, num_warps=8),
-                "core bn64 u2 x4 pq": C(dot=False, bn=64, unroll=2, per_sm=4, prequant=True)}
+                "core bn64 u2 x4 pq": C(dot=False, bn=64, unroll=2, per_sm=4, prequant=True),
+                "dot u2 x4 pq": C(bn=64, unroll=2, per_sm=4, prequant=True)}
     return {"default": None, "dot bn32 u2": C(bn=32, unroll=2), "dot bn32 u2 x4": C(bn=32, unroll=2, per_sm=4),
             "dot bn32 u4 x4": C(bn=32, unroll=4, per_sm=4), "dot bn64 u2 w8": C(bn=64, unroll=2, num_warps=8),
             "dot bn64 u4 x4": C(bn=64, unroll=4, per_sm=4), "dot bn32 u2 x4 pq": C(bn=32, unroll=2, per_sm=4,
@@ -347,7 +348,7 @@ def bench_gemv_sweep(args, bw: float | None) -> None:
     (CUDA-core rows, another split); "FAIL" otherwise. Ends with the fastest passing variant per (shape, M).
     bw None (--smoke): interpreter, tiny shapes, no timing."""
     from dsv4.testing import assert_close
-    from kernels.gemm import fp8_grouped_gemv
+    from kernels.gemm import fp8_grouped_gemv, gemv_config
     smoke = bw is None
     dev = "cpu" if smoke else "cuda"
     t0 = time.time()
@@ -412,11 +413,12 @@ def bench_gemv_sweep(args, bw: float | None) -> None:
                     rows.append((us, label, cfg))
             if rows:  # (under --smoke every time is nan: the first passing variant, to exercise the table)
                 us, label, cfg = min(rows, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
+                cfg = gemv_config(M, N, K, G, torch.device(dev)) if cfg is None else cfg
                 best.append(f"| {name} | {K}->{N} ({G}) | {M} | {label} | {us:.1f} | {t_def:.1f} | {cfg} |")
         del ws
         if not smoke:
             torch.cuda.empty_cache()
-    print("\n### Best passing GEMV variant per (shape, M) (None = the default `gemv_config`)\n")
+    print("\n### Best passing GEMV variant per (shape, M) (fill `kernels.gemm.gemv_config` from it)\n")
     print("| linear | K->N (G) | M | best | µs | default µs | GemvConfig |\n|---|---|---|---|---|---|---|")
     print("\n".join(best))
     print(f"\ngemv_sweep: {time.time() - t0:.0f} s")

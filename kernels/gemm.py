@@ -15,6 +15,10 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
     accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
     `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
+    The launch is a `GemvConfig` (tensor-core dot or CUDA-core rows, K blocks per iteration, columns per program,
+    programs per SM, warps, stages, x quantized once or per program), default `gemv_config`; every variant
+    multiplies the same exact values, a variant differs from another at most in the fp32 summation order
+    (`benchmarks/bench_gemm.py --sections gemv_sweep` times them and checks each output).
   * prefill, M > GEMV_MAX_M: `prefill=` one of
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
