@@ -291,7 +291,7 @@ def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: t
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT"])  # one build per GemvConfig and M range
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
                      BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr,
                      DOT: tl.constexpr, UNROLL: tl.constexpr):
@@ -305,7 +305,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G,
     DOT: tensor-core dot per K block, else CUDA-core rows (`_gemv_block`). UNROLL: K blocks loaded per loop
     iteration (more bytes in flight), accumulated in the same kb order as UNROLL = 1 (bitwise the same result).
     SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
-    semaphore) sums them in split order, writes bf16 and resets its semaphore."""
+    semaphore) sums them in split order, writes bf16 and resets its semaphore.
+    Not specialized on M, G and the split sizes (loop bounds and masks only; K, whose divisibility by 16 the
+    vector loads of W need, is): Triton would otherwise build one kernel per value class (== 1, % 16 == 0) of
+    each, several per launch config across the model's shapes."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     g = tl.program_id(2)
