@@ -260,7 +260,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
 
 @triton.jit
 def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: tl.constexpr,
-                MMA: tl.constexpr, DOT: tl.constexpr, BM: tl.constexpr):
+                MMA: tl.constexpr, DOT: tl.constexpr):
     """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
     (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
     row: `sum(q_m * w, axis=1)` of the same exact fp32 products (e4m3 x e4m3, or bf16 x e4m3: <= 12 significant
@@ -331,7 +331,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G,
                         mask=mask_n[:, None] & live, other=0.0)
             sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
             acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, g * K + (kb + u) * 128, GK,
-                              QUANT_X, MMA, DOT, BM)
+                              QUANT_X, MMA, DOT)
     out_mask = mask_m[:, None] & mask_n[None, :]
     yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
     if SPLIT == 1:
