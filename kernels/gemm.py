@@ -476,11 +476,27 @@ class GemvConfig(NamedTuple):
     prequant: bool = False
 
 
+# Measured decode launches: {(M bucket 1 / 8 / 32 / 64, N, K, G): GemvConfig} on sm_90 (H200), pasted from the
+# last lines of `benchmarks/bench_gemm.py --sections gemv_sweep` (only where a variant beat the default). Empty
+# until that run: every shape then takes the launch of `gemv_config`'s rule.
+GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+
+
+def gemv_m_bucket(M: int) -> int:
+    """The row bucket of `GEMV_TUNED` (1, 8, 32, 64): M rounded up to the next swept size."""
+    return next(b for b in (1, 8, 32, GEMV_MAX_M) if M <= b)
+
+
 def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvConfig:
-    """Default decode launch for x [M, G*K] and G weights [N, K] (G = 1: `fp8_linear`; G > 1: the grouped
-    `wo_a`). Today the launch measured in benchmarks/RESULTS.md (issue 13): tensor-core dot, BN 64 (M <= 16) or
-    32, one K block per iteration, ~2 programs per SM, 4 warps; to be replaced per (M, N, K) from the
-    `gemv_sweep` table (the `best` lines it prints)."""
+    """Decode launch for x [M, G*K] bf16 and G FP8 weights [N, K] (G = 1: `fp8_linear`; G > 1: the grouped
+    `wo_a`), 1 <= M <= GEMV_MAX_M. On sm_90 the `GEMV_TUNED` entry of (gemv_m_bucket(M), N, K, G) where the sweep
+    measured one; else the launch measured in benchmarks/RESULTS.md (issue 13): tensor-core dot, BN 64 (M <= 16)
+    or 32, one K block per iteration, ~2 programs per SM, 4 warps, Triton's default stages. Every launch gives the
+    reference's result within the same bound (`GemvConfig`: only the fp32 summation order differs)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        tuned = GEMV_TUNED.get((gemv_m_bucket(M), N, K, G))
+        if tuned is not None:
+            return tuned  # (an entry the kernel cannot run is refused by `_check_gemv_config`, never replaced)
     return GemvConfig(bn=64 if M <= 16 else 32)
 
 

@@ -166,7 +166,8 @@ def test_fp8_grouped_gemv_variants(seed, label):
 @pytest.mark.parametrize("label", ["core bn64 u2", "core bn32 pq", "dot bn32 u4 x4"])
 def test_fp8_linear_gemv_variants_keep_nan(label):
     """A NaN activation reaches its whole output row and an inf saturates as the reference's act_quant, in the
-    CUDA-core rows, the unrolled blocks and the prequant launch as in the default (test_fp8_linear_nan_row_stays_nan)."""
+    CUDA-core rows, the unrolled blocks and the prequant launch as in the default
+    (test_fp8_linear_nan_row_stays_nan)."""
     x, (w, s) = make_x(3, 640), make_w8(136, 640)
     x[1, 10] = float("nan")
     x[2, 600] = float("inf")
@@ -175,6 +176,22 @@ def test_fp8_linear_gemv_variants_keep_nan(label):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     ok = ~torch.isnan(ref).any(1)
     close_bf16(y[ok], ref[ok], "y (finite rows)")
+
+
+def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
+    """`gemv_config` returns the `GEMV_TUNED` entry of the row bucket on sm_90 only (the sweep measured an H200),
+    the issue-13 launch elsewhere and for shapes without an entry."""
+    from kernels import gemm
+    tuned = GemvConfig(dot=False, bn=128, unroll=4, per_sm=4, num_warps=8)
+    monkeypatch.setitem(gemm.GEMV_TUNED, (8, 1024, 4096, 1), tuned)
+    cuda = torch.device("cuda", 0)
+    assert [gemm.gemv_m_bucket(m) for m in (1, 2, 8, 9, 32, 33, 64)] == [1, 8, 8, 32, 32, 64, 64]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == tuned
+    assert gemm.gemv_config(1, 1024, 4096, 1, cuda) == GemvConfig()                # bucket 1: no entry
+    assert gemm.gemv_config(5, 1024, 4096, 8, cuda) == GemvConfig()                # the grouped shape: no entry
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == GemvConfig()
 
 
 def test_gemv_config_names_bad_fields():
