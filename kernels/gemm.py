@@ -202,34 +202,36 @@ def e4m3_bits(q):
 
 
 @triton.jit
-def act_scale(x):
+def act_scale(x, AXIS: tl.constexpr = 1):
     """Official act_quant scale of one [R, 128] fp32 tile (spec §2): per row `amax = max(max|x|, 1e-4)`,
-    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32.
+    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32 (AXIS 0: x is one [128] block, both scalars).
 
     ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
     1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route. A row with a
     NaN or an inf gets k = 0, as the reference (`_nonfinite_rows`)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), 1e-4)
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.where(_nonfinite_rows(x), 0, k)
+    k = tl.where(_nonfinite_rows(x, AXIS), 0, k)
     return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _nonfinite_rows(x):
+def _nonfinite_rows(x, AXIS: tl.constexpr = 1):
     """[R] bool: the row of the [R, C] tile holds a NaN or an inf. The reference's scale is then 2^0 (torch's
     frexp gives exponent 0 for NaN and inf), so the kernels use k = 0 there too: an inf saturates to +-448 and
     the other values keep their scale-1 codes, exactly as `dsv4.quant.act_quant`; NaNs stay NaN (`act_apply`)."""
-    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=AXIS) > 0
 
 
 @triton.jit
-def act_apply(x, inv):
-    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`. A NaN stays
-    NaN (the GPU's min / max would drop it and the bit rounding would make it a number: a NaN activation must
-    reach the output, as in the reference)."""
-    return tl.where(x != x, x, round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)))
+def act_apply(x, inv, AXIS: tl.constexpr = 1):
+    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale` (AXIS 0: x
+    [C], inv a scalar). A NaN stays NaN (the GPU's min / max would drop it and the bit rounding would make it a
+    number: a NaN activation must reach the output, as in the reference)."""
+    if AXIS == 1:
+        inv = inv[:, None]
+    return tl.where(x != x, x, round_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0)))
 
 
 @triton.jit
@@ -259,7 +261,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
 
 
 @triton.jit
-def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: tl.constexpr,
+def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
                 MMA: tl.constexpr, DOT: tl.constexpr):
     """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
     (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
@@ -280,13 +282,16 @@ def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, xcol, GK, QUANT_X: t
             wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
         else:
             wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
+        live1 = (kbu + tl.zeros((128,), tl.int32)) < kb1
         for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
-            xm = tl.load(x_ptr + m * GK + xcol + offs_k[None, :], mask=live, other=0.0).to(tl.float32)
+            # x as one [128] vector (not [1, 128]): the products and the sum then stay in the weight tile's
+            # layout (a [1, 128] row made Triton move the whole tile into the row's layout through shared memory)
+            xm = tl.load(x_ptr + m * GK + xcol + offs_k, mask=live1, other=0.0).to(tl.float32)
             if QUANT_X:
-                q, sx = act_quant_block(xm)
-                row = tl.sum(q * wf, axis=1) * (sx * sw)
+                inv, sx = act_scale(xm, 0)
+                row = tl.sum(wf * act_apply(xm, inv, 0)[None, :], axis=1) * (sx * sw)
             else:
-                row = tl.sum(xm * wf, axis=1) * sw
+                row = tl.sum(wf * xm[None, :], axis=1) * sw
             acc += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
     return acc
 
@@ -330,7 +335,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G,
             w = tl.load(w_ptr + rows64[:, None] * K + (kb + u) * 128 + offs_k[None, :],
                         mask=mask_n[:, None] & live, other=0.0)
             sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
-            acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, g * K + (kb + u) * 128, GK,
+            acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
                               QUANT_X, MMA, DOT)
     out_mask = mask_m[:, None] & mask_n[None, :]
     yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
@@ -461,8 +466,8 @@ class GemvConfig(NamedTuple):
 
     dot: tensor-core dot per K block (BM = max(16, next_pow2(M)) rows) or False: CUDA-core rows (BM =
         next_pow2(M), M <= 16; `_gemv_block`) - the same exact products, another fp32 summation order.
-    bn: output columns per program (divides 128). unroll: K blocks per loop iteration (same order, bitwise the
-    same). per_sm: programs per SM the split-K aims at (`_gemv_split`; another split is another order).
+    bn: output columns per program (32, 64, 128). unroll: K blocks per loop iteration (1, 2, 4; same order,
+    bitwise the same). per_sm: programs per SM the split-K aims at (`_gemv_split`; another split is another order).
     num_warps, num_stages: Triton launch options (num_stages None = Triton's default).
     prequant: x quantized once by `kernels.quant.act_quant_sim` (one more launch; the kernel then reads the
         exact dequantized values, QUANT_X=False: the same sums times the same powers of two) instead of per
@@ -511,12 +516,12 @@ def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
     """cfg as given (a GemvConfig) or ValueError naming the field and the value."""
     if not isinstance(cfg, GemvConfig):
         _fail(op, "gemv", repr(cfg), "a kernels.gemm.GemvConfig")
-    if cfg.bn not in (16, 32, 64, 128):
-        _fail(op, "gemv.bn", cfg.bn, "16, 32, 64 or 128 (divides the 128-row scale block)")
+    if cfg.bn not in (32, 64, 128):  # the tested and sm_90 / sm_100-built sizes (kernels/targets.py)
+        _fail(op, "gemv.bn", cfg.bn, "32, 64 or 128 (divides the 128-row scale block)")
     if not cfg.dot and M > 16:
         _fail(op, "gemv.dot", f"False with M = {M}", "M <= 16 for the CUDA-core rows (unrolled per row)")
-    if cfg.unroll not in (1, 2, 4, 8):
-        _fail(op, "gemv.unroll", cfg.unroll, "1, 2, 4 or 8")
+    if cfg.unroll not in (1, 2, 4):
+        _fail(op, "gemv.unroll", cfg.unroll, "1, 2 or 4")
     if not isinstance(cfg.per_sm, int) or cfg.per_sm < 1:
         _fail(op, "gemv.per_sm", repr(cfg.per_sm), "an int >= 1")
     if cfg.num_warps not in (1, 2, 4, 8, 16):

@@ -66,8 +66,9 @@ def _specs():
     specs += [(f"gemm._fp8_gemv_kernel[{tag}]", gemm._fp8_gemv_kernel, gemv_ptrs, [], consts) for tag, consts in (
         ("dot unroll4 BN32 M32", dict(BM=32, BN=32, MMA=2, QUANT_X=True, DOT=True, UNROLL=4)),
         ("dot bf16 wo_a unroll2", dict(BM=16, BN=64, MMA=1, QUANT_X=False, DOT=True, UNROLL=2)),
-        ("cuda-core M1 BN128 unroll2", dict(BM=1, BN=128, MMA=2, QUANT_X=True, DOT=False, UNROLL=2)),
-        ("cuda-core M8 BN64 unroll4", dict(BM=8, BN=64, MMA=2, QUANT_X=True, DOT=False, UNROLL=4)),
+        ("dot BN128 unroll2", dict(BM=16, BN=128, MMA=2, QUANT_X=True, DOT=True, UNROLL=2)),
+        ("cuda-core M1 BN128 unroll4", dict(BM=1, BN=128, MMA=2, QUANT_X=True, DOT=False, UNROLL=4)),
+        ("cuda-core M8 BN64 unroll2", dict(BM=8, BN=64, MMA=2, QUANT_X=True, DOT=False, UNROLL=2)),
         ("cuda-core wo_a M16 BN32", dict(BM=16, BN=32, MMA=1, QUANT_X=False, DOT=False, UNROLL=1)),
     )]
     specs += [

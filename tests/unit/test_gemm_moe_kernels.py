@@ -201,7 +201,7 @@ def test_gemv_config_names_bad_fields():
     w, s = w.cpu(), s.cpu()
     assert gemv_config(1, 1024, 4096, 1, torch.device("cpu")) == GemvConfig()
     assert gemv_config(32, 1024, 4096, 1, torch.device("cpu")).bn == 32
-    for bad, match in ((GemvConfig(bn=48), "gemv.bn is 48"), (GemvConfig(unroll=3), "gemv.unroll is 3"),
+    for bad, match in ((GemvConfig(bn=16), "gemv.bn is 16"), (GemvConfig(unroll=8), "gemv.unroll is 8"),
                        (GemvConfig(per_sm=0), "gemv.per_sm is 0"), (GemvConfig(num_warps=3), "gemv.num_warps"),
                        (GemvConfig(num_stages=0), "gemv.num_stages is 0"), ((64, 1), "gemv is")):
         with pytest.raises(ValueError, match=match):
