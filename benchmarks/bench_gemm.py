@@ -1,6 +1,7 @@
 """Benchmark of the FP8 linear and grouped FP4 MoE kernels (issue 13, item 3) at Flash / Pro shapes on one GPU.
 
     python benchmarks/bench_gemm.py [--quick]
+    python benchmarks/bench_gemm.py --sections gemv_sweep [--smoke]   # decode GEMV launch variants (GemvConfig)
 
 Measured in the same run: copy bandwidth (a 2 GiB device-to-device copy, read + write bytes / time) and the bf16
 GEMM peak (cuBLAS torch.mm 8192^3). Kernel times are GPU times of a CUDA graph of 20 calls, replayed (no Python
@@ -24,7 +25,12 @@ on one H200:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+
+if "--smoke" in sys.argv:  # before triton is imported: the interpreter runs the sweep on CPU at tiny shapes
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
@@ -142,13 +148,13 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
-    ap.add_argument("--smoke", action="store_true", help="the sections head / moe_tiles / moe_crossover at tiny "
-                    "shapes on CPU under TRITON_INTERPRET=1, correctness only (no timing)")
+    ap.add_argument("--smoke", action="store_true", help="the sections head / moe_tiles / moe_crossover / "
+                    "gemv_sweep at tiny shapes on CPU under TRITON_INTERPRET=1, correctness only (no timing)")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.smoke:
         smoke = {"head": lambda: bench_head(args, float("nan")), "moe_tiles": lambda: bench_moe_tiles(args),
-                 "moe_crossover": lambda: bench_moe_crossover(args)}
+                 "moe_crossover": lambda: bench_moe_crossover(args), "gemv_sweep": lambda: bench_gemv_sweep(args, None)}
         asked = args.sections.split(",")
         if not set(asked) <= set(smoke):
             ap.error(f"--smoke runs only the sections {sorted(smoke)}, not {sorted(set(asked) - set(smoke))}")
@@ -179,6 +185,8 @@ def main() -> int:
         bench_moe_crossover(args)
     if "head" in sections:
         bench_head(args, bw)
+    if "gemv_sweep" in sections:
+        bench_gemv_sweep(args, bw)
     return 0
 
 
@@ -459,6 +467,143 @@ def bench_head(args, bw: float) -> None:
             us = safe(gpu_time, lambda i: fp32_linear(x, w16, out=out, **kw))
             gb = (2 * N * K + 4 * M * (K + N)) / us * 1e-3
             print(f"| {M} | {(bn, bk, warps, acc)} | {us:.1f} | {100 * gb / bw:.0f}% | {err:.1e} |", flush=True)
+
+
+# decode GEMV sweep (`kernels.gemm.GemvConfig`): (name, K, N, G); G > 1 is the grouped wo_a (fp8_grouped_gemv)
+GEMV_SHAPES = [("flash wq_a", 4096, 1024, 1), ("flash wq_b", 1024, 32768, 1), ("flash wkv", 4096, 512, 1),
+               ("flash wo_a", 4096, 1024, 8), ("flash wo_b", 8192, 4096, 1), ("flash shared w1/w3", 4096, 2048, 1),
+               ("flash shared w2", 2048, 4096, 1), ("flash indexer wq_b", 1024, 8192, 1),
+               ("pro wq_a", 7168, 1536, 1), ("pro wq_b", 1536, 65536, 1), ("pro wkv", 7168, 512, 1),
+               ("pro wo_a", 4096, 1024, 16), ("pro wo_b", 16384, 7168, 1), ("pro shared w1/w3", 7168, 3072, 1),
+               ("pro shared w2", 3072, 7168, 1), ("pro indexer wq_b", 1536, 8192, 1)]
+SMOKE_SHAPES = [("smoke", 384, 192, 1), ("smoke wo_a", 256, 128, 2)]
+
+
+def gemv_variants(M: int) -> dict:
+    """{label: GemvConfig or None (= the default `gemv_config`)} swept at M rows. u = K blocks per iteration,
+    x = programs per SM of the split-K, w = warps, pq = x quantized once (act_quant_sim launch). About 30 Triton
+    builds in all (per_sm is a runtime value; the kernel is not specialized on M: M = 1 and 8 share the dot
+    builds), which with the timings keeps the sweep near 90 s on one H200."""
+    from kernels.gemm import GemvConfig as C
+    if M <= 16:
+        return {"default": None, "dot u2": C(bn=64, unroll=2), "dot u2 x4": C(bn=64, unroll=2, per_sm=4),
+                "dot u4 x4": C(bn=64, unroll=4, per_sm=4), "dot bn128 u2 w8": C(bn=128, unroll=2, num_warps=8),
+                "core bn64 u2": C(dot=False, bn=64, unroll=2), "core bn64 u2 x4": C(dot=False, bn=64, unroll=2,
+                                                                                   per_sm=4),
+                "core bn64 u2 x8": C(dot=False, bn=64, unroll=2, per_sm=8),
+                "core bn64 u4 x4": C(dot=False, bn=64, unroll=4, per_sm=4),
+                "core bn128 u4 w8": C(dot=False, bn=128, unroll=4, num_warps=8),
+                "core bn128 u4 w8 x4": C(dot=False, bn=128, unroll=4, num_warps=8, per_sm=4),
+                "core bn64 u2 x4 pq": C(dot=False, bn=64, unroll=2, per_sm=4, prequant=True),
+                "dot u2 x4 pq": C(bn=64, unroll=2, per_sm=4, prequant=True)}
+    return {"default": None, "dot bn32 u2": C(bn=32, unroll=2), "dot bn32 u2 x4": C(bn=32, unroll=2, per_sm=4),
+            "dot bn32 u4 x4": C(bn=32, unroll=4, per_sm=4), "dot bn64 u2 w8": C(bn=64, unroll=2, num_warps=8),
+            "dot bn64 u4 x4": C(bn=64, unroll=4, per_sm=4), "dot bn32 u2 x4 pq": C(bn=32, unroll=2, per_sm=4,
+                                                                                  prequant=True)}
+
+
+def bench_gemv_sweep(args, bw: float | None) -> None:
+    """Decode GEMV (`_fp8_gemv_kernel`) launch variants at every Flash / Pro decode shape and M = 1, 8, 32: µs per
+    call in a CUDA graph (weights cycled over copies > 256 MB: from HBM), GB/s of counted bytes (codes + scales +
+    x + y), % of copy bandwidth, and correctness: "bitwise" = the default's output exactly; else "tol" = within
+    the tests' criterion (tests/unit/test_gemm_moe_kernels.py: bf16 rtol 1.6e-2 atol 1e-2 relative to max|ref|,
+    ref = fp8_linear_ref / the wo_a einsum), the summation order having changed (CUDA-core rows, another split);
+    "FAIL" outside it (the default too); then e = max|y - ref| / max|ref|; "NONDETERMINISTIC" if a second call
+    differs bitwise. Ends with the fastest passing variant per (shape, M).
+    bw None (--smoke): interpreter, tiny shapes, no timing."""
+    from dsv4.testing import assert_close
+    from kernels.gemm import fp8_grouped_gemv, gemv_config
+    smoke = bw is None
+    dev = "cpu" if smoke else "cuda"
+    t0 = time.time()
+    print("\n### Decode GEMV launch variants (µs per call in a CUDA graph; weights from HBM)\n")
+    print("| linear | K->N (G) | M | variant | µs | GB/s | % copy BW | vs default | correctness |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    best, paste = [], []
+    shapes = SMOKE_SHAPES if smoke else (GEMV_SHAPES[:8] if args.quick else GEMV_SHAPES)
+    for name, K, N, G in shapes:
+        nbytes = G * N * K + G * (N // 128 + (N % 128 > 0)) * (K // 128)
+        if smoke:
+            (w, s), = weights8_on(G * N, K, 1, dev)
+            ws = [(w, s)]
+        else:
+            ws = weights8_on(G * N, K, max(1, -(-(256 << 20) // nbytes)), dev)
+        for M in (1, 8, 32):
+            x = (torch.randn(M, G * K, device=dev) * torch.logspace(-2, 2, G * K // 128, device=dev)
+                 .repeat_interleave(128)).to(torch.bfloat16)
+            w0, s0 = ws[0]
+            if G == 1:
+                ref = fp8_linear_ref(x, w0, s0)
+            else:
+                wd = quant.fp8_block_dequant(w0, s0, out_dtype=torch.float32).view(G, N, K)
+                ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, -1)
+            mag = float(ref.float().abs().max())
+
+            def call(i, cfg, out):
+                w, s = ws[i % len(ws)]
+                if G == 1:
+                    return fp8_linear(x, w, s, out=out, gemv=cfg)
+                return fp8_grouped_gemv(x, w, s, G, gemv=cfg)
+
+            out = torch.empty(M, G * N, dtype=torch.bfloat16, device=dev)
+            default = call(0, None, out).clone()
+            t_def, rows = float("nan"), []
+            for label, cfg in gemv_variants(M).items():
+                if cfg is not None and cfg.prequant and G > 1:
+                    continue  # wo_a has no activation quantization
+                try:
+                    y = call(0, cfg, out).clone()
+                except Exception as e:  # noqa: BLE001 - a variant that does not build is reported, not fatal
+                    print(f"| {name} | {K}->{N} ({G}) | {M} | {label} | {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:100] if str(e) else ''} | | | | |", flush=True)
+                    continue
+                err = float((y.float() - ref.float()).abs().max()) / mag
+                try:
+                    assert_close(y.float() / mag, ref.float() / mag, label, dtype=torch.bfloat16)
+                    ok = True
+                except AssertionError:
+                    ok = False
+                same = torch.equal(y.view(torch.int16), default.view(torch.int16))
+                verdict = ("bitwise" if same else "tol" if ok else "FAIL") + f" {err:.1e}"
+                if not torch.equal(call(0, cfg, out).view(torch.int16), y.view(torch.int16)):
+                    ok, verdict = False, verdict + " NONDETERMINISTIC"  # the split merge must not race
+                us = float("nan") if smoke else safe(gpu_time, lambda i: call(i, cfg, out))
+                if cfg is None:
+                    t_def = us
+                gbs = (nbytes + 2 * M * G * (K + N)) / us * 1e-3
+                pct = float("nan") if smoke else 100 * gbs / bw
+                print(f"| {name} | {K}->{N} ({G}) | {M} | {label} | {us:.1f} | {gbs:.0f} | {pct:.0f}% | "
+                      f"{t_def / us:.2f}x | {verdict} |", flush=True)
+                if ok:
+                    rows.append((us, label, cfg))
+            if rows:  # (under --smoke every time is nan: the last passing variant, to exercise the tables)
+                us, label, cfg = rows[-1] if smoke else min(rows, key=lambda r: r[0] if r[0] == r[0] else float("inf"))
+                cfg = gemv_config(M, N, K, G, torch.device(dev)) if cfg is None else cfg
+                best.append(f"| {name} | {K}->{N} ({G}) | {M} | {label} | {us:.1f} | {t_def:.1f} | {cfg} |")
+                if label != "default" and (smoke or us < 0.97 * t_def):  # a win beyond the timing noise
+                    paste.append(f"    ({M}, {N}, {K}, {G}): {cfg},  # {name}: {t_def:.1f} -> {us:.1f} µs")
+        del ws
+        if not smoke:
+            torch.cuda.empty_cache()
+    print("\n### Best passing GEMV variant per (shape, M) (fill `kernels.gemm.gemv_config` from it)\n")
+    print("| linear | K->N (G) | M | best | µs | default µs | GemvConfig |\n|---|---|---|---|---|---|---|")
+    print("\n".join(best))
+    print("\n`kernels.gemm.GEMV_TUNED` entries (winners >= 3 % faster than the default; keys (M, N, K, G)):\n")
+    print("```python\nGEMV_TUNED = {\n" + "\n".join(paste) + "\n}\n```")
+    print(f"\ngemv_sweep: {time.time() - t0:.0f} s")
+
+
+def weights8_on(N: int, K: int, copies: int, device: str):
+    """`weights8` on `device` (the interpreter sweep builds them on the CPU)."""
+    if device == "cuda":
+        return weights8(N, K, copies)
+    out = []
+    for _ in range(copies):
+        w = (torch.randint(0, 0x7F, (N, K), dtype=torch.uint8) | (torch.randint(0, 2, (N, K), dtype=torch.uint8)
+                                                                   << 7)).view(torch.float8_e4m3fn)
+        s = torch.randint(118, 126, (-(-N // 128), K // 128), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        out.append((w, s))
+    return out
 
 
 if __name__ == "__main__":

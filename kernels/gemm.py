@@ -15,6 +15,10 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
     accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
     `kernels.launch.workspace`) sums the partials in a fixed order and writes bf16 (deterministic).
+    The launch is a `GemvConfig` (tensor-core dot or CUDA-core rows, K blocks per iteration, columns per program,
+    programs per SM, warps, stages, x quantized once or per program), default `gemv_config`; every variant
+    multiplies the same exact values, a variant differs from another at most in the fp32 summation order
+    (`benchmarks/bench_gemm.py --sections gemv_sweep` times them and checks each output).
   * prefill, M > GEMV_MAX_M: `prefill=` one of
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
@@ -32,6 +36,8 @@ Dimension legend: M tokens, K = in_features (multiple of 128), N = out_features.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -196,34 +202,36 @@ def e4m3_bits(q):
 
 
 @triton.jit
-def act_scale(x):
+def act_scale(x, AXIS: tl.constexpr = 1):
     """Official act_quant scale of one [R, 128] fp32 tile (spec §2): per row `amax = max(max|x|, 1e-4)`,
-    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32.
+    `k = ceil(log2(amax / 448))`. Returns (2^-k, 2^k), both [R] fp32 (AXIS 0: x is one [128] block, both scalars).
 
     ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
     1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route. A row with a
     NaN or an inf gets k = 0, as the reference (`_nonfinite_rows`)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), 1e-4)
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.where(_nonfinite_rows(x), 0, k)
+    k = tl.where(_nonfinite_rows(x, AXIS), 0, k)
     return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _nonfinite_rows(x):
+def _nonfinite_rows(x, AXIS: tl.constexpr = 1):
     """[R] bool: the row of the [R, C] tile holds a NaN or an inf. The reference's scale is then 2^0 (torch's
     frexp gives exponent 0 for NaN and inf), so the kernels use k = 0 there too: an inf saturates to +-448 and
     the other values keep their scale-1 codes, exactly as `dsv4.quant.act_quant`; NaNs stay NaN (`act_apply`)."""
-    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+    return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=AXIS) > 0
 
 
 @triton.jit
-def act_apply(x, inv):
-    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale`. A NaN stays
-    NaN (the GPU's min / max would drop it and the bit rounding would make it a number: a NaN activation must
-    reach the output, as in the reference)."""
-    return tl.where(x != x, x, round_e4m3(tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)))
+def act_apply(x, inv, AXIS: tl.constexpr = 1):
+    """`e4m3(clamp(x * inv, +-448))` as fp32 on the e4m3 grid; x [R, C], inv [R] from `act_scale` (AXIS 0: x
+    [C], inv a scalar). A NaN stays NaN (the GPU's min / max would drop it and the bit rounding would make it a
+    number: a NaN activation must reach the output, as in the reference)."""
+    if AXIS == 1:
+        inv = inv[:, None]
+    return tl.where(x != x, x, round_e4m3(tl.minimum(tl.maximum(x * inv, -448.0), 448.0)))
 
 
 @triton.jit
@@ -253,16 +261,59 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
 
 
 @triton.jit
+def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
+                MMA: tl.constexpr, DOT: tl.constexpr):
+    """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
+    (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
+    row: `sum(q_m * w, axis=1)` of the same exact fp32 products (e4m3 x e4m3, or bf16 x e4m3: <= 12 significant
+    bits), summed by `tl.sum`'s tree instead of the MMA's order; each row quantized (QUANT_X) as `act_quant_block`.
+    A masked row (DOT, m >= M) or block (live [1, 1] False) loads zeros and adds nothing."""
+    offs_k = tl.arange(0, 128)
+    if DOT:
+        x = tl.load(x_ptr + offs_m[:, None] * GK + xcol + offs_k[None, :], mask=mask_m[:, None] & live,
+                    other=0.0).to(tl.float32)
+        if QUANT_X:
+            q, sx = act_quant_block(x)
+            acc += dot_q_w(q, w, MMA) * (sx * sw)[:, None]
+        else:
+            acc += dot_q_w(x, w, MMA) * sw
+    else:
+        if MMA == 0:
+            wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
+        else:
+            wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
+        live1 = (kbu + tl.zeros((128,), tl.int32)) < kb1
+        for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
+            # x as one [128] vector (not [1, 128]): the products and the sum then stay in the weight tile's
+            # layout (a [1, 128] row made Triton move the whole tile into the row's layout through shared memory)
+            xm = tl.load(x_ptr + m * GK + xcol + offs_k, mask=live1, other=0.0).to(tl.float32)
+            if QUANT_X:
+                inv, sx = act_scale(xm, 0)
+                row = tl.sum(wf * act_apply(xm, inv, 0)[None, :], axis=1) * (sx * sw)
+            else:
+                row = tl.sum(wf * xm[None, :], axis=1) * sw
+            acc += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT"])  # one build per GemvConfig and M range
 def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr,
+                     DOT: tl.constexpr, UNROLL: tl.constexpr):
     """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
     x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T, x [M, G*K] bf16, W [G*N, K] e4m3 codes with one ue8m0 scale per
     128x128 block, y [M, G*N] bf16, fp32 accumulation. G = 1 is `fp8_linear`'s decode path; G > 1 the grouped
     `wo_a` (`fp8_grouped_gemv`). BN divides 128, so one weight scale per K block (G > 1 needs N % 128 == 0).
     QUANT_X: x is quantized in registers per 128 block (`act_quant_block`, the official act_quant) and the
-    block's scale applied; otherwise x is used as it is (wo_a: no activation quantization, spec §5).
+    block's scale applied; otherwise x is used as it is (wo_a: no activation quantization, spec §5; or x already
+    `act_quant_sim`-ed, whose values are the codes times 2^k: the same sums times the same powers of two).
+    DOT: tensor-core dot per K block, else CUDA-core rows (`_gemv_block`). UNROLL: K blocks loaded per loop
+    iteration (more bytes in flight), accumulated in the same kb order as UNROLL = 1 (bitwise the same result).
     SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
-    semaphore) sums them in split order, writes bf16 and resets its semaphore."""
+    semaphore) sums them in split order, writes bf16 and resets its semaphore.
+    Not specialized on M, G and the split sizes (loop bounds and masks only; K, whose divisibility by 16 the
+    vector loads of W need, is): Triton would otherwise build one kernel per value class (== 1, % 16 == 0) of
+    each, several per launch config across the model's shapes."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     g = tl.program_id(2)
@@ -278,16 +329,14 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G,
     kb0 = pid_s * KB_PER_SPLIT
     kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
     srow = (g * N + pid_n * BN) // 128
-    for kb in range(kb0, kb1):
-        x = tl.load(x_ptr + offs_m[:, None] * GK + g * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
-        if QUANT_X:
-            q, sx = act_quant_block(x)
-            acc += dot_q_w(q, w, MMA) * (sx * sw)[:, None]
-        else:
-            acc += dot_q_w(x, w, MMA) * sw
+    for kb in range(kb0, kb1, UNROLL):
+        for u in tl.static_range(UNROLL):  # a block past kb1 (UNROLL > 1) loads zero codes and x: adds +0
+            live = (kb + u + tl.zeros((1, 1), tl.int32)) < kb1  # [1, 1]: the interpreter cannot mask by a scalar
+            w = tl.load(w_ptr + rows64[:, None] * K + (kb + u) * 128 + offs_k[None, :],
+                        mask=mask_n[:, None] & live, other=0.0)
+            sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
+            acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
+                              QUANT_X, MMA, DOT)
     out_mask = mask_m[:, None] & mask_n[None, :]
     yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
     if SPLIT == 1:
@@ -411,15 +460,102 @@ def mma_mode(mma: str | None) -> int:
     return 0 if interpreting() else (2 if name == "fp8" else 1)
 
 
-def _gemv_split(device: torch.device, n_blocks: int, KB: int) -> tuple[int, int]:
-    """(SPLIT, KB_PER_SPLIT): about 2 programs per SM, splits of >= 2 K blocks."""
-    want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
+class GemvConfig(NamedTuple):
+    """Launch of `_fp8_gemv_kernel` (decode, M <= GEMV_MAX_M); `gemv_config` picks one, the sweep
+    `benchmarks/bench_gemm.py --sections gemv_sweep` times them.
+
+    dot: tensor-core dot per K block (BM = max(16, next_pow2(M)) rows) or False: CUDA-core rows (BM =
+        next_pow2(M), M <= 16; `_gemv_block`) - the same exact products, another fp32 summation order.
+    bn: output columns per program (32, 64, 128). unroll: K blocks per loop iteration (1, 2, 4; same order,
+    bitwise the same). per_sm: programs per SM the split-K aims at (`_gemv_split`; another split is another order).
+    num_warps, num_stages: Triton launch options (num_stages None = Triton's default).
+    prequant: x quantized once by `kernels.quant.act_quant_sim` (one more launch; the kernel then reads the
+        exact dequantized values, QUANT_X=False: the same sums times the same powers of two) instead of per
+        program in registers. fp8_linear only (`wo_a` has no activation quantization)."""
+    dot: bool = True
+    bn: int = 64
+    unroll: int = 1
+    per_sm: int = 2
+    num_warps: int = 4
+    num_stages: int | None = None
+    prequant: bool = False
+
+
+# Measured decode launches: {(M bucket 1 / 8 / 32 / 64, N, K, G): GemvConfig} on sm_90 (H200), pasted from the
+# last lines of `benchmarks/bench_gemm.py --sections gemv_sweep` (only where a variant beat the default). Empty
+# until that run: every shape then takes the launch of `gemv_config`'s rule.
+GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+
+
+def gemv_m_bucket(M: int) -> int:
+    """The row bucket of `GEMV_TUNED` (1, 8, 32, 64): M rounded up to the next swept size."""
+    return next(b for b in (1, 8, 32, GEMV_MAX_M) if M <= b)
+
+
+def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvConfig:
+    """Decode launch for x [M, G*K] bf16 and G FP8 weights [N, K] (G = 1: `fp8_linear`; G > 1: the grouped
+    `wo_a`), 1 <= M <= GEMV_MAX_M. On sm_90 the `GEMV_TUNED` entry of (gemv_m_bucket(M), N, K, G) where the sweep
+    measured one; else the launch measured in benchmarks/RESULTS.md (issue 13): tensor-core dot, BN 64 (M <= 16)
+    or 32, one K block per iteration, ~2 programs per SM, 4 warps, Triton's default stages. Every launch gives the
+    reference's result within the same bound (`GemvConfig`: only the fp32 summation order differs)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        tuned = GEMV_TUNED.get((gemv_m_bucket(M), N, K, G))
+        if tuned is not None:
+            return tuned  # (an entry the kernel cannot run is refused by `_check_gemv_config`, never replaced)
+    return GemvConfig(bn=64 if M <= 16 else 32)
+
+
+def _gemv_split(device: torch.device, n_blocks: int, KB: int, per_sm: int = 2) -> tuple[int, int]:
+    """(SPLIT, KB_PER_SPLIT): about `per_sm` programs per SM, splits of >= 2 K blocks."""
+    want = max(1, min(-(-per_sm * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
     per = -(-KB // want)
     return -(-KB // per), per
 
 
+def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
+    """cfg as given (a GemvConfig) or ValueError naming the field and the value."""
+    if not isinstance(cfg, GemvConfig):
+        _fail(op, "gemv", repr(cfg), "a kernels.gemm.GemvConfig")
+    if cfg.bn not in (32, 64, 128):  # the tested and sm_90 / sm_100-built sizes (kernels/targets.py)
+        _fail(op, "gemv.bn", cfg.bn, "32, 64 or 128 (divides the 128-row scale block)")
+    if not cfg.dot and M > 16:
+        _fail(op, "gemv.dot", f"False with M = {M}", "M <= 16 for the CUDA-core rows (unrolled per row)")
+    if cfg.unroll not in (1, 2, 4):
+        _fail(op, "gemv.unroll", cfg.unroll, "1, 2 or 4")
+    if not isinstance(cfg.per_sm, int) or cfg.per_sm < 1:
+        _fail(op, "gemv.per_sm", repr(cfg.per_sm), "an int >= 1")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        _fail(op, "gemv.num_warps", cfg.num_warps, "1, 2, 4, 8 or 16")
+    if cfg.num_stages is not None and cfg.num_stages not in range(1, 8):
+        _fail(op, "gemv.num_stages", cfg.num_stages, "None or 1..7")
+    if cfg.prequant and G > 1:
+        _fail(op, "gemv.prequant", True, "False for the grouped wo_a (no activation quantization)")
+    return cfg
+
+
+def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, quant_x: bool,
+                 cfg: GemvConfig) -> None:
+    """One `_fp8_gemv_kernel` launch (plus, for cfg.prequant, one `act_quant_sim`) writing out [M, G*N]."""
+    KB = K // BLOCK
+    if quant_x and cfg.prequant:
+        from kernels.quant import act_quant_sim
+        x, quant_x = act_quant_sim(x, BLOCK), False
+    if not quant_x and mma == 2:
+        mma = 1  # x not on the e4m3 grid: the bf16 tensor-core dot (exact)
+    BM = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
+    n_blocks = triton.cdiv(N, cfg.bn)
+    split, per = _gemv_split(x.device, n_blocks * G, KB, cfg.per_sm)
+    sem, part = workspace(x.device, n_blocks * G, G * split * M * N if split > 1 else 1)
+    opts = {"num_warps": cfg.num_warps}
+    if cfg.num_stages is not None:
+        opts["num_stages"] = cfg.num_stages
+    _fp8_gemv_kernel[(n_blocks, split, G)](x, weight, ws, out, part, sem, M, N, K, G, KB, per, split, BM=BM,
+                                           BN=cfg.bn, MMA=mma, QUANT_X=quant_x, DOT=cfg.dot, UNROLL=cfg.unroll,
+                                           **opts)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
-               prefill: str | None = None, mma: str | None = None) -> torch.Tensor:
+               prefill: str | None = None, mma: str | None = None, gemv: GemvConfig | None = None) -> torch.Tensor:
     """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
 
     Args:
@@ -428,6 +564,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         out: optional [M, N] bf16 output (written completely).
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
+        gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`).
     Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
     """
@@ -449,13 +586,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     KB = K // BLOCK
     ws = scale.view(torch.uint8)
     if M <= GEMV_MAX_M:
-        BM = max(16, triton.next_power_of_2(M))
-        BN = 64 if M <= 16 else 32
-        n_blocks = triton.cdiv(N, BN)
-        split, per = _gemv_split(x.device, n_blocks, KB)
-        sem, part = workspace(x.device, n_blocks, split * M * N if split > 1 else 1)
-        _fp8_gemv_kernel[(n_blocks, split, 1)](x, weight, ws, out, part, sem, M, N, K, 1, KB, per, split,
-                                               BM=BM, BN=BN, MMA=mma, QUANT_X=True, num_warps=4)
+        cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)
+        _gemv_launch(x, weight, ws, out, M, N, K, 1, mma, True, cfg)
         return out
     if method == "dequant":
         xq, _ = act_quant(x, sim=True)
@@ -472,7 +604,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
 
 
 def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, *,
-                     mma: str | None = None) -> torch.Tensor:
+                     mma: str | None = None, gemv: GemvConfig | None = None) -> torch.Tensor:
     """Grouped weight-only FP8 linear for few rows (decode `wo_a`, spec §5: used in bf16 WITHOUT activation
     quantization, pitfall 17): y[m, g, :] = x[m, g, :] . W_g^T, with W_g = weight[g*N:(g+1)*N] dequantized
     (e4m3 code x 2^(s-127) per 128x128 block), fp32 accumulation, bf16 out. The same maths as
@@ -482,6 +614,7 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     Args: x [M, G*K] bf16 contiguous, M <= GEMV_MAX_M; weight [G*N, K] float8_e4m3fn; scale [G*N/128, K/128]
     float8_e8m0fnu; groups = G; N and K multiples of 128. mma: "fp8" | "bf16" as `mma_mode` (the activation is
     not on the e4m3 grid, so an "fp8" request runs the bf16 tensor-core dot; the interpreter its exact fp32 dot).
+    gemv: the launch (default `gemv_config`; `GemvConfig`, prequant not allowed).
     Returns: [M, G*N] bf16.
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, groups, M).
     """
@@ -506,15 +639,8 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(M, groups * N, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
-    KB = K // BLOCK
-    BM = max(16, triton.next_power_of_2(M))
-    BN = 64 if M <= 16 else 32
-    n_blocks = N // BN
-    split, per = _gemv_split(x.device, n_blocks * groups, KB)
-    sem, part = workspace(x.device, n_blocks * groups, groups * split * M * N if split > 1 else 1)
-    _fp8_gemv_kernel[(n_blocks, split, groups)](x, weight, scale.view(torch.uint8), out, part, sem, M, N, K,
-                                                groups, KB, per, split, BM=BM, BN=BN, MMA=mode, QUANT_X=False,
-                                                num_warps=4)
+    cfg = _check_gemv_config(op, gemv_config(M, N, K, groups, x.device) if gemv is None else gemv, M, groups)
+    _gemv_launch(x, weight, scale.view(torch.uint8), out, M, N, K, groups, mode, False, cfg)
     return out
 
 

@@ -68,7 +68,19 @@ def _specs():
          dict(BR=16)),
         ("gemm._fp8_gemv_kernel", gemm._fp8_gemv_kernel,
          dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32), [],
-         dict(BM=16, BN=64, MMA=2, QUANT_X=True)),
+         dict(BM=16, BN=64, MMA=2, QUANT_X=True, DOT=True, UNROLL=1)),
+    ]
+    # the other `GemvConfig` launches of the same kernel (kernels.gemm.gemv_config / the gemv_sweep variants)
+    gemv_ptrs = dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32)
+    specs += [(f"gemm._fp8_gemv_kernel[{tag}]", gemm._fp8_gemv_kernel, gemv_ptrs, [], consts) for tag, consts in (
+        ("dot unroll4 BN32 M32", dict(BM=32, BN=32, MMA=2, QUANT_X=True, DOT=True, UNROLL=4)),
+        ("dot bf16 wo_a unroll2", dict(BM=16, BN=64, MMA=1, QUANT_X=False, DOT=True, UNROLL=2)),
+        ("dot BN128 unroll2", dict(BM=16, BN=128, MMA=2, QUANT_X=True, DOT=True, UNROLL=2)),
+        ("cuda-core M1 BN128 unroll4", dict(BM=1, BN=128, MMA=2, QUANT_X=True, DOT=False, UNROLL=4)),
+        ("cuda-core M8 BN64 unroll2", dict(BM=8, BN=64, MMA=2, QUANT_X=True, DOT=False, UNROLL=2)),
+        ("cuda-core wo_a M16 BN32", dict(BM=16, BN=32, MMA=1, QUANT_X=False, DOT=False, UNROLL=1)),
+    )]
+    specs += [
         ("gemm._fp8_dequant_kernel", gemm._fp8_dequant_kernel, dict(w_ptr=f8, ws_ptr=u8, out_ptr=bf), [],
          dict(BN=64)),
         ("gemm._fp8_gemm_kernel", gemm._fp8_gemm_kernel,

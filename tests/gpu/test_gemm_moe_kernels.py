@@ -141,3 +141,36 @@ def test_fp8_grouped_gemv_gpu(seed, name, G, K, N, M):
     ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, G * N)
     for mma in ("fp8", "bf16"):
         close_bf16(fp8_grouped_gemv(x, w, s, G, mma=mma), ref, f"wo_a[{name}, M{M}, {mma}]")
+
+
+def gemv_variants(M):
+    """The decode launch knobs of `kernels.gemm.GemvConfig` (the `gemv_sweep` of benchmarks/bench_gemm.py)."""
+    from kernels.gemm import GemvConfig as C
+    dot = [C(bn=64, unroll=2), C(bn=32, unroll=4, per_sm=4), C(bn=128, unroll=2, num_warps=8),
+           C(bn=32, unroll=2, prequant=True, num_stages=2)]
+    core = [C(dot=False, bn=64, unroll=2, per_sm=8), C(dot=False, bn=128, unroll=4, num_warps=8),
+            C(dot=False, bn=64, unroll=2, prequant=True)]
+    return dot + (core if M <= 16 else [])
+
+
+@pytest.mark.parametrize("M", [1, 8, 32], ids=["M1", "M8", "M32"])
+@pytest.mark.parametrize("name,K,N", [("wkv", 4096, 512), ("wo_b", 8192, 4096), ("pro_wq_a", 7168, 1536)],
+                         ids=["wkv", "wo_b", "pro_wq_a"])
+def test_fp8_linear_gemv_variants_gpu(seed, name, K, N, M):
+    """Every decode launch variant (tensor-core / CUDA-core rows, unrolled K blocks, splits, prequant) against the
+    reference at real sizes, output NaN-poisoned."""
+    from kernels.gemm import fp8_grouped_gemv, fp8_linear, fp8_linear_ref
+    x = (torch.randn(M, K, device="cuda") * torch.logspace(-2, 2, K // 128, device="cuda").repeat_interleave(128)
+         ).to(torch.bfloat16)
+    w, s = make_w8(N, K)
+    ref = fp8_linear_ref(x, w, s)
+    G, KO, NO = WO_A[0][1:]
+    xo = (torch.randn(M, G * KO, device="cuda")).to(torch.bfloat16)
+    wo, so = make_w8(G * NO, KO)
+    wd = quant.fp8_block_dequant(wo, so, out_dtype=torch.float32).view(G, NO, KO)
+    ref_o = torch.einsum("mgk,gnk->mgn", xo.float().view(M, G, KO), wd).to(torch.bfloat16).reshape(M, G * NO)
+    for cfg in gemv_variants(M):
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+        close_bf16(fp8_linear(x, w, s, out=out, gemv=cfg), ref, f"y[{cfg}]")
+        if not cfg.prequant:
+            close_bf16(fp8_grouped_gemv(xo, wo, so, G, gemv=cfg), ref_o, f"wo_a[{cfg}]")

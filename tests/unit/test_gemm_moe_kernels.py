@@ -25,7 +25,7 @@ import torch
 
 from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
-from kernels.gemm import act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
+from kernels.gemm import GemvConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.gemm import act_quant as act_quant_kernel
 from kernels.moe import (GEMV_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts, moe_grouped_ref,
                          moe_route, moe_up_gemv, moe_up_tiles)
@@ -119,6 +119,98 @@ def test_fp8_linear_nan_row_stays_nan(M):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     ok = ~torch.isnan(ref).any(1)
     close_bf16(y[ok], ref[ok], "y (finite rows)")
+
+
+# every GemvConfig knob (kernels.gemm.GemvConfig): CUDA-core rows, K blocks per iteration with a dead tail (K/128 =
+# 5 is no multiple of 2 or 4; the interpreter's 8 "SMs" give 2-3 splits), 32..128 columns, programs per SM (other
+# split), x quantized once (prequant), the warps option. N = 200: a ragged last column block.
+GEMV_VARIANTS = {"dot u2": GemvConfig(unroll=2), "dot bn32 u4 x4": GemvConfig(bn=32, unroll=4, per_sm=4),
+                 "dot bn128 pq": GemvConfig(bn=128, prequant=True, num_warps=8),
+                 "core bn64 u2": GemvConfig(dot=False, unroll=2), "core bn128 u4 x4": GemvConfig(dot=False, bn=128,
+                                                                                               unroll=4, per_sm=4),
+                 "core bn32 pq": GemvConfig(dot=False, bn=32, prequant=True, num_stages=2)}
+
+
+@needs_triton
+@pytest.mark.parametrize("label", GEMV_VARIANTS)
+def test_fp8_linear_gemv_variants(seed, label):
+    """Each decode launch variant against the reference, at M = 1 and 5 (CUDA-core rows: BM = M rounded up to a
+    power of two, one padded row) and, for the dot variants, M = 33 (BM 64). Same criterion as the default path
+    (module docstring): the products are the same exact fp32 values, only the summation order may differ."""
+    cfg = GEMV_VARIANTS[label]
+    for M in (1, 5) + ((33,) if cfg.dot else ()):
+        x, (w, s) = make_x(M, 640), make_w8(200, 640)
+        out = torch.full((M, 200), float("nan"), dtype=torch.bfloat16, device=DEV)
+        y, ref = fp8_linear(x, w, s, out=out, gemv=cfg), fp8_linear_ref(x, w, s)
+        close_bf16(y, ref, f"y[{label}, M{M}]")
+        rounded_once(y, ref, f"y[{label}, M{M}]")
+
+
+@needs_triton
+@pytest.mark.parametrize("label", [k for k, c in GEMV_VARIANTS.items() if not c.prequant])
+def test_fp8_grouped_gemv_variants(seed, label):
+    """The grouped wo_a (no activation quantization) with each launch variant against its reference maths
+    (`dsv4.model.grouped_linear_ref` in bf16 mode: bf16 x, dequantized weight, fp32 products), G = 3."""
+    from kernels.gemm import fp8_grouped_gemv
+    G, K, N, M = 3, 384, 128, 3
+    x = (torch.randn(M, G * K) * torch.logspace(-2, 2, G * K // 128).repeat_interleave(128)).to(torch.bfloat16)
+    w, s = make_w8(G * N, K)
+    wd = quant.fp8_block_dequant(w.cpu(), s.cpu(), out_dtype=torch.float32).view(G, N, K)
+    ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, G * N)
+    y = fp8_grouped_gemv(x.to(DEV), w, s, G, gemv=GEMV_VARIANTS[label]).cpu()
+    close_bf16(y, ref, f"wo_a[{label}]")
+    rounded_once(y, ref, f"wo_a[{label}]")
+
+
+@needs_triton
+@pytest.mark.parametrize("label", ["core bn64 u2", "core bn32 pq", "dot bn32 u4 x4"])
+def test_fp8_linear_gemv_variants_keep_nan(label):
+    """A NaN activation reaches its whole output row and an inf saturates as the reference's act_quant, in the
+    CUDA-core rows, the unrolled blocks and the prequant launch as in the default
+    (test_fp8_linear_nan_row_stays_nan)."""
+    x, (w, s) = make_x(3, 640), make_w8(136, 640)
+    x[1, 10] = float("nan")
+    x[2, 600] = float("inf")
+    y, ref = fp8_linear(x, w, s, gemv=GEMV_VARIANTS[label]), fp8_linear_ref(x, w, s)
+    assert bool(torch.isnan(y[1]).all()) and bool(torch.isnan(ref[1]).all())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    ok = ~torch.isnan(ref).any(1)
+    close_bf16(y[ok], ref[ok], "y (finite rows)")
+
+
+def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
+    """`gemv_config` returns the `GEMV_TUNED` entry of the row bucket on sm_90 only (the sweep measured an H200),
+    the issue-13 launch elsewhere and for shapes without an entry."""
+    from kernels import gemm
+    tuned = GemvConfig(dot=False, bn=128, unroll=4, per_sm=4, num_warps=8)
+    monkeypatch.setitem(gemm.GEMV_TUNED, (8, 1024, 4096, 1), tuned)
+    cuda = torch.device("cuda", 0)
+    assert [gemm.gemv_m_bucket(m) for m in (1, 2, 8, 9, 32, 33, 64)] == [1, 8, 8, 32, 32, 64, 64]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == tuned
+    assert gemm.gemv_config(1, 1024, 4096, 1, cuda) == GemvConfig()                # bucket 1: no entry
+    assert gemm.gemv_config(5, 1024, 4096, 8, cuda) == GemvConfig()                # the grouped shape: no entry
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == GemvConfig()
+
+
+def test_gemv_config_names_bad_fields():
+    """A launch config outside what the kernel supports is refused by name (never silently replaced)."""
+    from kernels.gemm import fp8_grouped_gemv, gemv_config
+    x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16), make_w8(128, 256)
+    w, s = w.cpu(), s.cpu()
+    assert gemv_config(1, 1024, 4096, 1, torch.device("cpu")) == GemvConfig()
+    assert gemv_config(32, 1024, 4096, 1, torch.device("cpu")).bn == 32
+    for bad, match in ((GemvConfig(bn=16), "gemv.bn is 16"), (GemvConfig(unroll=8), "gemv.unroll is 8"),
+                       (GemvConfig(per_sm=0), "gemv.per_sm is 0"), (GemvConfig(num_warps=3), "gemv.num_warps"),
+                       (GemvConfig(num_stages=0), "gemv.num_stages is 0"), ((64, 1), "gemv is")):
+        with pytest.raises(ValueError, match=match):
+            fp8_linear(x, w, s, gemv=bad)
+    with pytest.raises(ValueError, match="gemv.dot is False with M = 17"):
+        fp8_linear(torch.zeros(17, 256, dtype=torch.bfloat16), w, s, gemv=GemvConfig(dot=False))
+    with pytest.raises(ValueError, match="gemv.prequant is True"):
+        fp8_grouped_gemv(torch.zeros(2, 512, dtype=torch.bfloat16), torch.cat([w, w]), torch.cat([s, s]), 2,
+                         gemv=GemvConfig(prequant=True))
 
 
 def test_fp8_linear_names_bad_input():
