@@ -376,6 +376,8 @@ def bench_moe_crossover(args) -> None:
     smoke = args.smoke
     dev = "cpu" if smoke else "cuda"
     geoms = {"tiny": (8, 256, 128)} if smoke else {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
+    if args.quick and not smoke:
+        geoms = {"flash": geoms["flash"]}
     print("\n| geometry | T | pairs | gemv µs | tiles bm32 bn128 µs | tiles bm16 bn128 µs | tiles bm16 bn64 µs | "
           "default path | rel err (tiles bm16 vs gemv) |\n|---|---|---|---|---|---|---|---|---|")
     cfgs = [moe_config(1), MoeConfig("tiles", 32, 128, 64, 4, 3), MoeConfig("tiles", 16, 128, 64, 4, 3),

@@ -367,6 +367,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here")
+    ap.add_argument("--profile-backends", default="reference,triton", help="backends --profile profiles")
     ap.add_argument("--no-graphs", action="store_true", help="triton decode eagerly (no CUDA graph)")
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
                     info.setdefault("distinct", {})[k[1]] = v
                 else:
                     results[(f"{geo}:{k[0]}",) + k[1:]] = v
-            if a.profile is not None:
+            if a.profile is not None and be in a.profile_backends.split(","):
                 profile(model, a.ctx, prefills[0], a.profile, f"{geo}_{be}")
             if be != "triton" or "transformers" not in backends:
                 del model
