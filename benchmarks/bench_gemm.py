@@ -408,8 +408,9 @@ HEAD_SHAPES = [("flash head", 129280, 4096), ("pro head", 129280, 7168), ("flash
 # (BN, BK, warps, acc2d): acc2d None = the default (elementwise [BN, BK] accumulator at M = 1 only)
 HEAD_SWEEP = {1: [(16, 256, 4, None), (16, 256, 4, False), (32, 128, 4, None), (8, 512, 4, None),
                   (16, 512, 8, None)],                                             # CUDA-core rows (M <= ROWS_MAX)
-              8: [(16, 256, 4, None), (8, 512, 4, None), (32, 128, 4, None)],
-              32: [(32, 64, 4, None), (64, 32, 4, None)]}                          # FMA tl.dot (M > ROWS_MAX)
+              8: [(128, 64, 4, None), (64, 64, 4, None), (128, 128, 8, None), (256, 64, 8, None)],
+              32: [(128, 64, 4, None), (64, 64, 4, None), (128, 128, 8, None), (256, 64, 8, None)]}
+              # M > ROWS_MAX: bf16x3 tensor-core dots
 
 
 def _bound_ratio(y: torch.Tensor, x: torch.Tensor, wd: torch.Tensor) -> float:

@@ -11,9 +11,17 @@ Paths (chosen by M, never by a failure):
     tile upcast to fp32 in registers and, for each of its BM rows, sums the fp32 products `x[m, k] * w[n, k]`
     over the tile (`tl.sum`), accumulating in fp32; at M = 1 the products accumulate elementwise in a [BN, BK]
     fp32 tile instead and are summed once at the end (ACC2D). Each weight byte is read once.
-  * ROWS_MAX < M <= GEMV_MAX_M (64): the same kernel with DOT=True: `tl.dot(x, w^T, input_precision="ieee")`,
-    which Triton lowers to fp32 FMA on CUDA cores (no TF32, no tensor cores: "tf32" / "tf32x3" would round x
-    or the products; bf16 tensor-core dots would round x to bf16). Exact products, fp32 accumulation.
+  * ROWS_MAX < M <= GEMV_MAX_M (64): the same kernel with DOT=True, on the tensor cores with x split exactly into
+    three bf16 pieces ("bf16x3"): hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), hi + mid + lo == x
+    bit for bit (x has a 24-bit significand, each piece takes 8 of it; the only loss is a lo piece below bf16's
+    normal range, |x| < 2^-110). Every product piece * w is exact in fp32 (8 + 8 significant bits), so three
+    bf16 MMAs per K tile (lo, mid, hi, from a zero accumulator; the tile's sum is added to the running fp32 sum
+    in registers: the tensor core's in-MMA additions are not round-to-nearest fp32, `kernels.mhc._dot_bf16x3`)
+    give the fp32 dot of the exact products. A non-finite x goes whole into hi (mid = lo = 0), so NaN / inf
+    reach y as in the reference. The first version of this path, `tl.dot(..., input_precision="ieee")` (fp32
+    FMA on CUDA cores), ran the Flash head at M = 32 in 5.4 ms, 4x slower than cuBLAS fp32 on the fp32 weight
+    (benchmarks/RESULTS.md); under the interpreter (whose bf16 dots are not faithful in triton 3.9) the three
+    pieces are multiplied in fp32 "ieee" dots - the same exact values.
   * M > GEMV_MAX_M (prefill of the router / compressor at T tokens; the head runs on the last position only):
     upcast the weight and `torch.mm` in fp32 (cuBLAS, what the dequantized model runs; an [N, K] fp32 temporary).
 Small N (the router: N = 256, K = 4096) is split over K (about two programs per SM); the last program of an N
@@ -33,14 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import check_layout, sm_count, workspace
+from kernels.launch import check_layout, interpreting, sm_count, workspace
 from kernels.launch import fail as _fail
 
 __all__ = ["fp32_linear", "fp32_linear_ref", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
 
-ROWS_MAX = 8          # CUDA-core row loop up to this many rows, FMA tl.dot above
+ROWS_MAX = 1          # CUDA-core rows up to this many rows, bf16x3 tensor-core dots above
 GEMV_MAX_M = 64       # the kernel up to this many rows; upcast + torch.mm above
-DEFAULT_BLOCKS = {False: (16, 256), True: (32, 64)}  # DOT -> (BN, BK); benchmarks/bench_gemm.py --sections head
+DEFAULT_BLOCKS = {False: (16, 256), True: (128, 64)}  # DOT -> (BN, BK); benchmarks/bench_gemm.py --sections head
 
 
 def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,10 +60,11 @@ def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                       EVEN_K: tl.constexpr, ACC2D: tl.constexpr):
+                       EVEN_K: tl.constexpr, ACC2D: tl.constexpr, MMA: tl.constexpr):
     """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
     bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
-    products summed over each BK tile (CUDA cores); DOT=True: `tl.dot(..., input_precision="ieee")` (fp32 FMA).
+    products summed over each BK tile (CUDA cores); DOT=True: x split into three bf16 pieces, three dots per K
+    tile (module docstring), MMA 1 bf16 tensor cores, MMA 0 fp32 "ieee" dots on the same pieces (interpreter).
     EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
     products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
     reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
@@ -80,6 +89,7 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
         else:
             w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=mask_n[:, None] & (kk < k1)[None, :],
                         other=0.0)
+        wb = w.to(tl.bfloat16)
         w = w.to(tl.float32)
         if DOT:
             if EVEN_K:
@@ -87,7 +97,20 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
             else:
                 x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None] & (kk < k1)[None, :],
                             other=0.0)
-            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            x = x.to(tl.float32)
+            hi = x.to(tl.bfloat16)
+            r = tl.where(tl.abs(x) < float("inf"), x - hi.to(tl.float32), 0.0)  # NaN / inf: all in hi
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            if MMA == 1:
+                t = tl.dot(lo, tl.trans(wb))
+                t = tl.dot(mid, tl.trans(wb), t)
+                t = tl.dot(hi, tl.trans(wb), t)
+            else:
+                t = tl.dot(lo.to(tl.float32), tl.trans(w), input_precision="ieee")
+                t += tl.dot(mid.to(tl.float32), tl.trans(w), input_precision="ieee")
+                t += tl.dot(hi.to(tl.float32), tl.trans(w), input_precision="ieee")
+            acc += t
         elif ACC2D:
             if EVEN_K:
                 x0 = tl.load(x_ptr + kk)
@@ -179,5 +202,5 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
     _bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, k_per, split,
                                           BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
-                                          num_warps=num_warps)
+                                          MMA=0 if interpreting() else 1, num_warps=num_warps)
     return out

@@ -482,9 +482,31 @@ class GemvConfig(NamedTuple):
 
 
 # Measured decode launches: {(M bucket 1 / 8 / 32 / 64, N, K, G): GemvConfig} on sm_90 (H200), pasted from the
-# last lines of `benchmarks/bench_gemm.py --sections gemv_sweep` (only where a variant beat the default). Empty
-# until that run: every shape then takes the launch of `gemv_config`'s rule.
-GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {}
+# last lines of `benchmarks/bench_gemm.py --quick --sections gemv_sweep` (one H200, tree of 78aebf1; only where a
+# variant beat the default by >= 3 %; benchmarks/RESULTS.md, session of 2026-12-01). Flash shapes only (the
+# --quick sweep): Pro shapes and the M = 64 bucket take the launch of `gemv_config`'s rule.
+GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
+    (1, 1024, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wq_a 8.8 -> 8.1 µs
+    (8, 1024, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wq_a 9.1 -> 8.8 µs
+    (32, 1024, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash wq_a 13.8 -> 12.6 µs
+    (1, 32768, 1024, 1): GemvConfig(dot=False, unroll=2, per_sm=4, prequant=True),  # flash wq_b 22.7 -> 18.8 µs
+    (8, 32768, 1024, 1): GemvConfig(unroll=2, per_sm=4, prequant=True),  # flash wq_b 22.9 -> 21.8 µs
+    (32, 32768, 1024, 1): GemvConfig(unroll=2, num_warps=8),  # flash wq_b 60.3 -> 39.6 µs
+    (32, 512, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash wkv 9.9 -> 9.4 µs
+    (1, 1024, 4096, 8): GemvConfig(dot=False, bn=128, unroll=4, per_sm=4, num_warps=8),  # flash wo_a 18.5 -> 17.7 µs
+    (32, 1024, 4096, 8): GemvConfig(unroll=2, num_warps=8),  # flash wo_a 30.1 -> 24.3 µs
+    (1, 4096, 8192, 1): GemvConfig(dot=False, unroll=2, per_sm=4, prequant=True),  # flash wo_b 27.0 -> 19.0 µs
+    (8, 4096, 8192, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wo_b 27.2 -> 19.8 µs
+    (32, 4096, 8192, 1): GemvConfig(unroll=2, num_warps=8),  # flash wo_b 64.2 -> 50.0 µs
+    (1, 2048, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),  # flash shared w1/w3 10.8 -> 9.8 µs
+    (32, 2048, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w1/w3 21.8 -> 16.1 µs
+    (1, 4096, 2048, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash shared w2 10.5 -> 9.3 µs
+    (8, 4096, 2048, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash shared w2 10.5 -> 10.0 µs
+    (32, 4096, 2048, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w2 19.8 -> 15.4 µs
+    (1, 8192, 1024, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash indexer wq_b 10.1 -> 8.9 µs
+    (8, 8192, 1024, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash indexer wq_b 10.3 -> 9.6 µs
+    (32, 8192, 1024, 1): GemvConfig(unroll=2, num_warps=8),  # flash indexer wq_b 20.0 -> 17.8 µs
+}
 
 
 def gemv_m_bucket(M: int) -> int:

@@ -397,21 +397,28 @@ class MoeConfig(NamedTuple):
     num_stages: int
 
 
-GEMV_MAX_PAIRS = 384
-"""Pairs (T * k) up to which `moe_experts` takes the decode path: on one H200 at Flash width the gemv path was
-faster at every measured P <= 384 (T = 64: 3.3 ms vs 3.9 ms for 16-row tiles, 16.8 ms for 64-row tiles); the
-tile path is the one measured at P = 6144 (benchmarks/RESULTS.md, "GEMM / MoE kernels (issue 13)", grouped MoE
-rewrite). The exact crossover between 384 and 6144 pairs was not measured."""
+GEMV_MAX_PAIRS = 192
+"""Pairs (T * k) up to which `moe_experts` takes the decode path. One H200, Flash width, whole call in a CUDA graph
+(benchmarks/RESULTS.md, session of 2026-12-01, `bench_gemm.py --quick --sections moe_crossover`): gemv against the
+swapped tiles at T = 1 ... 128: gemv faster up to T = 16 (849 vs 1046 µs for 16 x 64 tiles), even at T = 32
+(1659 vs 1709 µs), tiles faster from T = 64 (2485 vs 3229 µs) and at T = 128 (3018 vs 6340 µs)."""
+
+TILES_SMALL_MAX_PAIRS = 768
+"""Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
+µs for 32 x 128); above, 32 x 128 (T = 1024 / 4096: fastest of the tile sweep). Crossover between 768 and 6144
+pairs not measured."""
 
 
 def moe_config(n_pairs: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
-    16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS, else 32-row tiles, 128 weight
-    rows per program, 128-input K steps, 4 warps, 3 stages (swapped tile; Flash T = 1024: 4.4 ms vs 4.8-29.9 ms
-    for the other tiles swept, T = 4096: 13.7 ms vs 13.1 ms for 64 x 256 tiles with 8 warps, the one faster
-    row; Pro T = 1024 / 4096: fastest)."""
+    16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64
+    while P <= TILES_SMALL_MAX_PAIRS, then 32 token rows x 128 weight rows; 128-input K steps, 4 warps, 3 stages
+    (Flash T = 1024: 4.4 ms vs 4.8-29.9 ms for the other tiles swept, T = 4096: 13.7 ms vs 13.1 ms for 64 x 256
+    tiles with 8 warps, the one faster row; Pro T = 1024 / 4096: fastest)."""
     if n_pairs <= GEMV_MAX_PAIRS:
         return MoeConfig("gemv", 1, 16, 256, 4, 1)
+    if n_pairs <= TILES_SMALL_MAX_PAIRS:
+        return MoeConfig("tiles", 16, 64, 64, 4, 3)
     return MoeConfig("tiles", 32, 128, 64, 4, 3)
 
 

@@ -1,7 +1,7 @@
 """The bf16-weight fp32 linear (kernels/fp32_linear.py) against `fp32_linear_ref` at real sizes (CUDA only).
 
 Flash / Pro head (129280 x 4096 / 7168), router gate (256 x 4096: split over K, semaphore merge) and CSA
-compressor wkv (1024 x 4096), M = 1 / 8 / 32 (CUDA-core rows and the FMA tl.dot). Criterion: the fp32 summation
+compressor wkv (1024 x 4096), M = 1 / 8 / 32 (CUDA-core M = 1 and the bf16x3 tensor-core dots). Criterion: the fp32 summation
 bound of tests/unit/test_fp32_linear.py (`within_fp32_sum_bound`); outputs NaN-poisoned through `out=`; the
 reference runs with TF32 off (asserted). Also: a CUDA-graph capture of the launch replays to the same bits
 (no host sync, the workspace semaphores reset), and a NaN row stays NaN.

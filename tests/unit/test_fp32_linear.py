@@ -6,7 +6,7 @@ upcast of the bf16 weight held as on disk). Criterion (`within_fp32_sum_bound`):
 products in its own order, each within K * 2^-24 * sum |x_k w_k| of the exact value (the textbook recursive-sum
 bound). Rounding x to bf16 (what a bf16 tensor-core dot would do) breaks it by orders of magnitude: the negative
 control below. Inputs: fresh per check, magnitudes over 8 binades along K and 4 along N (no zeros), so every
-product matters; shapes cover each path (CUDA-core rows M <= 8, FMA tl.dot 8 < M <= 64, torch.mm above), split
+product matters; shapes cover each path (CUDA-core M = 1, bf16x3 dots 1 < M <= 64, torch.mm above), split
 over K (small N, long K) and not (large N), K not a multiple of the tile (masked), x fp32 and bf16.
 """
 
@@ -65,8 +65,9 @@ def test_bf16_x_and_prefill_path():
 
 
 def test_negative_control_bf16_rounded_x_fails_the_bound():
-    """The criterion sees the bug a bf16 (tensor-core) dot would make: x rounded to bf16 before the products."""
-    for M in (2, ROWS_MAX + 4):
+    """The criterion sees the bug a plain bf16 tensor-core dot would make (x rounded to bf16 = only the hi piece of
+    the bf16x3 split), on both paths."""
+    for M in (1, 2, ROWS_MAX + 4):
         x, w = make(M, 40, 512, 20 + M)
         y = fp32_linear(x.to(torch.bfloat16), w)
         with pytest.raises(AssertionError, match="err/bound"):

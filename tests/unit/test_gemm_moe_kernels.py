@@ -27,8 +27,8 @@ from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
 from kernels.gemm import GemvConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.gemm import act_quant as act_quant_kernel
-from kernels.moe import (GEMV_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts, moe_grouped_ref,
-                         moe_route, moe_up_gemv, moe_up_tiles)
+from kernels.moe import (GEMV_MAX_PAIRS, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts,
+                         moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
@@ -182,16 +182,17 @@ def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
     """`gemv_config` returns the `GEMV_TUNED` entry of the row bucket on sm_90 only (the sweep measured an H200),
     the issue-13 launch elsewhere and for shapes without an entry."""
     from kernels import gemm
+    assert all(k[1] != 1000 for k in gemm.GEMV_TUNED), "the made-up shape below must not be a measured one"
     tuned = GemvConfig(dot=False, bn=128, unroll=4, per_sm=4, num_warps=8)
-    monkeypatch.setitem(gemm.GEMV_TUNED, (8, 1024, 4096, 1), tuned)
+    monkeypatch.setitem(gemm.GEMV_TUNED, (8, 1000, 4096, 1), tuned)
     cuda = torch.device("cuda", 0)
     assert [gemm.gemv_m_bucket(m) for m in (1, 2, 8, 9, 32, 33, 64)] == [1, 8, 8, 32, 32, 64, 64]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == tuned
-    assert gemm.gemv_config(1, 1024, 4096, 1, cuda) == GemvConfig()                # bucket 1: no entry
-    assert gemm.gemv_config(5, 1024, 4096, 8, cuda) == GemvConfig()                # the grouped shape: no entry
+    assert gemm.gemv_config(5, 1000, 4096, 1, cuda) == tuned
+    assert gemm.gemv_config(1, 1000, 4096, 1, cuda) == GemvConfig()                # bucket 1: no entry
+    assert gemm.gemv_config(5, 1000, 4096, 8, cuda) == GemvConfig()                # the grouped shape: no entry
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert gemm.gemv_config(5, 1024, 4096, 1, cuda) == GemvConfig()
+    assert gemm.gemv_config(5, 1000, 4096, 1, cuda) == GemvConfig()
 
 
 def test_gemv_config_names_bad_fields():
@@ -318,6 +319,8 @@ def test_moe_experts(seed, T, limit, path):
 def test_moe_config_switches_path_at_the_documented_constant():
     assert moe_config(GEMV_MAX_PAIRS).path == "gemv" and moe_config(GEMV_MAX_PAIRS + 1).path == "tiles"
     assert moe_config(1).path == "gemv"
+    small, large = moe_config(TILES_SMALL_MAX_PAIRS), moe_config(TILES_SMALL_MAX_PAIRS + 1)
+    assert (small.block_m, small.block_n, large.block_m, large.block_n) == (16, 64, 32, 128)
 
 
 @needs_triton
