@@ -134,7 +134,8 @@ if triton is not None:
             nmask = offs < end
             kt = tl.load(K + b * skb + offs[:, None].to(tl.int64) * skn + dd[None, :], mask=nmask[:, None],
                          other=0.0)
-            sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0) * w[:, None]
+            # ReLU keeping NaN (torch's relu does; the GPU's plain max would turn a NaN score into 0)
+            sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
             tl.store(OUT + b * sob + t * sos + offs, tl.sum(sc, axis=0), mask=nmask)
 
     @triton.jit

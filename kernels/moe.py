@@ -279,12 +279,14 @@ def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, 
 @triton.jit
 def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
     """h = silu(u) * v * g in fp32 after rounding u and v to bf16 (the Linear outputs) and the clamps: v two-sided,
-    u from above only (spec §8.5). Any shape; g broadcasts."""
+    u from above only (spec §8.5). Any shape; g broadcasts. The clamps keep NaN as torch.clamp does (the GPU's
+    plain min / max return the other operand: a NaN activation would leave as a plausible +-limit)."""
     u = round_bf16(u)
     v = round_bf16(v)
     if HAS_LIMIT:
-        v = tl.minimum(tl.maximum(v, -limit), limit)
-        u = tl.minimum(u, limit)
+        nan = tl.PropagateNan.ALL
+        v = tl.minimum(tl.maximum(v, -limit, propagate_nan=nan), limit, propagate_nan=nan)
+        u = tl.minimum(u, limit, propagate_nan=nan)
     return u * tl.sigmoid(u) * v * g
 
 

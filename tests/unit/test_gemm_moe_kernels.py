@@ -316,6 +316,25 @@ def test_moe_experts(seed, T, limit, path):
     rounded_once(y, ref, "moe y")
 
 
+@needs_triton
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+@pytest.mark.parametrize("limit", [10.0, 0.0], ids=["clamped", "no-limit"])
+def test_moe_nan_activation_stays_nan(seed, path, limit):
+    """A NaN in x makes its token's output NaN on both paths, with the SwiGLU clamps on too (torch.clamp keeps
+    NaN; the GPU's plain min / max would return the limit, so a NaN token would come out as a plausible row);
+    the other tokens stay within the bf16 tolerance. Negative control: the reference itself has the NaN row."""
+    ex = make_experts()
+    g, idx = routing(4, 3, None)
+    x = (torch.randn(4, D) * 0.5).to(torch.bfloat16).to(DEV)
+    x[1, 5] = float("nan")
+    ref = moe_grouped_ref(x, g, idx, ex, limit)
+    y = moe_experts(x, g, idx, ex, limit, config=PATHS[path])
+    assert bool(torch.isnan(ref[1]).all()), "control: the reference's NaN row"
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)), f"NaN rows differ: {torch.isnan(y).sum(1).tolist()}"
+    ok = torch.tensor([True, False, True, True])
+    close_bf16(y[ok], ref[ok], "finite tokens")
+
+
 def test_moe_config_switches_path_at_the_documented_constant():
     assert moe_config(GEMV_MAX_PAIRS).path == "gemv" and moe_config(GEMV_MAX_PAIRS + 1).path == "tiles"
     assert moe_config(1).path == "gemv"

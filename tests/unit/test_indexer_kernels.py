@@ -117,6 +117,22 @@ def test_scores_ref_rejects_bad_input():
 # ---- Triton under the interpreter ------------------------------------------------------------------------------
 
 @needs_triton
+def test_triton_scores_keep_a_nan_key_nan():
+    """A NaN in one key makes that key's score NaN (torch's relu keeps NaN; a plain max would score it 0 and the
+    top-k would rank it as a real candidate); the other scores stay within tolerance."""
+    from kernels.indexer import indexer_scores
+    q, w, k = torch.randn(1, 2, 4, 32), torch.randn(1, 2, 4), torch.randn(1, 20, 32)
+    k[0, 7, 3] = float("nan")
+    q, w, k = q.to(DEV), w.to(DEV), k.to(DEV)
+    got, ref = indexer_scores(q, w, k, block_n=16), indexer_scores_ref(q, w, k)
+    assert bool(torch.isnan(ref[..., 7]).all()), "control: the reference's NaN column"
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)), "NaN scores differ from the reference"
+    tol = 1e-5 * float(abs_scale(q.cpu(), w.cpu(), k.nan_to_num().cpu()).max())
+    keep = [i for i in range(20) if i != 7]
+    assert_close(got[..., keep], ref[..., keep], "finite scores", dtype=torch.float32, atol=tol)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("b, s, h, d, n, ppr", [
     (2, 1, 4, 32, 50, None), (1, 3, 3, 64, 37, 2), (1, 2, 20, 32, 16, 1)],
