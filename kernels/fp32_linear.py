@@ -7,18 +7,20 @@ product is `x_f32 @ W.float().T` exactly: that is `fp32_linear_ref`, and this ke
 fp32 products reading half the weight bytes (the decode head GEMV is bandwidth bound: 2.1 GB fp32 for Flash).
 
 Paths (chosen by M, never by a failure):
-  * M <= ROWS_MAX (8): `_bf16w_gemv_kernel` with DOT=False, CUDA cores: each program holds a [BN, BK] weight
+  * M <= ROWS_MAX (1): `_bf16w_gemv_kernel` with DOT=False, CUDA cores: each program holds a [BN, BK] weight
     tile upcast to fp32 in registers and, for each of its BM rows, sums the fp32 products `x[m, k] * w[n, k]`
     over the tile (`tl.sum`), accumulating in fp32; at M = 1 the products accumulate elementwise in a [BN, BK]
     fp32 tile instead and are summed once at the end (ACC2D). Each weight byte is read once.
   * ROWS_MAX < M <= GEMV_MAX_M (64): the same kernel with DOT=True, on the tensor cores with x split exactly into
-    three bf16 pieces ("bf16x3"): hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), hi + mid + lo == x
-    bit for bit (x has a 24-bit significand, each piece takes 8 of it; the only loss is a lo piece below bf16's
-    normal range, |x| < 2^-110). Every product piece * w is exact in fp32 (8 + 8 significant bits), so three
+    three bf16 pieces ("bf16x3") by bit truncation: hi = x with its low 16 bits cleared, mid = (x - hi) likewise,
+    lo = x - hi - mid; hi + mid + lo == x bit for bit for every finite x, subnormals and values near the fp32
+    maximum included (x has a 24-bit significand, each piece holds 8 of it; truncation never rounds up, so no
+    piece overflows, and the casts to bf16 are exact on the GPU and under the interpreter alike). Every product piece * w is exact in fp32 (8 + 8 significant bits), so three
     bf16 MMAs per K tile (lo, mid, hi, from a zero accumulator; the tile's sum is added to the running fp32 sum
     in registers: the tensor core's in-MMA additions are not round-to-nearest fp32, `kernels.mhc._dot_bf16x3`)
     give the fp32 dot of the exact products. A non-finite x goes whole into hi (mid = lo = 0), so NaN / inf
-    reach y as in the reference. The first version of this path, `tl.dot(..., input_precision="ieee")` (fp32
+    reach y as in the reference. The weight is assumed finite (the loaders refuse a non-finite weight: an inf
+    weight would meet the zero mid / lo pieces and give NaN where the reference gives inf). The first version of this path, `tl.dot(..., input_precision="ieee")` (fp32
     FMA on CUDA cores), ran the Flash head at M = 32 in 5.4 ms, 4x slower than cuBLAS fp32 on the fp32 weight
     (benchmarks/RESULTS.md); under the interpreter (whose bf16 dots are not faithful in triton 3.9) the three
     pieces are multiplied in fp32 "ieee" dots - the same exact values.
@@ -55,6 +57,13 @@ def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The official fp32 linear (spec §2, §9): x [..., K] any float dtype, weight [N, K] bf16 or fp32 ->
     `x.float() @ weight.float().T` [..., N] fp32 (the bf16 weight upcast exactly, an [N, K] fp32 temporary)."""
     return x.float() @ weight.float().T
+
+
+@triton.jit
+def _bf16_trunc(x):
+    """fp32 x with its low 16 bits cleared: a value bf16 holds exactly (x truncated toward 0 to 8 significant
+    bits; subnormals included), so the cast to bf16 is exact however it rounds, and x - trunc(x) is exact."""
+    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -98,18 +107,19 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
                 x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None] & (kk < k1)[None, :],
                             other=0.0)
             x = x.to(tl.float32)
-            hi = x.to(tl.bfloat16)
-            r = tl.where(tl.abs(x) < float("inf"), x - hi.to(tl.float32), 0.0)  # NaN / inf: all in hi
-            mid = r.to(tl.bfloat16)
-            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            fin = tl.abs(x) < float("inf")
+            hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
+            r = tl.where(fin, x - hi32, 0.0)
+            mid32 = _bf16_trunc(r)
+            lo32 = r - mid32  # <= 8 significant bits: bf16-exact
             if MMA == 1:
-                t = tl.dot(lo, tl.trans(wb))
-                t = tl.dot(mid, tl.trans(wb), t)
-                t = tl.dot(hi, tl.trans(wb), t)
-            else:
-                t = tl.dot(lo.to(tl.float32), tl.trans(w), input_precision="ieee")
-                t += tl.dot(mid.to(tl.float32), tl.trans(w), input_precision="ieee")
-                t += tl.dot(hi.to(tl.float32), tl.trans(w), input_precision="ieee")
+                t = tl.dot(lo32.to(tl.bfloat16), tl.trans(wb))
+                t = tl.dot(mid32.to(tl.bfloat16), tl.trans(wb), t)
+                t = tl.dot(hi32.to(tl.bfloat16), tl.trans(wb), t)
+            else:  # the interpreter: the same bf16-exact values, kept in fp32 (its bf16 casts are not faithful)
+                t = tl.dot(lo32, tl.trans(w), input_precision="ieee")
+                t += tl.dot(mid32, tl.trans(w), input_precision="ieee")
+                t += tl.dot(hi32, tl.trans(w), input_precision="ieee")
             acc += t
         elif ACC2D:
             if EVEN_K:
@@ -164,7 +174,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         acc2d: M == 1 only: accumulate elementwise over K, reduce once (default True; False for benchmarks).
     Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring). Never synchronises
     with the device (CUDA-graph capturable).
-    Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block).
+    Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block or
+    num_warps, a block / acc2d / num_warps given where M > GEMV_MAX_M runs torch.mm).
     """
     op = "fp32_linear"
     for name, t in (("x", x), ("weight", weight)):
@@ -183,8 +194,13 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (M, N) or out.dtype != torch.float32:
         _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"fp32 {(M, N)}")
     check_layout(op, {"x": x, "weight": weight, "out": out})
-    if M == 0 or N == 0:
-        return out
+    if not isinstance(num_warps, int) or isinstance(num_warps, bool) or num_warps not in (1, 2, 4, 8, 16):
+        _fail(op, "num_warps", repr(num_warps), "1, 2, 4, 8 or 16")
+    if M > GEMV_MAX_M and (block is not None or acc2d is not None or num_warps != 4):
+        _fail(op, "block / acc2d / num_warps", repr((block, acc2d, num_warps)),
+              f"the defaults for M = {M} > GEMV_MAX_M = {GEMV_MAX_M} (that path is torch.mm: no kernel to tune)")
+    if M == 0 or N == 0 or K == 0:
+        return out.zero_()  # an empty sum is 0, as in the reference
     if M > GEMV_MAX_M:
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
     dot = M > ROWS_MAX

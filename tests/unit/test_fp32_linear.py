@@ -2,7 +2,7 @@
 
 The kernel computes the official fp32 linear of the head / router / compressor (x fp32 . W^T, W = the exact fp32
 upcast of the bf16 weight held as on disk). Criterion (`within_fp32_sum_bound`): per output element
-|y - y_ref| <= 2 * K * 2^-24 * sum_k |x_k w_k| - each side is an fp32 sum of the K exact-or-once-rounded
+|y - y_ref| <= 2 * K * (2^-24 * sum_k |x_k w_k| + 2^-149) - each side is an fp32 sum of the K exact-or-once-rounded
 products in its own order, each within K * 2^-24 * sum |x_k w_k| of the exact value (the textbook recursive-sum
 bound). Rounding x to bf16 (what a bf16 tensor-core dot would do) breaks it by orders of magnitude: the negative
 control below. Inputs: fresh per check, magnitudes over 8 binades along K and 4 along N (no zeros), so every
@@ -27,8 +27,10 @@ pytestmark = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
 
 
 def fp32_sum_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[M, N] fp64: 2 * K * 2^-24 * |x| @ |w|^T (module docstring)."""
-    return 2 * x.shape[1] * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+    """[M, N] fp64: 2 * K * (2^-24 * |x| @ |w|^T + 2^-149) (module docstring; the 2^-149 term is fp32's
+    subnormal spacing, which bounds a rounding where the products or sums underflow, as relative terms cannot)."""
+    K = x.shape[1]
+    return 2 * K * (2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 2.0 ** -149)
 
 
 def within_fp32_sum_bound(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -87,6 +89,35 @@ def test_nan_row_stays_nan(M):
     ok = torch.ones(M, dtype=torch.bool)
     ok[1:3] = False
     within_fp32_sum_bound(y[ok], ref[ok], x[ok], w, "finite rows")
+
+
+@pytest.mark.parametrize("M", [1, 2, 20], ids=["cuda-core", "bf16x3-2", "bf16x3-20"])
+def test_extreme_x_within_the_bound(M):
+    """Subnormal x, tiny normal x and x next to the fp32 maximum stay within the bound on every path: the bf16x3
+    split truncates (a round-to-nearest split would make hi = inf near the maximum, and the interpreter's casts
+    got subnormal pieces wrong by orders of magnitude)."""
+    _, w = make(M, 24, 256, 40 + M)
+    w = (w.float() / w.float().abs().max() * 0.9).to(torch.bfloat16)  # |w| < 1: no product overflows
+    big = torch.randn(M, 256, device=DEV)
+    big[:, 200], big[:, 201] = 3.3961e38, -3.3e38           # next to the fp32 maximum (3.4028e38)
+    for what, x in (("subnormal", torch.randn(M, 256, device=DEV) * 1e-40),
+                    ("tiny normal", torch.randn(M, 256, device=DEV) * 1e-36), ("near max", big)):
+        y, ref = fp32_linear(x, w), fp32_linear_ref(x, w)
+        assert bool(torch.isfinite(ref).all()), f"control: the reference is finite ({what})"
+        within_fp32_sum_bound(y, ref, x, w, f"{what} x, M={M}")
+
+
+def test_empty_sum_and_kernel_options_where_no_kernel_runs():
+    """K = 0 gives zeros (the empty sum), as the reference; tuning options for M > GEMV_MAX_M (torch.mm) or an
+    impossible num_warps are refused by name, never ignored."""
+    x, w = torch.randn(3, 0, device=DEV), torch.randn(5, 0, device=DEV).to(torch.bfloat16)
+    assert_equal(fp32_linear(x, w), fp32_linear_ref(x, w), "K = 0")
+    x, w = make(GEMV_MAX_M + 1, 16, 64, 3)
+    for kw in ({"block": (16, 64)}, {"acc2d": False}, {"num_warps": 8}):
+        with pytest.raises(ValueError, match=r"block / acc2d / num_warps"):
+            fp32_linear(x, w, **kw)
+    with pytest.raises(ValueError, match=r"num_warps is 0"):
+        fp32_linear(x[:2], w, num_warps=0)
 
 
 def test_names_bad_input():
