@@ -538,6 +538,13 @@ def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
     """cfg as given (a GemvConfig) or ValueError naming the field and the value."""
     if not isinstance(cfg, GemvConfig):
         _fail(op, "gemv", repr(cfg), "a kernels.gemm.GemvConfig")
+    for field in ("dot", "prequant"):
+        if not isinstance(getattr(cfg, field), bool):
+            _fail(op, f"gemv.{field}", repr(getattr(cfg, field)), "a bool")
+    for field in ("bn", "unroll", "per_sm", "num_warps") + (("num_stages",) if cfg.num_stages is not None else ()):
+        v = getattr(cfg, field)
+        if not isinstance(v, int) or isinstance(v, bool):
+            _fail(op, f"gemv.{field}", repr(v), "an int")
     if cfg.bn not in (32, 64, 128):  # the tested and sm_90 / sm_100-built sizes (kernels/targets.py)
         _fail(op, "gemv.bn", cfg.bn, "32, 64 or 128 (divides the 128-row scale block)")
     if not cfg.dot and M > 16:
@@ -603,6 +610,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         _fail(op, "out", f"{getattr(out, 'dtype', type(out))} {tuple(getattr(out, 'shape', ()))}", f"bf16 {(M, N)}")
     check_layout(op, {"x": x, "weight": weight, "scale": scale, "out": out})
     mma = mma_mode(mma)
+    if gemv is not None and M > GEMV_MAX_M:
+        _fail(op, "gemv", repr(gemv), f"None for M = {M} > GEMV_MAX_M = {GEMV_MAX_M} (the decode launch only)")
+    if prefill is not None and M <= GEMV_MAX_M:
+        _fail(op, "prefill", repr(prefill), f"None for M = {M} <= GEMV_MAX_M = {GEMV_MAX_M} (the decode GEMV runs)")
     if M == 0:
         return out
     KB = K // BLOCK

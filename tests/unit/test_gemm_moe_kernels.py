@@ -204,11 +204,17 @@ def test_gemv_config_names_bad_fields():
     assert gemv_config(32, 1024, 4096, 1, torch.device("cpu")).bn == 32
     for bad, match in ((GemvConfig(bn=16), "gemv.bn is 16"), (GemvConfig(unroll=8), "gemv.unroll is 8"),
                        (GemvConfig(per_sm=0), "gemv.per_sm is 0"), (GemvConfig(num_warps=3), "gemv.num_warps"),
-                       (GemvConfig(num_stages=0), "gemv.num_stages is 0"), ((64, 1), "gemv is")):
+                       (GemvConfig(num_stages=0), "gemv.num_stages is 0"), ((64, 1), "gemv is"),
+                       (GemvConfig(bn=64.0), "gemv.bn is 64.0"), (GemvConfig(dot="no"), "gemv.dot is 'no'"),
+                       (GemvConfig(prequant=1), "gemv.prequant is 1"), (GemvConfig(unroll=True), "gemv.unroll")):
         with pytest.raises(ValueError, match=match):
             fp8_linear(x, w, s, gemv=bad)
     with pytest.raises(ValueError, match="gemv.dot is False with M = 17"):
         fp8_linear(torch.zeros(17, 256, dtype=torch.bfloat16), w, s, gemv=GemvConfig(dot=False))
+    with pytest.raises(ValueError, match=r"gemv is .*; expected None for M = 70"):  # forced where no GEMV runs
+        fp8_linear(torch.zeros(70, 256, dtype=torch.bfloat16), w, s, gemv=GemvConfig())
+    with pytest.raises(ValueError, match=r"prefill is 'triton'; expected None for M = 2"):
+        fp8_linear(x, w, s, prefill="triton")
     with pytest.raises(ValueError, match="gemv.prequant is True"):
         fp8_grouped_gemv(torch.zeros(2, 512, dtype=torch.bfloat16), torch.cat([w, w]), torch.cat([s, s]), 2,
                          gemv=GemvConfig(prequant=True))
