@@ -284,9 +284,9 @@ def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
     u = round_bf16(u)
     v = round_bf16(v)
     if HAS_LIMIT:
-        nan = tl.PropagateNan.ALL
-        v = tl.minimum(tl.maximum(v, -limit, propagate_nan=nan), limit, propagate_nan=nan)
-        u = tl.minimum(u, limit, propagate_nan=nan)
+        v = tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
     return u * tl.sigmoid(u) * v * g
 
 
