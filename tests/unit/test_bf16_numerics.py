@@ -193,7 +193,7 @@ def test_window_kv_nope_is_fp8_and_rope_is_not_rounded(run):
 
 
 # ----------------------------------------------------------------------------------------- FP4 indexer
-def test_indexer_q_and_keys_are_fp4_in_32_channel_blocks(run):
+def test_indexer_q_and_keys_are_fp4_in_32_channel_blocks(run, seed):
     """Indexer queries and compressed keys (spec §7 step 1, §6): fp4_act_quant in 32-channel blocks, so every
     32-block is an exact e2m1 fixed point; and, in general, NOT a fixed point of 64-channel blocks.
 

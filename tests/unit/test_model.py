@@ -61,7 +61,7 @@ def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
 
 
 @pytest.mark.parametrize("length", [1, 4, 5, 9, 17, 131])
-def test_hf_parity_prefill(all_selected, length):
+def test_hf_parity_prefill(all_selected, length, seed):
     args, ours, hf = all_selected
     ids = torch.randint(0, VOCAB, (1, length))
     mine = ours(ids, ours.new_state(1), all_logits=True)
@@ -155,7 +155,7 @@ def _decode_vs_prefill(model: Transformer, ids: torch.Tensor, prefill_len: int) 
 
 
 @pytest.mark.parametrize("prefill_len", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17])
-def test_prefill_equals_decode_short(topk4, prefill_len):
+def test_prefill_equals_decode_short(topk4, prefill_len, seed):
     """Boundaries of the window (8), CSA ratio (4) and 4*index_topk (16) straddled by the prefill length,
     decoding to 26 tokens (top-k selection active from 20 tokens)."""
     args, ours, _ = topk4
@@ -180,7 +180,7 @@ def test_fresh_prefill_of_each_prefix_equals_full_rows(topk4):
                      rtol=0)
 
 
-def test_prefill_equals_decode_with_exact_indexer_ties():
+def test_prefill_equals_decode_with_exact_indexer_ties(seed):
     """Indexer queries of zero make every score exactly 0: all entries tie and only the tie rule decides the
     top-4. Prefill and decode must pick the same (lowest-index) entries."""
     args, sd, _ = _models(13)

@@ -113,6 +113,36 @@ def test_catalogue_names_existing_tests():
             assert not node.startswith("tests/unit/test_mutants.py"), f"{name}: {node} would recurse"
 
 
+RANDOM_DRAW = re.compile(r"torch\.(randn|randint|rand|randperm|randn_like|rand_like)\(")
+
+
+def unseeded_draws(source: str, args: list[str]) -> list[str]:
+    """The torch random draws of a test body that neither takes the `seed` fixture (root conftest: seeds torch
+    per test id) nor seeds / passes a generator itself: their values depend on what ran before."""
+    if "seed" in args or "manual_seed" in source or "generator" in source:
+        return []
+    return RANDOM_DRAW.findall(source)
+
+
+def test_killing_tests_draw_seeded_inputs():
+    """A killing test must see the same inputs in every run: one that drew its ids from the unseeded global
+    generator let `rmsnorm_eps_outside_root` survive one CI run (the kill margin depends on the ids). Negative
+    control: the scan flags an unseeded draw."""
+    assert unseeded_draws("x = torch.randint(0, 9, (2,))", ["model"]) == ["randint"]
+    assert unseeded_draws("x = torch.randint(0, 9, (2,))", ["model", "seed"]) == []
+    bad = []
+    for m in MUTANTS.values():
+        for node in m.killers:
+            match = NODE.match(node)
+            source = (ROOT / match[1]).read_text()
+            for fn in ast.walk(ast.parse(source)):
+                if isinstance(fn, ast.FunctionDef) and fn.name == match[2]:
+                    draws = unseeded_draws(ast.get_source_segment(source, fn), [a.arg for a in fn.args.args])
+                    if draws:
+                        bad.append(f"{node}: {draws}")
+    assert not bad, "killing tests with unseeded random inputs (take the `seed` fixture): " + "; ".join(bad)
+
+
 @pytest.mark.parametrize("doc", [DOC, ROOT / "README.md"], ids=["docs", "README"])
 def test_mutant_table_lists_every_mutant(doc):
     text = doc.read_text(encoding="utf-8")
