@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import check_layout, interpreting, sm_count, workspace
+from kernels.launch import check_layout, interpreting, split_k, split_k_total, workspace
 from kernels.launch import fail as _fail
 
 __all__ = ["fp32_linear", "fp32_linear_ref", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
@@ -93,20 +93,17 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
     k1 = tl.minimum(k0 + K_PER_SPLIT, K)
     for k in range(k0, k1, BK):
         kk = k + offs_k
-        if EVEN_K:
-            w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=mask_n[:, None], other=0.0)
+        if EVEN_K:  # no K mask: full-width vector loads
+            wmask = mask_n[:, None]
+            xmask = mask_m[:, None]
         else:
-            w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=mask_n[:, None] & (kk < k1)[None, :],
-                        other=0.0)
+            wmask = mask_n[:, None] & (kk < k1)[None, :]
+            xmask = mask_m[:, None] & (kk < k1)[None, :]
+        w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=wmask, other=0.0)
         wb = w.to(tl.bfloat16)
         w = w.to(tl.float32)
         if DOT:
-            if EVEN_K:
-                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None], other=0.0)
-            else:
-                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=mask_m[:, None] & (kk < k1)[None, :],
-                            other=0.0)
-            x = x.to(tl.float32)
+            x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
             fin = tl.abs(x) < float("inf")
             hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
             r = tl.where(fin, x - hi32, 0.0)
@@ -142,24 +139,10 @@ def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SP
     if SPLIT == 1:
         tl.store(y_ptr + yoffs, acc, mask=out_mask)
     else:
-        poffs = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_s * M * N + poffs, acc, mask=out_mask)
-        tl.debug_barrier()
-        sem = sem_ptr + pid_n
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tot = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + s * M * N + poffs, mask=out_mask, other=0.0, volatile=True)
+        tot, last = split_k_total(acc, part_ptr, sem_ptr + pid_n, offs_m[:, None] * N + offs_n[None, :], M * N,
+                                  pid_s, SPLIT, out_mask)
+        if last:
             tl.store(y_ptr + yoffs, tot, mask=out_mask)
-            tl.store(sem, 0)
-
-
-def _split(device: torch.device, n_blocks: int, k_tiles: int) -> tuple[int, int]:
-    """(SPLIT, K tiles per split): about 2 programs per SM, splits of >= 2 K tiles (as `gemm._gemv_split`)."""
-    want = max(1, min(-(-2 * sm_count(device, 8) // n_blocks), k_tiles // 2 if k_tiles >= 4 else 1))
-    per = -(-k_tiles // want)
-    return -(-k_tiles // per), per
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -213,7 +196,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     elif acc2d and BM != 1:
         _fail(op, "acc2d", repr(acc2d), f"False or None for M = {M} (the [BN, BK] accumulator is for M == 1)")
     n_blocks = triton.cdiv(N, BN)
-    split, per = _split(x.device, n_blocks, triton.cdiv(K, BK))
+    split, per = split_k(x.device, n_blocks, triton.cdiv(K, BK))
     k_per = per * BK
     sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
     _bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, k_per, split,

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import check_layout, interpreting, sm_count, workspace
+from kernels.launch import check_layout, interpreting, split_k, split_k_total, workspace
 from kernels.launch import fail as _fail
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
@@ -343,17 +343,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G,
         tl.store(y_ptr + yoffs, round_bf16(acc).to(tl.bfloat16), mask=out_mask)
     else:
         base = (g * SPLIT * M).to(tl.int64) * N
-        poffs = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + base + pid_s * M * N + poffs, acc, mask=out_mask)
-        tl.debug_barrier()
-        sem = sem_ptr + g * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            tot = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, SPLIT):
-                tot += tl.load(part_ptr + base + s * M * N + poffs, mask=out_mask, other=0.0, volatile=True)
+        tot, last = split_k_total(acc, part_ptr + base, sem_ptr + g * tl.num_programs(0) + pid_n,
+                                  offs_m[:, None] * N + offs_n[None, :], M * N, pid_s, SPLIT, out_mask)
+        if last:
             tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
-            tl.store(sem, 0)
 
 
 @triton.jit
@@ -467,7 +460,7 @@ class GemvConfig(NamedTuple):
     dot: tensor-core dot per K block (BM = max(16, next_pow2(M)) rows) or False: CUDA-core rows (BM =
         next_pow2(M), M <= 16; `_gemv_block`) - the same exact products, another fp32 summation order.
     bn: output columns per program (32, 64, 128). unroll: K blocks per loop iteration (1, 2, 4; same order,
-    bitwise the same). per_sm: programs per SM the split-K aims at (`_gemv_split`; another split is another order).
+    bitwise the same). per_sm: programs per SM the split-K aims at (`kernels.launch.split_k`; another split is another order).
     num_warps, num_stages: Triton launch options (num_stages None = Triton's default).
     prequant: x quantized once by `kernels.quant.act_quant_sim` (one more launch; the kernel then reads the
         exact dequantized values, QUANT_X=False: the same sums times the same powers of two) instead of per
@@ -527,13 +520,6 @@ def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvCon
     return GemvConfig(bn=64 if M <= 16 else 32)
 
 
-def _gemv_split(device: torch.device, n_blocks: int, KB: int, per_sm: int = 2) -> tuple[int, int]:
-    """(SPLIT, KB_PER_SPLIT): about `per_sm` programs per SM, splits of >= 2 K blocks."""
-    want = max(1, min(-(-per_sm * sm_count(device, 8) // n_blocks), KB // 2 if KB >= 4 else 1))
-    per = -(-KB // want)
-    return -(-KB // per), per
-
-
 def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
     """cfg as given (a GemvConfig) or ValueError naming the field and the value."""
     if not isinstance(cfg, GemvConfig):
@@ -551,7 +537,7 @@ def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
         _fail(op, "gemv.dot", f"False with M = {M}", "M <= 16 for the CUDA-core rows (unrolled per row)")
     if cfg.unroll not in (1, 2, 4):
         _fail(op, "gemv.unroll", cfg.unroll, "1, 2 or 4")
-    if not isinstance(cfg.per_sm, int) or cfg.per_sm < 1:
+    if cfg.per_sm < 1:
         _fail(op, "gemv.per_sm", repr(cfg.per_sm), "an int >= 1")
     if cfg.num_warps not in (1, 2, 4, 8, 16):
         _fail(op, "gemv.num_warps", cfg.num_warps, "1, 2, 4, 8 or 16")
@@ -573,7 +559,7 @@ def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, q
         mma = 1  # x not on the e4m3 grid: the bf16 tensor-core dot (exact)
     BM = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
     n_blocks = triton.cdiv(N, cfg.bn)
-    split, per = _gemv_split(x.device, n_blocks * G, KB, cfg.per_sm)
+    split, per = split_k(x.device, n_blocks * G, KB, cfg.per_sm)
     sem, part = workspace(x.device, n_blocks * G, G * split * M * N if split > 1 else 1)
     opts = {"num_warps": cfg.num_warps}
     if cfg.num_stages is not None:

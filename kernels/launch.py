@@ -5,6 +5,9 @@ their split-K workspaces and, for one-launch kernels, would need a zeroed semaph
 
 * `sm_count(device)`: `torch.cuda.get_device_properties(i).multi_processor_count`, cached per device index
   (`functools.lru_cache`; device properties do not change while a process runs).
+* `split_k(device, n_blocks, k_tiles, per_sm)`: how far a skinny GEMV splits its K loop (about `per_sm`
+  programs per SM), and `split_k_total`, the deterministic merge of the split partials inside the launch
+  (`kernels.gemm._fp8_gemv_kernel`, `kernels.fp32_linear._bf16w_gemv_kernel`).
 * `workspace(device, n_sem, n_scratch)`: one `(sem, scratch)` pair per (device, current stream):
   `sem` int32 `[>= n_sem]`, all zero between launches (every kernel that takes it increments an entry once per
   program and the last program of a group resets it to 0, so no memset launch is needed per call);
@@ -25,6 +28,8 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -87,3 +92,28 @@ def check_layout(op: str, named: dict) -> None:
             fail(op, name, f"on device {t.device}", "a CUDA tensor (CPU only under TRITON_INTERPRET=1)")
         if t.device != first:
             fail(op, name, f"on device {t.device}", f"the device of the first tensor argument, {first}")
+
+
+def split_k(device: torch.device, n_blocks: int, k_tiles: int, per_sm: int = 2) -> tuple[int, int]:
+    """(SPLIT, K tiles per split) for a grid of `n_blocks` output blocks: about `per_sm` programs per SM (the
+    interpreter counts 8 SMs), splits of >= 2 K tiles, no split below 4 tiles."""
+    want = max(1, min(-(-per_sm * sm_count(device, 8) // n_blocks), k_tiles // 2 if k_tiles >= 4 else 1))
+    per = -(-k_tiles // want)
+    return -(-k_tiles // per), per
+
+
+@triton.jit
+def split_k_total(acc, part_ptr, sem, poffs, stride, pid_s, SPLIT, mask):
+    """Deterministic split-K merge inside one launch: this program's partial `acc` (fp32, any shape) goes to
+    part_ptr[pid_s * stride + poffs]; the program that arrives last at its semaphore `sem` (acq_rel atomic; the
+    scratch and semaphores of `workspace`) sums the SPLIT partials in split order and resets `sem` to 0.
+    Returns (total, last): `total` is the full sum where `last` is true (the caller then writes it), else 0."""
+    tl.store(part_ptr + pid_s * stride + poffs, acc, mask=mask)
+    tl.debug_barrier()
+    last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    tot = tl.zeros(acc.shape, dtype=tl.float32)
+    if last:
+        for s in range(0, SPLIT):
+            tot += tl.load(part_ptr + s * stride + poffs, mask=mask, other=0.0, volatile=True)
+        tl.store(sem, 0)
+    return tot, last
