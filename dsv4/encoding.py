@@ -11,15 +11,19 @@ Where the official encoder crashes (AttributeError/KeyError/TypeError) or silent
 module raises `ValueError` naming `messages[i].field` (or `context[i].field`) instead:
   * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
   * content or reasoning_content that is not a string (tool content may also be a list of parts);
-  * a tool call without `function.name`/`function.arguments`;
+  * a tool call without `function.name`/`function.arguments`, or with `arguments` that is a number, list or
+    bool (the official encoder renders those as one `arguments` parameter; no convention produces them);
   * `tools` that is not a list of OpenAI tools `{"type": "function", "function": {"name": str, ...}}` (a bare
     `{"name": ...}` would render as `null`/crash; the message names `messages[i].tools[j]`);
   * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
 Deliberate extensions, identical in `dsv4/chat_template.jinja`:
   * `content: None` is treated as absent (transformers drops None-valued keys before the template);
   * tool-call `arguments` given as a dict (the HuggingFace convention) render exactly as the same
-    dict given as its JSON string; arguments that are a JSON string but not an object render as one
-    parameter named `arguments` holding the raw string (the official encoder crashes on those).
+    dict given as its JSON string, one parameter per key (the official encoder does not crash on a dict: its
+    json.loads fails and it renders ONE parameter `arguments` holding the dict's JSON); arguments that are a
+    JSON string but not an object render as one parameter named `arguments` holding the raw string (the
+    official encoder crashes on those); `arguments: null` renders as officially, one parameter `arguments`
+    holding null (docs/differences.md E1, E3).
   * an empty `messages` list raises `EmptyConversationError` (the official encoder returns a bare BOS;
     transformers' `apply_chat_template` raises its own error): `encode_messages([])`, `prompt_ids(tok, [])`
     and `tok.apply_chat_template([])` raise the same error (tests/unit/test_truncated_completion.py).
@@ -36,6 +40,9 @@ by accident; tests/unit/test_truncated_completion.py):
   * a `string="false"` parameter whose value is not JSON (or has a duplicate key): the official parser pastes
     it into `arguments`, which then is not valid JSON; dsv4 raises naming the parameter
     (tests/unit/test_encoding.py::test_parse_malformed_raises).
+  * opt-in, off by default: `implicit_think_end=True` reads a tool-call block reached before any `</think>`
+    (thinking mode) as the end of the reasoning, as vLLM, SGLang and llama.cpp do; the official parser raises
+    "missing </think>", which stays the default (docs/differences.md P4).
   A completion stopped by a token limit is not malformed: `parse_truncated_completion` returns what was
   generated so far (`TruncatedCompletion`: reasoning, content, the raw tool-call markup, where the cut came
   and why), and never turns cut markup into tool calls. `dsv4.generate.generate` uses it when it stops at
@@ -46,7 +53,8 @@ tokenizer maps them to their special ids. `special_strings_in_messages` finds th
 `prompt_ids` is the one way dsv4 builds model input from messages (CLI, generation, diagnostics).
 
 The project-wide list of deliberate differences from the official code, with their tests, is
-docs/differences.md (rows E1-P3 are the ones above).
+docs/differences.md (rows E1-P4 are the ones above). Public peer suites (DeepSeek's own tests, vLLM, SGLang) run as
+data against this module: fixtures/peer_suites/, tests/unit/test_peer_suites.py.
 """
 
 from __future__ import annotations
@@ -201,10 +209,10 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
                 raise ValueError(f"{where}.tool_calls[{j}]: expected {{'function': {{'name': str, "
                                  f"'arguments': JSON string or dict}}}}, got {tc!r}")
-            if not isinstance(fn["arguments"], (str, dict)):
-                raise ValueError(f"{where}.tool_calls[{j}].function.arguments: expected a JSON string or a "
-                                 f"dict, got {type(fn['arguments']).__name__}")
-            if check_arguments:  # context is never rendered, so its arguments are never parsed
+            if fn["arguments"] is not None and not isinstance(fn["arguments"], (str, dict)):
+                raise ValueError(f"{where}.tool_calls[{j}].function.arguments: expected a JSON string, a "
+                                 f"dict or null, got {type(fn['arguments']).__name__}")
+            if check_arguments and fn["arguments"] is not None:  # context is never rendered, so its arguments are never parsed
                 _arguments(fn["arguments"], f"{where}.tool_calls[{j}].function.arguments")
 
 
@@ -293,7 +301,8 @@ def _arguments(arguments: str | dict, where: str) -> dict | None:
 
 def _render_tool_call(tc: dict) -> str:
     fn = tc["function"]
-    args = _arguments(fn["arguments"], "tool_call")
+    # `arguments: null` renders as the official encoder does: one parameter `arguments` holding JSON null
+    args = None if fn["arguments"] is None else _arguments(fn["arguments"], "tool_call")
     if args is None:
         args = {"arguments": fn["arguments"]}
     params = [f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
@@ -469,12 +478,17 @@ def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
         calls.append({"type": "function", "function": {"name": name, "arguments": "{" + body + "}"}})
 
 
-def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
+def parse_message_from_completion_text(text: str, thinking_mode: str, *, implicit_think_end: bool = False) -> dict:
     """Parse a generated completion back into an assistant message (official signature).
 
     Args:
         text: the decoded completion, starting right after the prompt and ending in EOS.
         thinking_mode: "thinking" (text starts with the reasoning, closed by `</think>`) or "chat".
+        implicit_think_end: opt-in leniency (default False = the official strictness). In thinking mode, a
+            tool-call block (`"\n\n<｜DSML｜tool_calls"`) reached before any `</think>` ends the reasoning: the
+            reasoning is the text before the block, the content is "", and the block is parsed as usual. vLLM,
+            SGLang and llama.cpp accept such output (the model emits it at long context); the official parser
+            raises "missing </think>". Nothing else is relaxed (docs/differences.md P4).
     Returns:
         `{"role": "assistant", "content": str, "reasoning_content": str, "tool_calls": [OpenAI tool calls]}`;
         string parameters are JSON-encoded back into `arguments`, others are inserted as their JSON text.
@@ -489,11 +503,18 @@ def parse_message_from_completion_text(text: str, thinking_mode: str) -> dict:
         raise ValueError(f"completion: expected a string, got {type(text).__name__}")
     calls_open = f"\n\n<{DSML}tool_calls"
     i, reasoning, calls = 0, "", []
+    implicit = False
     if thinking_mode == "thinking":
         i, reasoning, stop = _until(text, 0, [THINK_END, calls_open])
-        if stop != THINK_END:
-            raise ValueError("completion.reasoning_content: missing </think> in thinking mode")
-    i, content, stop = _until(text, i, [EOS, calls_open])
+        implicit = implicit_think_end and stop == calls_open
+        if stop != THINK_END and not implicit:
+            hint = (" (a tool-call block before </think>: implicit_think_end=True reads it as the end of the "
+                    "reasoning)" if stop == calls_open else "")
+            raise ValueError(f"completion.reasoning_content: missing </think> in thinking mode{hint}")
+    if implicit:  # the block opener ended the reasoning: no content, the calls follow
+        content, stop = "", calls_open
+    else:
+        i, content, stop = _until(text, i, [EOS, calls_open])
     if stop == calls_open:
         i, calls = _parse_tool_calls(text, i)
         i, tail, stop = _until(text, i, [EOS])

@@ -106,6 +106,17 @@ def test_dict_arguments_equal_their_json_string():
     assert a == b and '<｜DSML｜parameter name="city" string="true">Tromsø</｜DSML｜parameter>' in a
 
 
+def test_null_arguments_render_as_the_official_encoder():
+    """`arguments: null`: the official encoder's json.loads(None) fails and it writes one parameter `arguments`
+    holding null (docs/differences.md E3); dsv4 raised here before. The template agrees
+    (test_peer_suites.py::test_template_equals_encoder_on_peer_cases)."""
+    out = encode_messages([U, {"role": "assistant", "tool_calls": [_call("a", None)]}], "chat")
+    assert _params(out) == [f'<{DSML}parameter name="arguments" string="false">null</{DSML}parameter>']
+    # a missing `arguments` (the official KeyError) stays a named error
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls\[0\]"):
+        encode_messages([U, {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}], "chat")
+
+
 def test_special_strings_are_not_escaped_and_are_reported():
     msgs = [{"role": "user", "content": f"a {USER} b</think>"}]
     assert encode_messages(msgs, "chat") == f"{BOS}{USER}a {USER} b</think>{ASSISTANT}</think>"
@@ -168,6 +179,26 @@ def test_parse_thinking_content_and_tool_calls():
     assert json.loads(p["tool_calls"][1]["function"]["arguments"]) == {}
     assert parse_message_from_completion_text("Hi" + EOS, "chat") == \
         {"role": "assistant", "content": "Hi", "reasoning_content": "", "tool_calls": []}
+
+
+def test_implicit_think_end_is_opt_in():
+    """A tool-call block before any </think> (thinking mode): an error by default, as officially; with
+    implicit_think_end=True the block ends the reasoning (docs/differences.md P4). Nothing else is relaxed."""
+    block = (f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1'
+             f'</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}')
+    with pytest.raises(ValueError, match=r"missing </think>.*implicit_think_end=True"):
+        parse_message_from_completion_text("plan" + block, "thinking")
+    p = parse_message_from_completion_text("plan" + block, "thinking", implicit_think_end=True)
+    assert (p["reasoning_content"], p["content"]) == ("plan", "")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in p["tool_calls"]] == [("f", {"a": "1"})]
+    # an explicit </think> reads the same with or without the option; chat mode ignores it
+    text = "plan</think>ok" + block
+    assert parse_message_from_completion_text(text, "thinking", implicit_think_end=True) == \
+        parse_message_from_completion_text(text, "thinking")
+    assert parse_message_from_completion_text("hi" + EOS, "chat", implicit_think_end=True)["content"] == "hi"
+    for bad in ("plan" + block.lstrip("\n"), "plan" + block.replace(f"</{DSML}tool_calls>", ""), "plan" + EOS):
+        with pytest.raises(ValueError):  # no blank line before the block, a cut block, no block at all
+            parse_message_from_completion_text(bad, "thinking", implicit_think_end=True)
 
 
 _CALL = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1</{DSML}parameter>\n'
