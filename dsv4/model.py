@@ -27,6 +27,7 @@ Supported call pattern (as official): one prefill at position 0 of any length, t
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -308,11 +309,14 @@ class LayerState:
 class DecodeState:
     """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer.
     `checked_by`: id of the model that last validated this state (`Transformer._check_state`), so a decode step
-    does not re-walk every layer's state."""
+    does not re-walk every layer's state. `owner`: a weak reference to the model instance the state belongs to
+    (set by `new_state`, or by the first model that runs it): another instance, even of the same architecture,
+    refuses it (its caches hold that model's keys and values)."""
 
     layers: list[LayerState]
     pos: int = 0
     checked_by: int | None = field(default=None, repr=False, compare=False)
+    owner: weakref.ref | None = field(default=None, repr=False, compare=False)  # the model it belongs to
 
 
 class ResidualObserver(Protocol):
@@ -865,7 +869,8 @@ class Transformer(nn.Module):
         must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else; a weight held bf16
         as on disk (head, router, compressor wkv / wgate with weights="quantized") accepts only values exact in
         bf16 (`check_bf16_exact`).
-        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, such a dtype mismatch or a value
+        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, such a dtype mismatch, a
+        floating / bool / complex tensor for an integer buffer (`tid2eid`: never truncated) or a value
         not exact in bf16 (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
         first bad index and the count when a tensor holds a value
         that is NaN / inf as loaded (NaN or inf given, a finite value that overflows the parameter's dtype in
@@ -893,6 +898,10 @@ class Transformer(nn.Module):
             if (v.dtype in codes or own[k].dtype in codes) and v.dtype != own[k].dtype:
                 raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's {own[k].dtype} "
                                    f"(weights={self.weights!r}; on-disk codes are never cast)")
+            if not own[k].dtype.is_floating_point and (v.dtype.is_floating_point or v.dtype.is_complex
+                                                       or v.dtype == torch.bool):
+                raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's integer {own[k].dtype} "
+                                   "(a cast would truncate a non-integer value, e.g. 1.7 -> 1; give integer ids)")
             if k in held_bf16:
                 check_bf16_exact(k, v)
         cast = {k: v.to(own[k].dtype) for k, v in state_dict.items()}
@@ -911,12 +920,19 @@ class Transformer(nn.Module):
         if self.decode_graph_max_len is not None:
             from dsv4.graph import GraphDecodeState
             return GraphDecodeState(self, batch, self.decode_graph_max_len)
-        return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers])
+        return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers],
+                           owner=weakref.ref(self))
 
     def _check_state(self, state: DecodeState) -> None:
         """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
         not), window, head dim, dtype and device. ValueError naming the first mismatch. Checked once per
         (state, model) pair: the layer states keep their shapes, dtype and device for the whole sequence."""
+        if state.owner is None:
+            state.owner = weakref.ref(self)
+        elif state.owner() is not self:
+            raise ValueError("this DecodeState belongs to another model instance (its window, compressor and indexer "
+                             "caches hold that model's keys and values, even where the architecture is the same); "
+                             "make the state with this model's new_state()")
         if state.checked_by == id(self):
             return
         if len(state.layers) != len(self.layers):

@@ -203,3 +203,34 @@ def test_forward_rejects_bad_input(topk4):
     ours(torch.tensor([[1, 2]]), st)
     with pytest.raises(ValueError, match="decode takes one token per call"):
         ours(torch.tensor([[1, 2]]), st)
+
+
+def test_state_refuses_another_model_instance(tiny_ckpt):
+    """issue 28: a DecodeState prefilled by one model instance continued on another of the same architecture
+    (its caches hold the first model's keys and values). The state belongs to the model that made it."""
+    from dsv4.generate import load_model
+
+    a, _ = load_model(tiny_ckpt, progress=False)
+    b, _ = load_model(tiny_ckpt, progress=False)
+    st = a.new_state(1)
+    ids = torch.tensor([[0, 128803, 3085, 128804]])
+    a(ids, st)
+    with pytest.raises(ValueError, match="belongs to another model instance"):
+        b(ids[:, :1], st)
+    a(ids[:, :1], st)  # its own model continues
+    with pytest.raises(ValueError, match="belongs to another model instance"):
+        b(ids, a.new_state(1))  # a fresh state of another model too
+
+
+@pytest.mark.parametrize("bad", [torch.float32, torch.float64, torch.bool])
+def test_load_weights_refuses_non_integer_tid2eid(tiny_ckpt, bad):
+    """issue 28: a float tid2eid was truncated by the cast (1.7 -> 1). Integer buffers take integer tensors only."""
+    from dsv4.checkpoint import load_checkpoint
+    from dsv4.generate import load_model
+
+    m, _ = load_model(tiny_ckpt, progress=False)
+    _, sd = load_checkpoint(tiny_ckpt, progress=False)
+    k = next(k for k in sd if k.endswith("tid2eid"))
+    sd[k] = sd[k].to(bad) + 0.7 if bad.is_floating_point else sd[k].to(bad)
+    with pytest.raises(RuntimeError, match=rf"{k}: dtype {bad} cannot load into the model's integer torch.int64"):
+        m.load_weights(sd)
