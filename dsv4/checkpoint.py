@@ -19,6 +19,7 @@ ids outside 0..n_routed_experts-1, on the device it is loaded to; the error name
 
 from __future__ import annotations
 
+import json
 import math
 import struct
 from pathlib import Path
@@ -28,7 +29,7 @@ import torch
 from dsv4.config import ModelArgs, loads_json
 from dsv4 import quant
 
-__all__ = ["CheckpointError", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
+__all__ = ["CheckpointError", "PlaceholderCheckpointError", "placeholder_evidence", "PLACEHOLDER_KEY", "Checkpoint", "expected_tensors", "load_checkpoint", "DTYPE_BYTES",
            "INDEX_FILE", "SINGLE_FILE", "TORCH_DTYPES", "inventory_bytes", "read_index", "check_values",
            "find_bad_values",
            "cast_unquantized"]
@@ -299,8 +300,11 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     if pos > data_len:
         raise CheckpointError(f"{path}: truncated: tensor {prev} ends at data byte {pos}, but the file holds "
                               f"only {data_len} data bytes ({size} bytes in all)")
-    if pos < data_len:
-        raise CheckpointError(f"{path}: {data_len - pos} unexpected trailing bytes after the last tensor")
+    if pos < data_len:  # bytes no tensor owns: a shard written twice, appended to, or a header that lost tensors
+        last = f"the last tensor {prev} ends at data byte {pos}" if prev else "the header lists no tensor"
+        raise CheckpointError(f"{path}: {data_len - pos} unexpected trailing bytes after the last tensor: {last}, "
+                              f"but the file holds {data_len} data bytes ({size} bytes in all: 8 + {n} header + "
+                              f"{data_len}); expected the file to end at byte {8 + n + pos}")
     return out
 
 
@@ -354,6 +358,101 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     return weight_map, total
 
 
+PLACEHOLDER_KEY = "dsv4_dry_run"  # index metadata key written by `dsv4 make-checkpoint --dry-run` (true)
+PROVENANCE_FILE = "dsv4_synth.json"  # = dsv4.synth.PROVENANCE_FILE (`"dry_run": true` for a dry run)
+
+
+class PlaceholderCheckpointError(CheckpointError):
+    """The checkpoint holds placeholder data, not weights: the output of `dsv4 make-checkpoint --dry-run` (tensor
+    data left as holes, which read as zeros). `evidence` lists what showed it."""
+
+    def __init__(self, path: Path, evidence: list[str]) -> None:
+        self.path, self.evidence = path, evidence
+        super().__init__(f"{path}: placeholder checkpoint, not weights: this is the layout written by `dsv4 "
+                         f"make-checkpoint --dry-run` (tensor data left as holes, which read as zeros; a model on it "
+                         f"computes nothing). Evidence: {'; '.join(evidence)}. Write the data with `dsv4 "
+                         "make-checkpoint` without --dry-run; a layout-only use can open it with "
+                         "Checkpoint(path, allow_placeholder=True)")
+
+
+def _data_is_holes(f: Path) -> bool:
+    """True when the data section of safetensors file `f` (after its header) is non-empty and nothing of it is
+    stored beyond the file-system block it shares with the header (SEEK_DATA / SEEK_HOLE: the rest is a hole,
+    which reads as zeros), and the stored part of that block is zeros. Nothing is read from a dense file (a real
+    shard: one extent from the header to the end). False where the file system cannot tell (no SEEK_DATA)."""
+    import errno
+    import os
+
+    st = f.stat()
+    size = st.st_size
+    with f.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return False
+        start = 8 + struct.unpack("<Q", head)[0]
+        if start >= size or not hasattr(os, "SEEK_DATA"):
+            return False
+        blk = max(getattr(st, "st_blksize", 4096) or 4096, 4096)
+        shared_end = min(-(-start // blk) * blk, size)  # the end of the header's last block
+        fd = fh.fileno()
+        try:
+            data = os.lseek(fd, start, os.SEEK_DATA)
+        except OSError as e:
+            return e.errno == errno.ENXIO  # ENXIO: a hole from the data's start to the end; else cannot tell
+        if data >= shared_end:
+            return data >= size
+        end = os.lseek(fd, data, os.SEEK_HOLE)
+        if end > shared_end:  # data stored past the header's block: a real data section
+            return False
+        fh.seek(data)
+        if fh.read(end - data).strip(b"\0"):
+            return False
+        try:
+            return os.lseek(fd, end, os.SEEK_DATA) >= size
+        except OSError as e:
+            return e.errno == errno.ENXIO
+
+
+def placeholder_evidence(path: str | Path, shards: list[Path] | None = None) -> list[str]:
+    """What shows that checkpoint directory `path` holds placeholder data (`dsv4 make-checkpoint --dry-run`), as
+    sentences; [] for a checkpoint with data. Looked at: the index's `metadata.dsv4_dry_run` (written by the dry
+    run), `dsv4_synth.json`'s `"dry_run"`, and the data itself: a shard whose data section is entirely a hole
+    (`_data_is_holes`; this catches a dry run of an older dsv4 that wrote no marker, or one with its markers
+    removed). `shards` (default: every `*.safetensors` in `path`) are the files checked for holes.
+
+    Raises CheckpointError naming the file for a marker that is not a JSON boolean.
+    """
+    path = Path(path)
+    found: list[str] = []
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            meta = loads_json(index.read_bytes(), str(index)).get("metadata")
+        except (ValueError, AttributeError):
+            meta = None  # read_index names a malformed index
+        if isinstance(meta, dict) and PLACEHOLDER_KEY in meta:
+            v = meta[PLACEHOLDER_KEY]
+            if not isinstance(v, bool):
+                raise CheckpointError(f"{index}: metadata.{PLACEHOLDER_KEY}={v!r} has type {type(v).__name__}, "
+                                      "expected true or false (a JSON boolean)")
+            if v:
+                found.append(f"{index.name} has metadata.{PLACEHOLDER_KEY} = true")
+    prov = path / PROVENANCE_FILE
+    if prov.is_file():
+        try:
+            doc = loads_json(prov.read_bytes(), str(prov))
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict) and doc.get("dry_run") is not False and "dry_run" in doc:
+            found.append(f"{PROVENANCE_FILE} has dry_run = {json.dumps(doc['dry_run'])}")
+    files = sorted(path.glob("*.safetensors")) if shards is None else shards
+    holes = [f for f in files if _data_is_holes(f)]
+    if holes:
+        found.append(f"the tensor data of {len(holes)} of {len(files)} shard(s) is a hole (nothing stored, reads "
+                     f"as zeros; e.g. {holes[0].name})")
+    return found
+
+
 class Checkpoint:
     """A DeepSeek-V4 checkpoint directory, memory-mapped through `safetensors.safe_open`.
 
@@ -371,9 +470,11 @@ class Checkpoint:
             shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
             sum of the tensors' bytes (when a tensor has the wrong shape or dtype, or is not in the official
             inventory, the error names that tensor instead, as `validate` does).
+        PlaceholderCheckpointError (a CheckpointError): placeholder data, not weights (`dsv4 make-checkpoint
+            --dry-run` output: `placeholder_evidence`), unless `allow_placeholder=True`.
     """
 
-    def __new__(cls, path: str | Path):
+    def __new__(cls, path: str | Path, **kwargs):
         # `Checkpoint("synth:GEOMETRY[:LAYERS[:SEED]]")` is a `dsv4.synth.SynthCheckpoint`: the same reader over
         # tensors synthesized where they are read (docs/multi_gpu.md "Full depth without the files")
         if cls is Checkpoint and str(path).startswith("synth:"):
@@ -382,7 +483,10 @@ class Checkpoint:
             cls = SynthCheckpoint
         return super().__new__(cls)
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, allow_placeholder: bool = False):
+        """`allow_placeholder=True`: open a placeholder checkpoint (`dsv4 make-checkpoint --dry-run` output: data
+        left as holes, i.e. zeros) for its layout only (headers, index, inventory); refused by default
+        (`PlaceholderCheckpointError`). `self.placeholder` lists the evidence found (empty for real data)."""
         self.path = Path(path)
         if not self.path.is_dir():
             raise FileNotFoundError(f"{self.path}: not a checkpoint directory")
@@ -399,6 +503,9 @@ class Checkpoint:
                 self._meta[name] = (f, dt, shape)
         else:
             raise FileNotFoundError(f"{self.path}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        self.placeholder = placeholder_evidence(self.path, self.shards)
+        if self.placeholder and not allow_placeholder:
+            raise PlaceholderCheckpointError(self.path, self.placeholder)
 
     def _open_index(self, index: Path) -> None:
         weight_map, total = read_index(index)

@@ -79,21 +79,14 @@ def _path(text: str) -> Path:
 
 
 def _json_out(text: str) -> Path:
-    """A file the report can be written to, checked now (by opening it for appending; a file this creates is
-    removed again) so that an unwritable path fails before the run, not after it."""
+    """The syntax of a report path (non-empty, not a directory, in a directory that exists). Where it may be
+    written (a new file can be made beside it; not inside or over the checkpoint being read) is checked by
+    `_check_report_path` once the checkpoint is known, before any work; the file itself is not touched."""
     p = _path(text)
     if p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file path")
     if not p.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: directory {str(p.parent)!r} does not exist")
-    existed = p.exists()
-    try:
-        with p.open("a", encoding="utf-8"):
-            pass
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write the report there ({e.strerror or e})") from None
-    if not existed:
-        p.unlink()
     return p
 
 
@@ -292,10 +285,46 @@ def _check_runtime(args: argparse.Namespace) -> str | None:
     return None
 
 
+# commands that read RANK / WORLD_SIZE / LOCAL_RANK (torchrun launches): checked before any work
+_LAUNCH_COMMANDS = ("diagnose", "generate")
+
+
+def _check_launch(args: argparse.Namespace) -> str | None:
+    """An inconsistent RANK / WORLD_SIZE / LOCAL_RANK (`dsv4.launch.launch_from_env`) for a command that reads
+    them; None if fine (or the command does not read them)."""
+    if args.command not in _LAUNCH_COMMANDS:
+        return None
+    from dsv4.launch import LaunchEnvError, launch_from_env
+
+    try:
+        launch_from_env()
+    except LaunchEnvError as e:
+        return str(e)
+    return None
+
+
+def _check_report_path(args: argparse.Namespace) -> str | None:
+    """A report file (`--json`) that cannot be written atomically beside itself, or would be written inside or
+    over the checkpoint this run reads (`--ckpt`, else $DSV4_CKPT; paths resolved, symlinks and hard links
+    included: `dsv4.report.check_report_path`); None if fine."""
+    path = getattr(args, "json", None)
+    if path is None:
+        return None
+    from dsv4.report import ReportPathError, check_report_path
+
+    ckpt = args.ckpt if args.ckpt is not None else (Path(os.environ["DSV4_CKPT"]) if os.environ.get("DSV4_CKPT")
+                                                    else None)
+    try:
+        check_report_path(path, ckpt, option="argument --json:")
+    except ReportPathError as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES)."""
     args = parse_args(argv)
-    problem = _check_runtime(args)
+    problem = _check_launch(args) or _check_report_path(args) or _check_runtime(args)
     if problem is not None:
         build_parser().dsv4_subparsers[args.command].error(problem)
     try:

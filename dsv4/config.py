@@ -258,10 +258,11 @@ class ModelArgs:
             v = cfg
             for part in key.split("."):
                 v = v.get(part, ...) if isinstance(v, dict) else ...
-            if v is not ... and not (type(v) is type(want) and v == want):
-                raise ValueError(f"{src}: key {key!r}={v!r}: dsv4 implements only {want!r} (the value of the "
-                                 "released DeepSeek-V4 configs); a checkpoint with another value would run a "
-                                 "different model")
+            if v is not ... and not _same_value(v, want):
+                raise ValueError(f"{src}: key {key!r}={_json_value(v)} ({_json_kind(v)}): dsv4 implements only "
+                                 f"{_json_value(want)} ({_json_kind(want)}; the value of the released DeepSeek-V4 "
+                                 "configs, compared by type and value); a checkpoint with another value would run "
+                                 "a different model")
         mt = cfg.get("model_type")
         if mt is not None and mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
@@ -298,9 +299,10 @@ class ModelArgs:
             if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"{src}: quantization_config={q!r}, expected quant_method 'fp8', fmt 'e4m3'")
             wbs = q.get("weight_block_size", [128, 128])
-            if not isinstance(wbs, (list, tuple)) or list(wbs) != [128, 128]:
-                raise ValueError(f"{src}: quantization_config.weight_block_size="
-                                 f"{q.get('weight_block_size')!r}, expected [128, 128]")
+            if not _same_value(wbs, [128, 128]):
+                raise ValueError(f"{src}: key 'quantization_config.weight_block_size'={_json_value(wbs)} "
+                                 f"({_json_kind(wbs)}), expected [128, 128] (a list of two integers; compared by "
+                                 "type and value)")
             dtype, scale_fmt = "fp8", q.get("scale_fmt", "ue8m0")
         expert_dtype = cfg.get("expert_dtype", (q or {}).get("expert_dtype"))
         if expert_dtype is None:
@@ -460,7 +462,8 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
     if extra:
         evidence.append(f"compress_ratios has {len(ratios)} entries for {n} main layers + {mtp} MTP block(s), "
                         f"the April layout has {n + mtp}")
-    geometry = {4096: "Flash", 7168: "Pro"}.get(cfg.get("hidden_size"))
+    hidden = cfg.get("hidden_size")
+    geometry = {4096: "Flash", 7168: "Pro"}.get(hidden) if type(hidden) is int else None  # 4096.0 is not 4096
     if not dspark:
         return ("a later DeepSeek-V4 revision (extra compress_ratios entries, as in the DSpark re-releases)",
                 evidence, _DSPARK_DIFF)
@@ -492,6 +495,32 @@ NO_DEFAULT_CONFIG_KEYS: dict[str, str] = {
     "routed_scaling_factor": "released values 1.5 (Flash) and 2.5 (Pro): the routed weights' scale",
     "swiglu_limit": "released value 10.0: the SwiGLU clamp; 0 would disable it",
 }
+
+
+def _same_value(v: Any, want: Any) -> bool:
+    """`v == want` with the JSON type compared too, recursively: `true` is not 1, 1.0 is not 1, [128.0, 128] is not
+    [128, 128] (Python's `==` says True == 1 == 1.0)."""
+    if type(v) is not type(want):
+        return False
+    if isinstance(want, list):
+        return len(v) == len(want) and all(_same_value(a, b) for a, b in zip(v, want))
+    if isinstance(want, dict):
+        return v.keys() == want.keys() and all(_same_value(v[k], want[k]) for k in want)
+    return v == want
+
+
+def _json_value(v: Any) -> str:
+    """A config value as it reads in config.json (`true`, `1.0`, `"silu"`)."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+def _json_kind(v: Any) -> str:
+    """The JSON type of a config value, for messages: boolean, integer, float, string, list, object, null."""
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "list", dict: "object",
+            type(None): "null"}.get(type(v), type(v).__name__)
 
 
 class DuplicateKeyError(ValueError):

@@ -379,7 +379,13 @@ def environment() -> dict:
     commit, dirty = _git_commit()
     return {"dsv4": dsv4.__version__, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
             "torch": version("torch"), "triton": version("triton"), "transformers": version("transformers"),
-            "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+            "world_size": _world_size()}
+
+
+def _world_size() -> int:
+    from dsv4.launch import launch_from_env
+
+    return launch_from_env().world_size
 
 
 def format_environment(env: dict) -> str:
@@ -418,6 +424,12 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
                       f"seed {p['seed']}: random weights, not a trained model)")
         except (ValueError, KeyError, TypeError):
             source = f"given checkpoint ({prov.name} present but unreadable)"
+    from dsv4.checkpoint import placeholder_evidence
+
+    evidence = [] if built else placeholder_evidence(path)
+    if evidence:  # `make-checkpoint --dry-run`: no weights at all (the reader refuses it; say so here too)
+        source = ("PLACEHOLDER data, not weights: the layout of `dsv4 make-checkpoint --dry-run`, tensor data left as "
+                  f"holes that read as zeros ({'; '.join(evidence)})")
     ident = {"path": str(path), "source": source, "config_sha256": digest(path / "config.json"),
              "index_sha256": digest(idx), "total_size": total,
              "n_layers": ModelArgs.from_hf_config(path).n_layers}
@@ -475,17 +487,92 @@ def format_final_norm_report(r) -> str:
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
                  device: str, dtype: str = "bf16", backend: str = "reference", weights: str = "dequantized",
                  continue_tokens: int = DEFAULT_CONTINUE_TOKENS, expect: str | None = None) -> int:
-    """See `_run_diagnose`; under torchrun only rank 0 prints and writes the JSON report (every rank computes)."""
+    """See `_run_diagnose`; under torchrun only rank 0 prints and writes the JSON report (every rank computes).
+
+    The launch (RANK / WORLD_SIZE / LOCAL_RANK, `dsv4.launch.launch_from_env`) and the report path (`json_path`:
+    `dsv4.report.check_report_path`, never inside or over the checkpoint read) are checked before any work: exit 2
+    with the reason on stderr. The report file is tied to this run (`dsv4.report.ReportFile`): replaced by an
+    incomplete report at the start, by the complete report at the end, or by a failure report (`"passed":
+    false`, `"error"`: the run's error line, `"exit_status"`) when the run fails or raises.
+    """
     import contextlib
     import io
+    import sys
 
-    from dsv4.generate import is_rank_zero
+    from dsv4.launch import LaunchEnvError, launch_from_env
+    from dsv4.report import ReportFile, ReportPathError
 
-    args = (ckpt, prompt, decode_steps, json_path, thinking, device, dtype, backend, weights, continue_tokens, expect)
-    if is_rank_zero():
+    try:
+        rank_zero = launch_from_env().is_rank_zero
+        report = None
+        if json_path is not None and rank_zero:
+            from dsv4.generate import CKPT_ENV
+
+            report = ReportFile(Path(json_path), "diagnose",
+                                ckpt if ckpt is not None else os.environ.get(CKPT_ENV) or None)
+    except (LaunchEnvError, ReportPathError) as e:
+        print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    args = (ckpt, prompt, decode_steps, report, thinking, device, dtype, backend, weights, continue_tokens, expect)
+    if not rank_zero:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return _run_diagnose(*args[:3], None, *args[4:])
+    if report is None:
         return _run_diagnose(*args)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        return _run_diagnose(*args[:3], None, *args[4:])
+    try:
+        report.begin()
+    except OSError as e:
+        print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
+        return EXIT_ERROR
+    err = _ErrorLines(sys.stderr)
+    try:
+        with contextlib.redirect_stderr(err):
+            rc = _run_diagnose(*args)
+    except BaseException as e:  # an exception, Ctrl-C, a closed stdout: the report must not claim anything
+        _report_failure(report, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, None)
+        raise
+    if rc != EXIT_PASS and report.doc is None:  # failed before the report was complete: say why, in the file
+        _report_failure(report, err.last_error or f"dsv4 diagnose ended with exit status {rc} before writing its "
+                                                  "report", rc)
+    else:
+        try:
+            report.finish(rc)
+        except OSError as e:
+            print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
+            _report_failure(report, f"cannot write the report ({e})", EXIT_ERROR)
+            return EXIT_ERROR
+    return rc
+
+
+class _ErrorLines:
+    """stderr as it is, remembering the last `dsv4 diagnose: error: ...` message (for the failure report)."""
+
+    PREFIX = "dsv4 diagnose: error: "
+
+    def __init__(self, stream) -> None:
+        self._stream, self._text, self.last_error = stream, "", None
+
+    def write(self, s: str) -> int:
+        self._text = (self._text + s)[-65536:]
+        at = self._text.rfind(self.PREFIX)
+        if at >= 0:
+            self.last_error = self._text[at + len(self.PREFIX):].split("\n", 1)[0] or self.last_error
+        return self._stream.write(s)
+
+    def __getattr__(self, name):  # flush, isatty, fileno, encoding ... of the real stream
+        return getattr(self._stream, name)
+
+
+def _report_failure(report, error: str, exit_status: int | None) -> None:
+    """Replace the report file by a failure report; if even that cannot be written, remove the file (a report of
+    an earlier run, or this run's incomplete one, must not stay behind looking like a result)."""
+    try:
+        report.fail(error, exit_status)
+    except OSError:
+        try:
+            os.unlink(report.path)
+        except OSError:
+            pass
 
 
 def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
@@ -574,8 +661,10 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                                                           "template": cont_tmpl.to_json(),
                                                           "verdict": verdict, "verdict_line": verdict_line}},
                       "test2_final_norm": r.to_dict(), "passed": passed}
-            try:
-                Path(json_path).write_text(json.dumps(report, ensure_ascii=False, indent=1), encoding="utf-8")
+            try:  # atomically, tied to this run (dsv4.report.ReportFile; a plain path gets one)
+                from dsv4.report import ReportFile
+
+                (json_path if isinstance(json_path, ReportFile) else ReportFile(Path(json_path), "diagnose")).write(report)
             except OSError as e:  # the CLI checked the path up front; it can still vanish or fill up
                 import sys
                 print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)

@@ -28,8 +28,12 @@ CKPT_ENV = "DSV4_CKPT"
 
 
 def is_rank_zero() -> bool:
-    """False on the non-zero ranks of a torchrun launch (they compute but do not print reports)."""
-    return os.environ.get("RANK", "0") == "0"
+    """False on the non-zero ranks of a torchrun launch (they compute but do not print reports). Reads the launch
+    through `dsv4.launch.launch_from_env`: an inconsistent RANK / WORLD_SIZE / LOCAL_RANK (a stray `RANK=1`
+    without WORLD_SIZE) raises `LaunchEnvError` instead of silencing the process."""
+    from dsv4.launch import launch_from_env
+
+    return launch_from_env().is_rank_zero
 
 
 @dataclass
@@ -161,7 +165,9 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-    if os.environ.get("WORLD_SIZE", "1") != "1":
+    from dsv4.launch import launch_from_env
+
+    if launch_from_env().distributed:
         from dsv4.parallel import comm_from_env, load_distributed_model
 
         comm, rank_device = comm_from_env(device)
@@ -204,10 +210,18 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
 def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature: float, thinking: bool,
                  seed: int, device: str, dtype: str = "bf16", backend: str = "reference",
                  weights: str = "dequantized") -> int:
-    """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input."""
+    """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input
+    (an inconsistent RANK / WORLD_SIZE / LOCAL_RANK is checked first: `dsv4.launch.launch_from_env`)."""
     from rich.console import Console
 
+    from dsv4.launch import LaunchEnvError, launch_from_env
     from dsv4.tokenizer import load_tokenizer
+
+    try:
+        launch_from_env()
+    except LaunchEnvError as e:
+        print(f"dsv4 generate: error: {e}", file=sys.stderr)
+        return 2
 
     console = Console(stderr=True, quiet=not is_rank_zero(), soft_wrap=True)  # no wrapping inside a line
     try:

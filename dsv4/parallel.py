@@ -98,22 +98,18 @@ class Comm:
 
 def comm_from_env(device: str = "cuda", environ: dict[str, str] | None = None) -> tuple[Comm, str]:
     """The torchrun launch: read RANK / WORLD_SIZE / LOCAL_RANK, initialise the default process group (NCCL for
-    CUDA, gloo for CPU) and pick this rank's device. Without WORLD_SIZE (or WORLD_SIZE=1): (Comm(), device).
+    CUDA, gloo for CPU) and pick this rank's device. None of them set (or WORLD_SIZE=1): (Comm(), device).
 
-    Returns (comm, device string, e.g. "cuda:3"). Raises ValueError for a malformed variable, RuntimeError when
-    a CUDA launch sees fewer GPUs than local ranks.
+    Returns (comm, device string, e.g. "cuda:3"). Raises `dsv4.launch.LaunchEnvError` (a ValueError) for a
+    malformed or inconsistent variable (`dsv4.launch.launch_from_env`: the one place they are read), RuntimeError
+    when a CUDA launch sees fewer GPUs than local ranks.
     """
-    env = os.environ if environ is None else environ
+    from dsv4.launch import launch_from_env
 
-    def read(key: str) -> int:
-        raw = env.get(key, "")
-        if not raw.isdigit():
-            raise ValueError(f"${key}={raw!r}: expected a non-negative integer (set by torchrun)")
-        return int(raw)
-
-    if env.get("WORLD_SIZE", "1") == "1":
+    launch = launch_from_env(os.environ if environ is None else environ)
+    if not launch.distributed:
         return Comm(), device
-    ws, rank, local = read("WORLD_SIZE"), read("RANK"), read("LOCAL_RANK")
+    ws, rank, local = launch.world_size, launch.rank, launch.local_rank
     if device.startswith("cuda"):
         if local >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA devices are visible")

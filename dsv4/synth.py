@@ -26,7 +26,9 @@ Streaming: tensors are generated one at a time on `device` (CUDA when present: s
 written by a writer thread while the next one is generated; host memory holds a few tensors, never a shard.
 `dry_run=True` writes the index, configs, tokenizer files and every shard's real safetensors header, the data left
 as a hole of the right length (sparse file: reads as zeros, occupies no disk), so `dsv4.checkpoint.Checkpoint`
-can open and validate the full layout at any size.
+can open and validate the full layout at any size, with `allow_placeholder=True`: the index records
+`metadata.dsv4_dry_run = true` (and `dsv4_synth.json` `"dry_run": true`), and the reader refuses such a checkpoint
+as weights by default (`PlaceholderCheckpointError`; it also recognises shards whose data is a hole).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from typing import Callable
 import torch
 
 from dsv4 import quant
-from dsv4.checkpoint import DTYPE_BYTES, INDEX_FILE, TORCH_DTYPES, Checkpoint, check_values, expected_tensors
+from dsv4.checkpoint import (DTYPE_BYTES, INDEX_FILE, PLACEHOLDER_KEY, PROVENANCE_FILE, TORCH_DTYPES, Checkpoint,
+                             check_values, expected_tensors)
 from dsv4.config import ModelArgs
 
 __all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "PROVENANCE_FILE", "SYNTH_VERSION", "geometry_config", "geometry_args", "synth_tensor",
@@ -55,7 +58,6 @@ __all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "PROVENANCE_FILE",
 
 GEOMETRIES = ("tiny", "flash", "pro")
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
-PROVENANCE_FILE = "dsv4_synth.json"  # beside config.json: says the weights are synthetic, with geometry and seed
 SYNTH_VERSION = 1  # bump when a value changes: a loader synthesizing tensors must match the files it stands for
 DEFAULT_SHARD_BYTES = 4_000_000_000  # a Flash main layer (~3.6 GB) fits one shard, as in the release
 
@@ -527,8 +529,10 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
             "note": "random weights at the released geometry (not a trained model); tensor data left as holes"
             if dry_run else "random weights at the released geometry (not a trained model)"}
     (out / PROVENANCE_FILE).write_text(json.dumps(prov, indent=2) + "\n")
-    index = {"metadata": {"total_size": sum(p.data_bytes for p in plans)},
-             "weight_map": dict(sorted(weight_map.items()))}
+    meta = {"total_size": sum(p.data_bytes for p in plans)}
+    if dry_run:  # the reader refuses it as weights (dsv4.checkpoint.placeholder_evidence); layout-only use opts in
+        meta[PLACEHOLDER_KEY] = True
+    index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     if dry_run:
         say(f"dry run: index, configs, tokenizer files and {len(plans)} shard headers written, {need / 1e9:.2f} GB "
@@ -674,7 +678,8 @@ class SynthCheckpoint(Checkpoint):
     Raises ValueError (malformed spec, see `parse_source`).
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, allow_placeholder: bool = False):
+        self.placeholder: list[str] = []  # synthesized values, never placeholder zeros
         self.source = parse_source(path)
         self.path = Path(str(self.source))
         self.args = geometry_args(self.source.geometry, self.source.layers)

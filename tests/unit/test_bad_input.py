@@ -28,6 +28,7 @@ import os
 import re
 import struct
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,13 +104,72 @@ def test_config_key_with_an_unimplemented_value_is_refused(key):
     for part in outer:
         d = d[part]
     d[last] = bad
-    with pytest.raises(ValueError, match=rf"key '{re.escape(key)}'={re.escape(repr(bad))}: dsv4 implements only "
-                                         rf"{re.escape(repr(want))}"):
+    with pytest.raises(ValueError, match=rf"key '{re.escape(key)}'={re.escape(json.dumps(bad))} \(\w+\): dsv4 "
+                                         rf"implements only {re.escape(json.dumps(want))}"):
         ModelArgs.from_hf_config(cfg)
     d[last] = want  # the released value (and an absent key) loads
     ModelArgs.from_hf_config(cfg)
     del d[last]
     ModelArgs.from_hf_config(cfg)
+
+
+def _equal_of_another_type(want):
+    """Values Python's `==` takes for `want` that are another JSON type (True == 1 == 1.0, False == 0 == 0.0)."""
+    if isinstance(want, bool):
+        return [int(want), float(want)]
+    if isinstance(want, int):
+        return [float(want)] + ([bool(want)] if want in (0, 1) else [])
+    return []
+
+
+_KIND = {bool: "boolean", int: "integer", float: "float"}
+
+
+@pytest.mark.parametrize("key,bad", [(k, b) for k in sorted(FIXED_CONFIG_VALUES)
+                                     for b in _equal_of_another_type(FIXED_CONFIG_VALUES[k])])
+def test_fixed_config_value_is_compared_by_type_and_value(key, bad):
+    """`norm_topk_prob: 1`, `attention_bias: 0`, `eos_token_id: 1.0` equal the released values under `==`: each is
+    refused, and the message names the key, the value with its JSON type, and the expected value with its type
+    (the old message said `'norm_topk_prob'=1: dsv4 implements only True`, hiding why 1 is not true)."""
+    want = FIXED_CONFIG_VALUES[key]
+    assert bad == want  # the trap
+    cfg = tiny_args().to_hf_config()
+    *outer, last = key.split(".")
+    d = cfg
+    for part in outer:
+        d = d[part]
+    d[last] = bad
+    with pytest.raises(ValueError, match=rf"^<dict>: key '{re.escape(key)}'={re.escape(json.dumps(bad))} "
+                                         rf"\({_KIND[type(bad)]}\): dsv4 implements only {re.escape(json.dumps(want))} "
+                                         rf"\({_KIND[type(want)]}; the value of the released DeepSeek-V4 configs, "
+                                         r"compared by type and value\)"):
+        ModelArgs.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("wbs,kind", [([128.0, 128.0], "list"), ([128, 128.0], "list"), ((128, True), "list"),
+                                      ("128,128", "string")], ids=["floats", "one_float", "bool", "string"])
+def test_weight_block_size_is_compared_by_type(wbs, kind):
+    """`quantization_config.weight_block_size` [128.0, 128.0] passed `list(wbs) != [128, 128]`; every element must
+    be the integer 128. Negative control: [128, 128] loads."""
+    cfg = tiny_args().to_hf_config()
+    cfg["quantization_config"]["weight_block_size"] = list(wbs) if isinstance(wbs, tuple) else wbs
+    with pytest.raises(ValueError, match=r"^<dict>: key 'quantization_config.weight_block_size'=\S.* \("
+                                         rf"{kind}\), expected \[128, 128\] \(a list of two integers"):
+        ModelArgs.from_hf_config(cfg)
+    cfg["quantization_config"]["weight_block_size"] = [128, 128]
+    ModelArgs.from_hf_config(cfg)
+
+
+def test_revision_geometry_is_not_read_from_a_float_width():
+    """detect_revision named a DSpark config with hidden_size 4096.0 "Flash" (a dict lookup, 4096.0 == 4096)."""
+    from dsv4.config import detect_revision
+
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json")
+                     .read_text())
+    cfg["dspark_block_size"] = 5
+    assert detect_revision(cfg)[0].startswith("DeepSeek-V4-Flash-0731")
+    cfg["hidden_size"] = 4096.0
+    assert detect_revision(cfg)[0].startswith("a DSpark revision of DeepSeek-V4")
 
 
 @pytest.mark.parametrize("change,message", [

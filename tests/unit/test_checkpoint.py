@@ -332,3 +332,121 @@ def test_shard_offsets_back_to_back(tiny_ckpt, copy_ckpt, shift, message):
                                               rf"{message.format(a=a)} \(data bytes ..\d+\); expected the tensors "
                                               r"back to back"):
         Checkpoint(d)
+
+
+# ---------------------------------------------------------------------------------------------- trailing bytes
+@pytest.mark.parametrize("extra", [1, 4096], ids=["one_byte", "a_block"])
+def test_bytes_after_the_last_tensor_are_named(tiny_ckpt, copy_ckpt, extra):
+    """Bytes after the last tensor's data_offsets (a shard appended to, or written twice) are an error naming the
+    file, the last tensor, where the header's data ends and the file's size; never ignored."""
+    d = copy_ckpt(tiny_ckpt)
+    f = d / "model-00002-of-00004.safetensors"
+    size = f.stat().st_size
+    with f.open("ab") as fh:
+        fh.write(b"\x01" * extra)
+    (n,) = struct.unpack("<Q", f.read_bytes()[:8])
+    data = size - 8 - n
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(f))}: {extra} unexpected trailing bytes after the "
+                                              rf"last tensor: the last tensor \S+ ends at data byte {data}, but the "
+                                              rf"file holds {data + extra} data bytes \({size + extra} bytes in all: "
+                                              rf"8 \+ {n} header \+ {data + extra}\); expected the file to end at "
+                                              rf"byte {size}$"):
+        Checkpoint(d)
+
+
+# ---------------------------------------------------------------------------------------------- placeholder data
+def _dry(tmp_path, name="dry"):
+    from dsv4.synth import make_checkpoint
+
+    return make_checkpoint(tmp_path / name, "tiny", 2, dry_run=True, log=None).path
+
+
+def _densify(d: Path) -> None:
+    """Rewrite every shard with its holes as stored zero bytes (what `rsync` without -S or a download does)."""
+    for f in d.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes())
+
+
+def _strip_markers(d: Path, index: bool = True, provenance: bool = True) -> None:
+    if index:
+        doc = json.loads((d / INDEX_FILE).read_text())
+        del doc["metadata"]["dsv4_dry_run"]
+        (d / INDEX_FILE).write_text(json.dumps(doc))
+    if provenance:
+        (d / "dsv4_synth.json").unlink()
+
+
+def test_dry_run_output_is_refused_as_weights(tmp_path):
+    """`make-checkpoint --dry-run` leaves the data as holes (zeros): it loaded, and diagnose passed both decisive
+    tests on all-zero logits. The reader now refuses it by name, listing the evidence; a layout-only use opts in."""
+    from dsv4.checkpoint import PlaceholderCheckpointError
+
+    d = _dry(tmp_path)
+    msg = (rf"^{re.escape(str(d))}: placeholder checkpoint, not weights: this is the layout written by `dsv4 "
+           r"make-checkpoint --dry-run` \(tensor data left as holes, which read as zeros")
+    with pytest.raises(PlaceholderCheckpointError, match=msg) as e:
+        Checkpoint(d)
+    assert e.value.evidence[:2] == [f"{INDEX_FILE} has metadata.dsv4_dry_run = true", "dsv4_synth.json has dry_run = true"]
+    assert "allow_placeholder=True" in str(e.value)
+    with pytest.raises(PlaceholderCheckpointError, match=msg):
+        load_checkpoint(d, progress=False)
+    ck = Checkpoint(d, allow_placeholder=True)  # the layout itself is complete and valid
+    ck.validate(expected_tensors(ck.args, include_mtp=True))
+    assert ck.placeholder == e.value.evidence
+
+
+@pytest.mark.parametrize("keep", ["index_marker", "provenance", "holes"])
+def test_each_placeholder_sign_alone_is_enough(tmp_path, keep):
+    """Any one of the three signs is enough: the index marker (markers survive a dense copy), dsv4_synth.json's
+    dry_run (an older dry run had no index marker), and the data itself being a hole (markers removed)."""
+    from dsv4.checkpoint import PlaceholderCheckpointError
+
+    d = _dry(tmp_path)
+    _strip_markers(d, index=keep != "index_marker", provenance=keep != "provenance")
+    if keep != "holes":
+        _densify(d)
+    with pytest.raises(PlaceholderCheckpointError) as e:
+        Checkpoint(d)
+    sign = {"index_marker": "metadata.dsv4_dry_run = true", "provenance": "dsv4_synth.json has dry_run = true",
+            "holes": "is a hole (nothing stored, reads as zeros"}[keep]
+    assert len(e.value.evidence) == 1 and sign in e.value.evidence[0], e.value.evidence
+
+
+def test_real_data_is_not_a_placeholder(tiny_ckpt, copy_ckpt, tmp_path):
+    """Negative controls: the tiny checkpoint, a written make-checkpoint (dry_run false) and a dense copy of a dry
+    run with both markers removed (all-zero bytes stored: nothing tells it apart without reading every byte)
+    open; a marker that is not a JSON boolean is an error naming the file."""
+    from dsv4.checkpoint import placeholder_evidence
+    from dsv4.synth import make_checkpoint
+
+    assert Checkpoint(tiny_ckpt).placeholder == [] and placeholder_evidence(tiny_ckpt) == []
+    real = make_checkpoint(tmp_path / "real", "tiny", 1, log=None).path
+    assert json.loads((real / "dsv4_synth.json").read_text())["dry_run"] is False
+    assert "dsv4_dry_run" not in json.loads((real / INDEX_FILE).read_text())["metadata"]
+    assert Checkpoint(real).placeholder == []
+    d = _dry(tmp_path)
+    _strip_markers(d)
+    _densify(d)
+    assert Checkpoint(d).placeholder == []
+    d = copy_ckpt(tiny_ckpt)
+    doc = json.loads((d / INDEX_FILE).read_text())
+    doc["metadata"]["dsv4_dry_run"] = 1
+    (d / INDEX_FILE).write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=rf"{INDEX_FILE}: metadata.dsv4_dry_run=1 has type int, expected "
+                                              r"true or false"):
+        Checkpoint(d)
+
+
+def test_commands_refuse_a_dry_run_and_diagnose_names_it(tmp_path, capsys):
+    """`dsv4 diagnose` / `dsv4 generate` on dry-run output: exit 2, the error names it; the report's source line
+    (checkpoint identity) says placeholder data, not "random weights"."""
+    from dsv4.cli import main
+    from dsv4.diagnose import _checkpoint_identity
+
+    d = _dry(tmp_path)
+    for argv in (["diagnose", "--ckpt", str(d)], ["generate", "--ckpt", str(d), "--prompt", "x"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith(f"dsv4 {argv[0]}: error: {d}: placeholder checkpoint, not weights"), err
+    source = _checkpoint_identity(d, False)["source"]
+    assert source.startswith("PLACEHOLDER data, not weights") and "random weights" not in source, source

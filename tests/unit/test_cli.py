@@ -5,6 +5,7 @@ option and the exit codes, and every error line reads `dsv4 COMMAND: error: ...`
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,215 @@ def test_stdout_closed_by_its_reader_ends_quietly(tmp_path, argv):
     finally:
         os.close(w)
     assert (p.returncode, p.stderr) == (141, ""), p.stderr
+
+
+# ---------------------------------------------------------------------------------------------- torchrun variables
+_BAD_LAUNCH = [
+    ({"RANK": "1"}, r"RANK set without WORLD_SIZE and LOCAL_RANK"),
+    ({"RANK": "0"}, r"RANK set without WORLD_SIZE and LOCAL_RANK"),
+    ({"LOCAL_RANK": "1"}, r"LOCAL_RANK set without RANK and WORLD_SIZE"),
+    ({"WORLD_SIZE": "2"}, r"WORLD_SIZE set without RANK and LOCAL_RANK"),
+    ({"WORLD_SIZE": "1"}, r"WORLD_SIZE set without RANK and LOCAL_RANK"),
+    ({"RANK": "1", "WORLD_SIZE": "2"}, r"RANK and WORLD_SIZE set without LOCAL_RANK"),
+    ({"RANK": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, r"RANK=1 is not below WORLD_SIZE=1 \(expected RANK in 0..0\)"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, r"LOCAL_RANK=1 is greater than RANK=0"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, r"WORLD_SIZE=0: expected >= 1"),
+    ({"RANK": "01", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"\$RANK='01' is not a canonical non-negative decimal"),
+    ({"RANK": "0", "WORLD_SIZE": "+2", "LOCAL_RANK": "0"}, r"\$WORLD_SIZE='\+2' is not a canonical"),
+    ({"RANK": "0", "WORLD_SIZE": " 2", "LOCAL_RANK": "0"}, r"\$WORLD_SIZE=' 2' is not a canonical"),
+    ({"RANK": "0", "WORLD_SIZE": "2.0", "LOCAL_RANK": "0"}, r"\$WORLD_SIZE='2.0' is not a canonical"),
+    ({"RANK": "0", "WORLD_SIZE": "1_0", "LOCAL_RANK": "0"}, r"\$WORLD_SIZE='1_0' is not a canonical"),
+    ({"RANK": "0", "WORLD_SIZE": "\u0662", "LOCAL_RANK": "0"}, r"\$WORLD_SIZE='\u0662' is not a canonical"),
+    ({"RANK": "-1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"\$RANK='-1' is not a canonical"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"\$RANK='x' is not a canonical"),
+]
+_LAUNCH_IDS = ["rank1_alone", "rank0_alone", "local_alone", "ws2_alone", "ws1_alone", "no_local", "ws1_rank1",
+               "rank_eq_ws", "local_gt_rank", "ws0", "leading_zero", "plus", "space", "decimal", "underscore",
+               "arabic_digit", "negative", "word"]
+
+
+@pytest.mark.parametrize("env,message", _BAD_LAUNCH, ids=_LAUNCH_IDS)
+def test_inconsistent_launch_variables_are_one_named_error(env, message):
+    from dsv4.launch import LaunchEnvError, launch_from_env
+
+    with pytest.raises(LaunchEnvError, match=rf"^inconsistent torchrun launch environment \(RANK.*\): {message}"):
+        launch_from_env(env)
+
+
+@pytest.mark.parametrize("env,want", [({}, (0, 1, 0)), ({"RANK": "", "WORLD_SIZE": "", "LOCAL_RANK": ""}, (0, 1, 0)),
+                                      ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, (0, 1, 0)),
+                                      ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}, (3, 4, 3)),
+                                      ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (5, 8, 1))],
+                         ids=["unset", "empty", "single", "one_node", "second_node"])
+def test_consistent_launch_variables_are_accepted(env, want):
+    """Negative control: what torchrun sets (one node, or rank 5 = node 1's local rank 1 of 4), and nothing."""
+    from dsv4.launch import launch_from_env
+
+    got = launch_from_env(env)
+    assert (got.rank, got.world_size, got.local_rank) == want
+
+
+@pytest.mark.parametrize("command", [["diagnose"], ["generate", "--prompt", "x"]], ids=["diagnose", "generate"])
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {"RANK": "1", "WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+                                 {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}], ids=["rank1", "ws1_rank1", "local"])
+def test_bad_launch_variables_stop_the_command_before_torch(tmp_path, command, env):
+    """A stray RANK=1 made `diagnose` / `generate` print nothing, write no report and exit 0 (the process took
+    itself for a silent non-zero rank). Now: exit 2, one `dsv4 COMMAND: error: ...` line, before torch is
+    imported (no work), and no report file."""
+    import os
+
+    report = tmp_path / "r.json"
+    argv = [*command, "--json", str(report)] if command[0] == "diagnose" else command
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DSV4_CKPT")}
+    p = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, cwd=REPO, timeout=120,
+                       env={**clean, **env, "PYTHONPATH": str(REPO)})
+    _, code, torch_loaded = p.stdout.splitlines()[-1].split()
+    err = p.stderr.strip().splitlines()[-1]
+    assert (code, torch_loaded) == ("2", "False"), p.stderr
+    assert err.startswith(f"dsv4 {command[0]}: error: inconsistent torchrun launch environment ("), err
+    assert not report.exists()
+
+
+def test_library_entry_points_check_the_launch_too(capsys, monkeypatch):
+    """`run_diagnose` / `run_generate` called directly (not through the CLI) read the same check."""
+    from dsv4.diagnose import run_diagnose
+    from dsv4.generate import run_generate
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert run_diagnose(None, "x", 1, None, True, "cpu") == 2
+    assert run_generate(ckpt=None, prompt="x", max_tokens=1, temperature=0.0, thinking=True, seed=0,
+                        device="cpu") == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [ln.split(": error: ")[0] for ln in err] == ["dsv4 diagnose", "dsv4 generate"], err
+    assert all("RANK set without WORLD_SIZE" in ln for ln in err)
+
+
+# ---------------------------------------------------------------------------------------------- report files
+def _no_weights(monkeypatch):
+    import dsv4.checkpoint
+    import dsv4.tiny
+
+    def no_weights(*a, **k):
+        raise AssertionError("a weight was read or written")
+
+    monkeypatch.setattr(dsv4.checkpoint, "load_checkpoint", no_weights)
+    monkeypatch.setattr(dsv4.tiny, "make_tiny", no_weights)
+
+
+@pytest.mark.parametrize("where", ["config", "new_file_inside", "subdir", "symlink_to_config", "symlink_dir",
+                                   "link_inside_ckpt", "hard_link", "via_env"])
+def test_report_path_over_the_checkpoint_is_refused_before_any_work(tiny_ckpt, copy_ckpt, tmp_path, where, capsys,
+                                                                    monkeypatch):
+    """`--json CKPT/config.json` silently overwrote the checkpoint's config. Any report path inside the checkpoint
+    directory, or resolving to one of its files (a symlink to it, a symlink inside the checkpoint pointing
+    elsewhere as in a Hugging Face cache, a hard link), is refused before any weight is read; nothing is touched."""
+    import os
+
+    d = copy_ckpt(tiny_ckpt)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    blob = outside / "blob.json"
+    blob.write_text("{}")
+    (d / "sub").mkdir()
+    if where == "link_inside_ckpt":
+        (d / "generation_config.json").unlink()
+        os.symlink(blob, d / "generation_config.json")  # the checkpoint's file lives outside it
+    report = {"config": d / "config.json", "new_file_inside": d / "report.json", "subdir": d / "sub" / "r.json",
+              "symlink_to_config": outside / "r.json", "symlink_dir": outside / "ck" / "r.json",
+              "link_inside_ckpt": blob, "hard_link": outside / "hard.json", "via_env": d / "config.json"}[where]
+    if where == "symlink_to_config":
+        os.symlink(d / "config.json", report)
+    if where == "symlink_dir":
+        os.symlink(d, outside / "ck")
+    if where == "hard_link":
+        os.link(d / "config.json", report)
+    before = {p: p.read_bytes() for p in [*d.rglob("*"), blob] if p.is_file()}
+    _no_weights(monkeypatch)
+    if where == "via_env":
+        monkeypatch.setenv("DSV4_CKPT", str(d))
+        argv = ["diagnose", "--json", str(report)]
+    else:
+        argv = ["diagnose", "--ckpt", str(d), "--json", str(report)]
+    code, cap = _exit(argv, capsys)
+    err = cap.err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith(f"dsv4 diagnose: error: argument --json: {str(report)!r}: refusing to "
+                                        "write the report there: "), err
+    assert "write the report outside the checkpoint directory" in err
+    assert {p: p.read_bytes() for p in before} == before
+    assert not (d / "report.json").exists() and not (d / "sub" / "r.json").exists()
+
+
+def test_report_path_beside_the_checkpoint_is_fine(tiny_ckpt, tmp_path):
+    """Negative control: a report next to (not inside) the checkpoint, or in a directory whose name starts like
+    the checkpoint's, passes the check; the check leaves no file behind."""
+    from dsv4.report import check_report_path
+
+    sibling = tiny_ckpt.parent / (tiny_ckpt.name + "-reports")
+    sibling.mkdir(exist_ok=True)
+    for p in (tiny_ckpt.parent / "report.json", sibling / "r.json", tmp_path / "r.json"):
+        check_report_path(p, tiny_ckpt)
+        assert not p.exists()
+    assert sorted(x.name for x in sibling.iterdir()) == []
+
+
+def test_failed_run_replaces_the_previous_report(tiny_ckpt, copy_ckpt, tmp_path, capsys):
+    """A failed run left the previous `--json` report (`"passed": true`) in place. Now the file is replaced by a
+    failure report of this run: passed false, status failed, the error line, the exit status, a run id."""
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"passed": True, "note": "an earlier run"}))
+    d = copy_ckpt(tiny_ckpt)
+    (d / "config.json").write_text("{")
+    assert main(["diagnose", "--ckpt", str(d), "--json", str(report)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    rep = json.loads(report.read_text())
+    assert rep["passed"] is False and rep["status"] == "failed" and rep["exit_status"] == 2, rep
+    assert err == f"dsv4 diagnose: error: {rep['error']}" and f"{d / 'config.json'}: not valid JSON" in rep["error"]
+    assert rep["run"]["command"] == "dsv4 diagnose" and len(rep["run"]["id"]) == 32 and rep["run"]["finished"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "r.json"]  # no temporary file left
+
+
+def test_report_during_the_run_and_after_an_exception(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """While the run works, the file already says incomplete (passed false): a run killed before it can write
+    leaves no earlier verdict behind. An exception replaces it by a failure report naming the exception and is
+    re-raised (a traceback, as before)."""
+    import dsv4.generate
+
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps({"passed": True}))
+    seen = []
+
+    def load_model(*a, **k):
+        seen.append(json.loads(report.read_text()))
+        raise KeyError("boom")
+
+    monkeypatch.setattr(dsv4.generate, "load_model", load_model)
+    with pytest.raises(KeyError, match="boom"):
+        main(["diagnose", "--ckpt", str(tiny_ckpt), "--json", str(report)])
+    assert seen[0]["passed"] is False and seen[0]["status"] == "incomplete", seen
+    rep = json.loads(report.read_text())
+    assert (rep["passed"], rep["status"], rep["error"], rep["exit_status"]) == (False, "failed", "KeyError: 'boom'",
+                                                                                 None)
+    assert rep["run"]["id"] == seen[0]["run"]["id"]
+
+
+def test_report_writes_are_atomic(tmp_path, monkeypatch):
+    """A report is written to a temporary file beside it and moved into place: when the move fails the old file
+    is intact and no temporary file stays."""
+    import os
+
+    from dsv4.report import write_atomically
+
+    p = tmp_path / "r.json"
+    p.write_text("old")
+    write_atomically(p, "new")
+    assert p.read_text() == "new"
+
+    def fail(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError):
+        write_atomically(p, "newer")
+    assert p.read_text() == "new" and [x.name for x in tmp_path.iterdir()] == ["r.json"]

@@ -102,7 +102,7 @@ def _edited_flash(tmp_path, edit) -> Path:
     (lambda c: c.update(hidden_size="4096"), "key 'hidden_size'='4096' has type str"),
     (lambda c: c.update(model_type="deepseek_v3"), "model_type='deepseek_v3', expected 'deepseek_v4'"),
     (lambda c: c["quantization_config"].update(weight_block_size=[64, 64]),
-     r"weight_block_size=\[64, 64\], expected \[128, 128\]"),
+     r"weight_block_size'=\[64, 64\] \(list\), expected \[128, 128\]"),
 ], ids=["missing", "kv_heads", "rope", "type", "model_type", "block"])
 def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
     p = _edited_flash(tmp_path, edit)

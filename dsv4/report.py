@@ -1,0 +1,181 @@
+"""Report files (`dsv4 diagnose --json FILE`): written atomically by the run that made them, never over a
+checkpoint's files, never left behind by a run that failed.
+
+Rules (`ReportFile`):
+* The path is checked before any work (`check_report_path`): not a directory, its directory exists and takes a
+  new file (the atomic write needs a temporary file beside it), and it is neither inside the checkpoint
+  directory being read nor one of its files: paths are resolved, so a symlink to a checkpoint file, a symlink
+  inside the checkpoint pointing elsewhere (a Hugging Face cache snapshot) and a hard link are all refused.
+* Every write is atomic: a temporary file in the same directory, flushed and fsync'ed, then `os.replace`; a reader
+  sees the old file or the new one, never half of one.
+* At the start of the run the file is replaced by an *incomplete* report (`"passed": false`, `"status":
+  "incomplete"`), so a report of an earlier run never survives this one, even when this one is killed (SIGKILL,
+  out of memory) before it can write anything else.
+* A run that fails after the path was given (bad checkpoint, bad environment, an exception, Ctrl-C) replaces it by
+  a *failure* report: `"passed": false`, `"status": "failed"`, `"error"` (the message), `"exit_status"`. A
+  complete report (`"status": "complete"`) carries the run's verdict as the command computed it.
+* Every report has a `"run"` block tying it to its run: a random id, the command line, the process id, start
+  and end times (UTC), the exit status.
+
+No torch import: the CLI checks the path before torch loads.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+__all__ = ["ReportFile", "ReportPathError", "check_report_path", "write_atomically"]
+
+
+class ReportPathError(ValueError):
+    """A report path that cannot or must not be written; the message names the option, the path and why."""
+
+
+def _resolve(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _checkpoint_entries(ckpt: Path):
+    """(path, resolved target, is a directory) of every file under the checkpoint directory, and of every symlink
+    to a directory in it (not followed further: its target as a whole belongs to the checkpoint)."""
+    for root, dirs, files in os.walk(ckpt):
+        for name in files:
+            p = Path(root) / name
+            yield p, _resolve(p), False
+        for name in dirs:
+            p = Path(root) / name
+            if p.is_symlink():
+                yield p, _resolve(p), True
+
+
+def check_report_path(path: Path, ckpt: Path | str | None, option: str = "--json") -> None:
+    """Refuse a report path that cannot be written atomically or would be written over the checkpoint `ckpt`
+    (a directory; None or a `synth:` source: no files to protect). Creates and removes one temporary file in the
+    report's directory (the write test); the target itself is not touched.
+
+    Raises ReportPathError: `path` empty or a directory; its directory missing or not writable; `path` (resolved:
+    symlinks followed) inside the resolved checkpoint directory, equal to the resolved target of one of the
+    checkpoint's files, or the same file (device and inode) as one of them.
+    """
+    text = str(path)
+    if not text.strip():
+        raise ReportPathError(f"{option} {text!r}: expected a non-empty path")
+    path = Path(path)
+    if path.is_dir():
+        raise ReportPathError(f"{option} {text!r} is a directory, expected a file path")
+    if not path.parent.is_dir():
+        raise ReportPathError(f"{option} {text!r}: directory {str(path.parent)!r} does not exist")
+    target = _resolve(path)
+    if ckpt is not None and not str(ckpt).startswith("synth:") and Path(ckpt).is_dir():
+        root = _resolve(Path(ckpt))
+        why = None
+        if target == root or root in target.parents:
+            why = f"it lies inside the checkpoint directory {str(root)!r}"
+        else:
+            try:
+                st = os.stat(path) if path.exists() else None
+            except OSError:
+                st = None
+            for f, real, is_dir in _checkpoint_entries(Path(ckpt)):
+                if real == target or is_dir and real in target.parents:
+                    what = "a directory of the checkpoint" if is_dir else "the checkpoint's file"
+                    why = f"it is {what} {str(f)!r}" if real == target or not is_dir else \
+                        f"it lies inside {what} {str(f)!r}"
+                    why += f" (-> {str(real)!r})" if real != f else ""
+                    break
+                if st is not None and not is_dir:
+                    try:
+                        fst = os.stat(f)
+                    except OSError:
+                        continue
+                    if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
+                        why = f"it is the same file (a hard link) as the checkpoint's file {str(f)!r}"
+                        break
+        if why is not None:
+            raise ReportPathError(f"{option} {text!r}: refusing to write the report there: {why}, which this run "
+                                  "reads; write the report outside the checkpoint directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=path.parent)
+    except OSError as e:
+        raise ReportPathError(f"{option} {text!r}: cannot write the report there ({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` through a temporary file in the same directory + fsync + `os.replace`.
+    Raises OSError (the temporary file is removed)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class ReportFile:
+    """The report file of one run (see the module docstring for the rules).
+
+    `ReportFile(path, command, ckpt)` checks the path (`check_report_path`, raises ReportPathError); `begin()`
+    replaces the file by the incomplete report; `write(doc)` writes the complete report (`doc` plus `"status":
+    "complete"` and `"run"`); `fail(error, exit_status)` the failure report; `finish(exit_status)` records the exit
+    status in the complete report, or writes a failure report if the run wrote none. Writes raise OSError.
+    """
+
+    def __init__(self, path: Path, command: str, ckpt: Path | str | None = None, option: str = "--json") -> None:
+        check_report_path(Path(path), ckpt, option)
+        self.path = Path(path)
+        self.command = command
+        self.run = {"id": uuid.uuid4().hex, "command": f"dsv4 {command}", "argv": list(sys.argv), "pid": os.getpid(), "started": _now(), "finished": None, "exit_status": None}
+        self.doc: dict | None = None
+        self.failed = False
+
+    def _write(self, doc: dict) -> None:
+        write_atomically(self.path, json.dumps(doc, ensure_ascii=False, indent=1))
+
+    def begin(self) -> None:
+        self._write({"passed": False, "status": "incomplete",
+                     "error": f"the run that writes this report has not finished (dsv4 {self.command}, pid "
+                              f"{self.run['pid']}, started {self.run['started']}); if no run is going on, it was "
+                              "killed before it could report", "run": self.run})
+
+    def write(self, doc: dict) -> None:
+        full = {**doc, "status": "complete", "run": {**self.run, "finished": _now()}}
+        self._write(full)
+        self.doc = full  # only once it is on disk: a failed write leaves the run without a complete report
+
+    def fail(self, error: str, exit_status: int | None) -> None:
+        self.failed = True
+        self.doc = None
+        self._write({"passed": False, "status": "failed", "error": error, "exit_status": exit_status,
+                     "run": {**self.run, "finished": _now(), "exit_status": exit_status}})
+
+    def finish(self, exit_status: int) -> None:
+        if self.failed:
+            return
+        if self.doc is None:
+            self.fail(f"dsv4 {self.command} ended with exit status {exit_status} before writing its report "
+                      "(the error is on stderr)", exit_status)
+            return
+        self.doc["run"]["exit_status"] = exit_status
+        self.doc["exit_status"] = exit_status
+        self._write(self.doc)
