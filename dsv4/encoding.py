@@ -42,7 +42,8 @@ by accident; tests/unit/test_truncated_completion.py):
     (tests/unit/test_encoding.py::test_parse_malformed_raises).
   * opt-in, off by default: `implicit_think_end=True` reads a tool-call block reached before any `</think>`
     (thinking mode) as the end of the reasoning, as vLLM, SGLang and llama.cpp do; the official parser raises
-    "missing </think>", which stays the default (docs/differences.md P4).
+    "missing </think>", which stays the default (docs/differences.md P4); `parse_truncated_completion` takes the
+    same keyword for a cut completion.
   A completion stopped by a token limit is not malformed: `parse_truncated_completion` returns what was
   generated so far (`TruncatedCompletion`: reasoning, content, the raw tool-call markup, where the cut came
   and why), and never turns cut markup into tool calls. `dsv4.generate.generate` uses it when it stops at
@@ -53,8 +54,8 @@ tokenizer maps them to their special ids. `special_strings_in_messages` finds th
 `prompt_ids` is the one way dsv4 builds model input from messages (CLI, generation, diagnostics).
 
 The project-wide list of deliberate differences from the official code, with their tests, is
-docs/differences.md (rows E1-P4 are the ones above). Public peer suites (DeepSeek's own tests, vLLM, SGLang) run as
-data against this module: fixtures/peer_suites/, tests/unit/test_peer_suites.py.
+docs/differences.md (rows E1-P4 are the ones above). Public peer suites (DeepSeek's own tests, vLLM, SGLang,
+llama.cpp, TensorRT-LLM) run as data against this module: fixtures/peer_suites/, tests/unit/test_peer_suites.py.
 """
 
 from __future__ import annotations
@@ -553,9 +554,17 @@ class TruncatedCompletion:
     reason: str
 
 
+def _opener_piece(text: str, opener: str) -> int:
+    """Length of the longest proper prefix of `opener` holding `｜DSML｜` that `text` ends with (0 if none)."""
+    for k in range(len(opener) - 1, 0, -1):
+        if DSML in opener[:k] and text.endswith(opener[:k]):
+            return k
+    return 0
+
+
 def parse_truncated_completion(text: str, thinking_mode: str,
-                               reason: str = "the token limit was reached before the end-of-sentence token"
-                               ) -> TruncatedCompletion:
+                               reason: str = "the token limit was reached before the end-of-sentence token",
+                               *, implicit_think_end: bool = False) -> TruncatedCompletion:
     """The partial result of a completion stopped by a token limit (no EOS): reasoning / content so far.
 
     Same reading as `parse_message_from_completion_text` up to the cut: in thinking mode the reasoning runs to
@@ -566,6 +575,11 @@ def parse_truncated_completion(text: str, thinking_mode: str,
         text: the decoded generated text (no EOS in it).
         thinking_mode: "thinking" or "chat".
         reason: stored in `TruncatedCompletion.reason`.
+        implicit_think_end: the same opt-in as `parse_message_from_completion_text` (default False = the official
+            strictness). In thinking mode, a `"\n\n<｜DSML｜tool_calls"` reached before any `</think>` ends the
+            reasoning (the text before it); the content is "" and the rest is the raw tool-call markup. A reasoning
+            tail that is a cut-off piece of that opener (holding `｜DSML｜`) counts as the start of the block, as in
+            the content (docs/differences.md P4).
     Returns:
         `TruncatedCompletion`.
     Raises:
@@ -585,19 +599,25 @@ def parse_truncated_completion(text: str, thinking_mode: str,
     i, reasoning, content, calls_text, cut_in = 0, "", "", "", "content"
     if thinking_mode == "thinking":
         i, reasoning, stop = _until(text, 0, [THINK_END, calls_open])
-        if stop == calls_open:
-            raise ValueError("completion.reasoning_content: tool calls before </think> in thinking mode")
-        if stop is None:
+        if stop == calls_open and implicit_think_end:  # the opener ends the reasoning (P4): the calls follow
+            cut_in, calls_text = "tool_calls", text[i:]
+        elif stop == calls_open:
+            raise ValueError("completion.reasoning_content: tool calls before </think> in thinking mode (a "
+                             "tool-call block before </think>: implicit_think_end=True reads it as the end of the "
+                             "reasoning)")
+        elif stop is None:
             cut_in = "reasoning_content"
+            k = _opener_piece(reasoning, calls_open) if implicit_think_end else 0
+            if k:  # a cut inside the opener itself, before any </think>
+                cut_in, reasoning = "tool_calls", reasoning[:-k]
     if cut_in == "content":
         i, content, stop = _until(text, i, [calls_open])
         if stop == calls_open:
             cut_in, calls_text = "tool_calls", text[i:]
         else:  # a cut inside the opener itself: "...\n\n<｜DSML｜tool"
-            for k in range(len(calls_open) - 1, 0, -1):
-                if DSML in calls_open[:k] and content.endswith(calls_open[:k]):
-                    cut_in, content = "tool_calls", content[:-k]
-                    break
+            k = _opener_piece(content, calls_open)
+            if k:
+                cut_in, content = "tool_calls", content[:-k]
     for field, value in (("content", content), ("reasoning_content", reasoning)):
         for sp in (BOS, EOS, THINK_START, THINK_END, DSML):
             if sp in value:

@@ -201,6 +201,37 @@ def test_implicit_think_end_is_opt_in():
             parse_message_from_completion_text(bad, "thinking", implicit_think_end=True)
 
 
+
+def test_truncated_completion_takes_implicit_think_end_too():
+    """parse_truncated_completion reads a cut completion as parse_message_from_completion_text reads a whole one:
+    by default a tool-call block before </think> is an error; with implicit_think_end=True the opener ends the
+    reasoning and the markup stays raw (never parsed into calls); a cut inside the opener counts as its start.
+    Nothing else is relaxed (docs/differences.md P4, P2)."""
+    from dsv4.encoding import parse_truncated_completion
+    cut = f'plan\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1'
+    with pytest.raises(ValueError, match=r"before </think>.*implicit_think_end=True"):
+        parse_truncated_completion(cut, "thinking")
+    t = parse_truncated_completion(cut, "thinking", implicit_think_end=True)
+    assert (t.reasoning_content, t.content, t.cut_in) == ("plan", "", "tool_calls")
+    assert t.tool_calls_text == cut[len("plan\n\n<" + DSML + "tool_calls"):]
+    # the whole completion, once finished, parses to the same reasoning under the same option
+    whole = cut + f"</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}tool_calls>{EOS}"
+    assert parse_message_from_completion_text(whole, "thinking", implicit_think_end=True)["reasoning_content"] == "plan"
+    # a cut inside the opener, before any </think>: an error by default (｜DSML｜ in the reasoning), the block's start under the option
+    piece = f"plan\n\n<{DSML}tool"
+    with pytest.raises(ValueError, match="reasoning_content: unexpected special token"):
+        parse_truncated_completion(piece, "thinking")
+    t = parse_truncated_completion(piece, "thinking", implicit_think_end=True)
+    assert (t.reasoning_content, t.content, t.tool_calls_text, t.cut_in) == ("plan", "", "", "tool_calls")
+    # unchanged where the option does not apply: an explicit </think>, plain reasoning, chat mode
+    for text, mode in (("plan</think>ok" + cut[4:], "thinking"), ("still thinking", "thinking"), ("hi\n\n<" + DSML + "tool", "chat")):
+        assert parse_truncated_completion(text, mode, implicit_think_end=True) == parse_truncated_completion(text, mode)
+    # nothing else is relaxed: no blank line before the block, or </think> inside the markup, is still an error
+    for bad in (f"plan<{DSML}tool_calls>\n", cut + "</think>"):
+        with pytest.raises(ValueError):
+            parse_truncated_completion(bad, "thinking", implicit_think_end=True)
+
+
 _CALL = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name="a" string="true">1</{DSML}parameter>\n'
 
 
