@@ -28,7 +28,7 @@ EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "
                "main layers (a canonical integer 1..n_layers); TRITON_INTERPRET=1 = run the triton backend on CPU "
-               "(tests)")
+               "(tests); RANK, WORLD_SIZE, LOCAL_RANK = set by torchrun (all three consistent, or none)")
 _ENV_ARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 
