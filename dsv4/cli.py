@@ -6,7 +6,8 @@ environment variable with the right spelling (`TEST_LAYERS=10 dsv4 diagnose`). `
 are read from the environment only. Arguments are checked before torch is imported (an argument error comes
 back at once), and the runtime checks that need no weights (`--device cuda` without a GPU, `--backend triton`
 where it cannot run) come before any weight is read. Every error line reads `dsv4 COMMAND: error: ...` on
-stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked, 141 = stdout closed by its
+stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked, 4 = inconclusive (diagnose: a
+decisive test could not decide; not a pass), 141 = stdout closed by its
 reader (`| head -1`: the command ends quietly, no traceback, as a writer killed by SIGPIPE would).
 """
 
@@ -23,7 +24,9 @@ DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_CONTINUE_TOKENS = 32  # = dsv4.diagnose.DEFAULT_CONTINUE_TOKENS (not imported: it would import torch)
 EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad input (arguments, environment, "
               "missing or invalid checkpoint files, git errors); 3 = hard stop (diagnose: a decisive test failed) / "
-              "blocked (gate); 141 = stdout was closed by its reader (e.g. `| head -1`): the command stops quietly, "
+              "blocked (gate); 4 = inconclusive (diagnose: no decisive test failed, but one could not decide on this "
+              "input, e.g. tolerances that would also pass a model without a final norm: not a pass); 141 = stdout "
+              "was closed by its reader (e.g. `| head -1`): the command stops quietly, "
               "as a shell reports a writer ended by SIGPIPE")
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "

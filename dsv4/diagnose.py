@@ -23,12 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
-from dsv4.encoding import ASSISTANT, BOS, USER, encode_messages, prompt_ids, special_strings_in_messages
+from dsv4.encoding import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, encode_messages, prompt_ids,
+                           special_strings_in_messages)
 
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
-           "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP",
+           "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
            "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "continuation_verdict",
-           "format_continuation_report", "environment", "DEFAULT_CONTINUE_TOKENS"]
+           "format_continuation_report", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
+           "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS"]
 
 DEFAULT_CONTINUE_TOKENS = 32
 
@@ -66,7 +68,11 @@ class TemplateDiff:
         ops: the non-equal stretches, described.
         template_source: where the tokenizer and template came from (`tok.dsv4_template_source`).
         special_in_prompt: format special strings found in the prompt text (tokenised as special ids).
+        special_id_problems: the format's special strings whose tokenizer id is not the official one
+            (`OFFICIAL_SPECIAL_IDS`), each described; empty when all match.
         differs: hand-rolled ids != template ids.
+        outcome: "PASS", "HARD STOP" (template != encoder, or a special id is not the official one) or
+            "INCONCLUSIVE" (the hand-rolled control equals the template: the comparison cannot tell them apart).
     """
     prompt: str
     thinking: bool
@@ -80,16 +86,41 @@ class TemplateDiff:
     ops: list[DiffOp]
     template_source: str
     special_in_prompt: list[str] = field(default_factory=list)
+    special_id_problems: list[str] = field(default_factory=list)
 
     @property
     def differs(self) -> bool:
         return self.hand_rolled_ids != self.template_ids
 
+    @property
+    def outcome(self) -> str:
+        if not self.template_equals_encoder or self.special_id_problems:
+            return "HARD STOP"
+        return "INCONCLUSIVE" if not self.differs else "PASS"
+
     def to_json(self) -> dict:
-        """A JSON-serialisable dict of every field plus `differs`."""
+        """A JSON-serialisable dict of every field plus `differs` and `outcome`."""
         d = dataclasses.asdict(self)
-        d["differs"] = self.differs
+        d["differs"], d["outcome"] = self.differs, self.outcome
         return d
+
+
+# The official ids of the format's special strings (DeepSeek-V4's tokenizer; the gold vectors of
+# fixtures/golden/dsv4_prompts.json carry them): Test 1 is anchored to these numbers, not only to our own
+# template and encoder agreeing through the same tokenizer (a tokenizer that splits `<｜User｜>` into pieces
+# would make both agree on the wrong ids).
+OFFICIAL_SPECIAL_IDS = {BOS: 0, EOS: 1, USER: 128803, ASSISTANT: 128804, THINK_START: 128821, THINK_END: 128822}
+
+
+def special_id_problems(tokenizer) -> list[str]:
+    """Each special string of `OFFICIAL_SPECIAL_IDS` that the tokenizer does not encode as exactly its official
+    id (one line each, naming the string, the expected id and what the tokenizer gives); [] when all match."""
+    out = []
+    for text, want in OFFICIAL_SPECIAL_IDS.items():
+        got = tokenizer.encode(text, add_special_tokens=False)
+        if got != [want]:
+            out.append(f"{json.dumps(text, ensure_ascii=False)} encodes to {got}, expected the official [{want}]")
+    return out
 
 
 def hand_rolled_ids(tokenizer, prompt: str) -> list[int]:
@@ -153,7 +184,8 @@ def template_diff(tokenizer, prompt: str, thinking: bool = True) -> TemplateDiff
         prompt=prompt, thinking=thinking, hand_rolled_ids=hand, hand_rolled_text=tokenizer.decode(hand),
         template_ids=tmpl, template_text=text, encoder_ids=enc, template_equals_encoder=enc == tmpl,
         alignment=alignment, ops=ops, template_source=str(getattr(tokenizer, "dsv4_template_source", None)),
-        special_in_prompt=[sp for _, _, sp in special_strings_in_messages(messages)])
+        special_in_prompt=[sp for _, _, sp in special_strings_in_messages(messages)],
+        special_id_problems=special_id_problems(tokenizer))
 
 
 def format_template_report(diff: TemplateDiff) -> str:
@@ -177,9 +209,20 @@ def format_template_report(diff: TemplateDiff) -> str:
         lines.append(f"WARNING: the prompt contains special strings {diff.special_in_prompt}; they are tokenised "
                      "as special tokens (the official encoder does not escape them)")
     lines.append(f"template == official encoder: {'yes' if diff.template_equals_encoder else 'NO'}")
-    verdict = "PASS" if diff.template_equals_encoder else "FAIL"
-    lines.append(f"Test 1 {verdict}: model input is built by the dsv4 template"
-                 + ("; the hand-rolled prompt differs as listed above" if diff.differs else ""))
+    lines.append("special ids == official (" + ", ".join(f"{v}" for v in OFFICIAL_SPECIAL_IDS.values()) + "): "
+                 + ("yes" if not diff.special_id_problems else "NO"))
+    lines += [f"  problem: {p}" for p in diff.special_id_problems]
+    if diff.outcome == "PASS":
+        lines.append("Test 1 PASS: model input is built by the dsv4 template; the hand-rolled prompt differs as "
+                     "listed above")
+    elif diff.outcome == "INCONCLUSIVE":
+        lines.append("Test 1 INCONCLUSIVE: the hand-rolled prompt equals the template here, so the comparison "
+                     "cannot tell a hand-rolled prompt from the official one (the official prompt ends in "
+                     "<think> or </think>: is the tokenizer's vocabulary DeepSeek-V4's?)")
+    else:
+        lines.append("Test 1 FAIL: " + ("the template differs from the official encoder"
+                                        if not diff.template_equals_encoder else
+                                        "the tokenizer's special ids are not DeepSeek-V4's official ones"))
     return "\n".join(lines)
 
 
@@ -290,7 +333,9 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
     return Continuation(out, text, "eos" if out[-1] == eos else "max_tokens", loop_measure(body), found)
 
 
-VERDICTS = ("prompt fixed", "still degenerate", "expected answer absent", "no degeneration with either prompt")
+VERDICTS = ("prompt fixed", "still degenerate", "expected answer absent", "no degeneration with either prompt",
+            "inconclusive")
+LOOP_MIN_TOKENS = 8  # a continuation cut by max_tokens shorter than this cannot show a loop (see loop_measure)
 
 
 def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | None) -> tuple[str, str]:
@@ -300,9 +345,16 @@ def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | N
     comes back and the loop is gone):
         template continuation loops                       -> "still degenerate" (the prompt is not the only bug)
         else `expect` given and absent from the template  -> "expected answer absent"
+        else a continuation stopped by max_tokens with fewer than LOOP_MIN_TOKENS ids (too short for the loop
+             measure to see a loop: "no loop" would be vacuous)  -> "inconclusive"
         else hand-rolled loops or lacks `expect`          -> "prompt fixed"
         else                                              -> "no degeneration with either prompt"
+    Raises ValueError for an empty or all-whitespace `expect` (every text "contains" it: a vacuous check).
     """
+    if expect is not None and not expect.strip():
+        raise ValueError(f"expect={expect!r}: an empty expected answer is contained in every text; give the "
+                         "answer's text or leave it out")
+
     def what(c: Continuation) -> str:
         parts = [f"loops (period {c.loop.period} x {c.loop.repeats:.3g}, distinct {c.loop.distinct_share:.2f})"
                  if c.loop.looping else "no loop"]
@@ -317,6 +369,12 @@ def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | N
     if expect is not None and not tmpl.contains_expected:
         return VERDICTS[2], (f"{VERDICTS[2]}: no loop with the official prompt, but the continuation lacks the "
                              f"expected answer ({detail})")
+    short = [name for name, c in (("template", tmpl), ("hand-rolled", hand))
+             if c.stop == "max_tokens" and len(c.ids) < LOOP_MIN_TOKENS]
+    if short:
+        return VERDICTS[4], (f"{VERDICTS[4]}: the {' and '.join(short)} continuation stopped at max_tokens after "
+                             f"fewer than {LOOP_MIN_TOKENS} tokens, too short for the loop measure to see a loop "
+                             f"(use --continue-tokens {LOOP_MIN_TOKENS} or more) ({detail})")
     if hand.loop.looping or (expect is not None and not hand.contains_expected):
         return VERDICTS[0], (f"{VERDICTS[0]}: the hand-rolled prompt degenerates and the official one does not "
                              f"({detail})")
@@ -396,7 +454,7 @@ def format_environment(env: dict) -> str:
             f"triton {env['triton'] or 'not installed'} | transformers {env['transformers']}")
 
 
-EXIT_PASS, EXIT_ERROR, EXIT_HARD_STOP = 0, 2, 3
+EXIT_PASS, EXIT_ERROR, EXIT_HARD_STOP, EXIT_INCONCLUSIVE = 0, 2, 3, 4
 
 
 def _checkpoint_identity(path: Path, built: bool) -> dict:
@@ -476,10 +534,16 @@ def format_final_norm_report(r) -> str:
               f"TEST_LAYERS in effect: {r.test_layers}"]
     for c in r.comparisons:
         lab = f"X*{c.factor:g}" if c.factor >= 1 else f"X/{1 / c.factor:g}"
+        flip = ""
+        if c.argmax_A != c.argmax_B:
+            flip = (f"   near-tie flip (gap {c.flip_gap:.2e} <= {c.tie_tol:.2e}): counted, not failed" if c.near_tie
+                    else f"   argmax flip (gap {c.flip_gap:.2e}) beyond the near-tie tolerance {c.tie_tol:.2e}")
         lines += [f"logits(X) vs logits({lab}):",
-                  f"  argmax_A {c.argmax_A}  argmax_B {c.argmax_B}  cos {c.cosine:.9f}   (blind to a logit scale)",
+                  f"  argmax_A {c.argmax_A}  argmax_B {c.argmax_B}  cos {c.cosine:.9f}   (blind to a logit scale){flip}",
                   f"  rel_L2 {c.rel_l2:.3e} (tol {c.rel_tol:.1e})  max|dlogit| {c.max_abs_diff:.3e}  "
-                  f"KL {c.kl:.3e} (tol {c.kl_tol:.1e})  -> {'ok' if c.passed else 'FAIL'}"]
+                  f"KL {c.kl:.3e} (tol {c.kl_tol:.1e})  -> {'ok' if c.passed else 'FAIL'}",
+                  f"  power: without a final norm rel_L2 {c.nonorm_rel_l2:.3e}, KL {c.nonorm_kl:.3e} -> "
+                  + ("rejected: decisive" if c.decisive else f"NOT rejected: {c.power_reason}")]
     lines += [f"rule: {r.rule}", f"Test 2 {r.verdict}"]
     return "\n".join(lines)
 
@@ -587,7 +651,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
     (`continuation_verdict`; `expect` = the answer the prompt should produce, e.g. "Paris"). That verdict is
     reported, not gated: it does not change the exit status (a random tiny checkpoint cannot answer).
 
-    Returns 0 when both tests pass, 3 (EXIT_HARD_STOP) when either fails, 2 for bad input (missing
+    Returns 0 when both tests pass, 3 (EXIT_HARD_STOP) when either fails, 4 (EXIT_INCONCLUSIVE) when neither
+    fails but one could not decide (Test 2's power check, Test 1's special-id / control check), 2 for bad input (missing
     checkpoint, invalid TEST_LAYERS, a later revision, unreadable files), with the reason on stderr.
     """
     import tempfile
@@ -599,6 +664,11 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
     from dsv4.tiny import make_tiny
     from dsv4.tokenizer import load_tokenizer
 
+    if expect is not None and not expect.strip():
+        import sys
+        print(f"dsv4 diagnose: error: --expect {expect!r}: an empty expected answer is contained in every text "
+              "(a check that cannot fail); give the answer's text or leave --expect out", file=sys.stderr)
+        return EXIT_ERROR
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
     with tempfile.TemporaryDirectory(prefix="dsv4-tiny-") as tmp:
         try:
@@ -628,7 +698,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         # the template ids template_diff got from prompt_ids (a second call would log its special-string warning
         # twice)
         fed = diff.template_ids
-        test1_ok = diff.template_equals_encoder and fed == diff.encoder_ids
+        test1_outcome = "HARD STOP" if fed != diff.encoder_ids else diff.outcome
         # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
         r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
         cont_hand = greedy_continuation(model, tok, diff.hand_rolled_ids, continue_tokens, expect)
@@ -642,25 +712,31 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         if cont_tmpl.ids[0] != r.greedy_ids[0]:  # same ids, same model, fresh state: a near-tie flipped
             print(f"note: the continuation's first token {cont_tmpl.ids[0]} differs from Test 2's greedy top-1 "
                   f"{r.greedy_ids[0]} for the same prompt (non-deterministic kernels and a near-tie)")
-        if not test1_ok:
+        if test1_outcome == "HARD STOP":
             print("Test 1 HARD STOP: the ids fed to the model are not the official prompt format")
         print()
         print(format_final_norm_report(r))
-        passed = test1_ok and r.passed
+        outcomes = (test1_outcome, r.outcome)
+        outcome = ("HARD STOP" if "HARD STOP" in outcomes else "INCONCLUSIVE" if "INCONCLUSIVE" in outcomes
+                   else "PASS")
+        passed = outcome == "PASS"
         print()
-        print("RESULT: PASS (both decisive tests)" if passed else
-              "RESULT: HARD STOP - no kernel, mHC or residual change is authorized until these pass")
+        print({"PASS": "RESULT: PASS (both decisive tests)",
+               "HARD STOP": "RESULT: HARD STOP - no kernel, mHC or residual change is authorized until these pass",
+               "INCONCLUSIVE": "RESULT: INCONCLUSIVE - a decisive test could not decide on this input (see its "
+                               "reason); this is not a pass (exit status 4)"}[outcome])
         if json_path is not None:
             report = {"environment": env, "checkpoint": ident, "test_layers": n_layers, "dtype": dtype,
                       "device": device, "backend": model.backend.name, "weights": weights,
                       "world_size": env["world_size"],
-                      "test1_template": {**diff.to_json(), "fed_ids": fed, "passed": test1_ok,
+                      "test1_template": {**diff.to_json(), "fed_ids": fed, "passed": test1_outcome == "PASS",
+                                         "outcome": test1_outcome,
                                          "top1_hand_rolled": top_hand, "top1_template": top_tmpl,
                                          "continuation": {"tokens_requested": continue_tokens, "expect": expect,
                                                           "hand_rolled": cont_hand.to_json(),
                                                           "template": cont_tmpl.to_json(),
                                                           "verdict": verdict, "verdict_line": verdict_line}},
-                      "test2_final_norm": r.to_dict(), "passed": passed}
+                      "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed}
             try:  # atomically, tied to this run (dsv4.report.ReportFile; a plain path gets one)
                 from dsv4.report import ReportFile
 
@@ -669,4 +745,4 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                 import sys
                 print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
                 return EXIT_ERROR
-        return EXIT_PASS if passed else EXIT_HARD_STOP
+        return {"PASS": EXIT_PASS, "HARD STOP": EXIT_HARD_STOP, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[outcome]

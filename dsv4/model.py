@@ -927,13 +927,7 @@ class Transformer(nn.Module):
         """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
         not), window, head dim, dtype and device. ValueError naming the first mismatch. Checked once per
         (state, model) pair: the layer states keep their shapes, dtype and device for the whole sequence."""
-        if state.owner is None:
-            state.owner = weakref.ref(self)
-        elif state.owner() is not self:
-            raise ValueError("this DecodeState belongs to another model instance (its window, compressor and indexer "
-                             "caches hold that model's keys and values, even where the architecture is the same); "
-                             "make the state with this model's new_state()")
-        if state.checked_by == id(self):
+        if state.checked_by == id(self) and state.owner is not None and state.owner() is self:
             return
         if len(state.layers) != len(self.layers):
             raise ValueError(f"state has {len(state.layers)} layer states, this model has {len(self.layers)} layers "
@@ -950,6 +944,12 @@ class Transformer(nn.Module):
                     f"{st.index_compressor is not None}; expected ring [b, {want[0]}, {want[1]}] {self.dtype} on "
                     f"{self.device}, compressor {attn.compressor is not None}, indexer {attn.indexer is not None} "
                     "(make the state with this model's new_state())")
+        if state.owner is None:  # a state built by hand: claimed by the first model that runs it
+            state.owner = weakref.ref(self)
+        elif state.owner() is not self:
+            raise ValueError("this DecodeState belongs to another model instance (its window, compressor and indexer "
+                             "caches hold that model's keys and values, even where the architecture is the same); "
+                             "make the state with this model's new_state()")
         state.checked_by = id(self)
 
     def use_decode_graphs(self, max_len: int | None) -> None:

@@ -19,6 +19,7 @@ __all__ = ["Mutant", "MUTANTS", "get"]
 HF17 = "tests/unit/test_model.py::test_hf_parity_prefill[17]"  # transformers' DeepseekV4, fp32 logits, 17 tokens
 FINAL_NORM = "tests/unit/test_final_norm.py::test_final_norm_passes_on_the_model"  # Test 2 (hard stop)
 BF16 = "tests/unit/test_bf16_numerics.py::"  # the bf16 numerics invariants (issue 17)
+BF16_BACKEND = "tests/unit/test_bf16_backend.py::"  # bf16 triton backend vs reference, per call (issue 22 item 4)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,54 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.mhc_lo_piece_dropped,
            ("tests/unit/test_kernel_edges.py::test_hc_lo_piece_decides[two_launch-hc_pre]",
             "tests/unit/test_kernel_edges.py::test_hc_lo_piece_decides[one_launch-hc_head]")),
+    # issue 22: Test 2 decides or says it cannot
+    Mutant("final_norm_power_check_dropped",
+           "final-norm check without its power check: a tolerance that would pass a model with no norm says PASS",
+           patches.final_norm_power_check_dropped,
+           ("tests/unit/test_final_norm.py::test_huge_eps_is_inconclusive_never_pass[no_norm]",
+            "tests/unit/test_final_norm.py::test_zero_head_is_inconclusive")),
+    Mutant("final_norm_tie_unaware", "final-norm check fails a correct model on a bf16 argmax near-tie",
+           patches.final_norm_tie_unaware,
+           ("tests/unit/test_final_norm.py::test_near_tie_flip_is_counted_not_failed",)),
+    # issue 22 item 4: fast paths, the graph step and launches that no CPU hard stop ran
+    Mutant("fp8_gemv_k_block_scale_dropped", "FP8 decode GEMV kernel drops one K block's weight scale",
+           patches.fp8_gemv_k_block_scale_dropped,
+           ("tests/unit/test_gemm_moe_kernels.py::test_fp8_linear_decode[M5-split]",
+            BF16_BACKEND + "test_twin_decode_across_compression_boundaries_matches_reference")),
+    Mutant("wo_a_gemv_reads_group_0", "grouped wo_a decode kernel reads every group's input from group 0",
+           patches.wo_a_gemv_reads_group_0,
+           ("tests/unit/test_fast_paths.py::test_grouped_wo_a_matches_reference[decode_gemv]",
+            "tests/unit/test_gemm_moe_kernels.py::test_fp8_grouped_gemv_variants[dot u2]")),
+    Mutant("gemv_tuned_split_drops_k_blocks", "a tuned launch (selected only on the GPU) gives wrong results",
+           patches.gemv_tuned_split_drops_k_blocks,
+           ("tests/unit/test_gemm_moe_kernels.py::test_every_tuned_gemv_launch_matches_reference"
+            "[linear-core-bn64-u2-x8-w4]",)),
+    Mutant("moe_tiles_nibbles_swapped", "FP4 nibble order swapped in the MoE tile kernel only (prefill path)",
+           patches.moe_tiles_nibbles_swapped,
+           ("tests/unit/test_gemm_moe_kernels.py::test_moe_experts[T40-clamped-tiles]",
+            BF16_BACKEND + "test_prefill_and_first_twin_step_every_path_matches_reference")),
+    Mutant("graph_rope_stale_position", "graph decode step rotates the query by a stale position",
+           patches.graph_rope_stale_position,
+           (BF16_BACKEND + "test_reference_twin_equals_eager_decode_bitwise[bf16]",
+            "tests/unit/test_graph_decode.py::test_static_step_equals_decode[reference-21-12]")),
+    Mutant("rope_tail_token0_position", "multi-token RoPE kernel rotates every token by token 0's position",
+           patches.rope_tail_token0_position,
+           ("tests/unit/test_rope_kernel.py::test_multi_token_rope_with_heads_rotates_each_token_by_its_position",
+            "tests/unit/test_rope_kernel.py::test_rope_tail_matches_apply_rope[False-4-bf16-bsD]")),
+    Mutant("rope_tail_heads_as_tokens", "multi-token RoPE with heads: head index taken as the token index",
+           patches.rope_tail_heads_as_tokens,
+           ("tests/unit/test_rope_kernel.py::test_multi_token_rope_with_heads_rotates_each_token_by_its_position",
+            "tests/unit/test_rope_kernel.py::test_rope_tail_matches_apply_rope[False-4-bf16-bshD-multi]")),
+    Mutant("quant_sim_fp4_ties_away", "quantization simulation kernel rounds ties away from zero, not to even",
+           patches.quant_sim_fp4_ties_away,
+           ("tests/unit/test_quant_kernels.py::test_quant_sim_bitwise[e2m1-32-bf16]",)),
+    Mutant("rms_norm_kernel_eps_dropped", "RMSNorm kernel drops eps (the reference keeps it)",
+           patches.rms_norm_kernel_eps_dropped,
+           ("tests/unit/test_norm_kernel.py::test_rms_norm_matches_reference[bf16-64]",)),
+    Mutant("compress_pool_kernel_ape_next_slot", "compressor pooling kernel adds the next slot's positional bias",
+           patches.compress_pool_kernel_ape_next_slot,
+           ("tests/unit/test_compressor_kernel.py::test_compress_step_matches_reference[csa]",
+            BF16_BACKEND + "test_twin_decode_across_compression_boundaries_matches_reference")),
 ]}
 
 

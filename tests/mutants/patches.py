@@ -533,10 +533,32 @@ def compare_logits_rel_dropped(mp: MP) -> None:
 
     orig = final_norm.compare_logits
 
-    def compare_logits(a, b, factor, rel_tol, kl_tol):
-        return orig(a, b, factor, math.inf, kl_tol)  # MUTANT: rel L2 criterion can never fail
+    def compare_logits(a, b, factor, rel_tol, kl_tol, tie_tol=0.0):
+        return orig(a, b, factor, math.inf, kl_tol, tie_tol)  # MUTANT: rel L2 criterion can never fail
 
     mp.setattr(final_norm, "compare_logits", compare_logits)
+
+
+def final_norm_power_check_dropped(mp: MP) -> None:
+    """Test 2 judges every comparison decisive: no check that the tolerances would reject a model without a
+    final norm (a huge eps, zero weights or constant logits then read as PASS)."""
+    from dsv4 import final_norm
+
+    orig = final_norm._judge
+
+    def _judge(*args):
+        c = orig(*args)
+        c.decisive, c.power_reason = True, ""  # MUTANT: power never checked
+        return c
+
+    mp.setattr(final_norm, "_judge", _judge)
+
+
+def final_norm_tie_unaware(mp: MP) -> None:
+    """Test 2 fails any argmax flip between logits(X) and logits(X*c), even a bf16 near-tie (TIE_FACTOR 0)."""
+    from dsv4 import final_norm
+
+    mp.setattr(final_norm, "TIE_FACTOR", 0.0)  # MUTANT: no near-tie rule
 
 
 def hc_head_rounded_per_stream(mp: MP) -> None:
@@ -576,3 +598,109 @@ def row_parallel_partial_rounded(mp: MP) -> None:
         return self.comm.all_reduce((xq.float() @ self.dequantized_weight().float().T).to(x.dtype))  # MUTANT
 
     mp.setattr(RowParallelLinear, "forward", forward)
+
+
+# ------------------------------------------------------- fast paths the CPU hard stops did not see (issue 22 item 4)
+def _source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
+    """`_jit_source_mutant` for a plain Python function (`module.name` replaced by a copy of its source with
+    `old` -> `new`, exactly one occurrence, executed in a copy of the module's namespace)."""
+    import inspect
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times; update the mutant"
+    ns = dict(vars(module))
+    exec(compile(src.replace(old, new), f"<mutant {module.__name__}.{name}>", "exec"), ns)
+    mp.setattr(module, name, ns[name])
+
+
+def fp8_gemv_k_block_scale_dropped(mp: MP) -> None:
+    """The FP8 decode GEMV kernel (`_fp8_gemv_kernel`, every launch variant) multiplies the last K block by 1
+    instead of its ue8m0 weight scale; the prefill paths and the reference keep it."""
+    from kernels import gemm
+
+    _jit_source_mutant(mp, gemm, "_fp8_gemv_kernel",
+                       "sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))",
+                       "sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))\n"
+                       "            sw = tl.where(kb + u == KB - 1, 1.0, sw)  # MUTANT: last K block's scale dropped")
+
+
+def wo_a_gemv_reads_group_0(mp: MP) -> None:
+    """The grouped FP8 GEMV (decode `wo_a`) reads every group's input from group 0's columns of x (the group
+    offset g*K dropped from the x column); fp8_linear (G = 1) is unchanged."""
+    from kernels import gemm
+
+    _jit_source_mutant(mp, gemm, "_fp8_gemv_kernel", "kb1, g * K + (kb + u) * 128, GK",
+                       "kb1, (kb + u) * 128, GK  # MUTANT: group offset dropped")
+
+
+def gemv_tuned_split_drops_k_blocks(mp: MP) -> None:
+    """A launch that only the sm_90 table selects gives wrong results: with `per_sm=8` (GEMV_TUNED entries
+    only; the default and the test variants use 2 / 4) the split-K launch gets one split fewer than it needs,
+    so the last K blocks are never summed."""
+    from kernels import gemm
+
+    orig = gemm.split_k
+
+    def split_k(device, n_blocks, k_tiles, per_sm=2):
+        split, per = orig(device, n_blocks, k_tiles, per_sm)
+        return (max(1, split - 1), per) if per_sm == 8 else (split, per)  # MUTANT
+
+    mp.setattr(gemm, "split_k", split_k)
+
+
+def moe_tiles_nibbles_swapped(mp: MP) -> None:
+    """The MoE tile kernels (`_fp4_tile_dot`, the prefill path) decode the high nibble as the even input and the
+    low one as the odd input; the gemv path and the references keep the on-disk order."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_fp4_tile_dot", "lo = _e2m1(b, False) * s\n    hi = _e2m1(b, True) * s",
+                       "lo = _e2m1(b, True) * s  # MUTANT: nibbles swapped\n    hi = _e2m1(b, False) * s")
+
+
+def graph_rope_stale_position(mp: MP) -> None:
+    """The graph decode step rotates the query by the previous step's position (pos - 1, a stale device
+    position); keys, the output de-rotation and the eager decode stay right."""
+    from dsv4 import graph
+
+    _source_mutant(mp, graph, "_attention_step", "q = backend.rope_tail(q, pos, attn.inv_freq, rd)",
+                   "q = backend.rope_tail(q, pos - 1, attn.inv_freq, rd)  # MUTANT: stale position")
+
+
+def rope_tail_token0_position(mp: MP) -> None:
+    """The RoPE tail kernel rotates every token of a multi-token call by token 0's position."""
+    from kernels import rope
+
+    _jit_source_mutant(mp, rope, "_rope_tail_kernel", "tl.load(pos_ptr + t)", "tl.load(pos_ptr + 0)  # MUTANT")
+
+
+def rope_tail_heads_as_tokens(mp: MP) -> None:
+    """The RoPE tail kernel takes the token index from the row index without dividing out the heads
+    (t = row % S instead of (row // H) % S): right for one token, and for any number of tokens without heads."""
+    from kernels import rope
+
+    _jit_source_mutant(mp, rope, "_rope_tail_kernel", "t = (row // H) % S", "t = row % S  # MUTANT")
+
+
+def quant_sim_fp4_ties_away(mp: MP) -> None:
+    """The e2m1 simulation kernel (`kernels.quant`, the graph step's indexer q / keys) rounds ties away from
+    zero instead of to even; dsv4.quant keeps round-half-even."""
+    from kernels import quant as kq
+
+    _jit_source_mutant(mp, kq, "_round_half_even", "(d > 0.5) | ((d == 0.5) & odd)", "d >= 0.5  # MUTANT")
+
+
+def rms_norm_kernel_eps_dropped(mp: MP) -> None:
+    """The RMSNorm kernel computes rsqrt(mean(x^2)) without + eps; `rms_norm_ref` keeps it."""
+    from kernels import norm
+
+    _jit_source_mutant(mp, norm, "_rms_norm_kernel", "tl.math.rsqrt(ms + eps)", "tl.math.rsqrt(ms)  # MUTANT")
+
+
+def compress_pool_kernel_ape_next_slot(mp: MP) -> None:
+    """The compressor pooling kernel (graph decode) adds the token's score the positional bias of the NEXT slot
+    (ape[(p + 1) % r] instead of ape[p % r]); `compress_pool_ref` and `Compressor.decode` keep it."""
+    from kernels import compressor
+
+    _jit_source_mutant(mp, compressor, "_compress_pool_kernel", "tl.load(ape_ptr + p * W + newcol",
+                       "tl.load(ape_ptr + ((p + 1) % R) * W + newcol")

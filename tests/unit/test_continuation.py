@@ -13,8 +13,8 @@ import pytest
 
 import dsv4
 from dsv4.cli import main
-from dsv4.diagnose import (EXIT_PASS, TINY_REBUILD, VERDICTS, Continuation, LoopMeasure, continuation_verdict,
-                           loop_measure)
+from dsv4.diagnose import (EXIT_PASS, LOOP_MIN_TOKENS, TINY_REBUILD, VERDICTS, Continuation, LoopMeasure,
+                           continuation_verdict, loop_measure)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,6 +94,43 @@ def test_verdict_rule(hand, tmpl, expect, verdict):
     assert line.startswith(verdict + ":") and "\n" not in line
 
 
+SHORT = [500, 501, 502]  # cut by max_tokens after 3 tokens: too short for the loop measure to see a loop
+
+
+@pytest.mark.parametrize("hand,tmpl,expect", [
+    (_cont(SHORT), _cont(FINE), None),  # the hand-rolled one cannot show its loop: "prompt fixed" impossible
+    (_cont(FINE), _cont(SHORT), None),  # the template's "no loop" would be vacuous
+    (_cont(SHORT, expected=False), _cont(SHORT, expected=True), "Paris"),
+])
+def test_verdict_is_inconclusive_where_the_loop_measure_cannot_see(hand, tmpl, expect):
+    """Test 1's decision where it could be vacuous: "no loop" over fewer than LOOP_MIN_TOKENS ids cut by
+    max_tokens proves nothing, so the verdict says it cannot decide (never "prompt fixed" / "no degeneration")."""
+    got, line = continuation_verdict(hand, tmpl, expect)
+    assert got == "inconclusive" == VERDICTS[4], line
+    assert f"fewer than {LOOP_MIN_TOKENS} tokens" in line and f"--continue-tokens {LOOP_MIN_TOKENS}" in line
+
+
+def test_short_continuation_that_ended_at_eos_is_decisive():
+    """An EOS is a real stop (a loop never ends): a 3-token answer ending in EOS is judged, not inconclusive."""
+    eos_cont = Continuation([500, 501, 1], "", "eos", loop_measure([500, 501]), True)
+    assert continuation_verdict(_cont(LOOP, expected=False), eos_cont, "Paris")[0] == "prompt fixed"
+
+
+@pytest.mark.parametrize("expect", ["", "   "])
+def test_empty_expected_answer_is_refused(expect):
+    """Every text contains "": a check that cannot fail is refused, in the function and in the CLI."""
+    with pytest.raises(ValueError, match="empty expected answer"):
+        continuation_verdict(_cont(FINE), _cont(FINE), expect)
+
+
+@pytest.mark.parametrize("expect", ["", "   "])
+def test_cli_refuses_an_empty_expect(capsys, expect):
+    with pytest.raises(SystemExit) as e:
+        main(["diagnose", "--expect", expect])
+    assert e.value.code == 2
+    assert "dsv4 diagnose: error: argument --expect: expected a non-empty answer" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- the report on the tiny checkpoint
 
 def _diagnose(capsys, tmp_path, *args):
@@ -127,13 +164,14 @@ def test_report_continuations_loop_measure_expect_and_verdict(tiny_ckpt, tmp_pat
 
 
 def test_expect_found_in_the_template_continuation(tiny_ckpt, tmp_path, capsys):
-    _, _, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "3", "--dtype", "fp32",
+    # 8 tokens = LOOP_MIN_TOKENS: fewer make the loop half of the decision vacuous ("inconclusive", tested below)
+    _, _, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8", "--dtype", "fp32",
                           "--decode-steps", "1")
     text = rep["test1_template"]["continuation"]["template"]["text"]
     word = text.strip()[:3] or text[:3]  # a piece of what the tiny model really says, in other case
     if word.swapcase().casefold() == word.casefold():
         word = word.swapcase()
-    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "3", "--dtype", "fp32",
+    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8", "--dtype", "fp32",
                             "--decode-steps", "1", "--expect", word)
     c = rep["test1_template"]["continuation"]
     assert c["template"]["contains_expected"] is True

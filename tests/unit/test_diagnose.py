@@ -132,3 +132,42 @@ def test_diagnose_with_quantized_resident_weights(tiny_ckpt, capsys):
                        "--decode-steps", "1")
     assert status == EXIT_PASS, out
     assert "weights quantized" in out
+
+
+@pytest.mark.hardstop
+def test_diagnose_is_inconclusive_not_pass_under_a_huge_eps(tiny_ckpt, copy_ckpt, tmp_path, capsys):
+    """issue 22: `rms_norm_eps: 1e30` gave "Test 2 PASS" with cos 0.000 and rel L2 98.96 (the no-norm signature)
+    against a tolerance of 1e35. Now: INCONCLUSIVE with its reason, exit status 4 (not 0), JSON not passed."""
+    from dsv4.diagnose import EXIT_INCONCLUSIVE
+
+    d = copy_ckpt(tiny_ckpt)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e30
+    (d / "config.json").write_text(json.dumps(cfg))
+    out_json = tmp_path / "r.json"
+    status, out = _run(capsys, "--ckpt", str(d), "--dtype", "fp32", "--decode-steps", "1", "--continue-tokens", "8",
+                       "--json", str(out_json))
+    assert status == EXIT_INCONCLUSIVE == 4, out
+    assert "Test 2 INCONCLUSIVE" in out and "RESULT: INCONCLUSIVE" in out and "RESULT: PASS" not in out
+    assert "NOT rejected" in out
+    rep = json.loads(out_json.read_text())
+    assert rep["outcome"] == "INCONCLUSIVE" and rep["passed"] is False
+    assert rep["test2_final_norm"]["outcome"] == "INCONCLUSIVE" and rep["test2_final_norm"]["passed"] is False
+
+
+@pytest.mark.hardstop
+def test_test1_is_anchored_to_the_official_special_ids(tiny_ckpt, capsys, monkeypatch):
+    """Test 1 compares our template with our encoder through the same tokenizer; both would agree on a tokenizer
+    with other special ids. The official ids anchor it: the real tokenizer matches them; a mismatch (here the
+    expected table altered, as a tokenizer with other ids would look) is a HARD STOP naming the string."""
+    import dsv4.diagnose as d
+    from dsv4.tokenizer import load_tokenizer
+
+    assert d.special_id_problems(load_tokenizer(tiny_ckpt)) == []
+    assert d.OFFICIAL_SPECIAL_IDS[d.USER] == 128803 and d.OFFICIAL_SPECIAL_IDS[d.THINK_END] == 128822
+    monkeypatch.setitem(d.OFFICIAL_SPECIAL_IDS, d.USER, 128804)
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt), "--dtype", "fp32", "--decode-steps", "1",
+                       "--continue-tokens", "8")
+    assert status == EXIT_HARD_STOP, out
+    assert 'problem: "<｜User｜>" encodes to [128803], expected the official [128804]' in out
+    assert "Test 1 FAIL: the tokenizer's special ids are not DeepSeek-V4's official ones" in out
