@@ -631,7 +631,7 @@ def wo_a_gemv_reads_group_0(mp: MP) -> None:
     from kernels import gemm
 
     _jit_source_mutant(mp, gemm, "_fp8_gemv_kernel", "kb1, g * K + (kb + u) * 128, GK",
-                       "kb1, (kb + u) * 128, GK  # MUTANT: group offset dropped")
+                       "kb1, (kb + u) * 128, GK")  # MUTANT: group offset dropped
 
 
 def gemv_tuned_split_drops_k_blocks(mp: MP) -> None:
@@ -687,7 +687,7 @@ def quant_sim_fp4_ties_away(mp: MP) -> None:
     zero instead of to even; dsv4.quant keeps round-half-even."""
     from kernels import quant as kq
 
-    _jit_source_mutant(mp, kq, "_round_half_even", "(d > 0.5) | ((d == 0.5) & odd)", "d >= 0.5  # MUTANT")
+    _jit_source_mutant(mp, kq, "_round_half_even", "(d > 0.5) | ((d == 0.5) & odd)", "(d >= 0.5)")  # MUTANT
 
 
 def rms_norm_kernel_eps_dropped(mp: MP) -> None:

@@ -19,6 +19,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_triton = pytest.mark.skipif(
     not (INTERPRET or torch.cuda.is_available()),
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (CI sets it for tests/unit)")
+pytestmark = pytest.mark.hardstop  # kernel / fast path vs reference (issue 22 item 4)
 
 
 def dense_sink_softmax64(q, kv, sink, idx, scale):
@@ -42,7 +43,6 @@ def make_case(b, s, h, hd, n, k, dtype, holes=0.3):
     return q, kv, sink, idx
 
 
-@pytest.mark.hardstop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("k", [1, 7, 20])
 def test_ref_matches_dense_float64(seed, dtype, k):
@@ -195,7 +195,6 @@ def test_ref_rounds_probabilities_to_bf16_like_the_official_kernel():
 # ---- the all-heads decode kernel (`path="heads"`, issue 14 item 1) under the interpreter ---------------------
 
 @needs_triton
-@pytest.mark.hardstop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("h, kw", [
     (8, dict()),                                              # defaults (3 queries on 4 interpreter "SMs": no split)

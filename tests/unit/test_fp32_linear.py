@@ -22,8 +22,9 @@ from kernels.fp32_linear import GEMV_MAX_M, ROWS_MAX, fp32_linear, fp32_linear_r
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
-pytestmark = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+pytestmark = [pytest.mark.hardstop,  # kernel / fast path vs reference (issue 22 item 4)
+              pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")]
 
 
 def fp32_sum_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

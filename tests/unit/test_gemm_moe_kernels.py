@@ -34,6 +34,7 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
 needs_triton = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+pytestmark = pytest.mark.hardstop  # kernel / fast path vs reference (issue 22 item 4)
 
 
 def close_bf16(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
@@ -176,6 +177,52 @@ def test_fp8_linear_gemv_variants_keep_nan(label):
     assert torch.equal(torch.isnan(y), torch.isnan(ref))
     ok = ~torch.isnan(ref).any(1)
     close_bf16(y[ok], ref[ok], "y (finite rows)")
+
+
+def _tuned_launches():
+    """The distinct launches of `kernels.gemm.GEMV_TUNED` (G = 1: fp8_linear, G > 1: the grouped wo_a), each with
+    the row counts of its bucket that the config accepts: only an sm_90 GPU selects these, so the interpreter
+    runs each one here, forced (tests/gpu/test_gemm_moe_kernels.py runs them at their real shapes)."""
+    from kernels.gemm import GEMV_TUNED
+    out = {}
+    for (bucket, _n, _k, G), cfg in GEMV_TUNED.items():
+        rows = {1: (1,), 8: (5,), 32: (20,), 64: (64,)}[bucket]
+        out.setdefault((cfg, G > 1), set()).update(m for m in rows if cfg.dot or m <= 16)
+    return {f"{'wo_a' if g else 'linear'}-{'dot' if c.dot else 'core'}-bn{c.bn}-u{c.unroll}-x{c.per_sm}"
+            f"{'-pq' if c.prequant else ''}-w{c.num_warps}": (c, g, sorted(ms)) for (c, g), ms in out.items()}
+
+
+TUNED = _tuned_launches()
+
+
+@needs_triton
+@pytest.mark.parametrize("label", TUNED)
+def test_every_tuned_gemv_launch_matches_reference(seed, label):
+    """Every launch of the measured table against the reference (same criterion as the default path): K = 640
+    (5 K blocks: a dead unroll tail, 2 splits of 3 + 2 blocks at N = 256 on the interpreter's 8 "SMs"), a
+    ragged column block (N = 200) for fp8_linear, G = 2 groups for the grouped wo_a."""
+    from kernels.gemm import fp8_grouped_gemv
+    cfg, grouped, rows = TUNED[label]
+    for M in rows:
+        if grouped:
+            G, K, N = 2, 640, 128
+            x = (torch.randn(M, G * K) * torch.logspace(-2, 2, G * K // 128).repeat_interleave(128)).to(torch.bfloat16)
+            w, s = make_w8(G * N, K)
+            wd = quant.fp8_block_dequant(w.cpu(), s.cpu(), out_dtype=torch.float32).view(G, N, K)
+            ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, G * N)
+            y = fp8_grouped_gemv(x.to(DEV), w, s, G, gemv=cfg).cpu()
+        else:
+            x, (w, s) = make_x(M, 640), make_w8(200, 640)
+            y, ref = fp8_linear(x, w, s, gemv=cfg), fp8_linear_ref(x, w, s)
+        close_bf16(y, ref, f"{label} M{M}")
+        rounded_once(y, ref, f"{label} M{M}")
+
+
+def test_tuned_launch_list_covers_the_table():
+    """Every GEMV_TUNED entry maps to one of the forced launches above (none is left to the GPU alone)."""
+    from kernels.gemm import GEMV_TUNED
+    launches = {(c, g) for c, g, _ in TUNED.values()}
+    assert {(c, k[3] > 1) for k, c in GEMV_TUNED.items()} == launches and len(TUNED) >= 5
 
 
 def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
@@ -339,6 +386,21 @@ def test_moe_nan_activation_stays_nan(seed, path, limit):
     assert torch.equal(torch.isnan(y), torch.isnan(ref)), f"NaN rows differ: {torch.isnan(y).sum(1).tolist()}"
     ok = torch.tensor([True, False, True, True])
     close_bf16(y[ok], ref[ok], "finite tokens")
+
+
+@needs_triton
+@pytest.mark.parametrize("pairs", [GEMV_MAX_PAIRS + 1, TILES_SMALL_MAX_PAIRS + 1], ids=["tiles-small", "tiles-large"])
+def test_moe_default_tile_configs_match_reference(seed, pairs):
+    """The launches `moe_config` picks above GEMV_MAX_PAIRS (16 x 64 tiles, then 32 x 128 with 64-byte K steps)
+    are forced at a small T: the same kernels and constants as a long prefill, against the reference."""
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
+    cfg = moe_config(pairs)
+    assert cfg.path == "tiles"
+    y, ref = moe_experts(x, g, idx, ex, 10.0, config=cfg), moe_grouped_ref(x, g, idx, ex, 10.0)
+    close_bf16(y, ref, f"moe y {cfg}")
+    rounded_once(y, ref, f"moe y {cfg}")
 
 
 def test_moe_config_switches_path_at_the_documented_constant():

@@ -22,6 +22,7 @@ DEV = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 needs_triton = pytest.mark.skipif(
     not (INTERPRET or torch.cuda.is_available()),
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (CI sets it for tests/unit)")
+pytestmark = pytest.mark.hardstop  # kernel / fast path vs reference (issue 22 item 4)
 
 
 def oracle_topk(scores, k, n_valid):
@@ -55,7 +56,6 @@ def test_scores_ref_matches_float64(seed):
     assert_close(got, ref64.float(), "indexer_scores_ref", atol=1e-5 * float(abs_scale(q, w, k).max()))
 
 
-@pytest.mark.hardstop
 @pytest.mark.parametrize("n, k", [(1, 4), (7, 4), (40, 8), (40, 40), (33, 50)], ids=lambda v: str(v))
 def test_topk_follows_tie_rule(seed, n, k):
     scores = tied_scores(2, 5, n)
@@ -64,7 +64,6 @@ def test_topk_follows_tie_rule(seed, n, k):
     assert_equal(indexer_topk_ref(scores, k, n_valid), oracle_topk(scores, k, n_valid), "indexer_topk_ref")
 
 
-@pytest.mark.hardstop
 def test_topk_full_row_equals_truncated_row(seed):
     """Prefill sees a full score row (non-causal tail masked by n_valid), decode a row of only the causal
     entries; with exact ties everywhere the picks must be identical."""
@@ -184,7 +183,6 @@ def test_triton_rejects_bad_launch():
 # ---- Triton top-k and one-launch selection under the interpreter (issue 14) --------------------------------
 
 @needs_triton
-@pytest.mark.hardstop
 @pytest.mark.parametrize("n, k", [(1, 4), (7, 4), (40, 8), (40, 40), (33, 50), (100, 16)], ids=lambda v: str(v))
 def test_triton_topk_follows_tie_rule(seed, n, k):
     """Same tied rows as the reference's hard-stop test (±0.0, repeated values): the Triton top-k must equal
@@ -231,7 +229,6 @@ def test_triton_topk_guard_without_sync():
 
 
 @needs_triton
-@pytest.mark.hardstop
 def test_triton_select_exact_with_ties(seed):
     """One launch (scores + top-k, several programs per row): integer q/k and power-of-two weights give
     exact scores with ties; picks must equal indexer_topk_ref(indexer_scores_ref(...)) bitwise."""

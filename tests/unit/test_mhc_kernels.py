@@ -29,6 +29,7 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
 needs_triton = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+pytestmark = pytest.mark.hardstop  # kernel / fast path vs reference (issue 22 item 4)
 
 
 def make_pre(T: int, D: int, dtype=torch.bfloat16, device="cpu", head: bool = False):
@@ -89,7 +90,6 @@ def check_sinkhorn(comb: torch.Tensor, logits: torch.Tensor, iters: int) -> None
     assert_close(comb, hand, "comb vs fp64 hand Sinkhorn", dtype=torch.float32)
 
 
-@pytest.mark.hardstop
 def test_pre_ref_matches_fp64_hand(seed):
     H, fn, base, scale = make_pre(3, 8, dtype=torch.float32)
     x, post, comb = hc_pre_ref(H, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
@@ -103,7 +103,6 @@ def test_pre_ref_matches_fp64_hand(seed):
     assert xb.dtype == torch.bfloat16
 
 
-@pytest.mark.hardstop
 @pytest.mark.parametrize("iters", [1, 3, 20])
 def test_sinkhorn_ends_on_column_step(seed, iters):
     logits = torch.randn(4, HC, HC) * 3  # spread: 3 iterations are far from converged
@@ -116,7 +115,6 @@ def test_sinkhorn_ends_on_column_step(seed, iters):
             check_sinkhorn(mutant, logits, iters)
 
 
-@pytest.mark.hardstop
 def test_post_ref_orientation_on_asymmetric_comb(seed):
     T, D = 2, 5
     H = torch.randn(T, HC, D)
@@ -156,7 +154,6 @@ def _rounded_once(got: torch.Tensor, hand: torch.Tensor, mass: torch.Tensor) -> 
     return (got.double() - hand).abs() <= half_ulp + 2.0 ** -20 * mass.double()
 
 
-@pytest.mark.hardstop
 def test_bf16_outputs_rounded_once(seed):
     """Spec §4 / §9: with bf16 streams, x = Σ pre_j H_j (pre), H_new = post·a + Σ comb·H (post) and y = Σ pre_j H_j
     (head) are fp32 sums rounded ONCE to bf16. The float32-stream tests cannot see an extra rounding (each product
@@ -281,7 +278,6 @@ def test_launchers_name_the_bad_value():
 # ---- the fused layer boundary hc_post -> next hc_pre (issue 14) ------------------------------------------
 
 @needs_triton
-@pytest.mark.hardstop
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("T,D", [(1, 96), (3, 200), (5, 64)], ids=["T1-D96", "T3-D200", "T5-D64"])
 def test_hc_post_pre_triton(seed, T, D, dtype):

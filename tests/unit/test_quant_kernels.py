@@ -17,8 +17,9 @@ from dsv4 import quant
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
-pytestmark = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+pytestmark = [pytest.mark.hardstop,  # kernel / fast path vs reference (issue 22 item 4)
+              pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")]
 
 
 def _edge_rows(block: int, fmax: float) -> torch.Tensor:

@@ -18,15 +18,16 @@ from dsv4.tiny import tiny_args
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
-pytestmark = pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
-                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")
+pytestmark = [pytest.mark.hardstop,  # kernel / fast path vs reference (issue 22 item 4)
+              pytest.mark.skipif(not INTERP and not torch.cuda.is_available(),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (set before import)")]
 
 
 def _want(x, pos, f, rd, inverse):
     return torch.cat((x[..., :-rd], apply_rope(x[..., -rd:], pos, f, inverse=inverse)), -1)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 96), (2, 1, 4, 96)], ids=["bsD", "bshD"])
+@pytest.mark.parametrize("shape", [(2, 3, 96), (2, 1, 4, 96), (2, 3, 4, 96)], ids=["bsD", "bshD", "bshD-multi"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("ratio", [0, 4])
 @pytest.mark.parametrize("inverse", [False, True])
@@ -47,6 +48,28 @@ def test_rope_tail_matches_apply_rope(seed, shape, dtype, ratio, inverse):
         assert_mostly_bitwise(got, want, "rope bf16")
     # negative control: the tail really rotates (a kernel that leaves it alone fails the check above)
     assert float((want[..., -rd:].float() - x[..., -rd:].float()).abs().max()) > float(tol.max())
+
+
+def test_multi_token_rope_with_heads_rotates_each_token_by_its_position(seed):
+    """Several tokens WITH heads (a prefill-shaped [b, s, h, D] call; decode takes one token, so a kernel that
+    takes the token index from the wrong part of the row index, or rotates every token by token 0's position,
+    passes every one-token case): each (token, head) row equals `apply_rope` at that token's position, bf16
+    within one rounding and >= 90 % bitwise, fp32 within 2 ulps of the pair's magnitude. Negative control: the
+    rows rotated by token 0's position differ from the right answer beyond that tolerance."""
+    from kernels.rope import rope_tail_
+    rd = 32
+    f = rope_inv_freq(tiny_args(), 4, rd).to(DEV)
+    pos = torch.tensor([5, 130, 1 << 16, 7], device=DEV, dtype=torch.int64)     # 4 tokens, 3 heads
+    for dtype, rtol in ((torch.float32, 2.0 ** -22), (torch.bfloat16, 2.0 ** -7)):
+        x = (torch.randn(2, 4, 3, 80, device=DEV) * 3).to(dtype)
+        want = _want(x, pos, f, rd, False)
+        got = rope_tail_(x.clone(), pos, f, rd)
+        tol = rtol * 2 * want.float().abs().amax(-1, keepdim=True)
+        assert bool(((got.float() - want.float()).abs() <= tol).all()), f"multi-token rope {dtype}"
+        if dtype == torch.bfloat16:
+            assert_mostly_bitwise(got, want, "multi-token rope bf16")
+        token0 = _want(x, pos[:1].expand(4).contiguous(), f, rd, False)
+        assert bool(((token0.float() - want.float()).abs() > tol).any()), "control: positions must matter"
 
 
 def test_rope_tail_names_bad_input():
