@@ -14,7 +14,7 @@ import torch
 from dsv4 import quant
 from dsv4.testing import assert_close
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # kernel / backend vs reference on CUDA (issue 22 item 4)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 # (name, in, out): Flash (D 4096) and Pro (D 7168) FP8 linears
@@ -174,3 +174,57 @@ def test_fp8_linear_gemv_variants_gpu(seed, name, K, N, M):
         close_bf16(fp8_linear(x, w, s, out=out, gemv=cfg), ref, f"y[{cfg}]")
         if not cfg.prequant:
             close_bf16(fp8_grouped_gemv(xo, wo, so, G, gemv=cfg), ref_o, f"wo_a[{cfg}]")
+
+
+# ------------------------------------------------------------------ launches only the GPU selects (issue 22 item 4)
+def _tuned_ids():
+    from kernels.gemm import GEMV_TUNED
+    return list(GEMV_TUNED), [f"M{m}-N{n}-K{k}-G{g}" for m, n, k, g in GEMV_TUNED]
+
+
+TUNED_KEYS, TUNED_IDS = _tuned_ids()
+
+
+@pytest.mark.parametrize("key", TUNED_KEYS, ids=TUNED_IDS)
+def test_every_tuned_gemv_entry_gpu(seed, key):
+    """Every entry of `kernels.gemm.GEMV_TUNED` at its own shape (M = the bucket's row count, N, K, G) and both
+    dot flavours against the reference: on sm_90 `gemv_config` must pick the entry (then the default launch
+    runs it), elsewhere it is forced. fp8_linear output NaN-poisoned; the grouped wo_a for G > 1."""
+    from kernels.gemm import GEMV_TUNED, fp8_grouped_gemv, fp8_linear, fp8_linear_ref, gemv_config
+    M, N, K, G = key
+    cfg = GEMV_TUNED[key]
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev)[0] == 9:
+        assert gemv_config(M, N, K, G, dev) == cfg, "sm_90 must select the measured entry"
+    x = (torch.randn(M, G * K, device="cuda") * torch.logspace(-2, 2, G * K // 128, device="cuda")
+         .repeat_interleave(128)).to(torch.bfloat16)
+    w, s = make_w8(G * N, K)
+    for mma in ("fp8", "bf16"):
+        if G == 1:
+            ref = fp8_linear_ref(x, w, s)
+            out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device="cuda")
+            close_bf16(fp8_linear(x, w, s, out=out, mma=mma, gemv=cfg), ref, f"y[{key}, {mma}]")
+        else:
+            wd = quant.fp8_block_dequant(w, s, out_dtype=torch.float32).view(G, N, K)
+            ref = torch.einsum("mgk,gnk->mgn", x.float().view(M, G, K), wd).to(torch.bfloat16).reshape(M, G * N)
+            close_bf16(fp8_grouped_gemv(x, w, s, G, mma=mma, gemv=cfg), ref, f"wo_a[{key}, {mma}]")
+
+
+@pytest.mark.parametrize("T", [4, 64, 1024], ids=["T4-gemv", "T64-tiles-small", "T1024-tiles-large"])
+def test_moe_every_default_config_gpu(seed, T):
+    """The three launches `moe_config` picks (gemv up to GEMV_MAX_PAIRS pairs, 16 x 64 tiles up to
+    TILES_SMALL_MAX_PAIRS, 32 x 128 tiles above: the bf16 tensor-core dots), each at a T that selects it by
+    default (6 experts per token, Flash widths), against `moe_grouped_ref`."""
+    from kernels.moe import GEMV_MAX_PAIRS, TILES_SMALL_MAX_PAIRS, moe_config, moe_experts, moe_grouped_ref
+    P = 6 * T
+    want = "gemv" if P <= GEMV_MAX_PAIRS else "tiles"
+    assert moe_config(P).path == want and (T != 64 or GEMV_MAX_PAIRS < P <= TILES_SMALL_MAX_PAIRS)
+    E, D, I = GEOM["flash"]
+    ex = make_experts(E, D, I)
+    x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
+    g = torch.rand(T, 6, device="cuda") + 0.1
+    close_bf16(moe_experts(x, g, idx, ex, 10.0), moe_grouped_ref(x, g, idx, ex, 10.0), f"moe y [T{T}]")
+    if want == "tiles":
+        close_bf16(moe_experts(x, g, idx, ex, 10.0, mma="bf16"), moe_grouped_ref(x, g, idx, ex, 10.0),
+                   f"moe y [T{T}, mma bf16]")

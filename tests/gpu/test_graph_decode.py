@@ -31,7 +31,7 @@ from dsv4.graph import GraphDecodeState
 from dsv4.model import Transformer
 from dsv4.testing import fill_random_quantized_
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # kernel / backend vs reference on CUDA (issue 22 item 4)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 FLASH = Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json"
@@ -151,7 +151,6 @@ def test_decode_step_is_sync_free(args, models):
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]
 
 
-@pytest.mark.hardstop
 def test_final_norm_with_graph_decode(models, monkeypatch):
     tri = models(torch.bfloat16, "triton")
     replays = []
