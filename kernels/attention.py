@@ -147,7 +147,10 @@ if triton is not None:
         tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
                  mask=hmask[:, None])
 
-    @triton.jit
+    # Not specialized on the lengths (issue 29): S, N, K, NSPLIT and the index strides vary with the prompt length,
+    # the position and the batch; CHUNK (a multiple of BLOCK_N) and the q / kv / o strides (multiples of HD) keep
+    # their divisibility by 16 whatever the length, so they stay specialized (vector loads of q and the rows).
+    @triton.jit(do_not_specialize=["S", "N", "K", "NSPLIT", "sib", "sis"])
     def _sparse_attn_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
                             S, H, N, K, CHUNK, NSPLIT,
                             sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
@@ -211,7 +214,7 @@ if triton is not None:
             tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
                      mask=hmask[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "N", "K", "NSPLIT", "sib", "sis"])  # as `_sparse_attn_kernel` (issue 29)
     def _sparse_decode_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
                               S, H, N, K, CHUNK, NSPLIT,
                               sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,

@@ -162,7 +162,7 @@ def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_pt
         tl.store(sc_ptr + srow + offs_j, z0, mask=mw)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_out"])  # issue 29: n_out = max_len // r varies per graph state
 def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, n_out, so_b, so_n,
                             OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value)."""

@@ -245,7 +245,7 @@ def act_quant_block(x):
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # issue 29: one build, not one per class of the row count
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
     """Grid (cdiv(M, BR), K/128): q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`). The
     quantize -> dequantize form is `kernels.quant.act_quant_sim`."""
@@ -362,7 +362,7 @@ def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
     tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # issue 29
 def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
                      BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
     """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid

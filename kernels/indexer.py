@@ -138,7 +138,8 @@ if triton is not None:
             sc = tl.maximum(_dot(q, tl.trans(kt), DOT), 0.0, propagate_nan=tl.PropagateNan.ALL) * w[:, None]
             tl.store(OUT + b * sob + t * sos + offs, tl.sum(sc, axis=0), mask=nmask)
 
-    @triton.jit
+    # Not specialized on the lengths (issue 29): S, N and the strides that carry them (weights and scores rows).
+    @triton.jit(do_not_specialize=["S", "N", "swb", "sob", "sos"])
     def _indexer_scores_kernel(Q, W, K, OUT, S, H, N, CHUNK,
                                sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
                                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -306,7 +307,7 @@ if triton is not None:
         else:
             tl.store(out_ptr + slot, tl.full([KP], -1, tl.int64), mask=(slot >= kk) & (slot < k))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "N", "k", "ssb", "sss", "snb", "sns", "sob", "sos"])  # issue 29
     def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos,
                              HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
                              IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
@@ -326,7 +327,7 @@ if triton is not None:
         else:
             _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "N", "k", "swb", "sob", "sos", "snb", "sns", "sib", "sis"])  # issue 29
     def _indexer_select_kernel(Q, W, K, SC, NV, OUT, SEM, S, H, N, CHUNK, k,
                                sqb, sqs, sqh, swb, sws, skb, skn, sob, sos, snb, sns, sib, sis,
                                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
@@ -377,12 +378,22 @@ def _topk_out(out, b: int, s: int, k: int, device, where: str) -> torch.Tensor:
     return out
 
 
+TOPK_BLOCKS = (256, 1024, 4096, TOPK_ROW_IN_REGISTERS)  # register-tile widths of a row (issue 29)
+TOPK_SORT_WIDTHS = (64, 512)  # sort widths KP for k up to 512; larger k: the next power of two
+
+
 def _topk_config(n: int, k: int) -> tuple[int, int, bool]:
-    """(BLOCK, KP, IN_REGISTERS): the whole row in one register tile up to TOPK_ROW_IN_REGISTERS entries,
-    else chunks of 4096; KP = k rounded up to a power of two (the sort width)."""
+    """(BLOCK, KP, IN_REGISTERS): the whole row in one register tile up to TOPK_ROW_IN_REGISTERS entries (the
+    smallest TOPK_BLOCKS width >= n), else chunks of 4096; KP = the smallest TOPK_SORT_WIDTHS width >= k (the
+    sort width; k > 512: the next power of two).
+    Issue 29: both come from fixed sets, not from next_power_of_2(n) / next_power_of_2(k), which made every new
+    power of two of the prompt length (n = T // 4) a new build (1-2 s on an H200): at most 4 x 2 in-register
+    builds (x S == 1 or not) for rows up to 16384 entries (64k tokens), one chunked build above. A wider tile
+    than n costs masked lanes only (at most 4x the lanes of the smallest power of two)."""
     in_regs = n <= TOPK_ROW_IN_REGISTERS
-    block = max(16, triton.next_power_of_2(max(n, 1))) if in_regs else 4096
-    return block, max(16, triton.next_power_of_2(max(k, 1))), in_regs
+    block = next(b for b in TOPK_BLOCKS if b >= n) if in_regs else 4096
+    kp = next((w for w in TOPK_SORT_WIDTHS if w >= k), None) or triton.next_power_of_2(k)
+    return block, kp, in_regs
 
 
 def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,

@@ -301,7 +301,9 @@ def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr,
                  mask=mask_t[:, None] & mask_d[None, :])
 
 
-@triton.jit
+# Issue 29: the token count T (and the finish kernel's split count S) are not specialized: one build per tile
+# set, never one per prompt length (see `_mix_sites`).
+@triton.jit(do_not_specialize=["T"])
 def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                    N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                    SPLIT3: tl.constexpr, MMA: tl.constexpr):
@@ -310,7 +312,7 @@ def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
                  T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT, SPLIT3, MMA)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "S"])
 def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                       T, D, S, iters, hc_eps, norm_eps, inv_k,
                       HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
@@ -324,7 +326,7 @@ def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_p
                    d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
                      T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
                      HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
@@ -351,7 +353,7 @@ def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_p
         tl.store(sem_ptr + pid_t, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
                     HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """out[t, k, d] = post[t, k]·a[t, d] + Σ_j comb[t, j, k]·H[t, j, d] (fp32), one pass over a and H."""
@@ -372,7 +374,7 @@ def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
         tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], cast_for_store(y, out_ptr), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
                         comb2_ptr, ws_ptr, sem_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
                         HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
@@ -453,11 +455,14 @@ POST_PRE_ONE_LAUNCH_MAX_T = 4  # hc_post_pre fuses up to this many tokens; beyon
                                # on H200 (RESULTS.md, issue 14: T 8 equal or slower, T 64 2-4x slower)
 
 
+SPLIT_MAX = 128  # most K splits of the mHC projection; also the finish's partial width SP (issue 29: one build)
+
+
 def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device, waves: int = 2) -> tuple[int, int]:
-    """(K elements per split, split count S ≤ 128): enough (token block, split) programs for ~`waves` waves."""
+    """(K elements per split, split count S ≤ SPLIT_MAX): enough (token block, split) programs for ~`waves` waves."""
     n_tb, n_kb = triton.cdiv(T, BT), triton.cdiv(K, BK)
     target = waves * sm_count(device, cpu_default=4)  # interpreter: 8, enough to exercise the split-K path
-    per_split = triton.cdiv(n_kb, max(1, min(n_kb, 128, triton.cdiv(target, n_tb)))) * BK
+    per_split = triton.cdiv(n_kb, max(1, min(n_kb, SPLIT_MAX, triton.cdiv(target, n_tb)))) * BK
     return per_split, triton.cdiv(K, per_split)
 
 
@@ -494,12 +499,16 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     # the interpreter. (Splits sized for 2-token blocks made each program walk 50 K-tiles serially: 47-93 µs
     # at T = 64, see RESULTS.md.)
     per_split, S = _split_k(T, K, BT, BK, H.device, waves)
+    # Issue 29: the split count S follows T, so the partial width SP is the fixed SPLIT_MAX (masked beyond S), not
+    # next_power_of_2(S): one build per tile set instead of one per power of two of S (1.5 s each on an H200).
+    # Builds per process: `_hc_mix_kernel` one per tile set (PREFILL_TILES_SHORT / _LONG) and site kind,
+    # `_hc_finish_kernel` one per site kind (hc_pre, hc_head), `_hc_fused_kernel` likewise.
     if one_launch:
         TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
         n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
         _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
-                                    N_MIX=n_mix, SP=triton.next_power_of_2(S), BT=16, BK=BK, TOK=TOK,
+                                    N_MIX=n_mix, SP=SPLIT_MAX, BT=16, BK=BK, TOK=TOK,
                                     BD=min(1024, triton.next_power_of_2(D)), SPLIT3=split3, MMA=mma,
                                     num_warps=4, **consts)
         return
@@ -509,7 +518,7 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
                                             SPLIT3=split3, MMA=mma, num_warps=warps, num_stages=stages)
     BTF, BD = 2, min(1024, triton.next_power_of_2(D))
     _hc_finish_kernel[(triton.cdiv(T, BTF), triton.cdiv(D, BD))](
-        H, mix, ss, base, scale, x, post, comb, T, D, S, *scalars, SP=triton.next_power_of_2(S), BT=BTF, BD=BD,
+        H, mix, ss, base, scale, x, post, comb, T, D, S, *scalars, SP=SPLIT_MAX, BT=BTF, BD=BD,
         num_warps=4, **consts)
 
 

@@ -62,7 +62,7 @@ def _fp4_sim_tile(x):
     return tl.where(x != x, x, q * s[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # issue 29: the row count varies with the length and batch
 def _quant_sim_kernel(x_ptr, y_ptr, n_rows, n, block, FP4: tl.constexpr, B: tl.constexpr, BR: tl.constexpr):
     """Grid (cdiv(rows, BR), n / block): rows of x viewed [rows, n], one `block`-channel group per program, held
     in a B = next_power_of_2(block) wide tile (masked columns load 0, which leaves amax unchanged)."""
