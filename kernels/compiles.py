@@ -14,8 +14,21 @@ it is listed in `do_not_specialize`. Two tools here:
   the hooks never run, so entering a `CompileLog` there is an error (a count of zero would mean nothing).
 * `LaunchLog` (CPU, TRITON_INTERPRET=1): records for every kernel launch the specialization key the GPU would
   compile it under (`spec_key`: Triton 3.6's rules, mirrored in Python), so a CPU test can check that a sweep
-  of lengths maps onto a fixed set of keys. `tests/gpu/test_compile_count.py` checks on the GPU that the
-  mirror predicts the real compiles.
+  of lengths maps onto a fixed set of keys (`tests/unit/test_compile_specialization.py`); on the GPU
+  `tests/gpu/test_compile_count.py` counts the real compiles.
+
+The bounded set of builds per kernel (issue 29; what is left after `do_not_specialize`): constexprs from a
+fixed set and model constants only, and the threshold choices `dsv4.warmup` probes:
+  attention      `_sparse_attn_kernel` SPLIT (k-split below 66 queries on an H200) x dtype; `_sparse_decode_kernel`
+                 DV / warps by batch (<= 16 rows: column split);
+  indexer        `_indexer_topk_kernel` BLOCK in TOPK_BLOCKS (or 4096 chunked) x KP in TOPK_SORT_WIDTHS x S == 1;
+                 `_indexer_scores_kernel` / `_indexer_select_kernel` one per model width;
+  mhc            `_hc_mix_kernel` per tile set (T < / >= 1024) and site kind; `_hc_finish_kernel`, `_hc_fused_kernel`
+                 per site kind (hc_pre / hc_head); `_hc_post_kernel` BT 2 / 4 (T < 4); `_hc_post_pre_kernel` one;
+  gemm / fp32_linear / moe   the decode GEMVs per row bucket (BM = next power of two of M <= 64) and launch
+                 config, and `_bf16w_gemv_kernel` by M's class (== 1, % 16) within a bucket (M <= 64: a finite
+                 set, all of it warmed); the MoE paths by pair count (GEMV / 16x64 / 32x128 tiles);
+  norm, quant, rope, compressor   one per model width (and call site).
 """
 
 from __future__ import annotations

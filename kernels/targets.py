@@ -40,7 +40,7 @@ def _specs():
         ("mhc._hc_finish_kernel", mhc._hc_finish_kernel,
          dict(h_ptr=bf, mix_ptr=f32, ss_ptr=f32, base_ptr=f32, scale_ptr=f32, x_ptr=bf, post_ptr=f32,
               comb_ptr=f32), ["hc_eps", "norm_eps", "inv_k"],
-         dict(HC=4, NP=32, SP=8, IS_HEAD=False, BT=2, BD=1024)),
+         dict(HC=4, NP=32, SP=128, IS_HEAD=False, BT=2, BD=1024)),  # SP: mhc.SPLIT_MAX
         ("mhc._hc_fused_kernel", mhc._hc_fused_kernel,
          dict(h_ptr=bf, fn_ptr=f32, base_ptr=f32, scale_ptr=f32, x_ptr=bf, post_ptr=f32, comb_ptr=f32,
               ws_ptr=f32, sem_ptr=i32), ["hc_eps", "norm_eps", "inv_k"],

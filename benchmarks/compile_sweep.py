@@ -1,0 +1,178 @@
+"""Issue 29: Triton compiles (and first-call time) across a sweep of prefill lengths, decode positions and batch
+sizes, on one GPU, Flash geometry (first `--layers` layers), bf16, weights="quantized", triton backend.
+
+Run: `PYTHONPATH=. python benchmarks/compile_sweep.py [--warmup none|prefill256|full] [--lengths 1000,1001,...]
+      [--decode] [--json out.json]`
+
+  * warm-up: `none`; `prefill256` (the issue's: one 256-token prefill and 4 decode steps); `full` =
+    `dsv4.warmup.warmup(model, ...)` (the documented warm-up; its time and compile count are printed).
+  * per prefill length: wall time of the first and second call (synchronized), the compiles during the first
+    call (`kernels.compiles.CompileLog`): kernel and the specialization that differs from the kernel's
+    previous build.
+  * `--decode`: eager decode at many positions (a prefill, then steps), eager decode from synthetic states at
+    several batch sizes, and CUDA-graph decode states (capture) at several batch sizes and max_len.
+  * `--time4k`: median of 5 prefills of 4096 tokens (after the sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_model import CONFIGS, build, synthetic_state  # noqa: E402
+from dsv4.config import ModelArgs  # noqa: E402
+from kernels.compiles import CompileLog  # noqa: E402
+
+_LAST: dict[str, str] = {}
+
+
+def _diff(name: str, spec: str) -> str:
+    """The fields of `spec` that differ from the previous build of kernel `name` (all of it for a first build)."""
+    prev = _LAST.get(name)
+    _LAST[name] = spec
+    if prev is None:
+        return "first build: " + spec
+    a, b = prev.split(", "), spec.split(", ")
+    if len(a) != len(b):
+        return spec
+    return "; ".join(f"{x} -> {y}" for x, y in zip(a, b) if x != y)
+
+
+def _note(log: CompileLog, quiet: bool = False) -> None:
+    for e in log.events:
+        d = _diff(e.name, e.spec)
+        if not quiet:
+            print(f"      {e.seconds:5.2f}s {e.name.split('.')[-1]}: {d}", flush=True)
+
+
+def _call(fn) -> tuple[float, CompileLog]:
+    torch.cuda.synchronize()
+    with CompileLog() as log:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter() - t0
+    return t, log
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--warmup", choices=("none", "prefill256", "full"), default="prefill256")
+    ap.add_argument("--lengths", default="1000,1001,1003,1500,2048,2049,3000,4096,4097,5000")
+    ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--time4k", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    import triton
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=os.popen(f"git -C {ROOT} rev-parse --short HEAD 2>/dev/null").read().strip())
+    print("==", meta, flush=True)
+    args = ModelArgs.from_hf_config(CONFIGS["flash"]).with_layers(a.layers)
+    t0 = time.perf_counter()
+    model = build(args, "triton")
+    torch.cuda.synchronize()
+    print(f"== build {time.perf_counter() - t0:.1f}s", flush=True)
+    V = args.vocab_size
+    out: dict = {"meta": meta, "warmup": a.warmup, "prefill": {}, "decode": {}}
+    if a.warmup == "prefill256":
+        def w():
+            st = model.new_state(1)
+            model(torch.randint(0, V, (1, 256), device="cuda"), st)
+            for _ in range(4):
+                model(torch.randint(0, V, (1, 1), device="cuda"), st)
+        t, log = _call(w)
+        _note(log, quiet=True)
+        print(f"== warm-up prefill256: {t:.1f}s, {log.count} compiles", flush=True)
+        out["warmup_s"], out["warmup_compiles"] = t, log.count
+    elif a.warmup == "full":
+        from dsv4.warmup import warmup
+        t, log = _call(lambda: print(warmup(model), flush=True))
+        _note(log, quiet=True)
+        print(f"== warm-up full: {t:.1f}s, {log.count} compiles ({log.seconds:.1f}s compiling)", flush=True)
+        for k, n in sorted(log.by_kernel().items()):
+            print(f"     {n:3d} {k}")
+        out["warmup_s"], out["warmup_compiles"] = t, log.count
+    print("== prefill sweep (length: first call, second call, compiles in the first)", flush=True)
+    total = 0
+    for s in [int(x) for x in a.lengths.split(",") if x]:
+        ids = torch.randint(0, V, (1, s), device="cuda")
+        t1, log = _call(lambda: model(ids, model.new_state(1)))
+        t2, log2 = _call(lambda: model(ids, model.new_state(1)))
+        total += log.count + log2.count
+        print(f"  {s:6d}: {t1 * 1e3:9.1f} ms {t2 * 1e3:8.1f} ms  compiles {log.count} ({log.seconds:.2f}s)"
+              f"{' + ' + str(log2.count) + ' in the 2nd!' if log2.count else ''}", flush=True)
+        _note(log)
+        out["prefill"][s] = dict(first_ms=t1 * 1e3, second_ms=t2 * 1e3, compiles=log.count,
+                                 kernels=log.by_kernel())
+    if a.decode:
+        print("== eager decode: prefill 200, then 70 steps (positions 200..269)", flush=True)
+        st = model.new_state(1)
+        model(torch.randint(0, V, (1, 200), device="cuda"), st)
+        n = 0
+        for i in range(70):
+            t, log = _call(lambda: model(torch.randint(0, V, (1, 1), device="cuda"), st))
+            if log.count:
+                print(f"  pos {st.pos - 1}: {log.count} compiles ({t * 1e3:.0f} ms)", flush=True)
+                _note(log)
+            n += log.count
+        total += n
+        out["decode"]["eager_positions"] = n
+        for b in (1, 2, 3, 5, 8, 13, 16, 32):
+            for ctx in (1024, 4096):
+                st = synthetic_state(model, b, ctx)
+                c = 0
+                for i in range(3):
+                    t, log = _call(lambda: model(torch.randint(0, V, (b, 1), device="cuda"), st))
+                    c += log.count
+                    if log.count:
+                        print(f"  eager b={b} ctx={ctx} step {i}: {log.count} compiles ({t * 1e3:.0f} ms)",
+                              flush=True)
+                        _note(log)
+                total += c
+                out["decode"][f"eager_b{b}_ctx{ctx}"] = c
+        print("== graph decode states (capture)", flush=True)
+        for b, max_len in ((1, 4352), (8, 4352), (3, 8192), (32, 2048)):
+            model.use_decode_graphs(max_len)
+            st = model.new_state(b)
+
+            def g():
+                model(torch.randint(0, V, (b, 300), device="cuda"), st)
+                for _ in range(3):
+                    model(torch.randint(0, V, (b, 1), device="cuda"), st)
+            t, log = _call(g)
+            model.use_decode_graphs(None)
+            print(f"  graph b={b} max_len={max_len}: {log.count} compiles ({t:.1f}s)", flush=True)
+            _note(log)
+            total += log.count
+            out["decode"][f"graph_b{b}_{max_len}"] = log.count
+            del st
+    print(f"== TOTAL compiles after the warm-up: {total}", flush=True)
+    out["total_after_warmup"] = total
+    if a.time4k:
+        ids = torch.randint(0, V, (1, 4096), device="cuda")
+        ts = []
+        for i in range(6):
+            t, _ = _call(lambda: model(ids, model.new_state(1)))
+            ts.append(t)
+        print(f"== prefill 4096: median {statistics.median(ts[1:]) * 1e3:.1f} ms of {[round(x * 1e3, 1) for x in ts]}",
+              flush=True)
+        out["prefill4k_ms"] = statistics.median(ts[1:]) * 1e3
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
