@@ -35,7 +35,7 @@ def _pair(backend: str):
 @pytest.mark.parametrize("backend,prefill,steps", [
     ("reference", 21, 12),    # CSA entries complete at 24, 28, 32; top-k 4 < entries
     ("reference", 124, 8),    # the HCA entry completes at 128
-    pytest.param("triton", 21, 6, marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
+    pytest.param("triton", 21, 3, marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
 ])
 def test_static_step_equals_decode(backend, prefill, steps):
     m = _pair(backend)
@@ -131,7 +131,7 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
 
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim))
-    ids = torch.randint(0, 512, (1, 23), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
     ref, st = m.new_state(1), GraphDecodeState(m, 1, 256, capture=False)
     m(ids, ref)
     m(ids, st)

@@ -58,6 +58,25 @@ def test_rms_norm_matches_reference(seed, d, dtype):
     assert float(((no_eps.float() - want.float()).abs() / want.float().abs()).max()) > 100 * rtol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_nan_and_inf_rows_match_the_reference(seed, dtype):
+    """A NaN in a row makes the whole row NaN (mean of squares NaN); an inf makes its row's mean square inf, so
+    the row becomes +-0 and the inf element itself NaN (inf * rsqrt(inf) = inf * 0): the kernel's NaN pattern
+    equals the reference's, the finite elements keep the one-rounding criterion. Negative control: the
+    reference really has the NaN row and the NaN at the inf (a kernel turning them into numbers fails)."""
+    from kernels.norm import rms_norm
+    m = _norm(96)
+    x = (torch.randn(5, 96, device=DEV) * 3).to(dtype)
+    x[1, 7], x[3, 50] = float("nan"), float("inf")
+    got, want = rms_norm(x, m.weight, m.eps), rms_norm_ref(m, x)
+    assert bool(torch.isnan(want[1]).all()) and bool(torch.isnan(want[3, 50])), "control"
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    fin = ~torch.isnan(want)
+    rtol = 2.0 ** -21 if dtype == torch.float32 else 2.0 ** -7
+    err = (got.float() - want.float()).abs()[fin]
+    assert bool((err <= rtol * want.float().abs()[fin] + 1e-30).all())
+
+
 def test_rms_norm_names_bad_input():
     from kernels.norm import rms_norm
     w = torch.ones(8, device=DEV)

@@ -72,6 +72,26 @@ def test_multi_token_rope_with_heads_rotates_each_token_by_its_position(seed):
         assert bool(((token0.float() - want.float()).abs() > tol).any()), "control: positions must matter"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_tail_nan_and_inf_stay_where_the_reference_has_them(seed, dtype):
+    """A NaN in a rotated pair makes both outputs of that pair NaN, an inf gives inf / NaN as the reference's
+    products do (inf * 0 = NaN where a cos or sin is 0), NaN in the nope columns stays untouched: the NaN
+    pattern equals the reference's and the finite elements keep the tolerance of the main test."""
+    from kernels.rope import rope_tail_
+    rd = 32
+    f = rope_inv_freq(tiny_args(), 0, rd).to(DEV)
+    pos = torch.tensor([0, 9, 1 << 12], device=DEV, dtype=torch.int64)
+    x = (torch.randn(1, 3, 2, 64, device=DEV) * 3).to(dtype)
+    x[0, 0, 0, 40], x[0, 1, 1, 63], x[0, 2, 0, 5] = float("nan"), float("inf"), float("nan")
+    want = _want(x, pos, f, rd, False)
+    got = rope_tail_(x.clone(), pos, f, rd)
+    assert bool(torch.isnan(want[0, 0, 0, 40:42]).all()) and bool(torch.isnan(got[0, 2, 0, 5])), "control"
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    tol = (2.0 ** -22 if dtype == torch.float32 else 2.0 ** -7) * 2 * want.float().nan_to_num(0, 0, 0).abs().amax()
+    assert bool(((got.float() - want.float()).abs()[fin] <= tol).all())
+
+
 def test_rope_tail_names_bad_input():
     from kernels.rope import rope_tail_
     f = torch.ones(16, dtype=torch.float64, device=DEV)
