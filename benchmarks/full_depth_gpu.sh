@@ -80,12 +80,12 @@ import sys
 
 import torch
 
-from dsv4.checkpoint import Checkpoint
+from dsv4.checkpoint import open_source
 from dsv4.config import layers_from_env
 from dsv4.memory_plan import rank_memory
 
 spec, w, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-args = Checkpoint(spec).args
+args = open_source(spec).args
 args = args.with_layers(layers_from_env(args.n_layers))
 GiB = 2 ** 30
 peak = max(rank_memory(args, w, r, "bf16" if mode == "dequantized" else "quantized").peak for r in range(w))

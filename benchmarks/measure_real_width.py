@@ -85,12 +85,12 @@ def _bytes_read(ckpt: Path, comm, n_layers: int, weights: str) -> int:
 def measure(ckpt: Path, comm, dev: str, weights: str, decode_steps: int) -> dict:
     """One rank, one weight mode: the numbers of the module docstring (bytes, seconds), plus last-position
     prefill logits (float32, CPU) for the world-size comparison."""
-    from dsv4.checkpoint import Checkpoint, check_values
+    from dsv4.checkpoint import check_values, open_source
     from dsv4.config import layers_from_env
     from dsv4.memory_plan import rank_memory
     from dsv4.parallel import load_parallel_model
 
-    args = Checkpoint(ckpt).args
+    args = open_source(ckpt).args
     n = layers_from_env(args.n_layers)
     plan = rank_memory(args.with_layers(n), comm.world_size, comm.rank, PLANS[weights])
     read = _bytes_read(ckpt, comm, n, weights)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("measure_real_width: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from dsv4.checkpoint import Checkpoint, read_index
+    from dsv4.checkpoint import open_source, read_index
     from dsv4.parallel import Comm
 
     worlds = [int(w) for w in a.world.split(",") if w]
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["world_size"] > 1 and r["weights"] in ref:
             r["vs_world1_max_abs_dlogit"] = float((lg - ref[r["weights"]]).abs().max())
             r["vs_world1_same_greedy"] = bool(lg.argmax() == ref[r["weights"]].argmax())
-    ck = Checkpoint(a.ckpt)
+    ck = open_source(a.ckpt)
     idx = a.ckpt / "model.safetensors.index.json"
     prov = a.ckpt / "dsv4_synth.json"
     from dsv4.synth import is_synth_source, parse_source, source_provenance

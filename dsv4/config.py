@@ -16,6 +16,7 @@ Dimension legend used by every docstring in dsv4 (one place, STYLE §5):
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -23,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG_KEYS", "layers_from_env", "TEST_LAYERS_ENV",
-           "UnsupportedRevisionError", "detect_revision", "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES",
-           "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json"]
+__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG", "HFKey", "HF_CONFIG_KEYS", "CONFIG_RANGES", "FP8_BLOCK",
+           "FP4_BLOCK", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
+           "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json",
+           "SymlinkLoopError", "symlink_loop", "check_not_loop"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -41,15 +43,112 @@ class ModelArgsError(ValueError):
         self.field = field
 
 
-# ModelArgs fields whose HF config.json key has another name (`ModelArgs.from_hf_config`), for error messages
-HF_CONFIG_KEYS: dict[str, str] = {
-    "dim": "hidden_size", "moe_inter_dim": "moe_intermediate_size", "n_layers": "num_hidden_layers",
-    "n_hash_layers": "num_hash_layers", "n_mtp_layers": "num_nextn_predict_layers",
-    "n_heads": "num_attention_heads", "n_activated_experts": "num_experts_per_tok", "score_func": "scoring_func",
-    "route_scale": "routed_scaling_factor", "rope_head_dim": "qk_rope_head_dim", "window_size": "sliding_window",
-    "rope_factor": "rope_scaling.factor", "original_seq_len": "rope_scaling.original_max_position_embeddings",
-    "beta_fast": "rope_scaling.beta_fast", "beta_slow": "rope_scaling.beta_slow", "norm_eps": "rms_norm_eps",
-    "scale_fmt": "quantization_config.scale_fmt",
+# Block sizes of the on-disk formats (reference spec §2), defined once: FP8 weights carry one ue8m0 scale per
+# FP8_BLOCK x FP8_BLOCK block (config.json `quantization_config.weight_block_size`), FP4 experts one per FP4_BLOCK
+# inputs of a row. `dsv4.quant`, `dsv4.formats` and the kernels import them from here (this module imports nothing
+# of dsv4 and no torch: the CLI and the tokenizer read configs without torch).
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+
+_NUM = (int, float)  # a JSON number
+_INTEGRAL = "integral"  # a JSON number with an integral value (65536 or 65536.0), read as int
+_REQUIRED = ...
+
+
+@dataclass(frozen=True)
+class HFKey:
+    """One key of the HF-style config.json (dotted for nested objects: `rope_scaling.factor`).
+
+    field: the `ModelArgs` field it holds, or None for a constant of the format, written as `value` by
+        `to_hf_config` (and, with `fixed`, refused by `from_hf_config` when present with another value:
+        `FIXED_CONFIG_VALUES`). kind: the JSON type `from_hf_config` accepts (int, str, list, `_NUM`, `_INTEGRAL`;
+        None: read as given). default: the value when absent (`_REQUIRED`: a missing key is an error, with the
+        reason from `NO_DEFAULT_CONFIG_KEYS`). fp8_only: written only for an fp8 checkpoint (quantization_config).
+        written: False for a key `to_hf_config` leaves out (its absence means the same value).
+    """
+
+    key: str
+    field: str | None = None
+    kind: Any = int
+    default: Any = _REQUIRED
+    value: Any = None
+    fixed: bool = False
+    fp8_only: bool = False
+    written: bool = True
+
+
+# THE config.json <-> ModelArgs mapping, in the order `to_hf_config` writes it. It drives `from_hf_config` (keys,
+# types, defaults, fixed values), `to_hf_config` and the error messages (`HF_CONFIG_KEYS`, `FIXED_CONFIG_VALUES`).
+HF_CONFIG: tuple[HFKey, ...] = (
+    HFKey("architectures", value=["DeepseekV4ForCausalLM"]),
+    HFKey("model_type", value="deepseek_v4"),
+    HFKey("vocab_size", "vocab_size"),
+    HFKey("hidden_size", "dim"),
+    HFKey("moe_intermediate_size", "moe_inter_dim"),
+    HFKey("num_hidden_layers", "n_layers"),
+    HFKey("num_hash_layers", "n_hash_layers"),
+    HFKey("num_nextn_predict_layers", "n_mtp_layers"),
+    HFKey("num_attention_heads", "n_heads"),
+    HFKey("num_key_value_heads", value=1),
+    HFKey("n_routed_experts", "n_routed_experts"),
+    HFKey("n_shared_experts", "n_shared_experts"),
+    HFKey("num_experts_per_tok", "n_activated_experts"),
+    HFKey("scoring_func", "score_func", str),
+    HFKey("routed_scaling_factor", "route_scale", _NUM),
+    HFKey("norm_topk_prob", value=True, fixed=True),
+    HFKey("topk_method", value="noaux_tc", fixed=True),
+    HFKey("swiglu_limit", "swiglu_limit", _NUM),
+    HFKey("q_lora_rank", "q_lora_rank"),
+    HFKey("head_dim", "head_dim"),
+    HFKey("qk_rope_head_dim", "rope_head_dim"),
+    HFKey("o_groups", "o_groups"),
+    HFKey("o_lora_rank", "o_lora_rank"),
+    HFKey("sliding_window", "window_size"),
+    HFKey("compress_ratios", "compress_ratios", list),
+    HFKey("rope_theta", "rope_theta", _NUM),
+    HFKey("compress_rope_theta", "compress_rope_theta", _NUM),
+    HFKey("rope_scaling.type", value="yarn"),
+    HFKey("rope_scaling.factor", "rope_factor", _NUM),
+    HFKey("rope_scaling.original_max_position_embeddings", "original_seq_len", _INTEGRAL),
+    HFKey("rope_scaling.beta_fast", "beta_fast", _INTEGRAL),
+    HFKey("rope_scaling.beta_slow", "beta_slow", _INTEGRAL),
+    HFKey("max_position_embeddings", value=1048576),
+    HFKey("index_n_heads", "index_n_heads"),
+    HFKey("index_head_dim", "index_head_dim"),
+    HFKey("index_topk", "index_topk"),
+    HFKey("hc_mult", "hc_mult"),
+    HFKey("hc_sinkhorn_iters", "hc_sinkhorn_iters"),
+    HFKey("hc_eps", "hc_eps", _NUM),
+    HFKey("rms_norm_eps", "norm_eps", _NUM),
+    HFKey("bos_token_id", "bos_token_id", default=0, value=0, fixed=True),
+    HFKey("eos_token_id", "eos_token_id", default=1, value=1, fixed=True),
+    HFKey("tie_word_embeddings", value=False, fixed=True),
+    HFKey("torch_dtype", value="bfloat16"),
+    HFKey("attention_bias", value=False, fixed=True),
+    HFKey("hidden_act", value="silu", fixed=True),
+    HFKey("mlp_bias", value=False, fixed=True, written=False),
+    HFKey("expert_dtype", "expert_dtype", None, default=None),  # absent: fp4 for fp8 checkpoints ([F0], spec §1.1)
+    HFKey("quantization_config.quant_method", value="fp8", fp8_only=True),
+    HFKey("quantization_config.fmt", value="e4m3", fp8_only=True),
+    HFKey("quantization_config.activation_scheme", value="dynamic", fixed=True, fp8_only=True),
+    HFKey("quantization_config.scale_fmt", "scale_fmt", None, default="ue8m0", fp8_only=True),
+    HFKey("quantization_config.weight_block_size", value=[FP8_BLOCK, FP8_BLOCK], fp8_only=True),
+)
+
+# ModelArgs fields whose config.json key has another name, for error messages (from `HF_CONFIG`)
+HF_CONFIG_KEYS: dict[str, str] = {k.field: k.key for k in HF_CONFIG if k.field is not None and k.field != k.key}
+
+# Ranges of the fields that size no tensor of the checkpoint (so no header bounds them) but a loop or an allocation:
+# a value outside would hang or exhaust memory before anything could report it (issue 28). Released values inside.
+CONFIG_RANGES: dict[str, tuple[int, int, str]] = {
+    "hc_sinkhorn_iters": (1, 1000, "released 20; the Sinkhorn loop runs this many iterations per token and layer, "
+                                   "1e9 would never finish"),
+    "window_size": (1, 65536, "released 128; the decode state holds a window ring of this many KV entries per "
+                              "layer and sequence"),
+    "index_topk": (1, 65536, "released 512 / 1024; the indexer selects (and the captured decode step allocates) "
+                             "this many compressed entries per query"),
+    "n_routed_experts": (1, 4096, "released 256 / 384; the tensor inventory lists three linears per expert and "
+                                  "layer before any header is read"),
 }
 
 
@@ -137,6 +236,9 @@ class ModelArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise bad(name, "a positive integer")
+        for name, (lo, hi, why) in CONFIG_RANGES.items():
+            if not lo <= getattr(self, name) <= hi:
+                raise bad(name, f"an integer in {lo}..{hi} ({why})")
         for name in ("n_hash_layers", "n_mtp_layers", "n_shared_experts"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -210,27 +312,32 @@ class ModelArgs:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_hf_config(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "ModelArgs":
-        """Build from an HF-style `config.json` (file, checkpoint directory, or parsed dict); spec §1.1.
+        """Build from an HF-style `config.json` (file, checkpoint directory, or parsed dict); spec §1.1. Every key,
+        its type, default and the field it fills come from `HF_CONFIG`.
 
         Raises:
-            FileNotFoundError: the path has no config.json.
+            FileNotFoundError: the path has no config.json (`SymlinkLoopError`, a FileNotFoundError, when the path
+                is a symbolic link loop).
             UnsupportedRevisionError (a ValueError): the config belongs to a known later revision (V4.1, a DSpark
-                re-release such as V4-Flash-0731, or more `compress_ratios` entries than main layers + MTP
-                blocks); the message names the revision, the evidence and what differs (`detect_revision`).
+                re-release such as V4-Flash-0731, or the released layer counts with more `compress_ratios`
+                entries than main layers + MTP blocks); the message names the revision, the evidence and what
+                differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
-                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; `compress_ratios` without an entry
-                for each main layer and MTP block; a value `ModelArgs` rejects (its
-                message, prefixed with the config file when read from one, followed by the config.json key
-                when it is named differently: `HF_CONFIG_KEYS`).
+                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; `compress_ratios` without exactly one
+                entry for each main layer and MTP block; a value `ModelArgs` rejects (its message, prefixed
+                with the config file when read from one, followed by the config.json key when it is named
+                differently: `HF_CONFIG_KEYS`; out-of-range values: `CONFIG_RANGES`).
         """
         src = "<dict>"
         if isinstance(path_or_dict, dict):
             cfg = path_or_dict
         else:
             p = Path(path_or_dict)
+            check_not_loop(p, "a checkpoint directory or its config.json")
             if p.is_dir():
                 p = p / "config.json"
+                check_not_loop(p, "an HF-style DeepSeek-V4 config.json")
             if not p.is_file():
                 raise FileNotFoundError(f"{p}: no config.json (expected an HF-style DeepSeek-V4 config)")
             src = str(p)
@@ -238,26 +345,11 @@ class ModelArgs:
         if not isinstance(cfg, dict):
             raise ValueError(f"{src}: top level is a JSON {type(cfg).__name__}, expected a JSON object "
                              "(one HF-style DeepSeek-V4 config, not a list of them)")
-
-        def get(key: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
-            if key not in cfg:
-                if default is ...:
-                    why = NO_DEFAULT_CONFIG_KEYS.get(key)
-                    raise ValueError(f"{src}: missing key {key!r}" + (f" ({why})" if why else ""))
-                return default
-            v = cfg[key]
-            if not isinstance(v, typ) or isinstance(v, bool) and typ is not bool:
-                raise ValueError(f"{src}: key {key!r}={v!r} has type {type(v).__name__}, expected "
-                                 f"{_json_type_name(typ)}")
-            return v
-
         found = detect_revision(cfg)
         if found is not None:
             raise UnsupportedRevisionError(src, *found)
         for key, want in FIXED_CONFIG_VALUES.items():  # keys dsv4 implements one value of: never ignored
-            v = cfg
-            for part in key.split("."):
-                v = v.get(part, ...) if isinstance(v, dict) else ...
+            v = _lookup(cfg, key)
             if v is not ... and not _same_value(v, want):
                 raise ValueError(f"{src}: key {key!r}={_json_value(v)} ({_json_kind(v)}): dsv4 implements only "
                                  f"{_json_value(want)} ({_json_kind(want)}; the value of the released DeepSeek-V4 "
@@ -266,90 +358,62 @@ class ModelArgs:
         mt = cfg.get("model_type")
         if mt is not None and mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
-        if get("num_key_value_heads", int, 1) != 1:
-            raise ValueError(f"{src}: num_key_value_heads={cfg['num_key_value_heads']}, expected 1 (shared K=V)")
-        num = (int, float)
-        rs = get("rope_scaling", dict, None)
-        if rs is None:
+        kv = cfg.get("num_key_value_heads", 1)
+        if not isinstance(kv, int) or isinstance(kv, bool):
+            raise ValueError(f"{src}: key 'num_key_value_heads'={kv!r} has type {type(kv).__name__}, expected "
+                             "an integer")
+        if kv != 1:
+            raise ValueError(f"{src}: num_key_value_heads={kv}, expected 1 (shared K=V)")
+        rs = cfg.get("rope_scaling", None) if "rope_scaling" not in cfg else cfg["rope_scaling"]
+        if "rope_scaling" in cfg and not isinstance(rs, dict):
+            raise ValueError(f"{src}: key 'rope_scaling'={rs!r} has type {type(rs).__name__}, expected a JSON "
+                             "object")
+        if rs is None:  # transformers' newer layout: rope_parameters.compress
             rp = cfg.get("rope_parameters") or {}
             rs = rp.get("compress") if isinstance(rp, dict) else None
-        if rs is None:
-            raise ValueError(f"{src}: missing key 'rope_scaling' (YaRN parameters for compressed layers)")
-        if not isinstance(rs, dict):
-            raise ValueError(f"{src}: key 'rope_parameters.compress'={rs!r} has type {type(rs).__name__}, "
-                             "expected a JSON object (YaRN parameters)")
+            if rs is None:
+                raise ValueError(f"{src}: missing key 'rope_scaling' (YaRN parameters for compressed layers)")
+            if not isinstance(rs, dict):
+                raise ValueError(f"{src}: key 'rope_parameters.compress'={rs!r} has type {type(rs).__name__}, "
+                                 "expected a JSON object (YaRN parameters)")
         rtype = rs.get("type", rs.get("rope_type"))
         if rtype != "yarn":
             raise ValueError(f"{src}: rope_scaling.type={rtype!r}, expected 'yarn'")
-        for k in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow"):
-            if k not in rs:
-                raise ValueError(f"{src}: missing key 'rope_scaling.{k}'")
-            v = rs[k]
-            integral = isinstance(v, int) or isinstance(v, float) and v.is_integer()
-            if isinstance(v, bool) or not isinstance(v, num) or k != "factor" and not integral:
-                raise ValueError(f"{src}: key 'rope_scaling.{k}'={v!r} has type {type(v).__name__}, expected "
-                                 f"{'a number' if k == 'factor' else 'an integer'}")
         q = cfg.get("quantization_config")
         if q is not None and not isinstance(q, dict):
             raise ValueError(f"{src}: key 'quantization_config'={q!r} has type {type(q).__name__}, expected a "
                              "JSON object (absent for a bf16 checkpoint)")
-        if q is None:
-            dtype, scale_fmt = "bf16", None
-        else:
+        if q is not None:
             if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
                 raise ValueError(f"{src}: quantization_config={q!r}, expected quant_method 'fp8', fmt 'e4m3'")
-            wbs = q.get("weight_block_size", [128, 128])
-            if not _same_value(wbs, [128, 128]):
+            want = _CONSTANTS["quantization_config.weight_block_size"]
+            wbs = q.get("weight_block_size", want)
+            if not _same_value(wbs, want):
                 raise ValueError(f"{src}: key 'quantization_config.weight_block_size'={_json_value(wbs)} "
-                                 f"({_json_kind(wbs)}), expected [128, 128] (a list of two integers; compared by "
-                                 "type and value)")
-            dtype, scale_fmt = "fp8", q.get("scale_fmt", "ue8m0")
-        expert_dtype = cfg.get("expert_dtype", (q or {}).get("expert_dtype"))
-        if expert_dtype is None:
-            # Initial Flash revision [F0] lacks the key but its experts are FP4 on disk (spec §1.1).
-            expert_dtype = "fp4" if dtype == "fp8" else "bf16"
-        n_layers = get("num_hidden_layers", int)
-        ratios = get("compress_ratios", list)
-        fields = dict(
-            vocab_size=get("vocab_size", int),
-            dim=get("hidden_size", int),
-            moe_inter_dim=get("moe_intermediate_size", int),
-            n_layers=n_layers,
-            n_hash_layers=get("num_hash_layers", int),
-            n_mtp_layers=get("num_nextn_predict_layers", int),
-            n_heads=get("num_attention_heads", int),
-            n_routed_experts=get("n_routed_experts", int),
-            n_shared_experts=get("n_shared_experts", int),
-            n_activated_experts=get("num_experts_per_tok", int),
-            score_func=get("scoring_func", str),
-            route_scale=float(get("routed_scaling_factor", num)),
-            swiglu_limit=float(get("swiglu_limit", num)),
-            q_lora_rank=get("q_lora_rank", int),
-            head_dim=get("head_dim", int),
-            rope_head_dim=get("qk_rope_head_dim", int),
-            o_groups=get("o_groups", int),
-            o_lora_rank=get("o_lora_rank", int),
-            window_size=get("sliding_window", int),
-            compress_ratios=tuple(ratios),
-            rope_theta=float(get("rope_theta", num)),
-            compress_rope_theta=float(get("compress_rope_theta", num)),
-            rope_factor=float(rs["factor"]),
-            original_seq_len=int(rs["original_max_position_embeddings"]),
-            beta_fast=int(rs["beta_fast"]),
-            beta_slow=int(rs["beta_slow"]),
-            index_n_heads=get("index_n_heads", int),
-            index_head_dim=get("index_head_dim", int),
-            index_topk=get("index_topk", int),
-            hc_mult=get("hc_mult", int),
-            hc_sinkhorn_iters=get("hc_sinkhorn_iters", int),
-            hc_eps=float(get("hc_eps", num)),
-            norm_eps=float(get("rms_norm_eps", num)),
-            dtype=dtype,
-            scale_fmt=scale_fmt,
-            expert_dtype=expert_dtype,
-            bos_token_id=get("bos_token_id", int, 0),
-            eos_token_id=get("eos_token_id", int, 1),
-        )
+                                 f"({_json_kind(wbs)}), expected {_json_value(want)} (a list of two integers; "
+                                 "compared by type and value)")
+        sections = {"rope_scaling": rs, "quantization_config": q or {}}
+        fields: dict[str, Any] = {}
+        for k in _FIELD_KEYS:
+            head, _, rest = k.key.partition(".")
+            v = _lookup(sections[head], rest) if rest else cfg.get(k.key, ...)
+            if v is ...:
+                if k.default is _REQUIRED:
+                    why = NO_DEFAULT_CONFIG_KEYS.get(k.key)
+                    raise ValueError(f"{src}: missing key {k.key!r}" + (f" ({why})" if why else ""))
+                v = k.default
+            elif k.kind is not None and not _json_kind_ok(v, k.kind):
+                raise ValueError(f"{src}: key {k.key!r}={v!r} has type {type(v).__name__}, expected "
+                                 f"{_json_type_name(int if k.kind == _INTEGRAL else k.kind)}")
+            fields[k.field] = (float(v) if k.kind == _NUM else int(v) if k.kind == _INTEGRAL
+                               else tuple(v) if k.kind is list else v)
+        fields["dtype"] = "bf16" if q is None else "fp8"
+        if q is None:
+            fields["scale_fmt"] = None
+        if fields["expert_dtype"] is None:
+            fields["expert_dtype"] = q.get("expert_dtype") if q else None
+        if fields["expert_dtype"] is None:  # initial Flash revision [F0]: no key, FP4 experts on disk (spec §1.1)
+            fields["expert_dtype"] = "fp4" if q is not None else "bf16"
         try:
             args = cls(**fields)
         except ValueError as e:  # name the file the bad value came from, and the config.json key of the field
@@ -358,40 +422,28 @@ class ModelArgs:
             if src == "<dict>" and not hint:
                 raise
             raise ValueError(f"{'' if src == '<dict>' else src + ': '}{e}{hint}") from None
-        if len(args.compress_ratios) < args.n_layers + args.n_mtp_layers:  # else the MTP block has no ratio
+        want_n = args.n_layers + args.n_mtp_layers
+        if len(args.compress_ratios) != want_n:  # one ratio per main layer, then one per MTP block
+            released = "" if args.n_mtp_layers == 1 else \
+                "; the released configs have num_nextn_predict_layers 1 (one MTP block)"
             raise ValueError(f"{src}: key 'compress_ratios' has {len(args.compress_ratios)} entries, expected "
-                             f"{args.n_layers + args.n_mtp_layers}: one per main layer (num_hidden_layers="
-                             f"{args.n_layers}), then one per MTP block (num_nextn_predict_layers={args.n_mtp_layers})")
+                             f"{want_n}: one per main layer (num_hidden_layers={args.n_layers}), then one per MTP "
+                             f"block (num_nextn_predict_layers={args.n_mtp_layers}){released}")
         return args
 
     def to_hf_config(self) -> dict[str, Any]:
-        """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture."""
-        cfg: dict[str, Any] = {
-            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
-            "vocab_size": self.vocab_size, "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim,
-            "num_hidden_layers": self.n_layers, "num_hash_layers": self.n_hash_layers,
-            "num_nextn_predict_layers": self.n_mtp_layers, "num_attention_heads": self.n_heads,
-            "num_key_value_heads": 1, "n_routed_experts": self.n_routed_experts,
-            "n_shared_experts": self.n_shared_experts, "num_experts_per_tok": self.n_activated_experts,
-            "scoring_func": self.score_func, "routed_scaling_factor": self.route_scale,
-            "norm_topk_prob": True, "topk_method": "noaux_tc", "swiglu_limit": self.swiglu_limit,
-            "q_lora_rank": self.q_lora_rank, "head_dim": self.head_dim, "qk_rope_head_dim": self.rope_head_dim,
-            "o_groups": self.o_groups, "o_lora_rank": self.o_lora_rank, "sliding_window": self.window_size,
-            "compress_ratios": list(self.compress_ratios), "rope_theta": self.rope_theta,
-            "compress_rope_theta": self.compress_rope_theta,
-            "rope_scaling": {"type": "yarn", "factor": self.rope_factor,
-                             "original_max_position_embeddings": self.original_seq_len,
-                             "beta_fast": self.beta_fast, "beta_slow": self.beta_slow},
-            "max_position_embeddings": 1048576, "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim, "index_topk": self.index_topk, "hc_mult": self.hc_mult,
-            "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps, "rms_norm_eps": self.norm_eps,
-            "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id, "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16", "attention_bias": False, "hidden_act": "silu",
-            "expert_dtype": self.expert_dtype,
-        }
-        if self.dtype == "fp8":
-            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "scale_fmt": self.scale_fmt, "weight_block_size": [128, 128]}
+        """Inverse of `from_hf_config`: the HF-style `config.json` dict for this architecture (`HF_CONFIG` in its
+        order; `quantization_config` only for an fp8 checkpoint)."""
+        cfg: dict[str, Any] = {}
+        for k in HF_CONFIG:
+            if not k.written or k.fp8_only and self.dtype != "fp8":
+                continue
+            v = k.value if k.field is None else getattr(self, k.field)
+            node = cfg
+            *parents, last = k.key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = list(v) if isinstance(v, (tuple, list)) else v
         return cfg
 
 
@@ -410,6 +462,9 @@ _V41_DIFF = (
     "a different architecture (CSA2 attention with shared compressed KV across layers, single-pass mHC, Engram "
     "memory modules, a vision encoder; a composite config with text_config / vision_config) and a different "
     "prompt encoder")
+
+
+_RELEASED_MAIN_LAYERS = {"Flash": 43, "Pro": 61}
 
 
 class UnsupportedRevisionError(ValueError):
@@ -438,8 +493,10 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
         `dspark_*` keys (0731: dspark_block_size 5, dspark_noise_token_id 128799, dspark_target_layer_ids
         [40, 41, 42], dspark_markov_rank 256) and 46 `compress_ratios` for 43 main layers. config.json alone
         cannot tell 0731 from the -DSpark checkpoint (same layout); the geometry tells Flash from Pro.
-      * Any config with more `compress_ratios` entries than `num_hidden_layers + num_nextn_predict_layers`
-        (the April layout: one per main layer, then one per MTP block) is a later layout, named as such.
+      * A config with the released counts (Flash 43 / Pro 61 main layers, `num_nextn_predict_layers` 1) and more
+        `compress_ratios` entries than `num_hidden_layers + num_nextn_predict_layers` (the April layout: one per
+        main layer, then one per MTP block) is a later layout, named as such. With an edited count (an MTP count
+        of 0, fewer layers) the same mismatch is a bad value, never a revision: `from_hf_config` names the keys.
     Returns:
         (revision name, evidence strings, what differs), or None.
     """
@@ -454,16 +511,22 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
     # layer counts that make sense count (num_hidden_layers 0 or a negative MTP count is a bad value, which
     # `ModelArgs` names, not a revision)
     ratios, n, mtp = cfg.get("compress_ratios"), cfg.get("num_hidden_layers"), cfg.get("num_nextn_predict_layers")
+    hidden = cfg.get("hidden_size")
+    geometry = {4096: "Flash", 7168: "Pro"}.get(hidden) if type(hidden) is int else None  # 4096.0 is not 4096
     extra = (isinstance(ratios, list) and isinstance(n, int) and isinstance(mtp, int) and not isinstance(n, bool)
              and not isinstance(mtp, bool) and n >= 1 and mtp >= 0 and len(ratios) > n + mtp)
+    # Counts alone name a revision only where the other counts are the released ones (Flash 43 / Pro 61 main
+    # layers, one MTP block): more ratios there is the DSpark drafter's layout. An edited count
+    # (num_nextn_predict_layers 0, num_hidden_layers 42, a tiny config) with a ratio list that no longer fits is a
+    # bad value, and `from_hf_config` names the keys that disagree instead of a revision nobody released.
+    if extra and not dspark and not (mtp == 1 and _RELEASED_MAIN_LAYERS.get(geometry) == n):
+        extra = False
     if not dspark and not extra:
         return None
     evidence = [f"keys {dspark}"] if dspark else []
     if extra:
         evidence.append(f"compress_ratios has {len(ratios)} entries for {n} main layers + {mtp} MTP block(s), "
                         f"the April layout has {n + mtp}")
-    hidden = cfg.get("hidden_size")
-    geometry = {4096: "Flash", 7168: "Pro"}.get(hidden) if type(hidden) is int else None  # 4096.0 is not 4096
     if not dspark:
         return ("a later DeepSeek-V4 revision (extra compress_ratios entries, as in the DSpark re-releases)",
                 evidence, _DSPARK_DIFF)
@@ -476,11 +539,26 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
 # config.json keys whose released value is the only one dsv4 implements (absent = that value). Another value
 # would silently change the model (routing weights, activation, tied head, biases, the tokenizer's BOS/EOS ids,
 # which `dsv4.tokenizer` checks to be 0 and 1), so it is refused by name instead of being ignored.
-FIXED_CONFIG_VALUES: dict[str, Any] = {
-    "norm_topk_prob": True, "topk_method": "noaux_tc", "hidden_act": "silu", "tie_word_embeddings": False,
-    "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 1,
-    "quantization_config.activation_scheme": "dynamic",
-}
+FIXED_CONFIG_VALUES: dict[str, Any] = {k.key: k.value for k in HF_CONFIG if k.fixed}  # from `HF_CONFIG`
+_CONSTANTS: dict[str, Any] = {k.key: k.value for k in HF_CONFIG if k.field is None}
+_FIELD_KEYS: tuple[HFKey, ...] = tuple(k for k in HF_CONFIG if k.field is not None)
+
+
+def _lookup(cfg: Any, dotted: str) -> Any:
+    """The value at the dotted key in nested JSON objects; `...` when absent (or a parent is not an object)."""
+    v = cfg
+    for part in dotted.split("."):
+        v = v.get(part, ...) if isinstance(v, dict) else ...
+    return v
+
+
+def _json_kind_ok(v: Any, kind: Any) -> bool:
+    """`v` has the JSON type `kind` (a bool is never a number; `_INTEGRAL`: an integer or an integral float)."""
+    if isinstance(v, bool):
+        return kind is bool
+    if kind == _INTEGRAL:
+        return isinstance(v, int) or isinstance(v, float) and v.is_integer()
+    return isinstance(v, kind)
 
 
 # config.json keys that change the maths and have no safe default: a missing one is an error, never a fallback.
@@ -521,6 +599,27 @@ def _json_kind(v: Any) -> str:
     """The JSON type of a config value, for messages: boolean, integer, float, string, list, object, null."""
     return {bool: "boolean", int: "integer", float: "float", str: "string", list: "list", dict: "object",
             type(None): "null"}.get(type(v), type(v).__name__)
+
+
+class SymlinkLoopError(FileNotFoundError):
+    """A path that is a symbolic link loop (ELOOP: the link resolves back to itself). A FileNotFoundError subclass,
+    so every handler of a missing checkpoint handles it, but the message names the loop instead of a missing file."""
+
+
+def symlink_loop(p: str | os.PathLike) -> bool:
+    """True when resolving `p` fails with ELOOP (a link cycle); False for a path that exists or is missing."""
+    try:
+        os.stat(p)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
+
+
+def check_not_loop(p: str | os.PathLike, expected: str) -> None:
+    """Raise `SymlinkLoopError` naming `p` when it is a symbolic link loop (`expected`: what should be there)."""
+    if symlink_loop(p):
+        raise SymlinkLoopError(f"{p}: symbolic link loop (the link resolves back to itself), expected {expected}; "
+                               "fix or remove the link")
 
 
 class DuplicateKeyError(ValueError):

@@ -37,6 +37,7 @@ from torch import nn
 
 from dsv4.backend import Backend, get_backend
 from dsv4.config import ModelArgs
+from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
 from kernels.indexer import indexer_topk_ref
 
 __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
@@ -722,86 +723,12 @@ class HcHead(nn.Module):
         return y.view(b, s, d)
 
 
-_LOADED_DT = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64"}
-
-
-def check_loaded_values(name: str, value: torch.Tensor, given: torch.Tensor, n_routed_experts: int) -> None:
-    """`Transformer.load_weights`' value check of one tensor: `value` is what is about to be loaded (already in
-    the parameter's dtype), `given` the caller's tensor it was cast from. Floating tensors must be finite, float8
-    codes must not be NaN codes (e4m3 0x7F/0xFF, ue8m0 0xFF), `*.tid2eid` (int64) must hold expert ids in
-    0..n_routed_experts-1; int8 FP4 codes have no NaN. One or two reductions per tensor where it lives
-    (`dsv4.checkpoint.find_bad_values`), the exact mask only when they flag something.
-
-    Raises ValueError naming the tensor, what is wrong, the first bad index, how many elements are bad, and, for
-    a value that became inf in the cast, the finite value given and the dtypes."""
-    from dsv4.checkpoint import find_bad_values
-
-    if value.dtype == torch.int64 and not name.endswith("tid2eid"):
-        return
-    dt = _LOADED_DT.get(value.dtype, "F32" if value.dtype.is_floating_point else None)
-    if dt is None:
-        return
-    found = find_bad_values(value, dt, n_routed_experts if dt == "I64" else None)
-    if found is None:
-        return
-    what, idx, n_bad = found
-    src = given[tuple(idx)]
-    cause = ""
-    if given.dtype.is_floating_point and given.dtype != value.dtype and bool(torch.isfinite(src.double())):
-        cause = (f"; the given {given.dtype} value {src.item():.6g} overflows {value.dtype} (cast to the "
-                 "parameter's dtype)")
-    raise ValueError(f"load_weights: tensor {name} ({value.dtype}, shape {list(value.shape)}): {what} at index "
-                     f"{idx} ({n_bad} bad of {value.numel()}){cause}; refusing to load it (no NaN / inf is loaded "
-                     "quietly)")
-
-
-# ue8m0 scale bytes from which a code can overflow float32 when dequantized: 448 * 2^(e-127) (e4m3) and
-# 6 * 2^(e-127) (e2m1) exceed float32's max (~2^128) only for e >= 247 / 253; below, no product can
-_OVERFLOW_SCALE_BYTE = {torch.float8_e4m3fn: 247, torch.int8: 253}
-
-
 def held_bf16_names(model: nn.Module) -> set[str]:
     """State-dict names of the fp32-compute weights held bf16 as on disk (`weights="quantized"`): every `Linear`
     with fmt "bf16" (head, compressor wkv / wgate) and every bf16 `Gate.weight` (the router)."""
     return {f"{n}.weight" for n, m in model.named_modules()
             if (isinstance(m, Linear) and m.fmt == "bf16")
             or (isinstance(m, Gate) and m.weight.dtype == torch.bfloat16)}
-
-
-def check_bf16_exact(name: str, given: torch.Tensor) -> None:
-    """A value for a weight held bf16 as on disk (`held_bf16_names`) must be exactly representable in bf16 (an
-    on-disk BF16 tensor read in any wider dtype is): rounding it would change the fp32 maths the official model
-    computes, so it is never cast quietly. RuntimeError naming the tensor, the first bad index and the count.
-    NaN is left to `check_loaded_values` (its own message)."""
-    if given.dtype == torch.bfloat16:
-        return
-    bad = (given.to(torch.bfloat16).to(given.dtype) != given) & (given == given)
-    if bool(bad.any()):
-        idx = [int(i) for i in torch.nonzero(bad)[0]]
-        raise RuntimeError(f"{name}: {given.dtype} value {float(given[tuple(idx)])!r} at index {idx} "
-                           f"({int(bad.sum())} values in all) is not exactly representable in bf16; the model holds this fp32-compute "
-                           "weight in bf16 as on disk (weights='quantized') and never rounds it quietly (load the "
-                           "checkpoint's BF16 tensor, or use weights='dequantized')")
-
-
-def check_dequantized_range(name: str, codes: torch.Tensor, scale: torch.Tensor) -> None:
-    """Codes that are valid one by one (no NaN code, no NaN scale byte) can still dequantize to inf: e4m3 448 in a
-    block whose ue8m0 scale is 2^127. `codes` float8_e4m3fn [out, in] + `scale` [ceil(out/128), ceil(in/128)], or
-    int8 FP4 [out, in/2] + `scale` [out, in/32] (spec §2). A screen on the largest scale byte (one reduction over
-    the scales, 1/32 of the codes or less); only a suspect tensor is dequantized in fp32 and checked. Raises
-    ValueError naming the weight, the first index that dequantizes to inf and how many do."""
-    from dsv4 import quant
-
-    threshold = _OVERFLOW_SCALE_BYTE.get(codes.dtype)
-    if threshold is None or scale.numel() == 0 or int(scale.view(torch.uint8).max()) < threshold:
-        return
-    deq = (quant.fp8_block_dequant if codes.dtype == torch.float8_e4m3fn else quant.fp4_dequant)(codes, scale)
-    bad = ~torch.isfinite(deq)
-    if bool(bad.any()):
-        first = [int(i) for i in torch.nonzero(bad)[0]]
-        raise ValueError(f"load_weights: tensor {name} ({codes.dtype} codes + ue8m0 scales): dequantizes to inf at "
-                         f"index {first} ({int(bad.sum())} of {bad.numel()}: a code times its block's scale beyond "
-                         "float32); refusing to load it (no NaN / inf is loaded quietly)")
 
 
 class Transformer(nn.Module):

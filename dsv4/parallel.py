@@ -38,9 +38,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4 import quant
-from dsv4.config import ModelArgs
-from dsv4.model import (Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim,
-                        check_bf16_exact, check_dequantized_range, check_loaded_values, gate_held,
+from dsv4.checkpoint import Source, open_for_load, open_source
+from dsv4.config import ModelArgs, layers_from_env
+from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values, expected_tensors
+from dsv4.launch import launch_from_env
+from dsv4.model import (Attention, Block, Expert, Gate, Indexer, Linear, MoE, RMSNorm, Transformer, _Sim, gate_held,
                         held_bf16_names)
 from dsv4.resident import WEIGHTS
 
@@ -104,8 +106,6 @@ def comm_from_env(device: str = "cuda", environ: dict[str, str] | None = None) -
     malformed or inconsistent variable (`dsv4.launch.launch_from_env`: the one place they are read), RuntimeError
     when a CUDA launch sees fewer GPUs than local ranks.
     """
-    from dsv4.launch import launch_from_env
-
     launch = launch_from_env(os.environ if environ is None else environ)
     if not launch.distributed:
         return Comm(), device
@@ -188,8 +188,6 @@ def check_quantized_split(args: ModelArgs, world_size: int) -> None:
     Raises ValueError naming the first tensor, its split dimension and the world size when a rank's part
     (size / W) is not a multiple of 128. The published Flash and Pro shapes are aligned at W = 2, 4, 8.
     """
-    from dsv4.checkpoint import expected_tensors
-
     if world_size == 1:
         return
     b = quant.FP8_BLOCK
@@ -375,8 +373,6 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
     `expected_tensors` (the on-disk [out, in] of FP8 weights; split tensors are never FP4). A split `.scale` (only with weights="quantized")
     gets the 128-blocks of its weight's part: (dim, start / 128, length / 128); ValueError naming the tensor and
     the world size when that part is not block-aligned (`check_quantized_split`)."""
-    from dsv4.checkpoint import expected_tensors
-
     inv = expected_tensors(args, include_mtp=any(n.startswith("mtp.") for n in names))
     b = quant.FP8_BLOCK
     plan: dict[str, tuple[int, int, int] | None] = {}
@@ -402,59 +398,18 @@ def read_plan(args: ModelArgs, comm: Comm, names: list[str]) -> dict[str, tuple[
     return plan
 
 
-_CODES = ("F8_E4M3", "I8", "F8_E8M0")
-
-
-def _read(ck, name: str, part: tuple[int, int, int] | None, dtype: torch.dtype, device: str | torch.device,
-          raw: bool = False) -> torch.Tensor:
-    """Tensor `name` (or its rows/columns `part`) on `device`, reading only that part (`Checkpoint._raw_part`: a
-    safetensors slice, or for a synthetic source only that part generated): dequantized to `dtype` (F32 never
-    narrowed below float32, as `Checkpoint.get`), or with `raw` (weights="quantized") FP8/FP4 codes and ue8m0
-    scales exactly as stored."""
-    shape, dt, f = ck.info(name)
-    keep = raw and dt in _CODES
-    if part is None:
-        return ck.get(name, dequantize=False, device=device) if keep else ck.get(name, dtype=dtype, device=device)
-    dim, start, n = part
-    part_raw = ck._raw_part(name, dim, start, n, device)  # checked (check_values) where it is read
-    if keep:
-        return part_raw
-    if dt in ("BF16", "F32"):
-        from dsv4.checkpoint import cast_unquantized
-        return cast_unquantized(part_raw, dt, dtype)  # F32 never narrowed (the official fp32 parameters)
-    if dt != "F8_E4M3":
-        from dsv4.checkpoint import CheckpointError
-        raise CheckpointError(f"{f}: tensor {name} has dtype {dt}; a tensor split across ranks must be BF16, F32 "
-                              "or F8_E4M3")
-    b = quant.FP8_BLOCK
-    # only the scale blocks that cover the part (the whole weight is never read: its bytes are not this rank's)
-    b0 = start // b
-    s = quant.e8m0_to_float(ck._raw_part(ck._scale_of(name), dim, b0, -(-(start + n) // b) - b0, device))
-    s = s.repeat_interleave(b, dim).narrow(dim, start - b0 * b, n)
-    other = 1 - dim
-    s = s.repeat_interleave(b, other).narrow(other, 0, part_raw.shape[other])
-    return (part_raw.float() * s).to(dtype)
-
-
-def _open_for(path: str | Path, comm: Comm, n_layers: int | None, weights: str):
-    """(Checkpoint, args, read plan) of rank `comm.rank`, validated; `.scale` planned only for "quantized"."""
-    from dsv4.checkpoint import Checkpoint, CheckpointError, expected_tensors
-
-    ck = Checkpoint(path)
-    args = ck.args if n_layers is None else ck.args.with_layers(n_layers)
-    attention_args(args, comm.world_size)
+def _open_for(path: str | Path | Source, comm: Comm, n_layers: int | None, weights: str):
+    """(source, args, read plan) of rank `comm.rank`, validated (`dsv4.checkpoint.open_for_load`: the load path of
+    every world size); `.scale` planned only for "quantized"."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-    want = expected_tensors(ck.args, n_layers)
-    ck.validate(expected_tensors(ck.args, include_mtp=True), required=set(want))
+    src = path if isinstance(path, Source) else open_source(path)
+    args = src.args if n_layers is None else src.args.with_layers(n_layers)
+    attention_args(args, comm.world_size)
+    src, args, names = open_for_load(src, n_layers=n_layers, quantized=weights == "quantized")
     if weights == "quantized":
-        if not any(ck.info(n)[1] in ("F8_E4M3", "I8") for n in want):
-            raise CheckpointError(f"{ck.path}: weights='quantized', but the checkpoint holds no FP8/FP4 weight "
-                                  f"(config.json dtype={ck.args.dtype!r}, expert_dtype={ck.args.expert_dtype!r}): "
-                                  "a bf16 checkpoint has nothing to keep quantized")
         check_quantized_split(args, comm.world_size)
-    names = sorted(n for n in want if weights == "quantized" or not n.endswith(".scale"))
-    return ck, args, read_plan(args, comm, names)
+    return src, args, read_plan(args, comm, names)
 
 
 def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None = None,
@@ -468,9 +423,9 @@ def load_rank_state_dict(path: str | Path, comm: Comm, *, n_layers: int | None =
     indivisible layout or (quantized) a split that is not 128-block aligned, CheckpointError for quantized on a
     bf16 checkpoint.
     """
-    ck, args, plan = _open_for(path, comm, n_layers, weights)
+    src, args, plan = _open_for(path, comm, n_layers, weights)
     raw = weights == "quantized"
-    return args, {name: _read(ck, name, part, dtype, device, raw) for name, part in plan.items()}
+    return args, {name: src.load(name, part, dtype=dtype, device=device, raw=raw) for name, part in plan.items()}
 
 
 def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = None,
@@ -480,7 +435,7 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
     `weights` as in `Transformer` / `load_rank_state_dict`. Raises RuntimeError listing names the model and the
     read plan disagree on, or a stored code whose dtype differs from the model's buffer; ValueError for a value
     that is NaN / inf as loaded (the checks of `Transformer.load_weights`); plus what the loaders raise."""
-    ck, args, plan = _open_for(path, comm, n_layers, weights)
+    src, args, plan = _open_for(path, comm, n_layers, weights)
     model = build_model(args, comm, dtype=dtype, device=device, backend=backend, weights=weights)
     own = model.state_dict()
     if set(own) != set(plan):
@@ -490,8 +445,8 @@ def load_parallel_model(path: str | Path, comm: Comm, *, n_layers: int | None = 
     held_bf16 = held_bf16_names(model)
     with torch.no_grad():
         for name, part in plan.items():
-            t = _read(ck, name, part, dtype if own[name].is_floating_point() else torch.float32, device,
-                      raw)
+            t = src.load(name, part, dtype=dtype if own[name].is_floating_point() else torch.float32,
+                         device=device, raw=raw)
             if tuple(t.shape) != tuple(own[name].shape):
                 raise RuntimeError(f"{name}: rank {comm.rank} read shape {tuple(t.shape)}, model has "
                                    f"{tuple(own[name].shape)}")
@@ -517,9 +472,7 @@ def load_distributed_model(ckpt: str | Path, comm: Comm, *, device: str = "cuda"
     """`dsv4.generate.load_model` for a torchrun launch: the rank's model honouring TEST_LAYERS; returns (model,
     effective main-layer count). At world size 1 this is the plain model loaded the same way. `weights` as in
     `Transformer`."""
-    from dsv4.checkpoint import Checkpoint
-    from dsv4.config import layers_from_env
-
-    n = layers_from_env(Checkpoint(ckpt).args.n_layers)
-    return load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=device, backend=backend,
+    src = open_source(ckpt)
+    n = layers_from_env(src.args.n_layers)
+    return load_parallel_model(src, comm, n_layers=n, dtype=dtype, device=device, backend=backend,
                                weights=weights), n

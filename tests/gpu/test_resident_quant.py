@@ -74,9 +74,9 @@ def _worker(mode: str, out: str, ckpt: str) -> None:
     if mode == "tiny":
         n, dtype, ids = None, torch.float32, _ids(512)
     else:
-        from dsv4.checkpoint import Checkpoint
+        from dsv4.checkpoint import open_source
 
-        n, dtype, ids = layers_from_env(Checkpoint(ckpt).args.n_layers), torch.bfloat16, torch.tensor([PROMPT])
+        n, dtype, ids = layers_from_env(open_source(ckpt).args.n_layers), torch.bfloat16, torch.tensor([PROMPT])
     res = {}
     for w in MODES:
         logits, held, peak = _measure(lambda w=w: load_parallel_model(ckpt, comm, n_layers=n, dtype=dtype, device=dev,

@@ -450,3 +450,24 @@ def test_commands_refuse_a_dry_run_and_diagnose_names_it(tmp_path, capsys):
         assert err.startswith(f"dsv4 {argv[0]}: error: {d}: placeholder checkpoint, not weights"), err
     source = _checkpoint_identity(d, False)["source"]
     assert source.startswith("PLACEHOLDER data, not weights") and "random weights" not in source, source
+
+
+# ------------------------------------------------------------------ symlink loops (issue 28)
+def test_symlink_loops_are_named_as_loops(tiny_ckpt, copy_ckpt, tmp_path):
+    """A link cycle for the directory, the index or a shard was reported as a missing file."""
+    from dsv4.checkpoint import SymlinkLoopError
+
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(SymlinkLoopError, match=rf"^{re.escape(str(loop))}: symbolic link loop"):
+        Checkpoint(loop)
+    d = copy_ckpt(tiny_ckpt)
+    shard = sorted(d.glob("*.safetensors"))[1]
+    shard.unlink()
+    shard.symlink_to(shard)
+    with pytest.raises(CheckpointError, match=rf"but {re.escape(str(shard))} is a symbolic link loop"):
+        Checkpoint(d)
+    (d / INDEX_FILE).rename(d / "index.bak")
+    (d / INDEX_FILE).symlink_to(d / INDEX_FILE)
+    with pytest.raises(SymlinkLoopError, match=rf"{INDEX_FILE}: symbolic link loop"):
+        Checkpoint(d)

@@ -260,3 +260,84 @@ def test_missing_math_key_names_file_key_and_released_value(tmp_path, key):
     p = _edited_flash(tmp_path, lambda c: c.pop(key))
     with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: missing key {key!r} \\(released value"):
         ModelArgs.from_hf_config(p)
+
+
+# ------------------------------------------------------------------ issue 23 item 3 / issue 28 (one table, bounds)
+def test_one_table_drives_from_and_to_hf_config():
+    """`HF_CONFIG` is the only config.json <-> ModelArgs mapping: every field but the derived `dtype` has exactly one
+    key there, `to_hf_config` writes exactly the table's keys, the message hints and the fixed values come from it."""
+    from dsv4.config import FIXED_CONFIG_VALUES, HF_CONFIG, HF_CONFIG_KEYS
+
+    fields = [k.field for k in HF_CONFIG if k.field is not None]
+    assert sorted(fields) == sorted({f.name for f in dataclasses.fields(ModelArgs)} - {"dtype"})
+    assert HF_CONFIG_KEYS == {k.field: k.key for k in HF_CONFIG if k.field and k.field != k.key}
+    assert FIXED_CONFIG_VALUES == {k.key: k.value for k in HF_CONFIG if k.fixed}
+    for path in (FLASH, PRO):
+        a = ModelArgs.from_hf_config(path)
+        cfg = a.to_hf_config()
+        written = {k.key for k in HF_CONFIG if k.written and not (k.fp8_only and a.dtype != "fp8")}
+        flat = {f"{top}.{sub}" if isinstance(val, dict) else top
+                for top, val in cfg.items() for sub in (val if isinstance(val, dict) else [None])}
+        assert flat == written
+        assert ModelArgs.from_hf_config(cfg) == a
+    bf16 = dataclasses.replace(ModelArgs.from_hf_config(FLASH), dtype="bf16", scale_fmt=None, expert_dtype="bf16")
+    assert "quantization_config" not in bf16.to_hf_config() and ModelArgs.from_hf_config(bf16.to_hf_config()) == bf16
+
+
+@pytest.mark.parametrize("field", ["hc_sinkhorn_iters", "window_size", "index_topk", "n_routed_experts"])
+def test_values_that_would_hang_or_exhaust_memory_are_bounded(tmp_path, field):
+    """`hc_sinkhorn_iters: 1e9` hung, `sliding_window: 1e9` died in new_state's allocator: every field that sizes a
+    loop or an allocation but no checkpoint tensor has a named range (`CONFIG_RANGES`), the released values inside."""
+    from dsv4.config import CONFIG_RANGES, HF_CONFIG
+
+    lo, hi, why = CONFIG_RANGES[field]
+    key = {k.field: k.key for k in HF_CONFIG}[field]
+    for path in (FLASH, PRO):
+        assert lo <= getattr(ModelArgs.from_hf_config(path), field) <= hi
+    assert getattr(ModelArgs.from_hf_config(_edited_flash(tmp_path, lambda c: c.update({key: hi}))), field) == hi
+    for bad in (hi + 1, 10**9):
+        p = _edited_flash(tmp_path, lambda c: c.update({key: bad}))
+        with pytest.raises(ValueError) as e:
+            ModelArgs.from_hf_config(p)
+        msg = str(e.value)
+        assert msg.startswith(f"{p}: ModelArgs.{field}={bad}: expected an integer in {lo}..{hi} ({why})"), msg
+        assert field == key or msg.endswith(f"(config.json key {key!r})")
+    with pytest.raises(ValueError, match=rf"ModelArgs.{field}=0: expected a positive integer"):
+        dataclasses.replace(ModelArgs(), **{field: 0})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c.update(num_nextn_predict_layers=0),
+     r"key 'compress_ratios' has 44 entries, expected 43: one per main layer \(num_hidden_layers=43\), then one per "
+     r"MTP block \(num_nextn_predict_layers=0\); the released configs have num_nextn_predict_layers 1 \(one MTP "
+     r"block\)$"),
+    (lambda c: c.update(num_hidden_layers=42),
+     r"key 'compress_ratios' has 44 entries, expected 43: one per main layer \(num_hidden_layers=42\), then one per "
+     r"MTP block \(num_nextn_predict_layers=1\)$"),
+], ids=["mtp_0", "layers_42"])
+def test_an_edited_count_is_a_bad_value_not_a_revision(tmp_path, edit, message):
+    """`num_nextn_predict_layers: 0` was reported as "a later revision (DSpark)": a count that no longer fits the
+    ratio list is named as the keys that disagree; only the released counts with extra ratios name a revision."""
+    from dsv4.config import UnsupportedRevisionError, detect_revision
+
+    p = _edited_flash(tmp_path, edit)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(p))}: {message}") as e:
+        ModelArgs.from_hf_config(p)
+    assert not isinstance(e.value, UnsupportedRevisionError) and "revision" not in str(e.value)
+    assert detect_revision(json.loads(p.read_text())) is None
+
+
+def test_symlink_loops_are_named_as_loops(tmp_path):
+    """A symbolic link loop was reported as a missing config.json / checkpoint directory."""
+    from dsv4.config import SymlinkLoopError
+
+    loop = tmp_path / "ckpt"
+    loop.symlink_to(loop)
+    with pytest.raises(SymlinkLoopError, match=rf"^{re.escape(str(loop))}: symbolic link loop") as e:
+        ModelArgs.from_hf_config(loop)
+    assert isinstance(e.value, FileNotFoundError)  # every handler of a missing checkpoint still handles it
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "config.json").symlink_to(d / "config.json")
+    with pytest.raises(SymlinkLoopError, match=rf"^{re.escape(str(d / 'config.json'))}: symbolic link loop"):
+        ModelArgs.from_hf_config(d)

@@ -193,3 +193,21 @@ def test_fp4_act_quant_sim_known_values():
     assert y.dtype == torch.bfloat16
     assert y[0, :5].float().tolist() == [6.0, 0.5, 3.0, 6.0, -0.0]
     assert y[1, :2].float().tolist() == [12.0, 4.0]
+
+
+def test_fp8_block_dequant_of_a_part_is_the_narrow_of_the_whole():
+    """The one torch FP8 block dequantization also serves a rank's part (rows or columns not starting on a block):
+    the part with the scale blocks that cover it, at `origin` in the first block, equals the whole narrowed."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 260, generator=g)
+    q, s = quant.fp8_block_quant(w)
+    whole = quant.fp8_block_dequant(q, s)
+    for dim, start, n in [(0, 100, 60), (0, 128, 128), (1, 33, 200), (1, 0, 260), (0, 299, 1)]:
+        b0, b1 = start // 128, -(-(start + n) // 128)
+        part, sp = q.narrow(dim, start, n), s.narrow(dim, b0, b1 - b0)
+        origin = (start - b0 * 128, 0) if dim == 0 else (0, start - b0 * 128)
+        assert torch.equal(quant.fp8_block_dequant(part, sp, origin=origin), whole.narrow(dim, start, n))
+    with pytest.raises(ValueError, match="FP8 scale: expected shape"):
+        quant.fp8_block_dequant(q[100:160], s[0:1], origin=(100, 0))  # rows 100..159 span blocks 0 and 1
+    with pytest.raises(ValueError, match="origin"):
+        quant.fp8_block_dequant(q, s, origin=(128, 0))

@@ -165,3 +165,25 @@ def test_cli_make_checkpoint(tmp_path, capsys):
     assert "dsv4 make-checkpoint: error:" in capsys.readouterr().err and "not an empty directory"
     assert cli_main(["make-checkpoint", str(tmp_path / "e"), "--geometry", "pro", "--layers", "62"]) == 2
     assert "1..61" in capsys.readouterr().err
+
+
+def test_progress_inside_a_long_shard(tmp_path):
+    """A 3-minute Flash shard was silent: inside a shard `make_checkpoint`'s log gets a line every
+    `PROGRESS_EVERY_S` seconds (bytes and tensors so far); here every tensor (interval 0)."""
+    from dsv4.synth import _write_shard
+
+    args = geometry_args("tiny", 1)
+    plan = plan_shards(args, include_mtp=False)[1]  # layers.0
+    lines: list[str] = []
+    _write_shard(tmp_path / plan.file, plan, args, 0, "cpu", False, lines.append, "  [2/3] x", every_s=0.0)
+    assert len(lines) == len(plan.names) - 1 and lines[0].startswith("  [2/3] x: ")
+    assert lines[-1].endswith("s)") and f"{len(plan.names) - 1} of {len(plan.names)} tensors" in lines[-1]
+    assert (tmp_path / plan.file).stat().st_size == plan.size
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.5])
+def test_make_checkpoint_refuses_a_seed_the_cli_would_refuse(tmp_path, seed):
+    """A seed outside 0..2^64-1 gave a checkpoint (or a `synth:` source) whose rebuild command is refused."""
+    with pytest.raises(ValueError, match=r"seed=.*: expected an integer in 0\.\.18446744073709551615"):
+        make_checkpoint(tmp_path / "c", "tiny", 1, seed=seed, dry_run=True, log=None)
+    assert not (tmp_path / "c").exists()

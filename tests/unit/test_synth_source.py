@@ -1,4 +1,5 @@
-"""The synthetic checkpoint source `synth:GEOMETRY[:LAYERS[:SEED]]` (dsv4.synth.SynthCheckpoint; issue 16 item 1):
+"""The synthetic checkpoint source `synth:GEOMETRY[:LAYERS[:SEED]]` (dsv4.checkpoint.SynthCheckpoint, opened by
+`open_source`; issue 16 item 1):
 full depth without the files. The real loaders accept it in place of a directory; every tensor, and every rank's
 part of a split tensor, is generated where it is read and must be bitwise what `dsv4 make-checkpoint` writes for
 the same seed. Checked on CPU at the tiny geometry (its 4 layers: every tensor kind, hash and score routing, CSA /
@@ -19,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.checkpoint import Checkpoint, CheckpointError, load_checkpoint
+from dsv4.checkpoint import Checkpoint, CheckpointError, SynthCheckpoint, load_checkpoint, open_source
 from dsv4.parallel import Comm, load_rank_state_dict, read_plan
-from dsv4.synth import (SynthCheckpoint, geometry_args, make_checkpoint, parse_source, synth_part, synth_tensor)
+from dsv4.synth import SEED_MAX, geometry_args, make_checkpoint, parse_source, synth_part, synth_tensor
 
 pytestmark = pytest.mark.hardstop  # a synthetic full-depth run must run the weights a world-size-1 run checks
 
@@ -49,12 +50,14 @@ def files(tmp_path_factory) -> Path:
 
 
 def test_spec_opens_a_synthetic_checkpoint_with_the_files_inventory(files):
-    ck, disk = Checkpoint(SPEC), Checkpoint(files)
-    assert isinstance(ck, SynthCheckpoint) and type(disk) is Checkpoint
+    ck, disk = open_source(SPEC), open_source(files)
+    assert type(ck) is SynthCheckpoint and type(disk) is Checkpoint
     assert ck.args == disk.args and ck.keys() == disk.keys()
     assert all(ck.info(n)[:2] == disk.info(n)[:2] for n in disk.keys())
     assert str(parse_source("synth:flash")) == "synth:flash:43:0" and parse_source("synth:pro:61").layers == 61
-    assert Checkpoint("synth:flash:3").args == geometry_args("flash", 3)
+    assert open_source("synth:flash:3").args == geometry_args("flash", 3)
+    with pytest.raises(ValueError, match="open_source"):  # the directory reader never turns into another class
+        Checkpoint(SPEC)
 
 
 @pytest.mark.parametrize("dequantize", [True, False])
@@ -86,17 +89,15 @@ def test_split_quantized_parts_equal_the_files(files):
     """weights="quantized" at W=2 keeps whole 128-blocks (wq_b: 256 rows = 2 blocks): the rank's codes and scale
     rows, generated alone, are the bytes of the files' slices (the tiny wo_a is not block-aligned at W=2, so the
     full quantized rank load is refused there; this checks the part path it takes at Flash / Pro width)."""
-    from dsv4.parallel import _read
-
-    disk, gen = Checkpoint(files), Checkpoint(SPEC)
+    disk, gen = open_source(files), open_source(SPEC)
     args = disk.args
     for rank in range(2):
         plan = read_plan(args, Comm(rank, 2), ["layers.1.attn.wq_b.weight", "layers.1.attn.wq_b.scale",
                                                  "layers.1.attn.wo_b.weight"])
         for name, part in plan.items():
             for raw in (True, False) if name.endswith(".weight") else (True,):  # a .scale is read raw only
-                a = _read(disk, name, part, torch.float32, "cpu", raw)
-                b = _read(gen, name, part, torch.float32, "cpu", raw)
+                a = disk.load(name, part, dtype=torch.float32, device="cpu", raw=raw)
+                b = gen.load(name, part, dtype=torch.float32, device="cpu", raw=raw)
                 assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), (rank, name, raw)
 
 
@@ -128,10 +129,11 @@ def test_synth_part_is_the_narrow_of_the_whole():
     ("synth:foo", "unknown geometry 'foo'"), ("synth:flash:44", "LAYERS=44 is outside 1..43"),
     ("synth:pro:0", "LAYERS=0 is outside 1..61"), ("synth:pro:x", "LAYERS='x' is not a non-negative integer"),
     ("synth:tiny:2:-1", "SEED='-1' is not a non-negative integer"), ("synth:tiny:1:2:3", "4 fields"),
-    ("synth:", "unknown geometry ''")])
+    ("synth:", "unknown geometry ''"),
+    (f"synth:tiny:2:{SEED_MAX + 1}", f"SEED={SEED_MAX + 1} is above {SEED_MAX}")])
 def test_bad_spec_names_the_value(spec, needle, capsys):
     with pytest.raises(ValueError, match="synthetic source") as e:
-        Checkpoint(spec)
+        open_source(spec)
     assert needle in str(e.value) and repr(spec) in str(e.value)
     from dsv4.cli import main
     assert main(["diagnose", "--ckpt", spec]) == 2
@@ -143,7 +145,7 @@ def test_generated_nan_bytes_fail_closed(monkeypatch):
     """A generated tensor or part holding a NaN code is refused like a read one, naming the source."""
     import dsv4.synth as synth
 
-    ck = Checkpoint("synth:tiny:2:1")
+    ck = open_source("synth:tiny:2:1")
     bad = torch.full((64,), float("nan"), dtype=torch.bfloat16)
     monkeypatch.setattr(synth, "synth_tensor", lambda *a, **k: bad)
     with pytest.raises(CheckpointError, match=r"synth:tiny:2:1: tensor norm.weight: non-finite value .* index \[0\]"):
@@ -152,7 +154,7 @@ def test_generated_nan_bytes_fail_closed(monkeypatch):
     codes[3, 5] = 0x7F
     monkeypatch.setattr(synth, "synth_part", lambda *a, **k: codes.view(torch.float8_e4m3fn))
     with pytest.raises(CheckpointError, match=r"tensor layers.1.attn.wo_a.weight: e4m3 NaN code .* index \[35, 5\]"):
-        ck._raw_part("layers.1.attn.wo_a.weight", 0, 32, 32)
+        ck.raw_part("layers.1.attn.wo_a.weight", 0, 32, 32)
 
 
 def test_diagnose_and_generate_say_the_weights_are_synthetic(tmp_path, capsys, monkeypatch):
