@@ -8,7 +8,9 @@ back at once), and the runtime checks that need no weights (`--device cuda` with
 where it cannot run) come before any weight is read. Every error line reads `dsv4 COMMAND: error: ...` on
 stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked, 4 = inconclusive (diagnose: a
 decisive test could not decide; not a pass), 141 = stdout closed by its
-reader (`| head -1`: the command ends quietly, no traceback, as a writer killed by SIGPIPE would).
+reader (`| head -1`: the command ends quietly, no traceback, as a writer killed by SIGPIPE would), 130 = Ctrl-C
+(one line, no traceback; a report file gets its failure report, an interrupted make-tiny / make-checkpoint
+directory has no index). Running out of memory is a named error (exit 2), not an allocator traceback.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad
               "blocked (gate); 4 = inconclusive (diagnose: no decisive test failed, but one could not decide on this "
               "input, e.g. tolerances that would also pass a model without a final norm: not a pass); 141 = stdout "
               "was closed by its reader (e.g. `| head -1`): the command stops quietly, "
-              "as a shell reports a writer ended by SIGPIPE")
+              "as a shell reports a writer ended by SIGPIPE; 130 = interrupted (Ctrl-C): one line on stderr, "
+              "nothing half-written")
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
 ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "
                "main layers (a canonical integer 1..n_layers); TRITON_INTERPRET=1 = run the triton backend on CPU "
                "(tests); RANK, WORLD_SIZE, LOCAL_RANK = set by torchrun (all three consistent, or none)")
@@ -161,10 +165,14 @@ _OPTION_HELP = {
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests). Every option carries a help text; `--help` of each
     command lists the exit codes and the environment variables."""
+    from dsv4 import __version__
+
     p = argparse.ArgumentParser(prog="dsv4", allow_abbrev=False,
                                 description="DeepSeek-V4 inference people can trust.",
                                 epilog=f"{EXIT_CODES}\n{ENVIRONMENT}",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"dsv4 {__version__}",
+                   help="print the dsv4 version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     d = _subparser(sub, "diagnose", help="run both decisive tests (prompt format, final norm) and print the report",
@@ -326,6 +334,10 @@ def _check_report_path(args: argparse.Namespace) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from dsv4.report import set_command_line
+
+    set_command_line(["dsv4", *argv])  # what reports record as the command line
     args = parse_args(argv)
     problem = _check_launch(args) or _check_report_path(args) or _check_runtime(args)
     if problem is not None:
@@ -337,8 +349,76 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `dsv4 make-checkpoint ... | head -1`: the reader has what it wanted
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (reports and output directories see to themselves)
+        _end_line()
+        print(f"dsv4 {args.command}: interrupted (Ctrl-C){_interrupted_note(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except MemoryError as e:
+        print(f"dsv4 {args.command}: error: out of memory ({type(e).__name__}{': ' + str(e) if str(e) else ''}); "
+              "use fewer layers (TEST_LAYERS=N), --weights quantized, or a larger device", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not _is_out_of_memory(e):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dsv4 {args.command}: error: out of memory: {first}; use fewer layers (TEST_LAYERS=N), --weights "
+              "quantized, or a larger device (dsv4.memory_plan gives the weights' bytes)", file=sys.stderr)
+        return 2
     finally:
         _close_process_group()
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """torch's allocator failures: `torch.OutOfMemoryError` (CUDA) and the CPU allocator's RuntimeError."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(e, oom):
+        return True
+    text = str(e)
+    return "DefaultCPUAllocator: can't allocate memory" in text or "CUDA out of memory" in text
+
+
+def _end_line() -> None:
+    """After Ctrl-C in the middle of a streamed line (generate's tokens, a progress bar): end it."""
+    try:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _interrupted_note(args: argparse.Namespace) -> str:
+    """What an interrupted command left behind, for its one line."""
+    if args.command in ("make-tiny", "make-checkpoint") and getattr(args, "fresh_out_dir", False):
+        return (f": {args.out_dir} is incomplete and has no index, so it does not open as a checkpoint; remove it "
+                "and run again")
+    if getattr(args, "json", None) is not None:
+        return f": {args.json} holds a failure report (\"status\": \"failed\")"
+    return ""
+
+
+def _fresh_dir(out_dir: Path) -> bool:
+    """True if `out_dir` is missing or empty: a build may remove files there (never in a directory it found full)."""
+    try:
+        return not Path(out_dir).exists() or (Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()))
+    except OSError:
+        return False
+
+
+def _remove_index(out_dir: Path, fresh: bool) -> None:
+    """An interrupted build into a directory that was empty (`fresh`): remove its index (written last by
+    make-checkpoint, first of the small files by make-tiny), so a half-built directory never opens as a
+    checkpoint and no half-written index stays behind."""
+    from dsv4.checkpoint import INDEX_FILE
+
+    if not fresh:
+        return
+    try:
+        (Path(out_dir) / INDEX_FILE).unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        print(f"dsv4: warning: could not remove {Path(out_dir) / INDEX_FILE} ({e})", file=sys.stderr)
 
 
 def _stdout_to_devnull() -> None:
@@ -377,8 +457,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                             device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
     if args.command == "make-tiny":
         from dsv4.tiny import make_tiny
+        fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)
         try:
             out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
+        except KeyboardInterrupt:
+            _remove_index(args.out_dir, fresh)
+            raise
         except BrokenPipeError:
             raise
         except (OSError, ValueError) as e:
@@ -401,9 +485,13 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     from dsv4.synth import make_checkpoint
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)
     try:
         make_checkpoint(args.out_dir, args.geometry, args.layers, seed=args.seed, include_mtp=args.mtp,
                         device=device, dry_run=args.dry_run, max_shard_bytes=int(args.shard_gb * 1e9))
+    except KeyboardInterrupt:
+        _remove_index(args.out_dir, fresh)
+        raise
     except BrokenPipeError:  # stdout (the progress lines) closed by its reader: `main` ends quietly
         raise
     except (OSError, ValueError) as e:

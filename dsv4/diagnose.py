@@ -99,10 +99,24 @@ class TemplateDiff:
         return "INCONCLUSIVE" if not self.differs else "PASS"
 
     def to_json(self) -> dict:
-        """A JSON-serialisable dict of every field plus `differs` and `outcome`."""
+        """A JSON-serialisable dict of every field plus `differs` and `outcome`. Every row is an object with named
+        fields: `alignment` rows {"hand_pos", "hand_id", "hand_token", "template_pos", "template_id",
+        "template_token", "op"} (None where a side has no token), tokens {"id", "token"}."""
         d = dataclasses.asdict(self)
+        d["alignment"] = [alignment_row(row) for row in self.alignment]
+        d["ops"] = [{**o, "hand_span": list(o["hand_span"]), "template_span": list(o["template_span"]),
+                     "hand_tokens": [{"id": i, "token": t} for i, t in o["hand_tokens"]],
+                     "template_tokens": [{"id": i, "token": t} for i, t in o["template_tokens"]]} for o in d["ops"]]
         d["differs"], d["outcome"] = self.differs, self.outcome
         return d
+
+
+def alignment_row(row: tuple) -> dict:
+    """One alignment tuple (hand pos, (id, text), template pos, (id, text), op) as a labelled JSON object."""
+    hp, ht, tp, tt, op = row
+    return {"hand_pos": hp, "hand_id": None if ht is None else ht[0], "hand_token": None if ht is None else ht[1],
+            "template_pos": tp, "template_id": None if tt is None else tt[0],
+            "template_token": None if tt is None else tt[1], "op": op}
 
 
 # The official ids of the format's special strings (DeepSeek-V4's tokenizer; the gold vectors of
@@ -188,21 +202,69 @@ def template_diff(tokenizer, prompt: str, thinking: bool = True) -> TemplateDiff
         special_id_problems=special_id_problems(tokenizer))
 
 
+# Bounds of the text report (a 20k-token prompt once gave a 2.1 MB report: every id printed three times). The
+# JSON report keeps every id, string and alignment row.
+TEXT_IDS_EDGE = 16         # id lists longer than 2x this show the first and last this many, with the count between
+TEXT_CHARS_EDGE = 400      # strings longer than 2x this show their first and last this many characters
+ALIGNMENT_CONTEXT = 3      # equal rows shown around each difference (and at both ends)
+ALIGNMENT_MAX_ROWS = 200   # at most this many alignment rows in the text
+
+
+def _bounded_ids(ids: list[int]) -> str:
+    """`[0, 1, 2]`, or for a long list its head and tail with the number of ids left out between them."""
+    if len(ids) <= 2 * TEXT_IDS_EDGE:
+        return str(list(ids))
+    head, tail = ", ".join(map(str, ids[:TEXT_IDS_EDGE])), ", ".join(map(str, ids[-TEXT_IDS_EDGE:]))
+    return f"[{head}, ... {len(ids) - 2 * TEXT_IDS_EDGE} ids not shown (all in the --json report) ..., {tail}]"
+
+
+def _bounded_text(text: str) -> str:
+    """The JSON-quoted string, or for a long one its first and last characters with the count left out."""
+    if len(text) <= 2 * TEXT_CHARS_EDGE:
+        return json.dumps(text, ensure_ascii=False)
+    head, tail = json.dumps(text[:TEXT_CHARS_EDGE], ensure_ascii=False), json.dumps(text[-TEXT_CHARS_EDGE:],
+                                                                                  ensure_ascii=False)
+    return (f"{head} ... {len(text) - 2 * TEXT_CHARS_EDGE} characters not shown (all in the --json report) ... "
+            f"{tail}")
+
+
+def _alignment_rows_shown(alignment: list[tuple]) -> list[int]:
+    """Indices of the alignment rows the text report prints: all of a short alignment; of a long one, every
+    difference with ALIGNMENT_CONTEXT equal rows around it and at both ends, at most ALIGNMENT_MAX_ROWS."""
+    n = len(alignment)
+    if n <= ALIGNMENT_MAX_ROWS // 2:
+        return list(range(n))
+    keep = set(range(min(ALIGNMENT_CONTEXT, n))) | set(range(max(0, n - ALIGNMENT_CONTEXT), n))
+    for k, row in enumerate(alignment):
+        if row[4] != "equal":
+            keep.update(range(max(0, k - ALIGNMENT_CONTEXT), min(n, k + ALIGNMENT_CONTEXT + 1)))
+    return sorted(keep)[:ALIGNMENT_MAX_ROWS]
+
+
 def format_template_report(diff: TemplateDiff) -> str:
     """The Test-1 half of the `dsv4 diagnose` report as plain text (one block, ends with a verdict line)."""
     mode = "thinking" if diff.thinking else "chat"
     lines = [f"== Test 1: prompt format ({mode} mode) ==",
-             f"prompt:          {json.dumps(diff.prompt, ensure_ascii=False)}",
+             f"prompt:          {_bounded_text(diff.prompt)}",
              f"template source: {diff.template_source}",
-             f"hand-rolled ids ({len(diff.hand_rolled_ids)}): {diff.hand_rolled_ids}",
-             f"hand-rolled str: {json.dumps(diff.hand_rolled_text, ensure_ascii=False)}",
-             f"template ids ({len(diff.template_ids)}):    {diff.template_ids}",
-             f"template str:    {json.dumps(diff.template_text, ensure_ascii=False)}",
+             f"hand-rolled ids ({len(diff.hand_rolled_ids)}): {_bounded_ids(diff.hand_rolled_ids)}",
+             f"hand-rolled str: {_bounded_text(diff.hand_rolled_text)}",
+             f"template ids ({len(diff.template_ids)}):    {_bounded_ids(diff.template_ids)}",
+             f"template str:    {_bounded_text(diff.template_text)}",
              "alignment (pos | hand-rolled | template | op):"]
-    for hp, ht, tp, tt, op in diff.alignment:
-        cell = (lambda p, t: "-" if t is None else f"{p:>3} {t[0]:>6} {json.dumps(t[1], ensure_ascii=False)}")
+    cell = (lambda p, t: "-" if t is None else f"{p:>3} {t[0]:>6} {json.dumps(t[1], ensure_ascii=False)}")
+    shown = _alignment_rows_shown(diff.alignment)
+    prev = -1
+    for k in shown:
+        if k > prev + 1:
+            lines.append(f"  ... {k - prev - 1} equal row(s) not shown (the full alignment is in the --json report)")
+        hp, ht, tp, tt, op = diff.alignment[k]
         mark = "" if op == "equal" else f"   <-- {op}"
         lines.append(f"  {cell(hp, ht):<34} | {cell(tp, tt):<34}{mark}")
+        prev = k
+    if prev < len(diff.alignment) - 1:
+        lines.append(f"  ... {len(diff.alignment) - 1 - prev} more row(s) not shown (the full alignment is in the "
+                     "--json report)")
     lines.append("differences:" if diff.ops else "differences: none")
     lines += [f"  - {op.description}" for op in diff.ops]
     if diff.special_in_prompt:
@@ -306,11 +368,12 @@ class Continuation:
         return dataclasses.asdict(self)
 
 
-def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expect: str | None = None
-                        ) -> Continuation:
+def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expect: str | None = None,
+                        on_token=None) -> Continuation:
     """Greedy decode of `n_tokens` ids after `prompt` ([s] ids) from a fresh decode state, stopping at EOS.
 
-    The first id equals the prompt's greedy top-1. Raises ValueError if n_tokens < 1 or the prompt is empty.
+    The first id equals the prompt's greedy top-1. `on_token(k)` (optional) is called after the k-th generated
+    id (progress). Raises ValueError if n_tokens < 1 or the prompt is empty.
     """
     import torch
 
@@ -324,6 +387,8 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
         for _ in range(n_tokens):
             tok = int(model(x, state).argmax(-1)[0])
             out.append(tok)
+            if on_token is not None:
+                on_token(len(out))
             if tok == eos:
                 break
             x = torch.tensor([[tok]], dtype=torch.long, device=model.device)
@@ -388,7 +453,7 @@ def format_continuation_report(hand: Continuation, tmpl: Continuation, expect: s
     lines = [f"greedy continuation ({n_tokens} tokens max, stops at EOS), loop measure (longest periodic "
              "stretch with >= 2 periods; LOOP = it covers >= half the tokens 3+ times over, or < 25% distinct ids):"]
     for name, c in (("hand-rolled", hand), ("template", tmpl)):
-        lines += [f"  {name + ':':<12} {json.dumps(c.text, ensure_ascii=False)}",
+        lines += [f"  {name + ':':<12} {_bounded_text(c.text)}",
                   f"  {'':<12} {len(c.ids)} tokens, stop {c.stop}; {c.loop.describe()}"]
     if expect is not None:
         lines.append(f"expected answer {json.dumps(expect, ensure_ascii=False)} (case-insensitive): hand-rolled "
@@ -420,23 +485,58 @@ def _git_commit() -> tuple[str | None, bool | None]:
     return git("rev-parse", "HEAD"), None if status is None else bool(status)
 
 
+def _import_version(module: str) -> str | None:
+    """The version the imported module reports about itself (`torch.__version__` = "2.14.1+cu130", with the
+    build tag), not the distribution's metadata ("2.14.1"); None when it is not installed or does not import."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(module)
+    except Exception:  # not installed, or an install that fails to import: it did not produce this report
+        return None
+    v = getattr(mod, "__version__", None)
+    if v is None:
+        from importlib import metadata
+
+        try:
+            return metadata.version(module)
+        except metadata.PackageNotFoundError:
+            return None
+    return str(v)
+
+
+def _accelerator() -> dict:
+    """torch's CUDA build (`torch.version.cuda`, None on a CPU build), whether CUDA is usable, and the name of
+    every visible GPU ([] when none)."""
+    import torch
+
+    gpus: list[str] = []
+    available = bool(torch.cuda.is_available())
+    if available:
+        try:
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        except Exception as e:  # a driver problem must not hide the report
+            gpus = [f"unknown ({type(e).__name__}: {e})"]
+    return {"torch_cuda": torch.version.cuda, "cuda_available": available, "gpus": gpus}
+
+
 def environment() -> dict:
-    """What produced a report: dsv4 version, git commit (+ dirty) when run from a checkout, Python, torch,
-    triton, transformers versions (None when not installed), and the world size ($WORLD_SIZE, 1 if unset)."""
+    """What produced a report: dsv4 version, git commit (+ dirty) when run from a checkout, the versions of
+    Python, torch, triton and transformers as the imported modules report them (`__version__`, with the build
+    tag: "2.13.0+cpu", "2.14.1+cu130"; None when not installed), torch's CUDA version (None on a CPU build), the
+    visible GPUs' names, the platform, the CPU count, when the report was made (UTC) and the world size
+    ($WORLD_SIZE, 1 if unset)."""
+    import datetime
     import platform
-    from importlib import metadata
 
     import dsv4
 
-    def version(dist: str) -> str | None:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return None
-
     commit, dirty = _git_commit()
     return {"dsv4": dsv4.__version__, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
-            "torch": version("torch"), "triton": version("triton"), "transformers": version("transformers"),
+            "torch": _import_version("torch"), "triton": _import_version("triton"),
+            "transformers": _import_version("transformers"), **_accelerator(), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "world_size": _world_size()}
 
 
@@ -447,11 +547,17 @@ def _world_size() -> int:
 
 
 def format_environment(env: dict) -> str:
-    """One line: `dsv4 0.1.0 (git 0123abcd4567, clean) | python 3.12.3 | torch 2.13.0 | ...`."""
+    """Two lines: `software: dsv4 0.1.0 (git 0123abcd4567, clean) | python 3.12.3 | torch 2.13.0+cpu | ...` and
+    `hardware: CUDA 13.0, 1 GPU (NVIDIA H200) | 16 CPUs | Linux-...`."""
     git = ("not run from a git checkout" if env["git_commit"] is None else
            f"git {env['git_commit'][:12]}{'' if env['git_dirty'] is None else ', dirty' if env['git_dirty'] else ', clean'}")
+    cuda = env.get("torch_cuda")
+    gpus = env.get("gpus") or []
+    accel = ((f"torch built with CUDA {cuda}" if cuda else "torch CPU build") + ", "
+             + (f"{len(gpus)} GPU(s) ({', '.join(gpus)})" if gpus else "no GPU visible"))
     return (f"software: dsv4 {env['dsv4']} ({git}) | python {env['python']} | torch {env['torch']} | "
-            f"triton {env['triton'] or 'not installed'} | transformers {env['transformers']}")
+            f"triton {env['triton'] or 'not installed'} | transformers {env['transformers']}\n"
+            f"hardware: {accel} | {env.get('cpu_count')} CPUs | {env.get('platform')}")
 
 
 EXIT_PASS, EXIT_ERROR, EXIT_HARD_STOP, EXIT_INCONCLUSIVE = 0, 2, 3, 4
@@ -546,6 +652,47 @@ def format_final_norm_report(r) -> str:
                   + ("rejected: decisive" if c.decisive else f"NOT rejected: {c.power_reason}")]
     lines += [f"rule: {r.rule}", f"Test 2 {r.verdict}"]
     return "\n".join(lines)
+
+
+PROGRESS_EVERY_S = 2.0  # a running step reports on stderr at most this often
+
+
+class Progress:
+    """Progress of the run's steps on stderr (stdout keeps the report): `step(label)` prints `dsv4 diagnose:
+    LABEL ...` when it starts and `... done in X s` when it ends; `tick(k, n)` inside a step prints `k/n` at most
+    every PROGRESS_EVERY_S seconds."""
+
+    def __init__(self, command: str = "diagnose", stream=None) -> None:
+        self.command, self._stream = command, stream
+        self._label, self._t0, self._last = "", 0.0, 0.0
+
+    def _say(self, text: str) -> None:
+        import sys
+
+        stream = self._stream or sys.stderr
+        print(f"dsv4 {self.command}: {text}", file=stream, flush=True)
+
+    def step(self, label: str):
+        import contextlib
+        import time
+
+        @contextlib.contextmanager
+        def run():
+            self._label, self._t0 = label, time.perf_counter()
+            self._last = self._t0
+            self._say(f"{label} ...")
+            yield self
+            self._say(f"{label}: done in {time.perf_counter() - self._t0:.1f} s")
+
+        return run()
+
+    def tick(self, k: int, n: int, unit: str = "tokens") -> None:
+        import time
+
+        now = time.perf_counter()
+        if now - self._last >= PROGRESS_EVERY_S and k < n:
+            self._last = now
+            self._say(f"{self._label}: {k}/{n} {unit} ({now - self._t0:.1f} s)")
 
 
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
@@ -686,10 +833,15 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
             print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         env = environment()
+        import shlex
+
+        from dsv4.report import SCHEMA_VERSION, command_line
+
         print("== Checkpoint ==")
         for k, v in ident.items():
             print(f"{k}: {v}")
         print(format_environment(env))
+        print(f"run: {env['timestamp']} | command: {shlex.join(command_line())} | report schema {SCHEMA_VERSION}")
         print(f"TEST_LAYERS in effect: {n_layers} of {ident['n_layers']} main layers | dtype {dtype} | "
               f"device {device} | backend {model.backend.name} | weights {weights} | world size "
               f"{env['world_size']}\n")
@@ -700,9 +852,17 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         fed = diff.template_ids
         test1_outcome = "HARD STOP" if fed != diff.encoder_ids else diff.outcome
         # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
-        r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
-        cont_hand = greedy_continuation(model, tok, diff.hand_rolled_ids, continue_tokens, expect)
-        cont_tmpl = greedy_continuation(model, tok, fed, continue_tokens, expect)
+        progress = Progress("diagnose")
+        with progress.step(f"Test 2: final norm (prefill {len(fed)} tokens + {decode_steps} decode step(s))"):
+            r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
+        with progress.step(f"Test 1: greedy continuation of the hand-rolled prompt (up to {continue_tokens} "
+                           "tokens)") as pr:
+            cont_hand = greedy_continuation(model, tok, diff.hand_rolled_ids, continue_tokens, expect,
+                                            on_token=lambda k: pr.tick(k, continue_tokens))
+        with progress.step(f"Test 1: greedy continuation of the template prompt (up to {continue_tokens} "
+                           "tokens)") as pr:
+            cont_tmpl = greedy_continuation(model, tok, fed, continue_tokens, expect,
+                                            on_token=lambda k: pr.tick(k, continue_tokens))
         verdict, verdict_line = continuation_verdict(cont_hand, cont_tmpl, expect)
         top_hand, top_tmpl = _token(tok, cont_hand.ids[0]), _token(tok, r.greedy_ids[0])
         print(format_template_report(diff))
@@ -725,6 +885,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                "HARD STOP": "RESULT: HARD STOP - no kernel, mHC or residual change is authorized until these pass",
                "INCONCLUSIVE": "RESULT: INCONCLUSIVE - a decisive test could not decide on this input (see its "
                                "reason); this is not a pass (exit status 4)"}[outcome])
+        exit_status = {"PASS": EXIT_PASS, "HARD STOP": EXIT_HARD_STOP, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[outcome]
+        print(f"exit status: {exit_status}")
         if json_path is not None:
             report = {"environment": env, "checkpoint": ident, "test_layers": n_layers, "dtype": dtype,
                       "device": device, "backend": model.backend.name, "weights": weights,
@@ -736,7 +898,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                                                           "hand_rolled": cont_hand.to_json(),
                                                           "template": cont_tmpl.to_json(),
                                                           "verdict": verdict, "verdict_line": verdict_line}},
-                      "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed}
+                      "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed,
+                      "exit_status": exit_status}
             try:  # atomically, tied to this run (dsv4.report.ReportFile; a plain path gets one)
                 from dsv4.report import ReportFile
 
@@ -745,4 +908,4 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                 import sys
                 print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
                 return EXIT_ERROR
-        return {"PASS": EXIT_PASS, "HARD STOP": EXIT_HARD_STOP, "INCONCLUSIVE": EXIT_INCONCLUSIVE}[outcome]
+        return exit_status

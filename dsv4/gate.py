@@ -276,6 +276,56 @@ def load_report(path: Path) -> dict:
     return data
 
 
+def report_shape_problem(report) -> str | None:
+    """Why `report` is not shaped like a pytest-json-report with the hard-stop summary (a field of the wrong JSON
+    type, named by its path, e.g. `hardstop.tests[0]` or `tests[3].nodeid`); None when every field the gate reads
+    has its type. Absent fields are left to `judge_report` (each has its own reason)."""
+    def kind(v) -> str:
+        return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+                int: "a number", float: "a number"}.get(type(v), type(v).__name__)
+
+    if not isinstance(report, dict):
+        return f"the top level is {kind(report)}, expected an object"
+    hs = report.get("hardstop")
+    if isinstance(hs, dict):
+        for key in ("tests", "failed", "deselected"):
+            v = hs.get(key)
+            if isinstance(v, list):
+                for i, item in enumerate(v):
+                    if not isinstance(item, str):
+                        return f"hardstop.{key}[{i}] is {kind(item)}, expected a test id string"
+    elif hs is not None:
+        return f"hardstop is {kind(hs)}, expected an object"
+    for key in ("tests", "collectors"):
+        v = report.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, list):
+            return f"{key} is {kind(v)}, expected an array"
+        for i, item in enumerate(v):
+            if not isinstance(item, dict):
+                return f"{key}[{i}] is {kind(item)}, expected an object"
+            nodeid = item.get("nodeid")
+            if nodeid is not None and not isinstance(nodeid, str):
+                return f"{key}[{i}].nodeid is {kind(nodeid)}, expected a string"
+    for key in ("git_commit",):
+        v = report.get(key)
+        if v is not None and not isinstance(v, str):
+            return f"{key} is {kind(v)}, expected a string"
+    files = report.get("git_dirty_files")
+    if files is not None and not isinstance(files, list):
+        return f"git_dirty_files is {kind(files)}, expected an array"
+    summary = report.get("summary")
+    if summary is not None:
+        if not isinstance(summary, dict):
+            return f"summary is {kind(summary)}, expected an object"
+        for key in ("collected", "total", "deselected"):
+            v = summary.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                return f"summary.{key} is {kind(v)}, expected an integer"
+    return None
+
+
 def judge_report(report: dict, head_commit: str, expected: list[str] = ()) -> tuple[str | None, list[str]]:
     """Check a pytest-json-report dict as a green hard-stop run for `head_commit` from a clean tree.
 
@@ -283,6 +333,9 @@ def judge_report(report: dict, head_commit: str, expected: list[str] = ()) -> tu
     failing_tests): problem is None when the run is green, else a sentence saying why not; failing_tests are
     hard-stop node ids that did not pass, each with its outcome (or `deselected`, `missing`) in parentheses.
     """
+    shape = report_shape_problem(report)
+    if shape is not None:  # fail closed with the field named, never a TypeError traceback
+        return f"the report is not a pytest-json-report of the expected shape: {shape}", []
     hs = report.get("hardstop")
     if not isinstance(hs, dict) or not all(isinstance(hs.get(k), list) for k in ("tests", "failed", "deselected")):
         return ("the report has no hard-stop summary (run pytest from the repository root, whose conftest.py "

@@ -157,8 +157,10 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     ue8m0 scales on `device`, dequantized per use; same logits bit for bit, see `dsv4.resident`).
     Under a torchrun launch (WORLD_SIZE > 1) this rank's tensor/expert-parallel model is loaded instead
     (`dsv4.parallel.load_distributed_model`; each rank reads only its shards of the tensors, and on CUDA uses
-    the device of its LOCAL_RANK). Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and
-    `dsv4.parallel.comm_from_env` raise; CheckpointError for weights="quantized" on a bf16 checkpoint.
+    the device of its LOCAL_RANK). Before any weight is read, the memory plan is compared with what the device
+    has available: `dsv4.memory_plan.DeviceMemoryError` (a ValueError, with the numbers) when the weights cannot
+    fit. Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and `dsv4.parallel.comm_from_env`
+    raise; CheckpointError for weights="quantized" on a bf16 checkpoint.
     """
     from dsv4.checkpoint import load_checkpoint
     from dsv4.resident import WEIGHTS
@@ -167,18 +169,26 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     from dsv4.launch import launch_from_env
 
+    from dsv4.memory_plan import check_fits
+    from dsv4.synth import checkpoint_args
+
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if launch_from_env().distributed:
         from dsv4.parallel import comm_from_env, load_distributed_model
 
         comm, rank_device = comm_from_env(device)
+        full = checkpoint_args(ckpt)
+        check_fits(full, layers_from_env(full.n_layers), device=rank_device, dtype_bytes=dtype_bytes,
+                   weights=weights, world_size=comm.world_size, what=f"rank {comm.rank}'s part of the model")
         model, n = load_distributed_model(ckpt, comm, device=rank_device, dtype=dtype, backend=backend,
                                           weights=weights)
         return model.eval().requires_grad_(False), n
 
-    from dsv4.synth import checkpoint_args
-
     full = checkpoint_args(ckpt)  # config.json, or the geometry of a `synth:` source
     n = layers_from_env(full.n_layers)
+    # the memory plan before any weight is read or generated: a named error with the numbers, not an allocator
+    # error minutes later (dsv4.memory_plan.check_fits)
+    check_fits(full, n, device=device, dtype_bytes=dtype_bytes, weights=weights)
     args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
                                dequantize=weights == "dequantized", device=device)  # dequantized on `device`
     model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)

@@ -26,7 +26,8 @@ from dsv4.checkpoint import DTYPE_BYTES, expected_tensors
 from dsv4.config import ModelArgs
 from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
 
-__all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB"]
+__all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB", "DeviceMemoryError",
+           "available_bytes", "load_bytes", "check_fits"]
 
 RESIDENCY = ("bf16", "quantized")
 GiB = 2 ** 30
@@ -143,3 +144,106 @@ def memory_table(args: ModelArgs, world_sizes: tuple[int, ...] = (1, 2, 4, 8),
     """`rank_memory` of rank 0 for every (plan, world size); every rank holds the same bytes (E and V divide)."""
     inv = expected_tensors(args)
     return [rank_memory(args, w, 0, r, inventory=inv) for r in residencies for w in world_sizes]
+
+
+# ---------------------------------------------------------------- the plan checked before a load
+
+class DeviceMemoryError(ValueError):
+    """The device cannot hold the model's weights by the memory plan; the message has the numbers (what the plan
+    needs, what the device has available, where that number comes from) and what to change."""
+
+
+def _cgroup_room() -> int | None:
+    """Bytes this process's cgroup (v2) may still allocate (memory.max - memory.current), None without a limit."""
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int(open("/sys/fs/cgroup/memory.current").read().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def available_bytes(device: str) -> tuple[int, str] | None:
+    """(bytes the device can still give a new allocation, where the number comes from), or None when it cannot
+    be told (then nothing is refused). CPU: psutil's available memory if psutil is installed, else /proc/meminfo
+    MemAvailable + SwapFree, capped by a cgroup v2 limit; CUDA: `torch.cuda.mem_get_info` (free bytes)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        free, _total = torch.cuda.mem_get_info(dev.index if dev.index is not None else torch.cuda.current_device())
+        return int(free), f"free on {dev} (torch.cuda.mem_get_info)"
+    if dev.type != "cpu":
+        return None
+    room, where = None, ""
+    try:
+        import psutil  # optional
+
+        vm, sw = psutil.virtual_memory(), psutil.swap_memory()
+        room, where = int(vm.available + sw.free), "available RAM + free swap (psutil)"
+    except ImportError:
+        try:
+            info = {}
+            for line in open("/proc/meminfo"):
+                key, _, rest = line.partition(":")
+                info[key] = int(rest.split()[0]) * 1024
+            room, where = info["MemAvailable"] + info.get("SwapFree", 0), "MemAvailable + SwapFree (/proc/meminfo)"
+        except (OSError, KeyError, ValueError, IndexError):
+            return None
+    cg = _cgroup_room()
+    if cg is not None and cg < room:
+        room, where = cg, "room under the cgroup limit (/sys/fs/cgroup/memory.max - memory.current)"
+    return room, where
+
+
+def load_bytes(args: ModelArgs, n_layers: int, *, dtype_bytes: int, weights: str, world_size: int = 1) -> int:
+    """Bytes of weights one rank holds after loading the first `n_layers` main layers of `args` (MTP not loaded):
+    `rank_memory` of the "bf16" plan for weights="dequantized" (its bf16-held tensors at `dtype_bytes` each:
+    fp32 doubles them), of the "quantized" plan otherwise, with its per-use temporary. A lower bound of the
+    load's peak (the loader also holds activations, the decode state and, briefly, a tensor being converted)."""
+    inv = expected_tensors(args, n_layers)
+    plan = rank_memory(args, world_size, 0, "bf16" if weights == "dequantized" else "quantized", inventory=inv)
+    if weights == "dequantized":
+        bf16 = plan.by_dtype.get("BF16", 0)
+        return plan.weights - bf16 + bf16 * dtype_bytes // 2
+    return plan.peak
+
+
+def check_fits(args: ModelArgs, n_layers: int, *, device: str, dtype_bytes: int, weights: str,
+               world_size: int = 1, what: str = "the model") -> None:
+    """Refuse a load that cannot fit before any weight is read or generated (a `synth:flash` load on CPU once
+    ran 159 s and then died with a raw allocator error). Raises DeviceMemoryError naming the plan's bytes, the
+    device's available bytes and what would fit; does nothing when the available memory cannot be told or the
+    world size does not divide the model (the loader says why)."""
+    room = available_bytes(device)
+    if room is None:
+        return
+    try:
+        need = load_bytes(args, n_layers, dtype_bytes=dtype_bytes, weights=weights, world_size=world_size)
+    except ValueError:
+        return
+    free, where = room
+    if need <= free:
+        return
+    per_layer = None
+    if n_layers > 1:
+        one = load_bytes(args, 1, dtype_bytes=dtype_bytes, weights=weights, world_size=world_size)
+        per_layer = (need - one) / (n_layers - 1)
+    hint = []
+    if per_layer and free > need - (n_layers - 1) * per_layer:
+        fit = int((free - (need - (n_layers - 1) * per_layer)) // per_layer) + 1
+        hint.append(f"about {max(1, min(fit, n_layers - 1))} layer(s) would fit (TEST_LAYERS=N)")
+    if weights == "dequantized":
+        hint.append("--weights quantized keeps FP8/FP4 weights as on disk")
+    if dtype_bytes > 2:
+        hint.append("--dtype bf16 halves the dequantized weights")
+    if world_size == 1:
+        hint.append("more GPUs (torchrun) split the weights")
+    raise DeviceMemoryError(
+        f"{what} does not fit on {device}: by the memory plan (dsv4.memory_plan, {n_layers} main layer(s), weights "
+        f"{weights}, {dtype_bytes} B per dequantized element, world size {world_size}) its weights alone need "
+        f"{need / GiB:.2f} GiB, and {device} has {free / GiB:.2f} GiB available ({where}); refused before "
+        f"reading any weight" + (f". Options: {'; '.join(hint)}" if hint else ""))

@@ -14,8 +14,10 @@ Rules (`ReportFile`):
 * A run that fails after the path was given (bad checkpoint, bad environment, an exception, Ctrl-C) replaces it by
   a *failure* report: `"passed": false`, `"status": "failed"`, `"error"` (the message), `"exit_status"`. A
   complete report (`"status": "complete"`) carries the run's verdict as the command computed it.
-* Every report has a `"run"` block tying it to its run: a random id, the command line, the process id, start
-  and end times (UTC), the exit status.
+* Every report has a `"run"` block tying it to its run: a random id, the command line (`argv`, as typed:
+  `["dsv4", "diagnose", ...]`, and `command_line`, one shell-quoted string), the process id, start and end
+  times (UTC), the exit status; and `"schema_version"` (`SCHEMA_VERSION`), raised whenever a field changes
+  meaning or shape (2: environment with build tags / CUDA / GPUs / timestamp, labelled alignment rows).
 
 No torch import: the CLI checks the path before torch loads.
 """
@@ -30,7 +32,23 @@ import tempfile
 import uuid
 from pathlib import Path
 
-__all__ = ["ReportFile", "ReportPathError", "check_report_path", "write_atomically"]
+__all__ = ["ReportFile", "ReportPathError", "check_report_path", "write_atomically", "SCHEMA_VERSION",
+           "set_command_line", "command_line"]
+
+SCHEMA_VERSION = 2
+_COMMAND_LINE: list[str] | None = None
+
+
+def set_command_line(argv: list[str]) -> None:
+    """Record the command line of this run as the user typed it (`dsv4.cli.main` calls it with
+    `["dsv4", *argv]`); reports carry it."""
+    global _COMMAND_LINE
+    _COMMAND_LINE = [str(a) for a in argv]
+
+
+def command_line() -> list[str]:
+    """The command line recorded by `set_command_line`, else `sys.argv` (a library caller)."""
+    return list(_COMMAND_LINE) if _COMMAND_LINE is not None else list(sys.argv)
 
 
 class ReportPathError(ValueError):
@@ -145,12 +163,18 @@ class ReportFile:
         check_report_path(Path(path), ckpt, option)
         self.path = Path(path)
         self.command = command
-        self.run = {"id": uuid.uuid4().hex, "command": f"dsv4 {command}", "argv": list(sys.argv), "pid": os.getpid(), "started": _now(), "finished": None, "exit_status": None}
+        import shlex
+
+        argv = command_line()
+        self.run = {"id": uuid.uuid4().hex, "command": f"dsv4 {command}", "argv": argv,
+                    "command_line": shlex.join(argv), "pid": os.getpid(), "started": _now(), "finished": None,
+                    "exit_status": None}
         self.doc: dict | None = None
         self.failed = False
 
     def _write(self, doc: dict) -> None:
-        write_atomically(self.path, json.dumps(doc, ensure_ascii=False, indent=1))
+        write_atomically(self.path, json.dumps({"schema_version": SCHEMA_VERSION, **doc}, ensure_ascii=False,
+                                               indent=1))
 
     def begin(self) -> None:
         self._write({"passed": False, "status": "incomplete",
