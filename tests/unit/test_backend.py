@@ -9,6 +9,7 @@ bf16-vs-fp32 gap instead (tests/gpu/test_model_backends.py).
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -44,16 +45,28 @@ def test_reference_backend_is_the_kernels_refs():
         mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref, attention.sparse_attn_ref, indexer.indexer_scores_ref)
 
 
-@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
-def test_triton_backend_matches_reference_fp32():
+@pytest.fixture(scope="module")
+def prefilled():
+    """(args, reference model, triton model, their states after the same 21-token prefill, the prefill logits).
+    The triton prefill is the costly part under the interpreter (~20 s): run once for this module; each test
+    decodes from its own deep copies of the states (`copy.deepcopy`: the same tensors a repeated prefill of the
+    same ids would give, bitwise - the model is deterministic on CPU)."""
     args = tiny_args(vocab_size=512)
     sd = {k: v for k, v in random_state_dict(args, seed=21).items() if not k.startswith("mtp.")}
     ref, tri = Transformer(args), Transformer(args, backend="triton")
     ref.load_weights(sd)
     tri.load_weights(sd)
-    ids = torch.randint(0, 512, (1, 21))  # 21 tokens: 5 CSA entries > index_topk 4, window 8 full
+    # 21 tokens: 5 CSA entries > index_topk 4, window 8 full
+    ids = torch.randint(0, 512, (1, 21), generator=torch.Generator().manual_seed(21))
     s_ref, s_tri = ref.new_state(1), tri.new_state(1)
     l_ref, l_tri = ref(ids, s_ref, all_logits=True), tri(ids, s_tri, all_logits=True)
+    return args, ref, tri, s_ref, s_tri, l_ref, l_tri
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
+def test_triton_backend_matches_reference_fp32(prefilled):
+    _, ref, tri, s_ref, s_tri, l_ref, l_tri = prefilled
+    s_ref, s_tri = copy.deepcopy(s_ref), copy.deepcopy(s_tri)
     assert_close(l_tri, l_ref, "prefill logits triton vs reference", atol=1e-4, rtol=0)
     g_ref, g_tri = [], []
     a, b = l_ref[:, -1], l_tri[:, -1]
@@ -67,17 +80,15 @@ def test_triton_backend_matches_reference_fp32():
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
-def test_triton_decode_fuses_layer_boundaries():
+def test_triton_decode_fuses_layer_boundaries(prefilled, monkeypatch):
     """Decode with the triton backend runs every layer boundary through `hc_post_pre` (2·n_layers - 1 fused
     boundaries, one plain hc_post at the end) and gives the logits of the per-site path (forced by a residual
-    observer) within fp32 rounding; the reference backend never takes the deferred path."""
+    observer) within fp32 rounding; the reference backend never takes the deferred path. Both decodes start
+    from copies of the module's 21-token triton prefill (the state two identical prefills would give)."""
     import dataclasses
 
     from kernels import indexer, mhc
-    args = tiny_args(vocab_size=512)
-    sd = {k: v for k, v in random_state_dict(args, seed=22).items() if not k.startswith("mtp.")}
-    tri = Transformer(args, backend="triton")
-    tri.load_weights(sd)
+    args, _, tri, _, s_tri, _, _ = prefilled
     assert tri.backend.indexer_topk is indexer.indexer_topk and tri.backend.hc_post_pre is mhc.hc_post_pre
     calls = {"hc_post_pre": 0, "hc_post": 0}
 
@@ -87,13 +98,9 @@ def test_triton_decode_fuses_layer_boundaries():
             return fn(*a, **k)
         return wrapped
 
-    tri.backend = dataclasses.replace(tri.backend, hc_post_pre=counting("hc_post_pre", mhc.hc_post_pre),
-                                      hc_post=counting("hc_post", mhc.hc_post))
-    ids = torch.randint(0, 512, (1, 21))
-    s_fused, s_plain = tri.new_state(1), tri.new_state(1)
-    tri(ids, s_fused)
-    tri(ids, s_plain)
-    calls.update(hc_post_pre=0, hc_post=0)
+    monkeypatch.setattr(tri, "backend", dataclasses.replace(
+        tri.backend, hc_post_pre=counting("hc_post_pre", mhc.hc_post_pre), hc_post=counting("hc_post", mhc.hc_post)))
+    s_fused, s_plain = copy.deepcopy(s_tri), copy.deepcopy(s_tri)
     nxt = torch.randint(0, 512, (1, 1))
     fused = tri(nxt, s_fused)
     assert calls == {"hc_post_pre": 2 * args.n_layers - 1, "hc_post": 1}, calls
