@@ -17,6 +17,9 @@ from typing import Callable
 
 import torch
 
+from dsv4 import ops_ref
+from kernels import attention, compressor, indexer, mhc, numerics, rope
+
 __all__ = ["Backend", "get_backend", "BACKENDS"]
 
 BACKENDS = ("reference", "triton")
@@ -37,7 +40,7 @@ class Backend:
     # `hc_post_pre(a, H, post, comb, fn, base, scale, ...)` = hc_post of one site then hc_pre of the next.
     indexer_topk: Callable | None = None
     hc_post_pre: Callable | None = None
-    # Model-level entries (issue 13), signatures of the reference functions in dsv4/model.py:
+    # Model-level entries (issue 13), signatures of the reference functions in dsv4/ops_ref.py:
     #   linear(lin, x) -> y                      `linear_ref`          (every Linear.forward)
     #   grouped_linear(o, lin) -> z              `grouped_linear_ref`  (the grouped wo_a)
     #   moe_routed(moe, x, weights, ids) -> y    `moe_routed_ref`      (routed experts, fp32 sum)
@@ -55,28 +58,16 @@ class Backend:
     # RoPE of the last rd columns (graph decode): `kernels.rope.rope_tail_ref(x, pos, inv_freq, rd, inverse)`
     # signature; the triton entry rotates x in place and returns it (callers pass a tensor they own)
     rope_tail: Callable | None = None
-    # quantization simulations (graph decode): `dsv4.quant.act_quant_sim(x, block)` / `fp4_act_quant_sim(x, block)`
+    # quantization simulations (graph decode): `kernels.numerics.act_quant_sim(x, block)` / `fp4_act_quant_sim`
     act_quant_sim: Callable | None = None
     fp4_act_quant_sim: Callable | None = None
-
-    def bind(self, model) -> None:
-        """Point every `Linear` and `RMSNorm` (`.kernel`), `Gate` (`.kernel` = `fp32_linear`) and `MoE` (`.routed`)
-        of `model` at this backend's entries; the
-        triton backend also stacks each layer's FP4 routed experts for the grouped kernel (`dsv4.fast.bind`).
-        Called once by `Transformer.__init__`."""
-        from dsv4.model import Gate, MoE, Linear, RMSNorm
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.kernel = self.linear
-            elif isinstance(m, Gate):
-                m.kernel = self.fp32_linear
-            elif isinstance(m, RMSNorm):
-                m.kernel = self.rms_norm
-            elif isinstance(m, MoE):
-                m.routed = self.moe_routed
-        if self.name == "triton":
-            from dsv4 import fast
-            fast.bind(model)
+    # the decode-sized threshold of the fused layer boundary: `Transformer` defers each hc_post into the next
+    # hc_pre (`hc_post_pre`) when b*s <= this (triton: `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, where the fused
+    # kernel runs; reference: 0, never: its `hc_post_pre_ref` composes hc_post then hc_pre, the same maths)
+    hc_post_pre_max_t: int = 0
+    # prepare(moes): called once by `dsv4.model.bind_backend` with the model's MoE modules (triton:
+    # `dsv4.fast.prepare` stacks the FP4 routed experts for the grouped kernel; reference: nothing to do)
+    prepare: Callable = lambda moes: None
 
 
 def get_backend(name: str, device: torch.device) -> Backend:
@@ -86,20 +77,16 @@ def get_backend(name: str, device: torch.device) -> Backend:
         ValueError: unknown name, or "triton" on a non-CUDA device without TRITON_INTERPRET=1.
         ImportError: "triton" requested and the triton package is missing.
     """
-    from dsv4 import model as ref
-    from dsv4 import quant as qref
-    from kernels import attention, compressor, indexer, mhc, rope
-
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
-                       linear=ref.linear_ref, grouped_linear=ref.grouped_linear_ref, moe_routed=ref.moe_routed_ref,
-                       fp32_linear=ref.fp32_linear_ref,
+                       linear=ops_ref.linear_ref, grouped_linear=ops_ref.grouped_linear_ref,
+                       moe_routed=ops_ref.moe_routed_ref, fp32_linear=ops_ref.fp32_linear_ref,
                        compress_pool=compressor.compress_pool_ref,
-                       compress_commit=compressor.compress_commit_ref, rms_norm=ref.rms_norm_ref,
-                       rope_tail=rope.rope_tail_ref, act_quant_sim=qref.act_quant_sim,
-                       fp4_act_quant_sim=qref.fp4_act_quant_sim)
+                       compress_commit=compressor.compress_commit_ref, rms_norm=ops_ref.rms_norm_ref,
+                       rope_tail=rope.rope_tail_ref, act_quant_sim=numerics.act_quant_sim,
+                       fp4_act_quant_sim=numerics.fp4_act_quant_sim)
     if name == "triton":
         if importlib.util.find_spec("triton") is None:
             raise ImportError("backend 'triton' requested but the triton package is not installed "
@@ -108,8 +95,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type != "cuda" and not interp:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
-        from dsv4 import fast
-        from kernels import quant as kquant
+        from dsv4 import fast  # triton is optional: dsv4.fast and kernels.quant import it
+        from kernels import quant as kquant  # triton is optional (as above)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
@@ -117,5 +104,6 @@ def get_backend(name: str, device: torch.device) -> Backend:
                        compress_pool=compressor.compress_pool,
                        compress_commit=compressor.compress_commit, rms_norm=fast.rms_norm,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
-                       fp4_act_quant_sim=kquant.fp4_act_quant_sim)
+                       fp4_act_quant_sim=kquant.fp4_act_quant_sim,
+                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, prepare=fast.prepare)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

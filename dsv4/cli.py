@@ -16,11 +16,14 @@ directory has no index). Running out of memory is a named error (exit 2), not an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
 import sys
 from pathlib import Path
+
+from dsv4 import __version__  # dsv4/__init__.py imports nothing
 
 DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_CONTINUE_TOKENS = 32  # = dsv4.diagnose.DEFAULT_CONTINUE_TOKENS (not imported: it would import torch)
@@ -165,7 +168,6 @@ _OPTION_HELP = {
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests). Every option carries a help text; `--help` of each
     command lists the exit codes and the environment variables."""
-    from dsv4 import __version__
 
     p = argparse.ArgumentParser(prog="dsv4", allow_abbrev=False,
                                 description="DeepSeek-V4 inference people can trust.",
@@ -288,7 +290,6 @@ def _check_runtime(args: argparse.Namespace) -> str | None:
     if device is None:
         return None
     if backend == "triton":
-        import importlib.util
 
         if importlib.util.find_spec("triton") is None:
             return ("--backend triton: the triton package is not installed (pip install 'dsv4[triton]'); "
@@ -297,7 +298,7 @@ def _check_runtime(args: argparse.Namespace) -> str | None:
             return (f"--backend triton needs --device cuda (got --device {device}); on CPU the kernels run only "
                     "in the interpreter, with TRITON_INTERPRET=1 in the environment. Use --backend reference on CPU")
     if device.startswith("cuda"):
-        import torch
+        import torch  # the CLI parses before importing torch
 
         if not torch.cuda.is_available():
             return f"--device {device}: no CUDA device is visible on this machine (use --device cpu)"
@@ -316,7 +317,7 @@ def _check_launch(args: argparse.Namespace) -> str | None:
     them; None if fine (or the command does not read them)."""
     if args.command not in _LAUNCH_COMMANDS:
         return None
-    from dsv4.launch import LaunchEnvError, launch_from_env
+    from dsv4.launch import LaunchEnvError, launch_from_env  # the CLI parses before importing torch
 
     try:
         launch_from_env()
@@ -332,7 +333,7 @@ def _check_report_path(args: argparse.Namespace) -> str | None:
     path = getattr(args, "json", None)
     if path is None:
         return None
-    from dsv4.report import ReportPathError, check_report_path
+    from dsv4.report import ReportPathError, check_report_path  # the CLI parses before importing torch
 
     ckpt = args.ckpt if args.ckpt is not None else (Path(os.environ["DSV4_CKPT"]) if os.environ.get("DSV4_CKPT")
                                                     else None)
@@ -346,7 +347,7 @@ def _check_report_path(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    from dsv4.report import set_command_line
+    from dsv4.report import set_command_line  # the CLI parses before importing torch
 
     set_command_line(["dsv4", *argv])  # what reports record as the command line
     args = parse_args(argv)
@@ -420,7 +421,7 @@ def _remove_index(out_dir: Path, fresh: bool) -> None:
     """An interrupted build into a directory that was empty (`fresh`): remove its index (written last by
     make-checkpoint, first of the small files by make-tiny), so a half-built directory never opens as a
     checkpoint and no half-written index stays behind."""
-    from dsv4.checkpoint import INDEX_FILE
+    from dsv4.checkpoint import INDEX_FILE  # the CLI parses before importing torch
 
     if not fresh:
         return
@@ -449,25 +450,25 @@ def _close_process_group() -> None:
     """Under torchrun, leave the process group cleanly (`dsv4.parallel.leave_process_group`)."""
     if "torch.distributed" not in sys.modules:  # never initialised; do not import torch just to check
         return
-    from dsv4.parallel import leave_process_group
+    from dsv4.parallel import leave_process_group  # the CLI parses before importing torch
 
     leave_process_group()
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "diagnose":
-        from dsv4.diagnose import run_diagnose
+        from dsv4.diagnose import run_diagnose  # the CLI parses before importing torch
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
                             json_path=args.json, thinking=args.thinking, device=args.device,
                             dtype=args.dtype, backend=args.backend, weights=args.weights,
                             continue_tokens=args.continue_tokens, expect=args.expect)
     if args.command == "generate":
-        from dsv4.generate import run_generate
+        from dsv4.generate import run_generate  # the CLI parses before importing torch
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,
                             temperature=args.temperature, thinking=args.thinking, seed=args.seed,
                             device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
     if args.command == "make-tiny":
-        from dsv4.tiny import make_tiny
+        from dsv4.tiny import make_tiny  # the CLI parses before importing torch
         fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)
         try:
             out = make_tiny(args.out_dir, variant=args.variant, seed=args.seed)
@@ -484,16 +485,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "make-checkpoint":
         return _make_checkpoint(args)
     if args.command == "gate":
-        from dsv4.gate import run_gate
+        from dsv4.gate import run_gate  # the CLI parses before importing torch
         return run_gate(base=args.base, report=args.report)
     raise AssertionError(args.command)  # argparse enforces the choices
 
 
 def _make_checkpoint(args: argparse.Namespace) -> int:
     """`dsv4 make-checkpoint`: exit 0 written, 2 bad input / not enough disk / write error (message on stderr)."""
-    import torch
+    import torch  # the CLI parses before importing torch
 
-    from dsv4.synth import make_checkpoint
+    from dsv4.synth import make_checkpoint  # the CLI parses before importing torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)

@@ -45,8 +45,9 @@ class ModelArgsError(ValueError):
 
 # Block sizes of the on-disk formats (reference spec §2), defined once: FP8 weights carry one ue8m0 scale per
 # FP8_BLOCK x FP8_BLOCK block (config.json `quantization_config.weight_block_size`), FP4 experts one per FP4_BLOCK
-# inputs of a row. `dsv4.quant`, `dsv4.formats` and the kernels import them from here (this module imports nothing
-# of dsv4 and no torch: the CLI and the tokenizer read configs without torch).
+# inputs of a row. Their definition is `kernels.numerics` (the number formats' leaf module, which imports torch);
+# this torch-free copy exists because the CLI and the tokenizer read configs without torch (this module imports
+# nothing of dsv4 and no torch); tests/unit/test_import_health.py checks that both are the same numbers.
 FP8_BLOCK = 128
 FP4_BLOCK = 32
 

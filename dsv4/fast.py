@@ -1,6 +1,6 @@
 """Model-level fast paths of the triton backend (issue 13): linears, the grouped wo_a and the routed experts.
 
-The reference entries (`dsv4.model.linear_ref`, `grouped_linear_ref`, `moe_routed_ref`) are the executable spec;
+The reference entries (`dsv4.ops_ref.linear_ref`, `grouped_linear_ref`, `moe_routed_ref`) are the executable spec;
 these compute the same maths with kernels. Which path runs is decided by the linear's kind and the model's
 numerics, never by a failure (nothing falls back silently; every row below is deliberate):
 
@@ -27,11 +27,21 @@ the FP8 kernels need 128-channel blocks.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from dsv4.model import Linear, MoE, fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref
+from dsv4.ops_ref import fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref
+# the kernels, looked up in their modules at call time (tests spy on them, mutants replace them there)
+from kernels import fp32_linear as kfp32
+from kernels import gemm as kgemm
+from kernels import moe as kmoe
+from kernels import norm as knorm
 
-__all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "fp32_linear", "bind"]
+if TYPE_CHECKING:  # annotations only (never executed): dsv4.model imports this module's table through dsv4.backend
+    from dsv4.model import Linear, MoE
+
+__all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "fp32_linear", "prepare"]
 
 _BLOCK = 128
 
@@ -39,8 +49,7 @@ _BLOCK = 128
 def _bf16_weight(lin: Linear) -> torch.Tensor:
     """[out, in] bf16 weight: the parameter, or the FP8 codes dequantized by the Triton kernel (exact)."""
     if lin.fmt == "fp8" and lin.codes.shape[1] % _BLOCK == 0:
-        from kernels.gemm import fp8_dequant
-        return fp8_dequant(lin._buffers["weight"], lin._buffers["scale"])
+        return kgemm.fp8_dequant(lin._buffers["weight"], lin._buffers["scale"])
     return lin.dequantized_weight()
 
 
@@ -55,13 +64,11 @@ def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
     if lin.fmt == "fp8" and lin.quantized and k % _BLOCK == 0:
-        from kernels.gemm import fp8_linear
-        y = fp8_linear(x2, lin._buffers["weight"], lin._buffers["scale"])
+        y = kgemm.fp8_linear(x2, lin._buffers["weight"], lin._buffers["scale"])
     else:
         if lin.quantized:
             if k % _BLOCK == 0:
-                from kernels.gemm import act_quant
-                x2 = act_quant(x2, sim=True)[0]
+                x2 = kgemm.act_quant(x2, sim=True)[0]
             else:
                 x2 = lin.sim.act(x2)
         y = x2 @ _bf16_weight(lin).T
@@ -75,12 +82,11 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     reference maths. x in fp32 / bf16 is read as it is (upcast exactly in the kernel), other dtypes upcast first."""
     if weight.dtype != torch.bfloat16:
         return fp32_linear_ref(x, weight)
-    from kernels.fp32_linear import fp32_linear as kernel
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype not in (torch.float32, torch.bfloat16):
         x2 = x2.float()
-    y = kernel(x2.contiguous(), weight)
+    y = kfp32.fp32_linear(x2.contiguous(), weight)
     return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -91,9 +97,9 @@ def grouped_linear(o: torch.Tensor, lin: Linear) -> torch.Tensor:
         return grouped_linear_ref(o, lin)
     b, s, G, i = o.shape
     n = lin.codes.shape[0] // G
-    from kernels.gemm import GEMV_MAX_M, fp8_grouped_gemv
-    if lin.fmt == "fp8" and b * s <= GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
-        y = fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), lin._buffers["weight"], lin._buffers["scale"], G)
+    if lin.fmt == "fp8" and b * s <= kgemm.GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
+        y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), lin._buffers["weight"], lin._buffers["scale"],
+                                   G)
         return y.view(b, s, G, n)
     w = _bf16_weight(lin).view(G, -1, i)                       # [G, o, i]
     z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
@@ -110,13 +116,13 @@ def _stackable(moe: MoE) -> bool:
             and e0.w2.codes.shape[1] * 2 % _BLOCK == 0)
 
 
-def bind(model) -> None:
-    """Stack each MoE's FP4 routed experts once (`kernels.moe.stack_experts`, rebinding the experts' buffers to
-    views, so memory is unchanged and `load_weights` writes through) where the grouped kernel applies."""
-    from kernels.moe import stack_experts
-    for m in model.modules():
-        if isinstance(m, MoE) and _stackable(m):
-            m.stacked = stack_experts(m.experts)
+def prepare(moes) -> None:
+    """The triton backend's `prepare` (`dsv4.model.bind_backend` passes the model's MoE modules): stack each
+    MoE's FP4 routed experts once (`kernels.moe.stack_experts`, rebinding the experts' buffers to views, so memory
+    is unchanged and `load_weights` writes through) where the grouped kernel applies."""
+    for m in moes:
+        if _stackable(m):
+            m.stacked = kmoe.stack_experts(m.experts)
 
 
 def moe_routed(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -125,12 +131,10 @@ def moe_routed(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     stacked = getattr(moe, "stacked", None)
     if stacked is None or x.dtype != torch.bfloat16:
         return moe_routed_ref(moe, x, weights, ids)
-    from kernels.moe import moe_experts
-    return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), stacked, moe.experts[0].limit)
+    return kmoe.moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), stacked, moe.experts[0].limit)
 
 
 def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """Triton-backend `RMSNorm.forward`: `kernels.norm.rms_norm` (one launch) on x [..., dim] bf16 / fp32, the
-    same fp32 maths as `dsv4.model.rms_norm_ref` up to the order of the sum of squares; x.dtype out."""
-    from kernels.norm import rms_norm as kernel
-    return kernel(x.contiguous(), norm.weight, norm.eps)
+    same fp32 maths as `dsv4.ops_ref.rms_norm_ref` up to the order of the sum of squares; x.dtype out."""
+    return knorm.rms_norm(x.contiguous(), norm.weight, norm.eps)

@@ -30,11 +30,15 @@ assert, loud, never a silent wrong row).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from dsv4.model import (Attention, Compressor, CompressorState, DecodeState, Indexer, LayerState,
-                        ResidualObserver)
+from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.indexer import indexer_topk_ref
+
+if TYPE_CHECKING:  # annotations only (never executed): dsv4.model imports this module
+    from dsv4.model import Attention, Compressor, Indexer
 
 __all__ = ["GraphDecodeState", "check_graph_model"]
 
@@ -42,11 +46,11 @@ __all__ = ["GraphDecodeState", "check_graph_model"]
 def check_graph_model(model, max_len: int, capture: bool = True) -> None:
     """Raise ValueError unless `model` can decode through CUDA graphs (module docstring) up to `max_len`
     (`capture=False`: the static step run eagerly, any backend / device / dtype; only max_len is checked)."""
-    from dsv4.fast import _stackable
     if not capture:
         if not (isinstance(max_len, int) and max_len > 0):
             raise ValueError(f"static decode state: max_len={max_len!r} (needs a positive int)")
         return
+    from dsv4.fast import _stackable  # triton is optional: dsv4.fast imports the Triton kernels
     problems = []
     if model.backend.name != "triton":
         problems.append(f"backend {model.backend.name!r} (needs 'triton')")

@@ -28,17 +28,23 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4 import quant
 from dsv4.backend import Backend, get_backend
 from dsv4.config import ModelArgs
 from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
+from dsv4.graph import GraphDecodeState, check_graph_model
+# the reference backend's model-level entries (`dsv4.ops_ref`; re-exported here) and the decode state (`dsv4.state`)
+from dsv4.ops_ref import fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref, rms_norm_ref  # noqa: F401
+from dsv4.resident import check_weights_mode, hold_on_disk
+from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.indexer import indexer_topk_ref
+from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
 
 __all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
@@ -57,7 +63,6 @@ class _Sim:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         if enabled:
-            from dsv4 import quant
             self._quant = quant
 
     @staticmethod
@@ -96,13 +101,6 @@ class RMSNorm(nn.Module):
         """x [..., dim] any float dtype -> weight * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in
         x.dtype (spec §2), through the backend's `rms_norm` (reference: `rms_norm_ref`)."""
         return self.kernel(self, x)
-
-
-def rms_norm_ref(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """The reference RMSNorm maths (the `rms_norm` entry of the reference backend; spec §2): x [..., dim] ->
-    weight * x * rsqrt(mean(x^2) + eps) in fp32, returned in x.dtype."""
-    xf = x.float()
-    return (norm.weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -150,7 +148,6 @@ class Linear(nn.Module):
         if self.fmt is not None or w is None or not w.is_meta:
             raise ValueError("Linear.hold: the linear already holds its weight (only a deferred one can be held)")
         out, inp = w.shape
-        from dsv4 import quant
         if fmt is None:
             del self.weight
             self.weight = nn.Parameter(torch.empty(out, inp, dtype=self.compute_dtype, device=device))
@@ -193,41 +190,12 @@ class Linear(nn.Module):
             return self._parameters["weight"]
         if self.fmt == "bf16":
             return self._buffers["weight"].float()
-        from dsv4 import quant
         deq = quant.fp8_block_dequant if self.fmt == "fp8" else quant.fp4_dequant
         return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out] through the backend's `linear` (reference: `linear_ref`)."""
         return self.kernel(self, x)
-
-
-def linear_ref(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """The reference `Linear` maths (the `linear` entry of the reference backend): x [..., in] -> [..., out].
-    fp32 linears: fp32 in, fp32 out. Otherwise FP8 activation quantization first when `lin.quantized` (bf16
-    mode), fp32 GEMM on the dequantized weight, output in x.dtype (spec §2)."""
-    if lin.fp32:
-        return fp32_linear_ref(x, lin.dequantized_weight())
-    w = lin.dequantized_weight()
-    if lin.quantized:
-        x = lin.sim.act(x)
-    return (x.float() @ w.float().T).to(x.dtype)
-
-
-def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The official fp32-compute linear (head spec §9, router §8.1, compressor §6; the `fp32_linear` entry of the
-    reference backend): x [..., in] any float dtype, weight [out, in] fp32 or bf16 (held as on disk, upcast
-    exactly) -> `x.float() @ weight.float().T` [..., out] fp32. Same maths as `kernels.fp32_linear.fp32_linear_ref`
-    (kernels/ does not import dsv4)."""
-    return x.float() @ weight.float().T
-
-
-def grouped_linear_ref(o: torch.Tensor, lin: Linear) -> torch.Tensor:
-    """Grouped `wo_a` (spec §5; the `grouped_linear` entry of the reference backend): o [b, s, G, i] in the
-    activation dtype, lin.weight [G*o, i] -> [b, s, G, o] in o.dtype; fp32 products, no activation
-    quantization (wo_a is used dequantized in bf16 as officially, pitfall 17)."""
-    wa = lin.dequantized_weight().view(o.shape[2], -1, o.shape[-1])
-    return torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(o.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -255,25 +223,6 @@ def rope_inv_freq(args: ModelArgs, ratio: int, dim: int | None = None) -> torch.
     return freqs * (1 - ramp) + freqs / args.rope_factor * ramp
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the interleaved pairs (2i, 2i+1) of the last dim of `x` by angle pos*f_i (spec §5, pitfall 4).
-
-    x [..., s, (heads,) rd] any float dtype; pos [s] int64 absolute positions (broadcast over the axis
-    right after the batch axes: x must be [b, s, rd] or [b, s, h, rd]); computed in fp32, returned in x.dtype.
-    `inverse=True` rotates by -pos*f_i (the output de-rotation).
-    """
-    ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]  # [s, rd/2]
-    cos, sin = ang.cos().float(), ang.sin().float()
-    if inverse:
-        sin = -sin
-    if x.dim() == 4:
-        cos, sin = cos[:, None, :], sin[:, None, :]
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
-
-
 def hadamard_matrix(n: int, device=None) -> torch.Tensor:
     """Normalized Sylvester Walsh-Hadamard matrix `H_ij = (-1)^popcount(i&j) / sqrt(n)`, fp32 `[n, n]` (spec §7)."""
     if n & (n - 1):
@@ -285,47 +234,6 @@ def hadamard_matrix(n: int, device=None) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------- state
-@dataclass
-class CompressorState:
-    """Official compressor buffers (spec §6), fp32. kv/score `[b, c*r, c*d]`; for the overlapping CSA
-    compressor slots 0..r-1 hold the previous full window, slots r..2r-1 the current partial window."""
-
-    kv: torch.Tensor
-    score: torch.Tensor
-
-
-@dataclass
-class LayerState:
-    """Per-layer decode state. ring `[b, window, hd]` (slot p % window holds position p); entries
-    `[b, n_entries, hd]` compressed KV; index_keys `[b, n_entries_csa, index_head_dim]`."""
-
-    ring: torch.Tensor
-    entries: torch.Tensor | None = None
-    compressor: CompressorState | None = None
-    index_keys: torch.Tensor | None = None
-    index_compressor: CompressorState | None = None
-
-
-@dataclass
-class DecodeState:
-    """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer.
-    `checked_by`: id of the model that last validated this state (`Transformer._check_state`), so a decode step
-    does not re-walk every layer's state. `owner`: a weak reference to the model instance the state belongs to
-    (set by `new_state`, or by the first model that runs it): another instance, even of the same architecture,
-    refuses it (its caches hold that model's keys and values)."""
-
-    layers: list[LayerState]
-    pos: int = 0
-    checked_by: int | None = field(default=None, repr=False, compare=False)
-    owner: weakref.ref | None = field(default=None, repr=False, compare=False)  # the model it belongs to
-
-
-class ResidualObserver(Protocol):
-    """Called by `Transformer.forward` after every block with the residual streams H `[b, s, hc, d]`."""
-
-    def __call__(self, layer_id: int, H: torch.Tensor) -> None: ...
-
-
 # ----------------------------------------------------------------------------------------------- attention
 class Compressor(nn.Module):
     """KV compressor (spec §6): r = 4 overlapping two-series windows (CSA) or r = 128 (HCA), output width d.
@@ -636,19 +544,6 @@ class MoE(nn.Module):
         return y
 
 
-def moe_routed_ref(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Routed experts (spec §8.5-6; the `moe_routed` entry of the reference backend): x [N, dim], weights / ids
-    [N, k] from the gate -> y [N, dim] fp32 = sum over slots of g * expert(x). Loops over the experts present
-    (one host sync per expert: readable, not fast); experts held by another rank (None) are skipped."""
-    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in ids.unique().tolist():
-        if moe.experts[e] is None:  # held by another rank (dsv4.parallel)
-            continue
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        y.index_add_(0, tok, moe.experts[e](x[tok], weights[tok, slot, None]).float())
-    return y
-
-
 # ----------------------------------------------------------------------------------------------- blocks
 class Block(nn.Module):
     """One DeepSeek-V4 block (spec §4): mHC pre -> attn_norm -> attention -> mHC post, then the same for the
@@ -731,6 +626,24 @@ def held_bf16_names(model: nn.Module) -> set[str]:
             or (isinstance(m, Gate) and m.weight.dtype == torch.bfloat16)}
 
 
+def bind_backend(model: nn.Module, backend: Backend) -> None:
+    """Point every `Linear` and `RMSNorm` (`.kernel`), `Gate` (`.kernel` = `fp32_linear`) and `MoE` (`.routed`)
+    of `model` at `backend`'s entries, then `backend.prepare(moes)` (triton: stacks each layer's FP4 routed experts
+    for the grouped kernel, `dsv4.fast.prepare`). Called once by `Transformer.__init__` (formerly `Backend.bind`)."""
+    moes = []
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.kernel = backend.linear
+        elif isinstance(m, Gate):
+            m.kernel = backend.fp32_linear
+        elif isinstance(m, RMSNorm):
+            m.kernel = backend.rms_norm
+        elif isinstance(m, MoE):
+            m.routed = backend.moe_routed
+            moes.append(m)
+    backend.prepare(moes)
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
 
@@ -754,7 +667,6 @@ class Transformer(nn.Module):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
-        from dsv4.resident import check_weights_mode, hold_on_disk
         check_weights_mode(weights, args)
         self.args, self.dtype, self.weights = args, dtype, weights
         self.backend = get_backend(backend, torch.device(device))
@@ -772,7 +684,7 @@ class Transformer(nn.Module):
             self.hc_head = HcHead(args)
         if weights == "quantized":
             hold_on_disk(self, args, device)
-        self.backend.bind(self)
+        bind_backend(self, self.backend)
         self.decode_graph_max_len: int | None = None  # see `use_decode_graphs`
 
     # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.
@@ -845,7 +757,6 @@ class Transformer(nn.Module):
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch={batch!r}: expected an int >= 1")
         if self.decode_graph_max_len is not None:
-            from dsv4.graph import GraphDecodeState
             return GraphDecodeState(self, batch, self.decode_graph_max_len)
         return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers],
                            owner=weakref.ref(self))
@@ -884,7 +795,6 @@ class Transformer(nn.Module):
         from now on hold static buffers for `max_len` tokens (a multiple of 128) and replay one captured decode
         step per call. None switches back to eager states. Raises ValueError naming what the model lacks."""
         if max_len is not None:
-            from dsv4.graph import check_graph_model
             check_graph_model(self, max_len)
         self.decode_graph_max_len = max_len
 
@@ -895,11 +805,10 @@ class Transformer(nn.Module):
         return self.head(self.norm(y))
 
     def _defer_hc_post(self, H: torch.Tensor, observer) -> bool:
-        """Fused layer boundaries: triton backend, decode-sized T = b*s <= `POST_PRE_ONE_LAUNCH_MAX_T` (where
-        the fused kernel runs) and no residual observer (it needs each layer's finished H)."""
-        from kernels.mhc import POST_PRE_ONE_LAUNCH_MAX_T
-        return (self.backend.name == "triton" and observer is None
-                and H.shape[0] * H.shape[1] <= POST_PRE_ONE_LAUNCH_MAX_T)
+        """Fused layer boundaries: decode-sized T = b*s <= the backend's `hc_post_pre_max_t` (where its fused
+        kernel runs: triton `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`; the reference 0, it never defers) and no residual
+        observer (it needs each layer's finished H)."""
+        return observer is None and H.shape[0] * H.shape[1] <= self.backend.hc_post_pre_max_t
 
     def _layers_deferred(self, H: torch.Tensor, start: int, input_ids: torch.Tensor,
                          state: DecodeState) -> torch.Tensor:

@@ -58,12 +58,10 @@ def hold_on_disk(model: nn.Module, args: ModelArgs, device: str | torch.device) 
     """Give every deferred `Linear` of `model` its storage on `device` (see the module docstring); the module
     name (its on-disk dtype) and `Linear.fp32` decide the format. Raises ValueError (from `Linear.hold`) for a linear that is not deferred (already
     holds its weight) or an FP4 width not divisible by 32."""
-    from dsv4.model import Linear
-
     fmts = on_disk_formats(args)
     bf16 = {name.removesuffix(".weight") for name, (_, dt) in expected_tensors(args).items() if dt == "BF16"}
     for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
+        if callable(getattr(type(mod), "hold", None)):  # a `dsv4.model.Linear` (this module imports no model class)
             mod.hold(fmts.get(name, "bf16" if mod.fp32 and name in bf16 else None), device)
 
 

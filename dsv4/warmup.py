@@ -35,6 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.graph import GraphDecodeState, check_graph_model
+from kernels.compiles import CompileLog
+
 __all__ = ["warmup", "prefill_probes", "decode_probes", "WarmupReport", "DEFAULT_MAX_LEN", "DEFAULT_MAX_BATCH"]
 
 DEFAULT_MAX_LEN = 65536
@@ -108,7 +111,6 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
 
     counting = dev.type == "cuda"
     if counting:
-        from kernels.compiles import CompileLog
         clog = CompileLog().__enter__()
     graph_len = model.decode_graph_max_len
     model.use_decode_graphs(None)  # eager states for 1 and 2; restored at the end
@@ -149,7 +151,6 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
 def _graph_warmup(model, max_len: int, max_batch: int, ids) -> str:
     """The static decode step (`dsv4.graph.GraphDecodeState`, run eagerly) at every batch size and each top-k
     bucket of the state's max_len. Returns what ran, or why it could not."""
-    from dsv4.graph import GraphDecodeState, check_graph_model
     lens = sorted({min(L, max_len) // 128 * 128 for L in (1024, 4096, 16384, 65536)} - {0})
     try:
         check_graph_model(model, lens[-1])

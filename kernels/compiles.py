@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.launch import interpreting
+
 __all__ = ["CompileEvent", "CompileLog", "LaunchLog", "spec_key", "spec_string"]
 
 
@@ -80,11 +82,10 @@ class CompileLog:
         self._t0: dict[tuple, float] = {}
 
     def __enter__(self) -> "CompileLog":
-        from kernels.launch import interpreting
         if interpreting():
             raise RuntimeError("CompileLog: TRITON_INTERPRET=1 compiles nothing (the hooks never run); count "
                                "specializations with kernels.compiles.LaunchLog instead")
-        import triton
+        import triton  # triton is optional: this module is importable without it
         rt = getattr(getattr(triton, "knobs", None), "runtime", None)
         if rt is None or not hasattr(rt, "jit_post_compile_hook") or not hasattr(rt, "jit_cache_hook"):
             raise RuntimeError(f"CompileLog: triton {triton.__version__} has no knobs.runtime.jit_cache_hook / "
@@ -209,10 +210,9 @@ class LaunchLog:
         self.launches = 0
 
     def __enter__(self) -> "LaunchLog":
-        from kernels.launch import interpreting
         if not interpreting():
             raise RuntimeError("LaunchLog: needs TRITON_INTERPRET=1 (on the GPU count compiles with CompileLog)")
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction  # triton is optional
         self._cls = InterpretedFunction
         self._orig = InterpretedFunction.run
         log = self

@@ -26,8 +26,13 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
 
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
@@ -111,90 +116,91 @@ def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, 
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R,
-                          OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """Grid (b, cdiv(d, BD)). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
-    at column d + j), with the token's new row substituted in registers (no read-after-write), pools, stores
-    pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state."""
-    b = tl.program_id(0).to(tl.int64)
-    offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
-    mj = offs_j < d
-    pos = tl.load(pos_ptr)
-    ok = pos >= 0  # a negative position (never made by the graph step) writes nothing and pools NaN: loud
-    p = tl.where(ok, pos, 0) % R
-    if OVERLAP:
-        n = 2 * R
-        slot = R + p
-        newcol = offs_j + d
-    else:
-        n = R
-        slot = p
-        newcol = offs_j
-    rows = tl.arange(0, BN)
-    mask = (rows < n)[:, None] & mj[None, :]
-    if OVERLAP:
-        col = tl.where(rows[:, None] < R, offs_j[None, :], offs_j[None, :] + d)
-    else:
-        col = offs_j[None, :] + rows[:, None] * 0
-    base = b * n * W
-    A = tl.load(kv_ptr + base + rows[:, None] * W + col, mask=mask, other=0.0)
-    Z = tl.load(sc_ptr + base + rows[:, None] * W + col, mask=mask, other=float("-inf"))
-    an = tl.load(a_ptr + b * W + newcol, mask=mj, other=0.0)
-    zn = tl.load(z_ptr + b * W + newcol, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + newcol, mask=mj,
-                                                                       other=0.0)
-    is_slot = (rows == slot)[:, None]
-    A = tl.where(is_slot, an[None, :], A)
-    Z = tl.where(is_slot, zn[None, :], Z)
-    m = tl.max(Z, axis=0)
-    e = tl.where(mask, tl.exp(Z - m[None, :]), 0.0)
-    pooled = tl.sum(e * A, axis=0) / tl.sum(e, axis=0)
-    tl.store(out_ptr + b * d + offs_j, tl.where(ok, pooled, float("nan")), mask=mj)
-    srow = base + slot * W
-    mw = mj & ((offs_j * 0 + pos) >= 0)
-    tl.store(kv_ptr + srow + newcol, an, mask=mw)
-    tl.store(sc_ptr + srow + newcol, zn, mask=mw)
-    if OVERLAP:  # the first half of the slot's row (pooled only once the window has shifted)
-        a0 = tl.load(a_ptr + b * W + offs_j, mask=mj, other=0.0)
-        z0 = tl.load(z_ptr + b * W + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
-                                                                           other=0.0)
-        tl.store(kv_ptr + srow + offs_j, a0, mask=mw)
-        tl.store(sc_ptr + srow + offs_j, z0, mask=mw)
-
-
-@triton.jit(do_not_specialize=["n_out"])  # issue 29: n_out = max_len // r varies per graph state
-def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, n_out, so_b, so_n,
-                            OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value)."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BD + tl.arange(0, BD)
-    pos = tl.load(pos_ptr)
-    if (pos >= 0) & ((pos + 1) % R == 0):
-        w = tl.minimum(pos // R, n_out - 1)
-        md = offs < d
-        v = tl.load(new_ptr + b * d + offs, mask=md)
-        tl.store(out_ptr + b * so_b + w * so_n + offs, v, mask=md)
-        rows = tl.arange(0, BR)
-        mask = (rows < R)[:, None] & (offs < W)[None, :]
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    @triton.jit
+    def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R,
+                              OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+        """Grid (b, cdiv(d, BD)). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
+        at column d + j), with the token's new row substituted in registers (no read-after-write), pools, stores
+        pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state."""
+        b = tl.program_id(0).to(tl.int64)
+        offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
+        mj = offs_j < d
+        pos = tl.load(pos_ptr)
+        ok = pos >= 0  # a negative position (never made by the graph step) writes nothing and pools NaN: loud
+        p = tl.where(ok, pos, 0) % R
         if OVERLAP:
             n = 2 * R
+            slot = R + p
+            newcol = offs_j + d
         else:
             n = R
-        base = b * n * W + rows[:, None] * W + offs[None, :]
+            slot = p
+            newcol = offs_j
+        rows = tl.arange(0, BN)
+        mask = (rows < n)[:, None] & mj[None, :]
         if OVERLAP:
-            cur_kv = tl.load(kv_ptr + base + R * W, mask=mask)
-            cur_sc = tl.load(sc_ptr + base + R * W, mask=mask)
-            tl.store(kv_ptr + base, cur_kv, mask=mask)
-            tl.store(sc_ptr + base, cur_sc, mask=mask)
-            tl.debug_barrier()
-            tl.store(sc_ptr + base + R * W, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
+            col = tl.where(rows[:, None] < R, offs_j[None, :], offs_j[None, :] + d)
         else:
-            tl.store(sc_ptr + base, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
+            col = offs_j[None, :] + rows[:, None] * 0
+        base = b * n * W
+        A = tl.load(kv_ptr + base + rows[:, None] * W + col, mask=mask, other=0.0)
+        Z = tl.load(sc_ptr + base + rows[:, None] * W + col, mask=mask, other=float("-inf"))
+        an = tl.load(a_ptr + b * W + newcol, mask=mj, other=0.0)
+        zn = tl.load(z_ptr + b * W + newcol, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + newcol, mask=mj,
+                                                                           other=0.0)
+        is_slot = (rows == slot)[:, None]
+        A = tl.where(is_slot, an[None, :], A)
+        Z = tl.where(is_slot, zn[None, :], Z)
+        m = tl.max(Z, axis=0)
+        e = tl.where(mask, tl.exp(Z - m[None, :]), 0.0)
+        pooled = tl.sum(e * A, axis=0) / tl.sum(e, axis=0)
+        tl.store(out_ptr + b * d + offs_j, tl.where(ok, pooled, float("nan")), mask=mj)
+        srow = base + slot * W
+        mw = mj & ((offs_j * 0 + pos) >= 0)
+        tl.store(kv_ptr + srow + newcol, an, mask=mw)
+        tl.store(sc_ptr + srow + newcol, zn, mask=mw)
+        if OVERLAP:  # the first half of the slot's row (pooled only once the window has shifted)
+            a0 = tl.load(a_ptr + b * W + offs_j, mask=mj, other=0.0)
+            z0 = tl.load(z_ptr + b * W + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
+                                                                               other=0.0)
+            tl.store(kv_ptr + srow + offs_j, a0, mask=mw)
+            tl.store(sc_ptr + srow + offs_j, z0, mask=mw)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Launchers
-# ---------------------------------------------------------------------------------------------------------
+    @triton.jit(do_not_specialize=["n_out"])  # issue 29: n_out = max_len // r varies per graph state
+    def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, n_out, so_b, so_n,
+                                OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+        """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value)."""
+        b = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BD + tl.arange(0, BD)
+        pos = tl.load(pos_ptr)
+        if (pos >= 0) & ((pos + 1) % R == 0):
+            w = tl.minimum(pos // R, n_out - 1)
+            md = offs < d
+            v = tl.load(new_ptr + b * d + offs, mask=md)
+            tl.store(out_ptr + b * so_b + w * so_n + offs, v, mask=md)
+            rows = tl.arange(0, BR)
+            mask = (rows < R)[:, None] & (offs < W)[None, :]
+            if OVERLAP:
+                n = 2 * R
+            else:
+                n = R
+            base = b * n * W + rows[:, None] * W + offs[None, :]
+            if OVERLAP:
+                cur_kv = tl.load(kv_ptr + base + R * W, mask=mask)
+                cur_sc = tl.load(sc_ptr + base + R * W, mask=mask)
+                tl.store(kv_ptr + base, cur_kv, mask=mask)
+                tl.store(sc_ptr + base, cur_sc, mask=mask)
+                tl.debug_barrier()
+                tl.store(sc_ptr + base + R * W, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
+            else:
+                tl.store(sc_ptr + base, tl.full((BR, BD), float("-inf"), tl.float32), mask=mask)
+
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Launchers
+    # ---------------------------------------------------------------------------------------------------------
 
 def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
                   score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:

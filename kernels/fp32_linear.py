@@ -40,10 +40,15 @@ Dimension legend: M rows (tokens), K = in_features, N = out_features.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.launch import check_layout, interpreting, split_k, split_k_total, workspace
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
+
+from kernels.launch import check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
 __all__ = ["fp32_linear", "fp32_linear_ref", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
@@ -59,90 +64,93 @@ def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().T
 
 
-@triton.jit
-def _bf16_trunc(x):
-    """fp32 x with its low 16 bits cleared: a value bf16 holds exactly (x truncated toward 0 to 8 significant
-    bits; subnormals included), so the cast to bf16 is exact however it rounds, and x - trunc(x) is exact."""
-    return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    from kernels.launch import split_k_total
+
+    @triton.jit
+    def _bf16_trunc(x):
+        """fp32 x with its low 16 bits cleared: a value bf16 holds exactly (x truncated toward 0 to 8 significant
+        bits; subnormals included), so the cast to bf16 is exact however it rounds, and x - trunc(x) is exact."""
+        return (x.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
 
 
-@triton.jit
-def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                       EVEN_K: tl.constexpr, ACC2D: tl.constexpr, MMA: tl.constexpr):
-    """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
-    bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
-    products summed over each BK tile (CUDA cores); DOT=True: x split into three bf16 pieces, three dots per K
-    tile (module docstring), MMA 1 bf16 tensor cores, MMA 0 fp32 "ieee" dots on the same pieces (interpreter).
-    EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
-    products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
-    reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
-    [SPLIT, M, N] in part_ptr; the last program of an N block (acq_rel semaphore) sums them in split order,
-    writes y and resets its semaphore to 0."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    rows64 = offs_n.to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BN, BK), dtype=tl.float32)
-    k0 = pid_s * K_PER_SPLIT
-    k1 = tl.minimum(k0 + K_PER_SPLIT, K)
-    for k in range(k0, k1, BK):
-        kk = k + offs_k
-        if EVEN_K:  # no K mask: full-width vector loads
-            wmask = mask_n[:, None]
-            xmask = mask_m[:, None]
-        else:
-            wmask = mask_n[:, None] & (kk < k1)[None, :]
-            xmask = mask_m[:, None] & (kk < k1)[None, :]
-        w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=wmask, other=0.0)
-        wb = w.to(tl.bfloat16)
-        w = w.to(tl.float32)
-        if DOT:
-            x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            fin = tl.abs(x) < float("inf")
-            hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
-            r = tl.where(fin, x - hi32, 0.0)
-            mid32 = _bf16_trunc(r)
-            lo32 = r - mid32  # <= 8 significant bits: bf16-exact
-            if MMA == 1:
-                t = tl.dot(lo32.to(tl.bfloat16), tl.trans(wb))
-                t = tl.dot(mid32.to(tl.bfloat16), tl.trans(wb), t)
-                t = tl.dot(hi32.to(tl.bfloat16), tl.trans(wb), t)
-            else:  # the interpreter: the same bf16-exact values, kept in fp32 (its bf16 casts are not faithful)
-                t = tl.dot(lo32, tl.trans(w), input_precision="ieee")
-                t += tl.dot(mid32, tl.trans(w), input_precision="ieee")
-                t += tl.dot(hi32, tl.trans(w), input_precision="ieee")
-            acc += t
-        elif ACC2D:
-            if EVEN_K:
-                x0 = tl.load(x_ptr + kk)
+    @triton.jit
+    def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
+                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                           EVEN_K: tl.constexpr, ACC2D: tl.constexpr, MMA: tl.constexpr):
+        """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
+        bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
+        products summed over each BK tile (CUDA cores); DOT=True: x split into three bf16 pieces, three dots per K
+        tile (module docstring), MMA 1 bf16 tensor cores, MMA 0 fp32 "ieee" dots on the same pieces (interpreter).
+        EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
+        products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
+        reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
+        [SPLIT, M, N] in part_ptr; the last program of an N block (acq_rel semaphore) sums them in split order,
+        writes y and resets its semaphore to 0."""
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_m = tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        rows64 = offs_n.to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BN, BK), dtype=tl.float32)
+        k0 = pid_s * K_PER_SPLIT
+        k1 = tl.minimum(k0 + K_PER_SPLIT, K)
+        for k in range(k0, k1, BK):
+            kk = k + offs_k
+            if EVEN_K:  # no K mask: full-width vector loads
+                wmask = mask_n[:, None]
+                xmask = mask_m[:, None]
             else:
-                x0 = tl.load(x_ptr + kk, mask=kk < k1, other=0.0)
-            acc2 += w * x0.to(tl.float32)[None, :]
-        else:
-            for m in tl.static_range(BM):
+                wmask = mask_n[:, None] & (kk < k1)[None, :]
+                xmask = mask_m[:, None] & (kk < k1)[None, :]
+            w = tl.load(w_ptr + rows64[:, None] * K + kk[None, :], mask=wmask, other=0.0)
+            wb = w.to(tl.bfloat16)
+            w = w.to(tl.float32)
+            if DOT:
+                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
+                fin = tl.abs(x) < float("inf")
+                hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
+                r = tl.where(fin, x - hi32, 0.0)
+                mid32 = _bf16_trunc(r)
+                lo32 = r - mid32  # <= 8 significant bits: bf16-exact
+                if MMA == 1:
+                    t = tl.dot(lo32.to(tl.bfloat16), tl.trans(wb))
+                    t = tl.dot(mid32.to(tl.bfloat16), tl.trans(wb), t)
+                    t = tl.dot(hi32.to(tl.bfloat16), tl.trans(wb), t)
+                else:  # the interpreter: the same bf16-exact values, kept in fp32 (its bf16 casts are not faithful)
+                    t = tl.dot(lo32, tl.trans(w), input_precision="ieee")
+                    t += tl.dot(mid32, tl.trans(w), input_precision="ieee")
+                    t += tl.dot(hi32, tl.trans(w), input_precision="ieee")
+                acc += t
+            elif ACC2D:
                 if EVEN_K:
-                    xm = tl.load(x_ptr + m * K + kk, mask=(offs_k * 0 + m) < M, other=0.0)
+                    x0 = tl.load(x_ptr + kk)
                 else:
-                    xm = tl.load(x_ptr + m * K + kk, mask=(kk < k1) & ((offs_k * 0 + m) < M), other=0.0)
-                part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN] fp32
-                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
-    if ACC2D:
-        acc = tl.sum(acc2, axis=1)[None, :]
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    yoffs = offs_m[:, None].to(tl.int64) * N + rows64[None, :]
-    if SPLIT == 1:
-        tl.store(y_ptr + yoffs, acc, mask=out_mask)
-    else:
-        tot, last = split_k_total(acc, part_ptr, sem_ptr + pid_n, offs_m[:, None] * N + offs_n[None, :], M * N,
-                                  pid_s, SPLIT, out_mask)
-        if last:
-            tl.store(y_ptr + yoffs, tot, mask=out_mask)
+                    x0 = tl.load(x_ptr + kk, mask=kk < k1, other=0.0)
+                acc2 += w * x0.to(tl.float32)[None, :]
+            else:
+                for m in tl.static_range(BM):
+                    if EVEN_K:
+                        xm = tl.load(x_ptr + m * K + kk, mask=(offs_k * 0 + m) < M, other=0.0)
+                    else:
+                        xm = tl.load(x_ptr + m * K + kk, mask=(kk < k1) & ((offs_k * 0 + m) < M), other=0.0)
+                    part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN] fp32
+                    acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        if ACC2D:
+            acc = tl.sum(acc2, axis=1)[None, :]
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        yoffs = offs_m[:, None].to(tl.int64) * N + rows64[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptr + yoffs, acc, mask=out_mask)
+        else:
+            tot, last = split_k_total(acc, part_ptr, sem_ptr + pid_n, offs_m[:, None] * N + offs_n[None, :], M * N,
+                                      pid_s, SPLIT, out_mask)
+            if last:
+                tl.store(y_ptr + yoffs, tot, mask=out_mask)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,

@@ -28,8 +28,13 @@ import functools
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -82,7 +87,10 @@ def fail(op: str, name: str, value, expected: str) -> None:
 
 def check_layout(op: str, named: dict) -> None:
     """Launchers only, after all shape/dtype checks: every tensor of `named` ({argument name: tensor}) contiguous,
-    on CUDA (CPU only under TRITON_INTERPRET=1), all on the first one's device. Raises ValueError (`fail`)."""
+    on CUDA (CPU only under TRITON_INTERPRET=1), all on the first one's device. Raises ValueError (`fail`);
+    RuntimeError when triton is not installed (the kernels are then not defined)."""
+    if triton is None:
+        raise RuntimeError(f"{op}: triton is not installed; use the *_ref function or install dsv4[triton]")
     interp = interpreting()
     first = next(iter(named.values())).device
     for name, t in named.items():
@@ -102,18 +110,19 @@ def split_k(device: torch.device, n_blocks: int, k_tiles: int, per_sm: int = 2) 
     return -(-k_tiles // per), per
 
 
-@triton.jit
-def split_k_total(acc, part_ptr, sem, poffs, stride, pid_s, SPLIT, mask):
-    """Deterministic split-K merge inside one launch: this program's partial `acc` (fp32, any shape) goes to
-    part_ptr[pid_s * stride + poffs]; the program that arrives last at its semaphore `sem` (acq_rel atomic; the
-    scratch and semaphores of `workspace`) sums the SPLIT partials in split order and resets `sem` to 0.
-    Returns (total, last): `total` is the full sum where `last` is true (the caller then writes it), else 0."""
-    tl.store(part_ptr + pid_s * stride + poffs, acc, mask=mask)
-    tl.debug_barrier()
-    last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    tot = tl.zeros(acc.shape, dtype=tl.float32)
-    if last:
-        for s in range(0, SPLIT):
-            tot += tl.load(part_ptr + s * stride + poffs, mask=mask, other=0.0, volatile=True)
-        tl.store(sem, 0)
-    return tot, last
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    @triton.jit
+    def split_k_total(acc, part_ptr, sem, poffs, stride, pid_s, SPLIT, mask):
+        """Deterministic split-K merge inside one launch: this program's partial `acc` (fp32, any shape) goes to
+        part_ptr[pid_s * stride + poffs]; the program that arrives last at its semaphore `sem` (acq_rel atomic; the
+        scratch and semaphores of `workspace`) sums the SPLIT partials in split order and resets `sem` to 0.
+        Returns (total, last): `total` is the full sum where `last` is true (the caller then writes it), else 0."""
+        tl.store(part_ptr + pid_s * stride + poffs, acc, mask=mask)
+        tl.debug_barrier()
+        last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        tot = tl.zeros(acc.shape, dtype=tl.float32)
+        if last:
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + s * stride + poffs, mask=mask, other=0.0, volatile=True)
+            tl.store(sem, 0)
+        return tot, last

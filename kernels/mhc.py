@@ -24,10 +24,14 @@ dtypes, devices and layouts (host metadata); the SM count is cached per device (
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.gemm import cast_for_store
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
+
 from kernels.launch import check_layout as _check_layout
 from kernels.launch import fail as _fail
 from kernels.launch import interpreting
@@ -175,267 +179,270 @@ def hc_post_pre_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: 
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _dot_bf16x3(x, xf, w, acc, MMA: tl.constexpr):
-    """`acc + X @ W` with X bf16-exact (x: the bf16 tile, xf: the same values in fp32) and W [BK, NP] fp32, every
-    product exact, for bf16 streams (prefill and decode mHC projections).
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    from kernels.gemm import cast_for_store
 
-    Exactness: W is split into three bf16 pieces, hi = bf16(W), mid = bf16(W - hi), lo = bf16(W - hi - mid).
-    W has a 24-bit significand; hi takes its leading 8 bits, W - hi is exact in fp32 (a residual below hi's
-    last bit, ≤ 16 significant bits), mid takes 8 of those, and the rest (≤ 8 bits) is lo exactly, so
-    hi + mid + lo == W bit for bit. This holds whether the cast rounds to nearest (GPU) or truncates (the
-    Triton 3.9 interpreter); the only loss is a lo piece below bf16's normal range (|W| < 2^-110), far below
-    any weight. X is bf16 already (H is bf16), so each product x·piece has ≤ 8 + 8 significant bits and is
-    exact in fp32; the tensor core accumulates in fp32, so the dot is an fp32 dot of the exact products
-    (3 native bf16 MMAs, no split of X), tighter than tf32x3, which keeps only 22 of W's 24 bits (two 11-bit
-    pieces). Pieces are summed small-first (lo, mid, hi).
-    Accumulation: callers pass a zero `acc` per K-tile and add the tile's sum into their running fp32 sum in
-    registers (round to nearest). Measured on an H200 (RESULTS.md, issue 14 item 2): one tensor-core
-    accumulator carried over 90 K-tiles x 3 MMAs (D 7168, 5 splits) put hc_pre's post 3.2e-5 off the fp32
-    reference (163 of 16384 elements beyond 1e-5); the tensor core's in-MMA additions are evidently not
-    round-to-nearest fp32, so the long chain stays in the registers (as in Triton's own tf32x3 lowering, whose
-    three dots start from zero per tile).
-    MMA 1: bf16 tensor-core dots (GPU). MMA 0: fp32 dots with input_precision="ieee" on the same exact piece
-    values (the interpreter, whose bf16 dots are not faithful in triton 3.9); both multiply the same values."""
-    hi = w.to(tl.bfloat16)
-    r = w - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    if MMA == 1:
-        acc = tl.dot(x, lo, acc)
-        acc = tl.dot(x, mid, acc)
-        acc = tl.dot(x, hi, acc)
-    else:
-        acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
-        acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
-        acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
-    return acc
+    @triton.jit
+    def _dot_bf16x3(x, xf, w, acc, MMA: tl.constexpr):
+        """`acc + X @ W` with X bf16-exact (x: the bf16 tile, xf: the same values in fp32) and W [BK, NP] fp32, every
+        product exact, for bf16 streams (prefill and decode mHC projections).
 
-
-@triton.jit
-def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
-                 N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
-                 SPLIT3: tl.constexpr, MMA: tl.constexpr):
-    """Partial `fn @ X` and Σ X² of tokens [pid_t·TOK, pid_t·TOK + TOK) over K-slice pid_s → mix[t, pid_s, :],
-    ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum; BT a multiple of TOK); a token sits in row
-    t mod BT whatever TOK is, the other rows are masked (never loaded), so TOK < BT computes every token's row
-    exactly as TOK = BT does (bitwise; the interpreter's numpy dot rounds by row position too).
-    SPLIT3 (bf16 H): `_dot_bf16x3` on the bf16 tile (exact products); else (fp32 H, not bf16-exact) tf32x3."""
-    offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
-    mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
-    offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_MIX
-    row = offs_t.to(tl.int64) * K
-    k_lo = pid_s * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    acc = tl.zeros([BT, NP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mask_k = offs_k < k_hi
-        x = tl.load(h_ptr + row[:, None] + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        xf = x.to(tl.float32)
-        w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                    mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-        if SPLIT3:  # this K-tile's 3 MMAs from zero, then one fp32 register add (see `_dot_bf16x3`)
-            acc += _dot_bf16x3(x, xf, w, tl.zeros([BT, NP], dtype=tl.float32), MMA)
+        Exactness: W is split into three bf16 pieces, hi = bf16(W), mid = bf16(W - hi), lo = bf16(W - hi - mid).
+        W has a 24-bit significand; hi takes its leading 8 bits, W - hi is exact in fp32 (a residual below hi's
+        last bit, ≤ 16 significant bits), mid takes 8 of those, and the rest (≤ 8 bits) is lo exactly, so
+        hi + mid + lo == W bit for bit. This holds whether the cast rounds to nearest (GPU) or truncates (the
+        Triton 3.9 interpreter); the only loss is a lo piece below bf16's normal range (|W| < 2^-110), far below
+        any weight. X is bf16 already (H is bf16), so each product x·piece has ≤ 8 + 8 significant bits and is
+        exact in fp32; the tensor core accumulates in fp32, so the dot is an fp32 dot of the exact products
+        (3 native bf16 MMAs, no split of X), tighter than tf32x3, which keeps only 22 of W's 24 bits (two 11-bit
+        pieces). Pieces are summed small-first (lo, mid, hi).
+        Accumulation: callers pass a zero `acc` per K-tile and add the tile's sum into their running fp32 sum in
+        registers (round to nearest). Measured on an H200 (RESULTS.md, issue 14 item 2): one tensor-core
+        accumulator carried over 90 K-tiles x 3 MMAs (D 7168, 5 splits) put hc_pre's post 3.2e-5 off the fp32
+        reference (163 of 16384 elements beyond 1e-5); the tensor core's in-MMA additions are evidently not
+        round-to-nearest fp32, so the long chain stays in the registers (as in Triton's own tf32x3 lowering, whose
+        three dots start from zero per tile).
+        MMA 1: bf16 tensor-core dots (GPU). MMA 0: fp32 dots with input_precision="ieee" on the same exact piece
+        values (the interpreter, whose bf16 dots are not faithful in triton 3.9); both multiply the same values."""
+        hi = w.to(tl.bfloat16)
+        r = w - hi.to(tl.float32)
+        mid = r.to(tl.bfloat16)
+        lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+        if MMA == 1:
+            acc = tl.dot(x, lo, acc)
+            acc = tl.dot(x, mid, acc)
+            acc = tl.dot(x, hi, acc)
         else:
-            acc = tl.dot(xf, w, acc, input_precision="tf32x3")
-        ss += tl.sum(xf * xf, axis=1)
-    out_row = offs_t.to(tl.int64) * n_split + pid_s
-    tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
-    tl.store(ss_ptr + out_row, ss, mask=mask_t)
+            acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
+        return acc
 
 
-@triton.jit
-def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, t_first,
-                   T, D, S, iters, hc_eps, norm_eps, inv_k, d_lo, d_hi, write_pc,
-                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
-                   BTF: tl.constexpr, BD: tl.constexpr, HCACHE: tl.constexpr):
-    """Tokens t_first + [0, BTF) below T: sum the S split partials in a fixed order, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD;
-    post/comb written when write_pc), then collapse columns [d_lo, d_hi) of H in BD steps. Partials are read
-    with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch; HCACHE is
-    the cache modifier of the H loads (".cg" when other programs of this launch wrote H, else "")."""
-    offs_t = t_first + tl.arange(0, BTF)
-    mask_t = offs_t < T
-    j = tl.arange(0, HC)
-    sp = tl.arange(0, SP)  # all split partials of a token at once, summed in a fixed order
-    row = offs_t.to(tl.int64)[:, None] * S + sp[None, :]  # [BTF, SP]
-    mask_ts = mask_t[:, None] & (sp < S)[None, :]
-    p = mix_ptr + row * NP
-    m_pre = tl.sum(tl.load(p[:, :, None] + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
-                           cache_modifier=".cg"), axis=1)
-    ss = tl.sum(tl.load(ss_ptr + row, mask=mask_ts, other=0.0, cache_modifier=".cg"), axis=1)
-    rs = 1.0 / tl.sqrt_rn(ss * inv_k + norm_eps)
-    pre = tl.sigmoid(m_pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :]) + hc_eps
-    if not IS_HEAD:
-        if write_pc:
-            m_post = tl.sum(tl.load(p[:, :, None] + HC + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
-                                    cache_modifier=".cg"), axis=1)
-            jj = tl.arange(0, HC * HC)
-            m_comb = tl.reshape(tl.sum(tl.load(p[:, :, None] + 2 * HC + jj[None, None, :],
-                                               mask=mask_ts[:, :, None], other=0.0, cache_modifier=".cg"),
-                                       axis=1), (BTF, HC, HC))
-            post = 2.0 * tl.sigmoid(m_post * rs[:, None] * tl.load(scale_ptr + 1)
-                                    + tl.load(base_ptr + HC + j)[None, :])
-            tl.store(post_ptr + offs_t[:, None].to(tl.int64) * HC + j[None, :], post, mask=mask_t[:, None])
-            c = (m_comb * rs[:, None, None] * tl.load(scale_ptr + 2)
-                 + tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])[None, :, :])
-            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-            for _ in range(iters - 1):
-                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+    @triton.jit
+    def _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, pid_s, n_split, T, K, K_PER_SPLIT,
+                     N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
+                     SPLIT3: tl.constexpr, MMA: tl.constexpr):
+        """Partial `fn @ X` and Σ X² of tokens [pid_t·TOK, pid_t·TOK + TOK) over K-slice pid_s → mix[t, pid_s, :],
+        ss[t, pid_s]. The dot has BT >= 16 rows (tensor-core minimum; BT a multiple of TOK); a token sits in row
+        t mod BT whatever TOK is, the other rows are masked (never loaded), so TOK < BT computes every token's row
+        exactly as TOK = BT does (bitwise; the interpreter's numpy dot rounds by row position too).
+        SPLIT3 (bf16 H): `_dot_bf16x3` on the bf16 tile (exact products); else (fp32 H, not bf16-exact) tf32x3."""
+        offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
+        mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
+        offs_n = tl.arange(0, NP)
+        mask_n = offs_n < N_MIX
+        row = offs_t.to(tl.int64) * K
+        k_lo = pid_s * K_PER_SPLIT
+        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+        acc = tl.zeros([BT, NP], dtype=tl.float32)
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mask_k = offs_k < k_hi
+            x = tl.load(h_ptr + row[:, None] + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+            xf = x.to(tl.float32)
+            w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                        mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            if SPLIT3:  # this K-tile's 3 MMAs from zero, then one fp32 register add (see `_dot_bf16x3`)
+                acc += _dot_bf16x3(x, xf, w, tl.zeros([BT, NP], dtype=tl.float32), MMA)
+            else:
+                acc = tl.dot(xf, w, acc, input_precision="tf32x3")
+            ss += tl.sum(xf * xf, axis=1)
+        out_row = offs_t.to(tl.int64) * n_split + pid_s
+        tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
+        tl.store(ss_ptr + out_row, ss, mask=mask_t)
+
+
+    @triton.jit
+    def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, t_first,
+                       T, D, S, iters, hc_eps, norm_eps, inv_k, d_lo, d_hi, write_pc,
+                       HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
+                       BTF: tl.constexpr, BD: tl.constexpr, HCACHE: tl.constexpr):
+        """Tokens t_first + [0, BTF) below T: sum the S split partials in a fixed order, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD;
+        post/comb written when write_pc), then collapse columns [d_lo, d_hi) of H in BD steps. Partials are read
+        with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch; HCACHE is
+        the cache modifier of the H loads (".cg" when other programs of this launch wrote H, else "")."""
+        offs_t = t_first + tl.arange(0, BTF)
+        mask_t = offs_t < T
+        j = tl.arange(0, HC)
+        sp = tl.arange(0, SP)  # all split partials of a token at once, summed in a fixed order
+        row = offs_t.to(tl.int64)[:, None] * S + sp[None, :]  # [BTF, SP]
+        mask_ts = mask_t[:, None] & (sp < S)[None, :]
+        p = mix_ptr + row * NP
+        m_pre = tl.sum(tl.load(p[:, :, None] + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
+                               cache_modifier=".cg"), axis=1)
+        ss = tl.sum(tl.load(ss_ptr + row, mask=mask_ts, other=0.0, cache_modifier=".cg"), axis=1)
+        rs = 1.0 / tl.sqrt_rn(ss * inv_k + norm_eps)
+        pre = tl.sigmoid(m_pre * rs[:, None] * tl.load(scale_ptr) + tl.load(base_ptr + j)[None, :]) + hc_eps
+        if not IS_HEAD:
+            if write_pc:
+                m_post = tl.sum(tl.load(p[:, :, None] + HC + j[None, None, :], mask=mask_ts[:, :, None], other=0.0,
+                                        cache_modifier=".cg"), axis=1)
+                jj = tl.arange(0, HC * HC)
+                m_comb = tl.reshape(tl.sum(tl.load(p[:, :, None] + 2 * HC + jj[None, None, :],
+                                                   mask=mask_ts[:, :, None], other=0.0, cache_modifier=".cg"),
+                                           axis=1), (BTF, HC, HC))
+                post = 2.0 * tl.sigmoid(m_post * rs[:, None] * tl.load(scale_ptr + 1)
+                                        + tl.load(base_ptr + HC + j)[None, :])
+                tl.store(post_ptr + offs_t[:, None].to(tl.int64) * HC + j[None, :], post, mask=mask_t[:, None])
+                c = (m_comb * rs[:, None, None] * tl.load(scale_ptr + 2)
+                     + tl.load(base_ptr + 2 * HC + j[:, None] * HC + j[None, :])[None, :, :])
+                c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+                c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps
                 c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-            tl.store(comb_ptr + offs_t[:, None, None].to(tl.int64) * (HC * HC) + j[None, :, None] * HC
-                     + j[None, None, :], c, mask=mask_t[:, None, None])
-    hrow = offs_t.to(tl.int64) * (HC * D)
-    for d0 in range(d_lo, d_hi, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        mask_d = offs_d < d_hi
-        hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
-                     mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0,
-                     cache_modifier=HCACHE).to(tl.float32)
-        x = tl.sum(pre[:, :, None] * hv, axis=1)
-        tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], cast_for_store(x, x_ptr),
-                 mask=mask_t[:, None] & mask_d[None, :])
+                for _ in range(iters - 1):
+                    c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
+                    c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
+                tl.store(comb_ptr + offs_t[:, None, None].to(tl.int64) * (HC * HC) + j[None, :, None] * HC
+                         + j[None, None, :], c, mask=mask_t[:, None, None])
+        hrow = offs_t.to(tl.int64) * (HC * D)
+        for d0 in range(d_lo, d_hi, BD):
+            offs_d = d0 + tl.arange(0, BD)
+            mask_d = offs_d < d_hi
+            hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
+                         mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0,
+                         cache_modifier=HCACHE).to(tl.float32)
+            x = tl.sum(pre[:, :, None] * hv, axis=1)
+            tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], cast_for_store(x, x_ptr),
+                     mask=mask_t[:, None] & mask_d[None, :])
 
 
-# Issue 29: the token count T (and the finish kernel's split count S) are not specialized: one build per tile
-# set, never one per prompt length (see `_mix_sites`).
-@triton.jit(do_not_specialize=["T"])
-def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
-                   N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                   SPLIT3: tl.constexpr, MMA: tl.constexpr):
-    """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each (bf16x3 dot for bf16 H)."""
-    _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
-                 T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT, SPLIT3, MMA)
+    # Issue 29: the token count T (and the finish kernel's split count S) are not specialized: one build per tile
+    # set, never one per prompt length (see `_mix_sites`).
+    @triton.jit(do_not_specialize=["T"])
+    def _hc_mix_kernel(h_ptr, fn_ptr, mix_ptr, ss_ptr, T, K, K_PER_SPLIT,
+                       N_MIX: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                       SPLIT3: tl.constexpr, MMA: tl.constexpr):
+        """Prefill launch 1 of 2: grid (token blocks, splits), one `_mix_partial` each (bf16x3 dot for bf16 H)."""
+        _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, tl.program_id(0), tl.program_id(1), tl.num_programs(1),
+                     T, K, K_PER_SPLIT, N_MIX, NP, BT, BK, BT, SPLIT3, MMA)
 
 
-@triton.jit(do_not_specialize=["T", "S"])
-def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
-                      T, D, S, iters, hc_eps, norm_eps, inv_k,
-                      HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr):
-    """Prefill launch 2 of 2: grid (token blocks of BT, D-blocks of BD); D-block 0 also writes post/comb."""
-    pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
-    pid_d = tl.program_id(1)
-    d_lo = pid_d * BD
-    _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
-                   pid_t * BT, T, D, S, iters, hc_eps, norm_eps, inv_k,
-                   d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "")
-
-
-@triton.jit(do_not_specialize=["T"])
-def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
-                     T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
-                     HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                     IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
-                     BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr):
-    """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
-    then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
-    threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
-    and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
-    interpreter's sequential grid. TOK is small (2) so that many programs share the collapse; the price is
-    that fn is re-read (from L2) once per token block."""
-    pid_t = tl.program_id(0)
-    n_split = tl.num_programs(1)
-    mix_ptr = ws_ptr
-    ss_ptr = ws_ptr + T * n_split * NP
-    _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, tl.program_id(1), n_split, T, K, K_PER_SPLIT,
-                 N_MIX, NP, BT, BK, TOK, SPLIT3, MMA)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_split - 1:
+    @triton.jit(do_not_specialize=["T", "S"])
+    def _hc_finish_kernel(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                          T, D, S, iters, hc_eps, norm_eps, inv_k,
+                          HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
+                          BT: tl.constexpr, BD: tl.constexpr):
+        """Prefill launch 2 of 2: grid (token blocks of BT, D-blocks of BD); D-block 0 also writes post/comb."""
+        pid_t = tl.num_programs(0) - 1 - tl.program_id(0)  # reverse order: reuse the tail of H left in L2
+        pid_d = tl.program_id(1)
+        d_lo = pid_d * BD
         _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
-                       pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                       0, D, True, HC, NP, SP, IS_HEAD, TOK, BD, "")
-        tl.store(sem_ptr + pid_t, 0)
+                       pid_t * BT, T, D, S, iters, hc_eps, norm_eps, inv_k,
+                       d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "")
 
 
-@triton.jit(do_not_specialize=["T"])
-def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
-                    HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """out[t, k, d] = post[t, k]·a[t, d] + Σ_j comb[t, j, k]·H[t, j, d] (fp32), one pass over a and H."""
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
-    mask_t = offs_t < T
-    mask = mask_t[:, None] & (offs_d < D)[None, :]
-    j = tl.arange(0, HC)
-    t64 = offs_t.to(tl.int64)
-    a = tl.load(a_ptr + t64[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    hrow = t64 * (HC * D)
-    hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
-                 mask=mask[:, None, :], other=0.0).to(tl.float32)
-    for k in tl.static_range(HC):
-        pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
-        ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None], other=0.0)
-        y = pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)
-        tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], cast_for_store(y, out_ptr), mask=mask)
+    @triton.jit(do_not_specialize=["T"])
+    def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
+                         T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
+                         HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                         IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
+                         BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr):
+        """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
+        then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
+        threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
+        and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
+        interpreter's sequential grid. TOK is small (2) so that many programs share the collapse; the price is
+        that fn is re-read (from L2) once per token block."""
+        pid_t = tl.program_id(0)
+        n_split = tl.num_programs(1)
+        mix_ptr = ws_ptr
+        ss_ptr = ws_ptr + T * n_split * NP
+        _mix_partial(h_ptr, fn_ptr, mix_ptr, ss_ptr, pid_t, tl.program_id(1), n_split, T, K, K_PER_SPLIT,
+                     N_MIX, NP, BT, BK, TOK, SPLIT3, MMA)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
+                           pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
+                           0, D, True, HC, NP, SP, IS_HEAD, TOK, BD, "")
+            tl.store(sem_ptr + pid_t, 0)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
-                        comb2_ptr, ws_ptr, sem_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
-                        HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                        BT: tl.constexpr, BC: tl.constexpr, TOK: tl.constexpr, BD: tl.constexpr):
-    """Decode layer boundary, ONE launch: hc_post of one site and hc_pre of the next (issue 14).
-
-    Grid (token blocks of TOK tokens, column splits of COLS columns of D). A program computes H_new (= the
-    hc_post formula of `_hc_post_kernel`, fp32, rounded once to H's dtype and written) for its tokens, all
-    hc streams and its columns, and from those rounded values the partial projection `fn @ X` (tf32x3) and
-    Σ X² of the next hc_pre (X = H_new stream-major, so stream k of column c is K-index k·D + c). It writes
-    the partials like `_mix_partial`, counts itself in sem[token block] (acq_rel atomic after a CTA barrier),
-    and the last program of a block finishes it (`_finish_tokens`, reading H_new through L2) and resets the
-    counter. Token rows sit in a BT >= 16 row dot, other rows masked (as in `_mix_partial`)."""
-    pid_t = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
-    mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
-    t64 = offs_t.to(tl.int64)
-    offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_MIX
-    j = tl.arange(0, HC)
-    c_lo = pid_s * COLS
-    c_hi = tl.minimum(c_lo + COLS, D)
-    acc = tl.zeros([BT, NP], dtype=tl.float32)
-    ss = tl.zeros([BT], dtype=tl.float32)
-    hrow = t64 * (HC * D)
-    for c0 in range(c_lo, c_hi, BC):
-        cols = c0 + tl.arange(0, BC)
-        mc = cols < c_hi
-        m2 = mask_t[:, None] & mc[None, :]
-        a = tl.load(a_ptr + t64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + cols[None, None, :],
-                     mask=m2[:, None, :], other=0.0).to(tl.float32)
+    @triton.jit(do_not_specialize=["T"])
+    def _hc_post_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, T, D,
+                        HC: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        """out[t, k, d] = post[t, k]·a[t, d] + Σ_j comb[t, j, k]·H[t, j, d] (fp32), one pass over a and H."""
+        offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+        offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+        mask_t = offs_t < T
+        mask = mask_t[:, None] & (offs_d < D)[None, :]
+        j = tl.arange(0, HC)
+        t64 = offs_t.to(tl.int64)
+        a = tl.load(a_ptr + t64[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        hrow = t64 * (HC * D)
+        hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
+                     mask=mask[:, None, :], other=0.0).to(tl.float32)
         for k in tl.static_range(HC):
             pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
-            ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None],
-                         other=0.0)
-            y = cast_for_store(pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1), hn_ptr)
-            tl.store(hn_ptr + hrow[:, None] + k * D + cols[None, :], y, mask=m2)
-            yf = y.to(tl.float32)
-            w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + k * D + cols[:, None],
-                        mask=mask_n[None, :] & mc[:, None], other=0.0)
-            acc = tl.dot(yf, w, acc, input_precision="tf32x3")
-            ss += tl.sum(yf * yf, axis=1)
-    mix_ptr = ws_ptr
-    ss_ptr = ws_ptr + T * n_split * NP
-    out_row = t64 * n_split + pid_s
-    tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
-    tl.store(ss_ptr + out_row, ss, mask=mask_t)
-    tl.debug_barrier()
-    if tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu") == n_split - 1:
-        _finish_tokens(hn_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr, comb2_ptr,
-                       pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                       0, D, True, HC, NP, SP, False, TOK, BD, ".cg")
-        tl.store(sem_ptr + pid_t, 0)
+            ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None], other=0.0)
+            y = pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1)
+            tl.store(out_ptr + hrow[:, None] + k * D + offs_d[None, :], cast_for_store(y, out_ptr), mask=mask)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Launchers (same signatures and results as the references; optional `out=` lets tests poison outputs)
-# ---------------------------------------------------------------------------------------------------------
+    @triton.jit(do_not_specialize=["T"])
+    def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
+                            comb2_ptr, ws_ptr, sem_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
+                            HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                            BT: tl.constexpr, BC: tl.constexpr, TOK: tl.constexpr, BD: tl.constexpr):
+        """Decode layer boundary, ONE launch: hc_post of one site and hc_pre of the next (issue 14).
+
+        Grid (token blocks of TOK tokens, column splits of COLS columns of D). A program computes H_new (= the
+        hc_post formula of `_hc_post_kernel`, fp32, rounded once to H's dtype and written) for its tokens, all
+        hc streams and its columns, and from those rounded values the partial projection `fn @ X` (tf32x3) and
+        Σ X² of the next hc_pre (X = H_new stream-major, so stream k of column c is K-index k·D + c). It writes
+        the partials like `_mix_partial`, counts itself in sem[token block] (acq_rel atomic after a CTA barrier),
+        and the last program of a block finishes it (`_finish_tokens`, reading H_new through L2) and resets the
+        counter. Token rows sit in a BT >= 16 row dot, other rows masked (as in `_mix_partial`)."""
+        pid_t = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        n_split = tl.num_programs(1)
+        offs_t = (pid_t * TOK // BT) * BT + tl.arange(0, BT)
+        mask_t = (offs_t < T) & (offs_t >= pid_t * TOK) & (offs_t < pid_t * TOK + TOK)
+        t64 = offs_t.to(tl.int64)
+        offs_n = tl.arange(0, NP)
+        mask_n = offs_n < N_MIX
+        j = tl.arange(0, HC)
+        c_lo = pid_s * COLS
+        c_hi = tl.minimum(c_lo + COLS, D)
+        acc = tl.zeros([BT, NP], dtype=tl.float32)
+        ss = tl.zeros([BT], dtype=tl.float32)
+        hrow = t64 * (HC * D)
+        for c0 in range(c_lo, c_hi, BC):
+            cols = c0 + tl.arange(0, BC)
+            mc = cols < c_hi
+            m2 = mask_t[:, None] & mc[None, :]
+            a = tl.load(a_ptr + t64[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+            hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + cols[None, None, :],
+                         mask=m2[:, None, :], other=0.0).to(tl.float32)
+            for k in tl.static_range(HC):
+                pk = tl.load(post_ptr + t64 * HC + k, mask=mask_t, other=0.0)
+                ck = tl.load(comb_ptr + t64[:, None] * (HC * HC) + j[None, :] * HC + k, mask=mask_t[:, None],
+                             other=0.0)
+                y = cast_for_store(pk[:, None] * a + tl.sum(ck[:, :, None] * hv, axis=1), hn_ptr)
+                tl.store(hn_ptr + hrow[:, None] + k * D + cols[None, :], y, mask=m2)
+                yf = y.to(tl.float32)
+                w = tl.load(fn_ptr + offs_n[None, :].to(tl.int64) * K + k * D + cols[:, None],
+                            mask=mask_n[None, :] & mc[:, None], other=0.0)
+                acc = tl.dot(yf, w, acc, input_precision="tf32x3")
+                ss += tl.sum(yf * yf, axis=1)
+        mix_ptr = ws_ptr
+        ss_ptr = ws_ptr + T * n_split * NP
+        out_row = t64 * n_split + pid_s
+        tl.store(mix_ptr + out_row[:, None] * NP + offs_n[None, :], acc, mask=mask_t[:, None])
+        tl.store(ss_ptr + out_row, ss, mask=mask_t)
+        tl.debug_barrier()
+        if tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+            _finish_tokens(hn_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr, comb2_ptr,
+                           pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
+                           0, D, True, HC, NP, SP, False, TOK, BD, ".cg")
+            tl.store(sem_ptr + pid_t, 0)
+
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Launchers (same signatures and results as the references; optional `out=` lets tests poison outputs)
+    # ---------------------------------------------------------------------------------------------------------
 
 def _check_hc(op: str, hc: int) -> None:
     if hc & (hc - 1):

@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import numerics
 from kernels.gemm import act_quant, e8m0_to_f32, mma_mode, round_bf16
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
@@ -141,17 +142,16 @@ def moe_grouped_ref(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
     Returns: [T, D] fp32 = sum over slots of each slot's bf16 expert output. Loops over the experts present
     (host sync; a reference). Raises ValueError on wrong shapes/dtypes or an index outside [0, E).
     """
-    from dsv4 import quant
     op = "moe_grouped_ref"
     E, D, I = _check_experts(op, experts)
     T, k = _check_routing(op, x, weights, indices, D)
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= E):
         _fail(op, "indices", f"range [{int(indices.min())}, {int(indices.max())}]", f"ids in [0, {E})")
     y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    xq = quant.act_quant_sim(x, 128).float()
+    xq = numerics.act_quant_sim(x, 128).float()
     for e in indices.unique().tolist():
         tok, slot = (indices == e).nonzero(as_tuple=True)
-        w1, w3, w2 = (quant.fp4_dequant(getattr(experts, f"w{i}")[e], getattr(experts, f"s{i}")[e])
+        w1, w3, w2 = (numerics.fp4_dequant(getattr(experts, f"w{i}")[e], getattr(experts, f"s{i}")[e])
                       for i in (1, 3, 2))
         u = (xq[tok] @ w1.T).to(torch.bfloat16).float()
         v = (xq[tok] @ w3.T).to(torch.bfloat16).float()
@@ -159,7 +159,7 @@ def moe_grouped_ref(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
             v = v.clamp(-limit, limit)
             u = u.clamp(max=limit)
         h = (torch.nn.functional.silu(u) * v * weights[tok, slot, None]).to(torch.bfloat16)
-        out = (quant.act_quant_sim(h, 128).float() @ w2.T).to(torch.bfloat16)
+        out = (numerics.act_quant_sim(h, 128).float() @ w2.T).to(torch.bfloat16)
         y.index_add_(0, tok, out.float())
     return y
 

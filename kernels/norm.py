@@ -1,9 +1,9 @@
 """Weighted RMSNorm in one launch (spec §2): `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))`.
 
-`dsv4.model.rms_norm_ref` is the executable spec (what `RMSNorm.forward` computes with the reference backend:
-upcast, `pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a GPU). The triton backend's
-`RMSNorm` runs `rms_norm` instead: one program per row, the row in registers, the same operations in the same
-order in fp32 (w * x first, then * rsqrt), the store rounded once to x.dtype (`kernels.gemm.cast_for_store`).
+`dsv4.ops_ref.rms_norm_ref` (re-exported by `dsv4.model`) is the executable spec (what `RMSNorm.forward`
+computes with the reference backend: upcast, `pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a
+GPU). The triton backend's `RMSNorm` runs `rms_norm` instead: one program per row, the row in registers, the same
+operations in the same order in fp32 (w * x first, then * rsqrt), the store rounded once to x.dtype (`kernels.gemm.cast_for_store`).
 Only the order of the sum of squares differs, so the fp32 results agree within a few ulps and bf16 outputs are
 bitwise equal in almost every element (tests/unit/test_norm_kernel.py). Used at every norm of the model: the
 block's attn_norm / ffn_norm, the attention's q_norm / kv_norm, the compressors' norms and the final norm.
@@ -12,26 +12,33 @@ block's attn_norm / ffn_norm, the attention's q_norm / kv_norm, the compressors'
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.gemm import cast_for_store
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
+
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
 MAX_DIM = 16384   # a row must fit in one program's registers (DeepSeek-V4: 7168 at most)
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, eps, BD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BD)
-    mask = offs < d
-    x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    ms = tl.sum(x * x, axis=0) / d
-    y = (w * x) * tl.math.rsqrt(ms + eps)
-    tl.store(y_ptr + row * d + offs, cast_for_store(y, y_ptr), mask=mask)
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    from kernels.gemm import cast_for_store
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, eps, BD: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BD)
+        mask = offs < d
+        x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        ms = tl.sum(x * x, axis=0) / d
+        y = (w * x) * tl.math.rsqrt(ms + eps)
+        tl.store(y_ptr + row * d + offs, cast_for_store(y, y_ptr), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -4,8 +4,9 @@ dequantize, output in the input dtype.
 
 Spec: `dsv4_reference_spec.md` §2 (activation quantization; the [F1] QAT simulation of the KV nope channels in
 64-channel e4m3 blocks, and the FP4 rounding of the indexer's queries and keys in 32-channel blocks). The
-references are `dsv4.quant.act_quant_sim` and `dsv4.quant.fp4_act_quant_sim` (pure torch: ~25 and ~40 small
-launches per call on a GPU, six and two calls per decode step of a 4-layer Flash model). These kernels compute
+references are `kernels.numerics.act_quant_sim` and `kernels.numerics.fp4_act_quant_sim` (re-exported by
+`dsv4.quant`; pure torch: ~25 and ~40 small launches per call
+on a GPU, six and two calls per decode step of a 4-layer Flash model). These kernels compute
 the same values BITWISE (tests/unit/test_quant_kernels.py):
   * the scale exponent from the bits of amax, no division: e4m3 `k = ceil(log2(amax / 448))` as
     `kernels.gemm.act_scale`; e2m1 `k = ceil(log2(amax / 6))`: amax = m * 2^e with m in [1, 2), 6 = 1.5 * 2^2,
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemm import _nonfinite_rows, act_apply, act_scale, cast_for_store
+from kernels.jit_formats import _nonfinite_rows, act_apply, act_scale, cast_for_store
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 

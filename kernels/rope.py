@@ -1,6 +1,6 @@
 """RoPE of the last `rd` columns of a tensor, in place, in one launch (spec §5, pitfall 4: interleaved pairs).
 
-`dsv4.model.apply_rope` is the executable spec: angle = pos (fp64) * inv_freq (fp64), cos / sin in fp64 rounded
+`kernels.numerics.apply_rope` (the model's `apply_rope`) is the executable spec: angle = pos (fp64) * inv_freq (fp64), cos / sin in fp64 rounded
 to fp32, pairs (2i, 2i+1) rotated in fp32, stored in x.dtype; the model applies it to the rope tail of q, kv and
 the indexer's q (`torch.cat((x[..., :-rd], apply_rope(x[..., -rd:], ...)), -1)`) and with `inverse=True` to the
 attention output. On a GPU that is ~14 small launches per call plus the cat; the graph decode step
@@ -15,10 +15,15 @@ bitwise equal in almost every element (tests/unit/test_rope_kernel.py).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels.gemm import cast_for_store
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
+
+from kernels import numerics
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -27,30 +32,32 @@ def rope_tail_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd
                   inverse: bool = False) -> torch.Tensor:
     """The model's maths (the `rope_tail` entry of the reference backend): `torch.cat((x[..., :-rd],
     apply_rope(x[..., -rd:], pos, inv_freq, inverse)), -1)`, a new tensor (x untouched). Shapes as `rope_tail_`."""
-    from dsv4.model import apply_rope
-    return torch.cat((x[..., :-rd], apply_rope(x[..., -rd:], pos, inv_freq, inverse=inverse)), -1)
+    return torch.cat((x[..., :-rd], numerics.apply_rope(x[..., -rd:], pos, inv_freq, inverse=inverse)), -1)
 
 
-@triton.jit
-def _rope_tail_kernel(x_ptr, pos_ptr, f_ptr, D, S, H, RD2, SIGN, BR: tl.constexpr):
-    """One program per row of x viewed [rows, D] (row = ((b*S + t)*H + h)); rotates columns D-2*RD2 .. D-1."""
-    row = tl.program_id(0).to(tl.int64)
-    t = (row // H) % S
-    offs = tl.arange(0, BR)
-    mask = offs < RD2
-    ang = tl.load(pos_ptr + t).to(tl.float64) * tl.load(f_ptr + offs, mask=mask, other=0.0)
-    c = tl.cos(ang).to(tl.float32)
-    s = tl.sin(ang).to(tl.float32) * SIGN
-    base = x_ptr + row * D + (D - 2 * RD2)
-    x0 = tl.load(base + 2 * offs, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(base + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + 2 * offs, cast_for_store(x0 * c - x1 * s, x_ptr), mask=mask)
-    tl.store(base + 2 * offs + 1, cast_for_store(x0 * s + x1 * c, x_ptr), mask=mask)
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    from kernels.gemm import cast_for_store
+
+    @triton.jit
+    def _rope_tail_kernel(x_ptr, pos_ptr, f_ptr, D, S, H, RD2, SIGN, BR: tl.constexpr):
+        """One program per row of x viewed [rows, D] (row = ((b*S + t)*H + h)); rotates columns D-2*RD2 .. D-1."""
+        row = tl.program_id(0).to(tl.int64)
+        t = (row // H) % S
+        offs = tl.arange(0, BR)
+        mask = offs < RD2
+        ang = tl.load(pos_ptr + t).to(tl.float64) * tl.load(f_ptr + offs, mask=mask, other=0.0)
+        c = tl.cos(ang).to(tl.float32)
+        s = tl.sin(ang).to(tl.float32) * SIGN
+        base = x_ptr + row * D + (D - 2 * RD2)
+        x0 = tl.load(base + 2 * offs, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(base + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
+        tl.store(base + 2 * offs, cast_for_store(x0 * c - x1 * s, x_ptr), mask=mask)
+        tl.store(base + 2 * offs + 1, cast_for_store(x0 * s + x1 * c, x_ptr), mask=mask)
 
 
 def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
                inverse: bool = False) -> torch.Tensor:
-    """Rotate the last `rd` columns of x in place as `dsv4.model.apply_rope` does (module docstring); returns x.
+    """Rotate the last `rd` columns of x in place as `kernels.numerics.apply_rope` does (module docstring); returns x.
 
     Args: x [b, s, D] or [b, s, h, D] bf16 / fp32 contiguous; pos [s] int64 (on x's device); inv_freq [rd/2]
     fp64 (`dsv4.model.rope_inv_freq`, on x's device); rd even, <= D; inverse: rotate by -pos*f (de-rotation).

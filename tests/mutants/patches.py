@@ -105,8 +105,11 @@ def sinkhorn_ends_on_row_step(mp: MP) -> None:
 
 # ------------------------------------------------------------------------------------------------ RoPE
 def rope_split_halves(mp: MP) -> None:
-    """RoPE rotates (i, i + rd/2) pairs (GPT-NeoX "rotate_half") instead of interleaved (2i, 2i+1) pairs."""
+    """RoPE rotates (i, i + rd/2) pairs (GPT-NeoX "rotate_half") instead of interleaved (2i, 2i+1) pairs. Patched
+    where it is looked up: `dsv4.model` (the eager model) and `kernels.numerics`, its definition (the reference
+    `kernels.rope.rope_tail_ref` of the graph step)."""
     from dsv4 import model
+    from kernels import numerics
 
     def apply_rope(x, pos, inv_freq, inverse=False):
         ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
@@ -119,6 +122,7 @@ def rope_split_halves(mp: MP) -> None:
         return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).to(x.dtype)
 
     mp.setattr(model, "apply_rope", apply_rope)
+    mp.setattr(numerics, "apply_rope", apply_rope)
 
 
 def yarn_mscale_applied(mp: MP) -> None:
@@ -282,18 +286,23 @@ def swiglu_clamp_missing(mp: MP) -> None:
 
 # ------------------------------------------------------------------------------------------------ formats
 def ue8m0_read_as_byte(mp: MP) -> None:
-    """ue8m0 scales decoded as the number of the raw byte (120 -> 120.0) instead of 2^(byte - 127)."""
+    """ue8m0 scales decoded as the number of the raw byte (120 -> 120.0) instead of 2^(byte - 127). Patched in
+    `kernels.numerics` (the definition, where the dequantizers look it up) and its re-export `dsv4.quant`."""
     from dsv4 import quant
+    from kernels import numerics
 
     def e8m0_to_float(scale):
         return scale.view(torch.uint8).float()  # MUTANT
 
+    mp.setattr(numerics, "e8m0_to_float", e8m0_to_float)
     mp.setattr(quant, "e8m0_to_float", e8m0_to_float)
 
 
 def fp4_nibbles_swapped(mp: MP) -> None:
-    """FP4 unpacking takes element 2k from the HIGH nibble and 2k+1 from the low one."""
+    """FP4 unpacking takes element 2k from the HIGH nibble and 2k+1 from the low one. Patched in `kernels.numerics`
+    (the definition) and its re-export `dsv4.quant` (where the model looks it up)."""
     from dsv4 import quant
+    from kernels import numerics
 
     orig = quant.fp4_dequant
 
@@ -302,6 +311,7 @@ def fp4_nibbles_swapped(mp: MP) -> None:
         swapped = ((b & 0xF) << 4) | (b >> 4)  # MUTANT: swap the nibbles, then unpack as usual
         return orig(swapped.view(weight.dtype), scale, out_dtype, block)
 
+    mp.setattr(numerics, "fp4_dequant", fp4_dequant)
     mp.setattr(quant, "fp4_dequant", fp4_dequant)
 
 
