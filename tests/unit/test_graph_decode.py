@@ -10,13 +10,15 @@ and the bf16 Flash-width parity are GPU tests (tests/gpu/test_graph_decode.py).
 
 from __future__ import annotations
 
+import copy
 import os
+import weakref
 
 import pytest
 import torch
 
 from dsv4.graph import GraphDecodeState
-from dsv4.model import Transformer
+from dsv4.model import DecodeState, Transformer
 from dsv4.testing import assert_close
 from dsv4.tiny import random_state_dict, tiny_args
 
@@ -32,6 +34,32 @@ def _pair(backend: str):
     return m
 
 
+def _fork(m, st, static: bool):
+    """A copy of the prefilled (not yet decoded) state `st`: a `GraphDecodeState` (static) or a plain
+    `DecodeState` (the eager decode) holding deep copies of its layer states. A `GraphDecodeState`'s prefill is
+    the model's ordinary eager prefill (dsv4/graph.py; `Transformer.forward` dispatches on the state only for
+    decode), so this is the state a second prefill of the same ids would give, bitwise."""
+    layers = copy.deepcopy(st.layers)
+    if static:
+        new = GraphDecodeState(m, st.batch, st.max_len, capture=False)
+        new.layers, new.pos = layers, st.pos
+    else:
+        new = DecodeState(layers, pos=st.pos)
+    new.owner = weakref.ref(m)
+    return new
+
+
+@pytest.fixture(scope="module")
+def triton_prefill():
+    """(triton fp32 model, its GraphDecodeState after an 11-token prefill of 2 sequences, the prefill logits): the
+    triton prefill costs ~20 s under the interpreter, so the module runs it once and the tests decode from
+    `_fork`s of it (the triton model's backend is replaced only through monkeypatch, restored after each test)."""
+    m = _pair("triton")
+    ids = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(11))
+    st = GraphDecodeState(m, 2, 256, capture=False)
+    return m, st, m(ids, st)
+
+
 @pytest.mark.parametrize("backend,prefill,steps", [
     ("reference", 21, 12),    # CSA entries complete at 24, 28, 32; top-k 4 < entries
     ("reference", 124, 8),    # the HCA entry completes at 128
@@ -39,12 +67,17 @@ def _pair(backend: str):
     # (the padded slots); the bf16 twin with every kernel checked per call: tests/unit/test_bf16_backend.py
     pytest.param("triton", 11, 2, marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
 ])
-def test_static_step_equals_decode(backend, prefill, steps):
-    m = _pair(backend)
-    ids = torch.randint(0, 512, (2, prefill), generator=torch.Generator().manual_seed(prefill))
-    ref, static = m.new_state(2), GraphDecodeState(m, 2, 256, capture=False)
-    a, b = m(ids, ref), m(ids, static)
-    assert_close(b, a, "prefill logits", atol=1e-5, rtol=0)
+def test_static_step_equals_decode(backend, prefill, steps, request):
+    if backend == "triton":  # the module's triton prefill (the same ids, 2 x 11); both states are copies of it
+        m, st, a = request.getfixturevalue("triton_prefill")
+        assert st.pos == prefill
+        ref, static, b = _fork(m, st, False), _fork(m, st, True), a
+    else:
+        m = _pair(backend)
+        ids = torch.randint(0, 512, (2, prefill), generator=torch.Generator().manual_seed(prefill))
+        ref, static = m.new_state(2), GraphDecodeState(m, 2, 256, capture=False)
+        a, b = m(ids, ref), m(ids, static)
+        assert_close(b, a, "prefill logits", atol=1e-5, rtol=0)
     for i in range(steps):
         tok = a.argmax(-1, keepdim=True)
         assert torch.equal(b.argmax(-1, keepdim=True), tok), f"greedy token differs at decode step {i}"
@@ -54,16 +87,16 @@ def test_static_step_equals_decode(backend, prefill, steps):
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
-def test_static_step_uses_the_backends_kernels(monkeypatch):
+def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     """The captured step runs the backend's top-k (the triton kernel, not the torch.topk reference), like the
     eager decode, and the backend's compressor pooling and RoPE kernels: results are equal or nearly so, so
-    only a count of the calls can tell."""
+    only a count of the calls can tell. From a copy of the module's 11-token triton prefill."""
     import dataclasses
 
     import dsv4.graph
     import kernels.indexer
 
-    m = _pair("triton")
+    m, prefilled, _ = triton_prefill
     calls = {"kernel": 0, "ref": 0}
     kernel, ref = m.backend.indexer_topk, kernels.indexer.indexer_topk_ref
 
@@ -77,14 +110,14 @@ def test_static_step_uses_the_backends_kernels(monkeypatch):
     import kernels.rope
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     calls.update(pool=0, rope=0)
-    m.backend = dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
-                                    compress_pool=count("pool", m.backend.compress_pool),
-                                    rope_tail=count("rope", m.backend.rope_tail))
+    monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
+                                                          compress_pool=count("pool", m.backend.compress_pool),
+                                                          rope_tail=count("rope", m.backend.rope_tail)))
     monkeypatch.setattr(dsv4.graph, "indexer_topk_ref", count("ref", ref))
-    st = GraphDecodeState(m, 1, 256, capture=False)
-    m(torch.randint(0, 512, (1, 11)), st)
+    st = _fork(m, prefilled, True)
+    assert st.pos == 11
     before = dict(calls)
-    m(torch.randint(0, 512, (1, 1)), st)  # position 11: a CSA boundary; the counts are per step
+    m(torch.randint(0, 512, (2, 1)), st)  # position 11: a CSA boundary; the counts are per step
     n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
@@ -134,9 +167,9 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
-    ref, st = m.new_state(1), GraphDecodeState(m, 1, 256, capture=False)
-    m(ids, ref)
+    st = GraphDecodeState(m, 1, 256, capture=False)
     m(ids, st)
+    ref = _fork(m, st, False)  # the eager decode's state: a copy of the same prefill (one triton prefill, not two)
     monkeypatch.setattr(_Sim, "kv_nope", count("ref", _Sim.kv_nope))       # the model's own (torch) sims
     monkeypatch.setattr(_Sim, "fp4", count("ref", _Sim.fp4))
     before = dict(calls)
@@ -174,7 +207,9 @@ def test_triton_decode_with_64_heads_runs_the_all_heads_kernel(monkeypatch):
     for backend in ("reference", "triton"):
         models[backend] = Transformer(args, backend=backend)
         models[backend].load_weights(sd)
-    ids = torch.randint(0, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+    # 4 tokens: the first CSA entry (position 3) is complete, so both decode steps' all-heads launches read a
+    # compressed entry as well as the window (6 tokens before: the same, at 1.5x the triton prefill's time)
+    ids = torch.randint(0, 512, (2, 4), generator=torch.Generator().manual_seed(3))
     st = {k: m.new_state(2) for k, m in models.items()}
     a, b = models["reference"](ids, st["reference"]), models["triton"](ids, st["triton"])
     assert_close(b, a, "prefill logits (triton vs reference, 64 heads)", atol=1e-4, rtol=0)
