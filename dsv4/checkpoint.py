@@ -519,44 +519,6 @@ class Checkpoint(Source):
             return
         self.validate(full, required=set())
 
-    def _open_index(self, index: Path) -> None:
-        weight_map, total = read_index(index)
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            by_shard.setdefault(shard, []).append(name)
-        for shard, names in sorted(by_shard.items()):  # every named shard exists before any header is read
-            f = self.path / shard
-            if not f.is_file():
-                raise CheckpointError(f"{index}: weight_map maps {len(names)} tensors (e.g. {names[0]}) to shard "
-                                      f"{shard}, but {f} does not exist")
-        self.shards = []
-        for shard, names in sorted(by_shard.items()):
-            f = self.path / shard
-            self.shards.append(f)
-            header = _read_header(f)
-            for name in names:
-                if name not in header:
-                    raise CheckpointError(f"{index}: maps tensor {name} to {shard}, but {f} does not hold it")
-                self._meta[name] = (f, *header[name])
-            stray = sorted(set(header) - set(names))
-            if stray:
-                elsewhere = f"; the index maps it to {weight_map[stray[0]]}" if stray[0] in weight_map else ""
-                raise CheckpointError(f"{f}: holds {len(stray)} tensors that {INDEX_FILE} does not map to this "
-                                      f"shard (e.g. {stray[0]}{elsewhere})")
-        actual = sum(math.prod(s) * DTYPE_BYTES[dt] for _, dt, s in self._meta.values())
-        if total is not None and total != actual:
-            self._name_wrong_tensor()  # a tensor of the wrong shape or dtype is the usual cause: name it
-            raise CheckpointError(f"{index}: metadata.total_size={total}, but the shards' tensors hold {actual} bytes")
-
-    def _name_wrong_tensor(self) -> None:
-        """Raise `validate`'s CheckpointError (naming the tensor, its file, the expected shape / dtype) if a present
-        tensor is not in the official inventory or has the wrong shape or dtype; return otherwise."""
-        try:
-            full = expected_tensors(self.args, include_mtp=True)
-        except ValueError:  # no inventory for this config: the caller's own message stands
-            return
-        self.validate(full, required=set())
-
     # ------------------------------------------------------------------ data
     def _handle(self, f: Path):
         if f not in self._handles:
