@@ -58,22 +58,22 @@ def build(args: ModelArgs, backend: str, seed: int = 0, device: str = "cuda") ->
 
 
 def synthetic_state(model: Transformer, batch: int, ctx: int, seed: int = 1):
-    """A decode state at position `ctx` (a multiple of 128) with random contents of the right shapes."""
+    """A decode state at position `ctx` (a multiple of 128) with random contents in the slots of positions < ctx:
+    the graph state of `use_decode_graphs`, else a fixed state of max_len ctx + 256 (the same buffers)."""
     dev = model.device
     g = torch.Generator(device=dev).manual_seed(seed)
-    st = model.new_state(batch)
+    st = model.new_state(batch) if model.decode_graph_max_len else model.new_state(batch, ctx + 256)
     for layer, ls in zip(model.layers, st.layers):
         ls.ring.copy_(torch.randn(ls.ring.shape, device=dev, generator=g))
         a = layer.attn
         if a.compressor is not None:
-            ls.entries = torch.randn(batch, ctx // a.ratio, a.hd, device=dev, generator=g).to(ls.ring.dtype)
+            ls.entries[:, :ctx // a.ratio] = torch.randn(batch, ctx // a.ratio, a.hd, device=dev, generator=g)
             if a.compressor.overlap:  # slots 0..r-1: the previous full window
                 r = a.ratio
                 ls.compressor.kv[:, :r].normal_(generator=g)
                 ls.compressor.score[:, :r].normal_(generator=g)
         if a.indexer is not None:
-            ls.index_keys = torch.randn(batch, ctx // 4, a.indexer.head_dim, device=dev,
-                                        generator=g).to(ls.ring.dtype)
+            ls.index_keys[:, :ctx // 4] = torch.randn(batch, ctx // 4, a.indexer.head_dim, device=dev, generator=g)
             ls.index_compressor.kv[:, :4].normal_(generator=g)
             ls.index_compressor.score[:, :4].normal_(generator=g)
     st.pos = ctx

@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "1,012 tests, measured 9 min 30 s wall / 8 min 57 s CPU on a shared 2-core machine "
                                 "at load 2 (README, \"The merge gate\"). It checks every kernel and fast path "
                                 "against its reference, the bf16 triton backend with quantized weights per call "
-                                "(tests/unit/test_bf16_backend.py) and the CUDA-graph step's CPU twin.\n"
+                                "(tests/unit/test_bf16_backend.py) and the decode step a CUDA graph captures, run eagerly.\n"
                                 "GPU hard stops are not run by this command: run `pytest tests/gpu -m hardstop` on "
                                 "a CUDA machine before merging a kernel change (kernels at real sizes, every "
                                 "GEMV_TUNED entry, the tensor-core paths, graph capture + replay vs eager; files: "

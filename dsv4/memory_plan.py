@@ -120,7 +120,9 @@ def rank_memory(args: ModelArgs, world_size: int, rank: int = 0, resident: str =
 
 
 def state_bytes(args: ModelArgs, seq_len: int, batch: int = 1, dtype_bytes: int = 2) -> int:
-    """Bytes of one `DecodeState` after `seq_len` tokens (model dtype `dtype_bytes`; compressor buffers fp32):
+    """Bytes of one `DecodeState` preallocated for `seq_len` tokens (its max_len; a growable state holds the next
+    multiple of 128 at least twice its previous size, `Transformer._reserve`) (model dtype `dtype_bytes`; compressor
+    buffers fp32):
     per layer the window ring [b, window, hd]; ratio r > 0 adds entries [b, seq/r, hd] and the compressor's kv and
     score [b, c*r, c*hd] fp32 (c = 2 iff r = 4); r = 4 adds indexer keys [b, seq/4, d_I] and their compressor
     [b, 8, 2*d_I] fp32 x2. Replicated on every rank."""

@@ -15,13 +15,16 @@ Numerics (`dtype` argument of `Transformer`):
 The hot paths (mHC pre/post/head, sparse attention, indexer scoring) go through a `Backend`
 (`dsv4/backend.py`): the reference backend is the `*_ref` maths in `kernels/`, the triton backend their
 kernels. Top-k selection follows one rule in prefill and decode (`kernels.indexer.indexer_topk_ref`; the
-triton backend's `indexer_topk` returns the same picks bitwise, tested). At decode the triton backend fuses
+triton backend's `indexer_topk` returns the same picks bitwise, tested). At decode sizes the triton backend fuses
 each hc_post with the next site's hc_pre (`Block.forward_deferred`, one launch per layer boundary).
 
-Decode state (`DecodeState`, made by `Transformer.new_state`) holds, per layer, the window ring, the
-compressed entries, the compressor buffers (with the CSA overlap window) and the indexer keys. A new state
-is made for every sequence; the official code does not reset its buffers (spec §6), we never reuse them.
-Supported call pattern (as official): one prefill at position 0 of any length, then one token per call.
+Decode state (`DecodeState`, made by `Transformer.new_state(batch, max_len)`, `dsv4/state.py`) holds, per layer,
+preallocated for max_len tokens: the window ring and the compressed-entry slots (one tensor), the compressor
+buffers (with the CSA overlap window) and the indexer keys. A new state is made for every sequence; the official
+code does not reset its buffers (spec §6), we never reuse them. Supported call pattern (as official): one prefill
+at position 0 of any length (`Attention.prefill`), then one token per call: THE decode step
+(`Transformer.decode_step` -> `Attention.step`, a device position, fixed slots, branch-free), which every backend
+runs eagerly and `dsv4/graph.py` captures in a CUDA graph for the triton backend.
 """
 
 from __future__ import annotations
@@ -46,7 +49,12 @@ from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserve
 from kernels.indexer import indexer_topk_ref
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
 
-__all__ = ["Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+# The reference op table: the prefill's RoPE and quantization roundings run it on every backend (the decode step
+# runs the model's backend; both are the same maths, `kernels.rope` / `kernels.quant` are tested against these).
+REFERENCE = get_backend("reference", torch.device("cpu"))
+STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
+
+__all__ = ["STATE_GRAIN", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -79,13 +87,19 @@ class _Sim:
         """FP8 activation quantization (128-channel blocks, ue8m0 scales) before an FP8/FP4 GEMM."""
         return self._quant.act_quant_sim(x, self._block(x, 128)) if self.enabled else x
 
-    def kv_nope(self, x: torch.Tensor) -> torch.Tensor:
-        """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks."""
-        return self._quant.act_quant_sim(x, self._block(x, 64)) if self.enabled else x
+    def kv_nope(self, x: torch.Tensor, op: Callable | None = None) -> torch.Tensor:
+        """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks (`op`: a backend's `act_quant_sim`,
+        same maths; default `dsv4.quant.act_quant_sim`)."""
+        if not self.enabled:
+            return x
+        return (op or self._quant.act_quant_sim)(x.contiguous(), self._block(x, 64))
 
-    def fp4(self, x: torch.Tensor) -> torch.Tensor:
-        """FP4 (e2m1) rounding in 32-channel blocks of indexer queries / keys."""
-        return self._quant.fp4_act_quant_sim(x, self._block(x, 32)) if self.enabled else x
+    def fp4(self, x: torch.Tensor, op: Callable | None = None) -> torch.Tensor:
+        """FP4 (e2m1) rounding in 32-channel blocks of indexer queries / keys (`op`: a backend's
+        `fp4_act_quant_sim`, same maths; default `dsv4.quant.fp4_act_quant_sim`)."""
+        if not self.enabled:
+            return x
+        return (op or self._quant.fp4_act_quant_sim)(x.contiguous(), self._block(x, 32))
 
 
 class RMSNorm(nn.Module):
@@ -261,14 +275,14 @@ class Compressor(nn.Module):
         return CompressorState(kv=torch.zeros(b, n, c * self.d, device=device),
                                score=torch.full((b, n, c * self.d), -math.inf, device=device))
 
-    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE at w*r, QAT/Hadamard."""
-        k = self.norm(pooled.to(dtype))
-        k = torch.cat((k[..., :-self.rd], apply_rope(k[..., -self.rd:], first_pos, self.inv_freq)), -1)
+    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype, ops: Backend) -> torch.Tensor:
+        """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE of the tail at each window's
+        first position first_pos [n] int64 (w*r), then the indexer's Hadamard + FP4 rounding or the FP8 rounding
+        of the nope channels (spec §6.3), RoPE and roundings through `ops` (the prefill passes `REFERENCE`)."""
+        k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
-            k = self.sim.fp4((k.float() @ self.hadamard.T).to(dtype))
-        else:
-            k = torch.cat((self.sim.kv_nope(k[..., :-self.rd]), k[..., -self.rd:]), -1)
+            return self.sim.fp4((k.float() @ self.hadamard.T).to(dtype), ops.fp4_act_quant_sim)
+        k[..., :-self.rd] = self.sim.kv_nope(k[..., :-self.rd], ops.act_quant_sim)
         return k
 
     def prefill(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
@@ -292,25 +306,22 @@ class Compressor(nn.Module):
         rem = s - n * r
         if rem:
             st.kv[:, off:off + rem], st.score[:, off:off + rem] = a[:, n * r:], z[:, n * r:]
-        return self._finish(pooled, torch.arange(n, device=x.device) * r, x.dtype)
+        return self._finish(pooled, torch.arange(n, device=x.device) * r, x.dtype, REFERENCE)
 
-    def decode(self, x: torch.Tensor, pos: int, st: CompressorState) -> torch.Tensor | None:
-        """x [b, 1, dim] at position `pos` -> the entry completed by this token [b, 1, d], or None."""
-        r, d = self.ratio, self.d
-        a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0] + self.ape[pos % r]
-        off = r if self.overlap else 0
-        st.kv[:, off + pos % r], st.score[:, off + pos % r] = a, z
-        if (pos + 1) % r:
-            return None
-        if self.overlap:
-            A = torch.cat((st.kv[:, :r, :d], st.kv[:, r:, d:]), 1)
-            Z = torch.cat((st.score[:, :r, :d], st.score[:, r:, d:]), 1)
-            st.kv[:, :r], st.score[:, :r] = st.kv[:, r:].clone(), st.score[:, r:].clone()
-        else:
-            A, Z = st.kv, st.score
-        pooled = (Z.softmax(1) * A).sum(1, keepdim=True)
-        st.score[:, off:] = -math.inf
-        return self._finish(pooled, torch.tensor([pos // r * r], device=x.device), x.dtype)
+    def step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, out: torch.Tensor,
+             backend: Backend) -> None:
+        """One decode token x [b, 1, dim] at device position pos [1] int64 (spec §6.2, one window at a time):
+        writes the token's (wkv, wgate + ape[pos % r]) row into `st`; where (pos + 1) % r == 0 the completed
+        window's entry goes to out[:, pos // r] (out [b, n_e, d], the state's entry slots) and the window shifts
+        (CSA) / resets. Branch-free: the entry is pooled at every step and committed under a device condition
+        (`backend.compress_pool` / `compress_commit`, `kernels.compressor`), so nothing is read back to the host
+        and the step can be captured in a CUDA graph. Same maths as `prefill` for the same tokens (tested:
+        prefill == decode)."""
+        r = self.ratio
+        a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0]
+        pooled = backend.compress_pool(a.contiguous(), z.contiguous(), self.ape, pos, st.kv, st.score, r, self.overlap)
+        new = self._finish(pooled, (pos // r) * r, x.dtype, backend)
+        backend.compress_commit(new.contiguous(), pos, st.kv, st.score, out, r, self.overlap)
 
 
 class Indexer(nn.Module):
@@ -335,18 +346,24 @@ class Indexer(nn.Module):
         return scores
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               backend: Backend) -> torch.Tensor:
-        """Top-k entry indices `[b, s, k]` int64 (-1 = empty), k = min(index_topk, entries visible to the last
-        query). x [b, s, dim], qr [b, s, q_lora], pos [s] positions, keys [b, n, d_I] all entries so far."""
+               backend: Backend, ops: Backend, k: int | None = None) -> torch.Tensor:
+        """Top-k entry indices `[b, s, k]` int64 (-1 = empty) of the queries at positions pos [s] int64 (spec §7).
+
+        x [b, s, dim], qr [b, s, q_lora]; keys [b, n, d_I]: slot w holds entry w where it exists; query t sees
+        the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k None (prefill):
+        min(index_topk, entries visible to the last query), one host read of the count; k given (the decode step:
+        index_topk): that many slots, -1 where fewer entries exist, no host read. Scores and top-k through
+        `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
         b, s, _ = x.shape
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
-        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype))
+        q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
+        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype), ops.fp4_act_quant_sim)
         w = self.weights_proj(x).float() * self.weight_scale
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])  # causal entries per query, spec §7.4
-        k = min(self.topk, int(n_valid.max()))
-        return (backend.indexer_topk or indexer_topk_ref)(scores, k, n_valid.expand(b, s))
+        topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
+        if k is None:
+            return topk(scores, min(self.topk, int(n_valid.max())), n_valid.expand(b, s))
+        return topk(scores, k, n_valid.view(1, s).expand(b, s), check=False)
 
 
 class Attention(nn.Module):
@@ -375,77 +392,99 @@ class Attention(nn.Module):
         self.compressor = Compressor(args, self.ratio, self.hd, sim, inv_freq, indexer=False) if self.ratio else None
         self.indexer = Indexer(args, sim, inv_freq, dtype) if self.ratio == 4 else None
 
-    def new_state(self, b: int, dtype: torch.dtype, device) -> LayerState:
-        """Empty decode state of this layer for b sequences: window ring `[b, window, head_dim]` in dtype, no
-        compressed entries / indexer keys yet, fresh compressor buffers (`LayerState`)."""
-        st = LayerState(ring=torch.zeros(b, self.window, self.hd, dtype=dtype, device=device))
+    def new_state(self, b: int, max_len: int, dtype: torch.dtype, device) -> LayerState:
+        """Empty decode state of this layer for b sequences of up to max_len tokens (`LayerState`): keys
+        `[b, window + max_len // r, head_dim]` zeros in dtype (ring | entry slots), indexer keys
+        `[b, max_len // 4, index_head_dim]`, fresh compressor buffers."""
+        n_e = max_len // self.ratio if self.ratio else 0
+        st = LayerState(keys=torch.zeros(b, self.window + n_e, self.hd, dtype=dtype, device=device),
+                        window=self.window)
         if self.compressor is not None:
-            st.entries = torch.zeros(b, 0, self.hd, dtype=dtype, device=device)
             st.compressor = self.compressor.new_state(b, device)
         if self.indexer is not None:
-            st.index_keys = torch.zeros(b, 0, self.indexer.head_dim, dtype=dtype, device=device)
+            st.index_keys = torch.zeros(b, max_len // 4, self.indexer.head_dim, dtype=dtype, device=device)
             st.index_compressor = self.indexer.compressor.new_state(b, device)
         return st
 
-    def forward(self, x: torch.Tensor, start_pos: int, st: LayerState, backend: Backend) -> torch.Tensor:
-        """x [b, s, dim] (attn_norm output) at positions start_pos.. -> [b, s, dim]. Prefill iff start_pos == 0;
-        otherwise s must be 1 (one-token decode). Updates `st` in place."""
-        b, s, _ = x.shape
-        dev = x.device
-        pos = torch.arange(start_pos, start_pos + s, device=dev)
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, ...]:
+        """x [b, s, dim] at positions pos [s] -> (qr [b, s, q_lora], q [b, s, h, hd], kv [b, s, hd]): low-rank q
+        with the per-head unweighted RMS norm (in the activation dtype as officially: bf16 in bf16 mode; spec
+        §5.3), the shared K=V head with the FP8 rounding of its nope channels, both RoPE'd on the last rd
+        channels (spec §5.2) through `ops`."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
-        # per-head unweighted RMS norm, in the activation dtype as officially (bf16 in bf16 mode; spec §5.3)
         q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.args.norm_eps)
-        q = torch.cat((q[..., :-self.rd], apply_rope(q[..., -self.rd:], pos, self.inv_freq)), -1)
+        q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         kv = self.kv_norm(self.wkv(x))
-        kv = torch.cat((self.sim.kv_nope(kv[..., :-self.rd]), apply_rope(kv[..., -self.rd:], pos, self.inv_freq)), -1)
+        kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
+        kv = ops.rope_tail(kv, pos, self.inv_freq, self.rd)
+        return qr, q, kv
 
-        W = self.window
-        if start_pos == 0:  # prefill: keys = [window KV of all s tokens | compressed entries]
-            offs = torch.arange(W, device=dev)
-            win = pos[:, None] - (W - 1) + offs[None, :]  # [s, W] positions t-W+1..t
-            win = torch.where(win >= 0, win, -1)
-            keys, n_keys_base = kv, s
-            keep = min(s, W)
-            st.ring[:, (pos[-keep:] % W)] = kv[:, -keep:]
-        else:
-            if s != 1:
-                raise ValueError(f"decode at start_pos={start_pos} takes one token, got s={s}")
-            st.ring[:, start_pos % W] = kv[:, 0]
-            slots = torch.arange(W, device=dev)
-            win = torch.where(slots <= start_pos, slots, -1)[None, :]  # ring slots holding positions <= t
-            keys, n_keys_base = st.ring, W
-        idx = win[None].expand(b, s, W)
+    def _out(self, o: torch.Tensor, pos: torch.Tensor, ops: Backend, backend: Backend) -> torch.Tensor:
+        """Attention output o [b, s, h, hd] -> [b, s, dim]: de-rotation of the RoPE channels (spec §5.4), grouped
+        wo_a (`grouped_linear_ref`) and wo_b."""
+        o = ops.rope_tail(o, pos, self.inv_freq, self.rd, inverse=True)
+        o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
+        return self.wo_b(backend.grouped_linear(o, self.wo_a).flatten(2))
 
+    def prefill(self, x: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
+        """x [b, s, dim] (attn_norm output) at positions 0..s-1 -> [b, s, dim]; writes the window ring, the
+        entries completed by the prompt and the compressors' partial windows into `st` (s <= its max_len).
+        Keys = [this call's KV | its compressed entries]; query t sees positions t-W+1..t and the entries
+        w < (t+1) // r (HCA: all of them; CSA: the indexer's top-k). RoPE and the roundings of q / KV run the
+        reference maths (`REFERENCE`) on every backend, as the compressors' prefill does."""
+        b, s, _ = x.shape
+        dev, W = x.device, self.window
+        pos = torch.arange(s, device=dev)
+        qr, q, kv = self._qkv(x, pos, REFERENCE)
+        win = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]  # [s, W] positions t-W+1..t
+        idx = torch.where(win >= 0, win, -1)[None].expand(b, s, W)
+        keys = kv
+        keep = min(s, W)
+        st.ring[:, pos[-keep:] % W] = kv[:, -keep:]
         if self.compressor is not None:
-            if start_pos == 0:
-                new = self.compressor.prefill(x, st.compressor)
-            else:
-                new = self.compressor.decode(x, start_pos, st.compressor)
-            if new is not None:
-                st.entries = torch.cat((st.entries, new), 1)
-            entries = st.entries
+            entries = self.compressor.prefill(x, st.compressor)  # [b, s // r, hd]
+            st.entries[:, :entries.shape[1]] = entries
             if self.indexer is not None:
-                ic = self.indexer.compressor
-                newk = ic.prefill(x, st.index_compressor) if start_pos == 0 else ic.decode(x, start_pos,
-                                                                                           st.index_compressor)
-                if newk is not None:
-                    st.index_keys = torch.cat((st.index_keys, newk), 1)
-                comp = self.indexer.select(x, qr, pos, st.index_keys, backend)
+                newk = self.indexer.compressor.prefill(x, st.index_compressor)
+                st.index_keys[:, :newk.shape[1]] = newk
+                comp = self.indexer.select(x, qr, pos, newk, backend, REFERENCE)
             else:  # HCA: every completed entry visible to the query, w < (t+1) // r
                 w = torch.arange(entries.shape[1], device=dev)
                 comp = torch.where(w[None, :] < ((pos[:, None] + 1) // self.ratio), w[None, :], -1)
                 comp = comp[None].expand(b, s, -1)
-            comp = torch.where(comp >= 0, comp + n_keys_base, -1)
-            idx = torch.cat((idx, comp), -1)
-            keys = torch.cat((keys, entries), 1)
-
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + s, -1)), -1)
+            keys = torch.cat((kv, entries), 1)
         o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
-        o = torch.cat((o[..., :-self.rd], apply_rope(o[..., -self.rd:], pos, self.inv_freq, inverse=True)), -1)
-        o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
-        z = backend.grouped_linear(o, self.wo_a)           # grouped wo_a: `grouped_linear_ref`
-        return self.wo_b(z.flatten(2))
+        return self._out(o, pos, REFERENCE, backend)
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
+        """The decode step: one token x [b, 1, dim] (attn_norm output) at device position pos [1] int64 ->
+        [b, 1, dim], on the state's preallocated slots, branch-free and without a host read (so the same step
+        runs eagerly and under CUDA-graph capture, `dsv4/graph.py`). Writes the token's KV into ring slot
+        pos % W, then attends over `st.keys` = [ring | entry slots]: ring slots holding positions <= pos, the
+        entries completed so far (HCA: all w < (pos+1) // r; CSA: the indexer's index_topk picks, -1 padded)."""
+        b, dev, W = x.shape[0], x.device, self.window
+        qr, q, kv = self._qkv(x, pos, backend)
+        st.ring.index_copy_(1, pos % W, kv)
+        slots = torch.arange(W, device=dev)
+        idx = torch.where(slots <= pos, slots, -1).view(1, 1, W).expand(b, 1, W)
+        if self.compressor is not None:
+            self.compressor.step(x, pos, st.compressor, st.entries, backend)
+            if self.indexer is not None:
+                self.indexer.compressor.step(x, pos, st.index_compressor, st.index_keys, backend)
+                comp = self.indexer.select(x, qr, pos, st.index_keys, backend, backend, k=self.indexer.topk)
+            else:
+                w = torch.arange(st.entries.shape[1], device=dev)
+                comp = torch.where(w < (pos + 1) // self.ratio, w, -1).view(1, 1, -1).expand(b, 1, -1)
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + W, -1)), -1)
+        o = backend.sparse_attn(q, st.keys, self.attn_sink, idx, self.scale)
+        return self._out(o, pos, backend, backend)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor | None, st: LayerState, backend: Backend) -> torch.Tensor:
+        """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `prefill` (pos None: positions 0..s-1) or the decode
+        `step` (pos [1] int64 on x's device, s == 1). Updates `st` in place."""
+        return self.prefill(x, st, backend) if pos is None else self.step(x, pos, st, backend)
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -573,13 +612,14 @@ class Block(nn.Module):
         out = fn(x.view(b, s, d)).reshape(b * s, d)
         return backend.hc_post(out, Hf, post, comb).view(b, s, hc, d)
 
-    def forward(self, H: torch.Tensor, start_pos: int, input_ids: torch.Tensor, st: LayerState,
+    def forward(self, H: torch.Tensor, pos: torch.Tensor | None, input_ids: torch.Tensor, st: LayerState,
                 backend: Backend) -> torch.Tensor:
-        """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype."""
-        H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), start_pos, st, backend), backend)
+        """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: None (prefill) or the
+        decode step's device position [1] (`Attention.forward`)."""
+        H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids), backend)
 
-    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, start_pos: int, input_ids: torch.Tensor,
+    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, pos: torch.Tensor | None, input_ids: torch.Tensor,
                          st: LayerState, backend: Backend) -> tuple[torch.Tensor, tuple]:
         """`forward` with each site's hc_post deferred into the next site's hc_pre (`backend.hc_post_pre`:
         one launch per layer boundary at decode; issue 14). Same maths as `forward`.
@@ -591,7 +631,7 @@ class Block(nn.Module):
         b, s, hc, d = H.shape
         Hf, a = H.reshape(b * s, hc, d), self.args
         kw = dict(sinkhorn_iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps, norm_eps=a.norm_eps)
-        for site, body in (("attn", lambda x: self.attn(self.attn_norm(x), start_pos, st, backend)),
+        for site, body in (("attn", lambda x: self.attn(self.attn_norm(x), pos, st, backend)),
                            ("ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))):
             params = [getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale")]
             if pending is None:
@@ -751,15 +791,46 @@ class Transformer(nn.Module):
                 check_dequantized_range(w, cast[w], v)
         self.load_state_dict(cast, strict=True)
 
-    def new_state(self, batch: int = 1) -> DecodeState:
-        """A fresh decode state for `batch` sequences (never reused across sequences). After
-        `use_decode_graphs(max_len)`: a `dsv4.graph.GraphDecodeState` (decode steps replay a CUDA graph)."""
+    def layer_states(self, batch: int, max_len: int) -> list[LayerState]:
+        """Zeroed `LayerState`s of every layer for `batch` sequences of up to `max_len` tokens."""
+        return [layer.attn.new_state(batch, max_len, self.dtype, self.device) for layer in self.layers]
+
+    def new_state(self, batch: int = 1, max_len: int | None = None) -> DecodeState:
+        """A fresh decode state for `batch` sequences (never reused across sequences), its buffers preallocated
+        for `max_len` tokens (a positive multiple of `STATE_GRAIN` = 128); None: growable, reallocated to the
+        next multiple of 128 at least twice its size when a call needs more (`_reserve`). After
+        `use_decode_graphs(max_len)`: a `dsv4.graph.GraphDecodeState` of that max_len (decode steps replay a
+        CUDA graph; max_len here must be None or equal). Raises ValueError for a bad batch / max_len."""
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch={batch!r}: expected an int >= 1")
+        if max_len is not None and not (isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0
+                                        and max_len % STATE_GRAIN == 0):
+            raise ValueError(f"max_len={max_len!r}: expected None or a positive multiple of {STATE_GRAIN}")
         if self.decode_graph_max_len is not None:
+            if max_len not in (None, self.decode_graph_max_len):
+                raise ValueError(f"max_len={max_len}: this model decodes through CUDA graphs of max_len="
+                                 f"{self.decode_graph_max_len} (use_decode_graphs)")
             return GraphDecodeState(self, batch, self.decode_graph_max_len)
-        return DecodeState([layer.attn.new_state(batch, self.dtype, self.device) for layer in self.layers],
-                           owner=weakref.ref(self))
+        n = max_len or 0
+        return DecodeState(self.layer_states(batch, n), max_len=n, growable=max_len is None, owner=weakref.ref(self))
+
+    def _reserve(self, state: DecodeState, n: int) -> None:
+        """Make room for n more tokens: a growable state below pos + n is reallocated (contents copied) to
+        max(pos + n, 2 * max_len) rounded up to `STATE_GRAIN`; a fixed one raises ValueError."""
+        need = state.pos + n
+        if need <= state.max_len:
+            return
+        if not state.growable:
+            raise ValueError(f"decode state holds max_len={state.max_len} tokens; position {state.pos} + {n} "
+                             f"new token(s) needs {need} (make it with a larger new_state(batch, max_len))")
+        new_len = -(-max(need, 2 * state.max_len) // STATE_GRAIN) * STATE_GRAIN
+        grown = self.layer_states(state.batch, new_len)
+        for old, new in zip(state.layers, grown):
+            new.keys[:, :old.keys.shape[1]] = old.keys
+            if old.index_keys is not None:
+                new.index_keys[:, :old.index_keys.shape[1]] = old.index_keys
+            new.compressor, new.index_compressor = old.compressor, old.index_compressor
+        state.layers, state.max_len = grown, new_len
 
     def _check_state(self, state: DecodeState) -> None:
         """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
@@ -773,7 +844,10 @@ class Transformer(nn.Module):
         for layer, st in zip(self.layers, state.layers):
             attn, ring = layer.attn, st.ring
             want = (attn.window, attn.hd)
+            slots = attn.window + (state.max_len // attn.ratio if attn.ratio else 0)
             if (tuple(ring.shape[1:]) != want or ring.dtype != self.dtype or ring.device != self.device
+                    or st.keys.shape[1] != slots
+                    or (st.index_keys is not None and st.index_keys.shape[1] != state.max_len // 4)
                     or (st.compressor is None) != (attn.compressor is None)
                     or (st.index_compressor is None) != (attn.indexer is None)):
                 raise ValueError(
@@ -810,16 +884,36 @@ class Transformer(nn.Module):
         observer (it needs each layer's finished H)."""
         return observer is None and H.shape[0] * H.shape[1] <= self.backend.hc_post_pre_max_t
 
-    def _layers_deferred(self, H: torch.Tensor, start: int, input_ids: torch.Tensor,
-                         state: DecodeState) -> torch.Tensor:
-        """All blocks via `Block.forward_deferred`, then the last site's hc_post. Same result as the loop
-        over `Block.forward` (within the dtype tolerance: the fused projection sums in another order)."""
+    def _layers(self, H: torch.Tensor, pos: torch.Tensor | None, input_ids: torch.Tensor, state: DecodeState,
+                observer: ResidualObserver | None) -> torch.Tensor:
+        """The layer loop (prefill: pos None; decode step: pos [1] on the device): H [b, s, hc, dim] -> the last
+        block's streams. Decode-sized calls without an observer fuse each hc_post into the next hc_pre
+        (`Block.forward_deferred`, `_defer_hc_post`; the same maths, fp32 sums in another order), the others run
+        `Block.forward` and report each block's streams to the observer."""
+        if not self._defer_hc_post(H, observer):
+            for layer, st in zip(self.layers, state.layers):
+                H = layer(H, pos, input_ids, st, self.backend)
+                if observer is not None:
+                    observer(layer.layer_id, H)
+            return H
         pending = None
         for layer, st in zip(self.layers, state.layers):
-            H, pending = layer.forward_deferred(H, pending, start, input_ids, st, self.backend)
+            H, pending = layer.forward_deferred(H, pending, pos, input_ids, st, self.backend)
         b, s, hc, d = H.shape
         a, post, comb = pending
         return self.backend.hc_post(a, H.reshape(b * s, hc, d), post, comb).view(b, s, hc, d)
+
+    def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [b, s] -> the hc residual streams [b, s, hc, dim]: embed, copied to every stream (spec §3)."""
+        return self.embed(input_ids).unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
+
+    def decode_step(self, input_ids: torch.Tensor, pos: torch.Tensor, state: DecodeState,
+                    observer: ResidualObserver | None = None) -> torch.Tensor:
+        """THE decode step of every backend, eager and CUDA-graph captured alike (`dsv4/graph.py` captures this
+        call): input_ids [b, 1] int64, pos [1] int64 on the model's device (the position of this token) ->
+        the last block's streams [b, 1, hc, dim]. Writes the token into `state`'s preallocated slots (room
+        checked by the caller, `_reserve`); reads nothing back to the host on the triton backend."""
+        return self._layers(self._streams(input_ids), pos, input_ids, state, observer)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
@@ -848,21 +942,15 @@ class Transformer(nn.Module):
         if state.pos > 0 and input_ids.shape[1] != 1:
             raise ValueError(f"state at position {state.pos}: decode takes one token per call, "
                              f"got {input_ids.shape[1]} (chunked prefill is not supported, as officially)")
-        if state.pos > 0 and hasattr(state, "decode"):  # dsv4.graph.GraphDecodeState: CUDA-graph replay, no sync
-            return state.decode(input_ids, observer)
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
-            raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
-                             f"max {int(input_ids.max())}")
-        start = state.pos
-        x = self.embed(input_ids)
-        H = x.unsqueeze(2).repeat(1, 1, self.args.hc_mult, 1)
-        if self._defer_hc_post(H, observer):
-            H = self._layers_deferred(H, start, input_ids, state)
-        else:
-            for layer, st in zip(self.layers, state.layers):
-                H = layer(H, start, input_ids, st, self.backend)
-                if observer is not None:
-                    observer(layer.layer_id, H)
+        self._reserve(state, input_ids.shape[1])
+        if not (state.pos > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
+            if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
+                raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
+                                 f"max {int(input_ids.max())}")
+        if state.pos == 0:
+            H = self._layers(self._streams(input_ids), None, input_ids, state, observer)
+        else:  # the decode step (`decode_step`; a GraphDecodeState replays its capture)
+            H = state.decode_step(self, input_ids, observer)
         state.pos += input_ids.shape[1]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]

@@ -14,7 +14,7 @@ finite; `warmup(model)` runs the model once through each of them:
      buckets of the decode positions, up to `max_len`; and at every batch size 2..`max_batch` (default 32)
      after a prefill of 8 tokens;
   3. CUDA-graph decode (`Transformer.use_decode_graphs`), when the model supports it: the static decode step
-     (run eagerly, `GraphDecodeState(capture=False)`: the launches a capture records) at every batch size
+     (`Transformer.decode_step` run eagerly on a `new_state(b, max_len)`: the launches a capture records) at every batch size
      1..`max_batch` with max_len 1024, and at batch 1 for each top-k bucket of the state's max_len (4096,
      16384, 65536, capped at `max_len`).
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.graph import GraphDecodeState, check_graph_model
+from dsv4.graph import check_graph_model
 from kernels.compiles import CompileLog
 
 __all__ = ["warmup", "prefill_probes", "decode_probes", "WarmupReport", "DEFAULT_MAX_LEN", "DEFAULT_MAX_BATCH"]
@@ -149,7 +149,7 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
 
 
 def _graph_warmup(model, max_len: int, max_batch: int, ids) -> str:
-    """The static decode step (`dsv4.graph.GraphDecodeState`, run eagerly) at every batch size and each top-k
+    """The decode step on fixed-max_len states (what `dsv4.graph` captures, run eagerly) at every batch size and each top-k
     bucket of the state's max_len. Returns what ran, or why it could not."""
     lens = sorted({min(L, max_len) // 128 * 128 for L in (1024, 4096, 16384, 65536)} - {0})
     try:
@@ -158,7 +158,7 @@ def _graph_warmup(model, max_len: int, max_batch: int, ids) -> str:
         return f"not available ({e})"
     runs = [(b, lens[0]) for b in range(1, max_batch + 1)] + [(1, L) for L in lens[1:]]
     for b, L in runs:
-        st = GraphDecodeState(model, b, L, capture=False)
+        st = model.new_state(b, L)
         model(ids(b, 8), st)  # the prefill (eager), then static steps at positions 8..11
         for _ in range(4):
             model(ids(b, 1), st)

@@ -8,9 +8,9 @@ overlapping CSA compressor, else 1; state kv / score fp32 [b, c*r, c*d]):
   3. the entry (after `Compressor._finish`: norm, RoPE, quantization simulation) is stored at entry p // r only
      where (p + 1) % r == 0, and then the CSA window shifts (slots r..2r-1 -> 0..r-1) and the current window's
      scores reset to -inf.
-The references `compress_pool_ref` (1-2) and `compress_commit_ref` (3) are the graph step's torch code, branch-
-free on a device position (`torch.where`); they equal `dsv4.model.Compressor.decode` (tests/unit/
-test_graph_decode.py). `compress_pool` / `compress_commit` do the same in one launch each: in torch it is ~20
+The references `compress_pool_ref` (1-2) and `compress_commit_ref` (3) are the decode step's torch code
+(`dsv4.model.Compressor.step` on the reference backend), branch-free on a device position (`torch.where`); the
+decode step equals the prefill's whole-window pooling (tests/unit/test_graph_decode.py). `compress_pool` / `compress_commit` do the same in one launch each: in torch it is ~20
 launches per compressor per step, among them torch's softmax over the middle (slot) axis, which runs its
 "spatial" kernel (39 µs for [1, 128, 512] on an H200, benchmarks/RESULTS.md).
 

@@ -170,7 +170,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.moe_tiles_nibbles_swapped,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_experts[T40-clamped-tiles]",
             BF16_BACKEND + "test_prefill_and_first_twin_step_every_path_matches_reference")),
-    Mutant("graph_rope_stale_position", "graph decode step rotates the query by a stale position",
+    Mutant("graph_rope_stale_position", "decode step (graph-captured) de-rotates its output by a stale position",
            patches.graph_rope_stale_position,
            (BF16_BACKEND + "test_reference_twin_equals_eager_decode_bitwise[bf16]",
             "tests/unit/test_graph_decode.py::test_static_step_equals_decode[reference-21-12]")),

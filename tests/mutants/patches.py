@@ -612,14 +612,16 @@ def row_parallel_partial_rounded(mp: MP) -> None:
 
 # ------------------------------------------------------- fast paths the CPU hard stops did not see (issue 22 item 4)
 def _source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
-    """`_jit_source_mutant` for a plain Python function (`module.name` replaced by a copy of its source with
-    `old` -> `new`, exactly one occurrence, executed in a copy of the module's namespace)."""
+    """`_jit_source_mutant` for a plain Python function or method (`module.name`, module a module or a class,
+    replaced by a copy of its source with `old` -> `new`, exactly one occurrence, executed in a copy of the
+    (defining) module's namespace)."""
     import inspect
+    import sys
     import textwrap
 
     src = textwrap.dedent(inspect.getsource(getattr(module, name)))
     assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times; update the mutant"
-    ns = dict(vars(module))
+    ns = dict(vars(sys.modules[module.__module__] if inspect.isclass(module) else module))
     exec(compile(src.replace(old, new), f"<mutant {module.__name__}.{name}>", "exec"), ns)
     mp.setattr(module, name, ns[name])
 
@@ -669,12 +671,12 @@ def moe_tiles_nibbles_swapped(mp: MP) -> None:
 
 
 def graph_rope_stale_position(mp: MP) -> None:
-    """The graph decode step rotates the query by the previous step's position (pos - 1, a stale device
-    position); keys, the output de-rotation and the eager decode stay right."""
-    from dsv4 import graph
+    """The decode step (`Attention.step`, what the CUDA graph captures) de-rotates the attention output by the
+    previous step's position (pos - 1, a stale device position); q, the keys and the prefill stay right."""
+    from dsv4.model import Attention
 
-    _source_mutant(mp, graph, "_attention_step", "q = backend.rope_tail(q, pos, attn.inv_freq, rd)",
-                   "q = backend.rope_tail(q, pos - 1, attn.inv_freq, rd)  # MUTANT: stale position")
+    _source_mutant(mp, Attention, "step", "return self._out(o, pos, backend, backend)",
+                   "return self._out(o, pos - 1, backend, backend)  # MUTANT: stale position")
 
 
 def rope_tail_token0_position(mp: MP) -> None:
@@ -709,7 +711,7 @@ def rms_norm_kernel_eps_dropped(mp: MP) -> None:
 
 def compress_pool_kernel_ape_next_slot(mp: MP) -> None:
     """The compressor pooling kernel (graph decode) adds the token's score the positional bias of the NEXT slot
-    (ape[(p + 1) % r] instead of ape[p % r]); `compress_pool_ref` and `Compressor.decode` keep it."""
+    (ape[(p + 1) % r] instead of ape[p % r]); `compress_pool_ref` and `Compressor.prefill` keep it."""
     from kernels import compressor
 
     _jit_source_mutant(mp, compressor, "_compress_pool_kernel", "tl.load(ape_ptr + p * W + newcol",

@@ -6,7 +6,7 @@ kernel (issue 22 item 4; Triton interpreter on CPU):
     GEMM); the fp32 linears held bf16 (head, compressors, router: `kernels.fp32_linear`, GEMV and torch.mm);
     the grouped `wo_a` (FP8 grouped GEMV and dequant + bmm); the routed experts (`kernels.moe`, gemv and tiles);
     every RMSNorm (`kernels.norm`);
-  * the CUDA-graph decode step's CPU twin (`GraphDecodeState(capture=False)`, the step the graph records) with
+  * the decode step (`Transformer.decode_step`, the step the CUDA graph records, run eagerly) with
     the kernels only it uses: RoPE tail (`kernels.rope`), the e4m3 / e2m1 simulations (`kernels.quant`), the
     compressor pooling and commit (`kernels.compressor`), across the tiny config's ratio-4 and ratio-128
     compression boundaries (positions 127 and 128: both compressors commit at 127, the entries are read at
@@ -52,7 +52,6 @@ import pytest
 import torch
 
 from dsv4 import fast, quant
-from dsv4.graph import GraphDecodeState
 from dsv4.model import (DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref, grouped_linear_ref, linear_ref,
                         moe_routed_ref, rms_norm_ref)
 from dsv4.testing import assert_mostly_bitwise, fill_random_quantized_
@@ -251,7 +250,7 @@ def test_prefill_and_first_twin_step_every_path_matches_reference(models, monkey
     chk = Checked(tri)
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, PREFILL), generator=torch.Generator().manual_seed(seed))
     tok = torch.randint(0, ARGS["vocab_size"], (BATCH, 1), generator=torch.Generator().manual_seed(seed + 1))
-    st = GraphDecodeState(tri, BATCH, 256, capture=False)
+    st = tri.new_state(BATCH, 256)
     with monkeypatch.context() as mp:
         for mod in (kg, kf):
             mp.setattr(mod, "GEMV_MAX_M", 8)
@@ -277,11 +276,11 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
     tri, ref, f32 = models
     ids = torch.randint(0, ARGS["vocab_size"], (BATCH, LATE), generator=torch.Generator().manual_seed(seed))
     toks = torch.randint(0, ARGS["vocab_size"], (2, BATCH, 1), generator=torch.Generator().manual_seed(seed + 1))
-    st = GraphDecodeState(tri, BATCH, 256, capture=False)
-    ref(ids, st)                                    # eager prefill (backend-independent code) into the twin state
+    st = ref.new_state(BATCH, 256)
+    ref(ids, st)                                    # a reference prefill of the same weights
     # the bf16 reference's own state: a copy of that prefill (a second prefill of the same ids gives the same
-    # tensors bitwise; GraphDecodeState's prefill is the ordinary eager prefill)
-    r_st = DecodeState(copy.deepcopy(st.layers), pos=st.pos, owner=weakref.ref(ref))
+    # tensors bitwise)
+    r_st = DecodeState(copy.deepcopy(st.layers), pos=st.pos, max_len=st.max_len, owner=weakref.ref(ref))
     # hand the state to the triton model: its caches hold the keys of the same weights (the models share them)
     st.owner, st.checked_by = weakref.ref(tri), None
     f_st = f32.new_state(BATCH)
@@ -300,23 +299,31 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_reference_twin_equals_eager_decode_bitwise(dtype, seed):
-    """The graph step's logic (device position, static ring + entries, branch-free compressors, fixed-k indexer)
-    on the reference backend equals the eager decode BITWISE in bf16 (the same reference functions on the same
-    values; measured) and within fp32 summation order in fp32, across positions 120-131 (both compressors'
-    boundaries at 123 / 127, the ring wrapping every step): a wrong position, slot or boundary anywhere in the
-    step changes the logits."""
+    """The decode step (device position, static ring + entry slots, branch-free compressors, fixed-k indexer) on
+    the reference backend against ONE prefill of the same tokens (another code path: whole-window pooling, the
+    call's own keys), weights="quantized", across positions 120-131 (both compressors' boundaries at 123 / 127,
+    the ring wrapping every step): fp32 within fp32 summation order (max |d| <= 1e-5); bf16 within the model's
+    own bf16 noise (mean over positions of max |d logit| <= 2x the bf16-vs-fp32 distance of the prefill rows,
+    `_noise_criterion`), with the same greedy token at >= 10 of the 12 positions (bf16 near-ties). A wrong
+    position, slot or boundary anywhere in the step changes the logits far beyond both. (The name, from when the
+    anchor was a second decode implementation, is kept: hard-stop ids are the merge gate's contract.)"""
     args = tiny_args(**ARGS)
-    m = Transformer(args, dtype=dtype, backend="reference", weights="quantized")
-    fill_random_quantized_(m, seed=seed % 1000)
-    _spread_scales_(m, seed=seed % 1000 + 1)
-    ids = torch.randint(0, ARGS["vocab_size"], (BATCH, 120), generator=torch.Generator().manual_seed(seed))
-    toks = torch.randint(0, ARGS["vocab_size"], (12, BATCH, 1), generator=torch.Generator().manual_seed(seed + 1))
-    eager, twin = m.new_state(BATCH), GraphDecodeState(m, BATCH, 256, capture=False)
-    m(ids, eager)
-    m(ids, twin)
-    for i, tok in enumerate(toks):
-        a, b = m(tok, eager), m(tok, twin)
-        if dtype == torch.bfloat16:
-            assert torch.equal(a, b), f"position {120 + i}: twin != eager, max |d| {float((a - b).abs().max()):.3g}"
-        else:
-            assert float((a - b).abs().max()) <= 1e-5, f"position {120 + i}: max |d| {float((a - b).abs().max())}"
+    models = {}
+    for dt in {dtype, torch.float32}:
+        models[dt] = Transformer(args, dtype=dt, backend="reference", weights="quantized")
+        fill_random_quantized_(models[dt], seed=seed % 1000)
+        _spread_scales_(models[dt], seed=seed % 1000 + 1)
+    m = models[dtype]
+    ids = torch.randint(0, ARGS["vocab_size"], (BATCH, 132), generator=torch.Generator().manual_seed(seed))
+    st = m.new_state(BATCH)
+    got = [m(ids[:, :120], st)]
+    for t in range(120, 131):
+        got.append(m(ids[:, t:t + 1], st))
+    got = torch.stack(got, 1)                                        # positions 119..130
+    full = m(ids[:, :131], m.new_state(BATCH), all_logits=True)[:, 119:]
+    if dtype == torch.float32:
+        assert float((got - full).abs().max()) <= 1e-5, f"max |d| {float((got - full).abs().max())}"
+    else:
+        exact = models[torch.float32](ids[:, :131], models[torch.float32].new_state(BATCH), all_logits=True)[:, 119:]
+        _noise_criterion(got, full, exact, "bf16 decode steps vs prefill")
+        assert int((got.argmax(-1) == full.argmax(-1)).sum()) >= 10 * BATCH, "greedy tokens differ"

@@ -110,7 +110,8 @@ def run() -> Run:
     start = {}
     for name, mod in model.named_modules():
         if isinstance(mod, Attention):
-            mod.register_forward_pre_hook(lambda m, a, n=name: start.__setitem__(n, a[1]))
+            # a[1]: None (prefill from 0) or the decode step's device position [1]
+            mod.register_forward_pre_hook(lambda m, a, n=name: start.__setitem__(n, 0 if a[1] is None else int(a[1])))
             mod.kv_norm.register_forward_hook(
                 lambda m, a, out, n=name: r.kv_norm.setdefault(n, []).append((start[n], out.detach().clone())))
         if isinstance(mod, Linear):
@@ -181,8 +182,9 @@ def test_window_kv_nope_is_fp8_and_rope_is_not_rounded(run):
             assert torch.equal(got[nope:], want_rope), f"{name} position {p}: RoPE channels were changed"
             checked += 1
         # the main compressor's entries get the same rounding of their nope channels (spec §6)
-        if run.state.layers[li].entries is not None and run.state.layers[li].entries.shape[1]:
-            e = run.state.layers[li].entries[0]
+        n_e = total // layer.attn.ratio if layer.attn.ratio else 0  # the entries that exist (the rest: empty slots)
+        if run.state.layers[li].entries is not None and n_e:
+            e = run.state.layers[li].entries[0, :n_e]
             assert bool(fixed_blocks(e[:, :nope], fp8_round, 64).all()), f"{name}: compressed entries not e4m3"
     assert checked == len(run.model.layers) * W
     # negative controls: the check has power. Unrounded nope channels are not fixed points; the RoPE channels
@@ -202,7 +204,8 @@ def test_indexer_q_and_keys_are_fp4_in_32_channel_blocks(run, seed):
     "fixed at 32" alone kills finer blocks (16: negative control below) and a skipped rounding, and "not fixed
     at 64" kills coarser blocks (64, 128 per head)."""
     qs = torch.cat([q.reshape(-1, q.shape[-1]) for q, _, _, _ in run.scores_io])           # [N, 128]
-    keys = torch.cat([st.index_keys[0] for st in run.state.layers if st.index_keys is not None])  # [M, 128]
+    n4 = run.state.pos // 4  # the indexer keys that exist (the rest of the state's slots are empty)
+    keys = torch.cat([st.index_keys[0, :n4] for st in run.state.layers if st.index_keys is not None])  # [M, 128]
     assert qs.shape[0] >= 64 * PREFILL and keys.shape[0] >= 8
     for what, v in (("indexer q", qs), ("indexer keys", keys)):
         assert bool(fixed_blocks(v, fp4_round, 32).all()), f"{what}: not e2m1 fixed points in 32-channel blocks"

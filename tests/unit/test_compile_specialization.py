@@ -120,13 +120,12 @@ def test_prefill_and_decode_keys_do_not_depend_on_the_length():
 def test_graph_step_keys_do_not_depend_on_max_len():
     """The static decode step (what a CUDA graph captures) of states with max_len 256 and 384 (64 / 96 key slots
     of the indexer, one top-k tile): the same keys."""
-    from dsv4.graph import GraphDecodeState
     m = _tiny()
     g = torch.Generator().manual_seed(1)
 
     def run(max_len):
         def f():
-            st = GraphDecodeState(m, 1, max_len, capture=False)
+            st = m.new_state(1, max_len)
             m(torch.randint(0, 512, (1, 5), generator=g), st)
             m(torch.randint(0, 512, (1, 1), generator=g), st)
         return f

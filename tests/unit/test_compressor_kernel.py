@@ -1,5 +1,5 @@
 """`kernels.compressor.compress_pool` / `compress_commit` (the graph decode's compressor step) against their
-references (the graph step's torch code, itself equal to `Compressor.decode`: tests/unit/test_graph_decode.py),
+references (the decode step's torch code, whose model run equals the prefill: tests/unit/test_graph_decode.py),
 under TRITON_INTERPRET=1 at the real slot counts (CSA r = 4 with the overlap, HCA r = 128 at a small width) over
 enough consecutive positions that windows complete, shift and reset; tests/gpu/test_kernel_launchers.py runs
 real widths.

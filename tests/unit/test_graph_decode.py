@@ -1,11 +1,14 @@
-"""The static decode step that the triton backend captures in a CUDA graph (`dsv4/graph.py`), run eagerly on CPU.
+"""The decode step (`Transformer.decode_step`: device position, preallocated ring + entry slots, branch-free
+compressors, fixed-k indexer over every key slot) that every backend runs eagerly and the triton backend captures in
+a CUDA graph (`dsv4/graph.py`), run eagerly on CPU.
 
-`GraphDecodeState(..., capture=False)` executes exactly the step the graph records (device position, static
-buffers, branch-free compressors, fixed-k indexer over all key slots). In fp32 (exact mode) it must equal the
-model's ordinary decode to fp32 rounding (atol 1e-5 on logits of magnitude ~4; the only differences are the
-order of fp32 sums over the extra empty slots) across CSA (ratio 4, indexer top-k 4 below the entries) and HCA
-(ratio 128) compression boundaries, with equal greedy tokens. The CUDA-graph replay itself, the sync-free run
-and the bf16 Flash-width parity are GPU tests (tests/gpu/test_graph_decode.py).
+Anchor: prefill == decode. The decode step's logits at position t must equal row t of ONE prefill of the whole
+sequence (`Attention.prefill` / `Compressor.prefill`: another code path, whole-window pooling, keys of the call
+itself) to fp32 rounding (atol 2e-5 on logits of magnitude ~4, `test_model.DECODE_ATOL`: only the order of fp32
+sums over the attention keys differs) across CSA (ratio 4, indexer top-k 4 below the entries) and HCA (ratio 128)
+compression boundaries, with equal greedy tokens; the triton step against the reference backend's prefill at
+atol 1e-4 (the backends' fp32 distance, as the Flash-width GPU test). The CUDA-graph replay itself, the sync-free
+run and the bf16 Flash-width parity are GPU tests (tests/gpu/test_graph_decode.py).
 """
 
 from __future__ import annotations
@@ -17,73 +20,90 @@ import weakref
 import pytest
 import torch
 
-from dsv4.graph import GraphDecodeState
 from dsv4.model import DecodeState, Transformer
 from dsv4.testing import assert_close
 from dsv4.tiny import random_state_dict, tiny_args
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.hardstop  # kernel / fast path vs reference (issue 22 item 4)
+DECODE_ATOL = 2e-5  # tests/unit/test_model.py: same model, same ops, only the attention key order differs
 
 
-def _pair(backend: str):
+def _pair(backend: str, dtype=torch.float32):
     args = tiny_args(vocab_size=512)
     sd = {k: v for k, v in random_state_dict(args, seed=5).items() if not k.startswith("mtp.")}
-    m = Transformer(args, backend=backend)
+    m = Transformer(args, backend=backend, dtype=dtype)
     m.load_weights(sd)
     return m
 
 
-def _fork(m, st, static: bool):
-    """A copy of the prefilled (not yet decoded) state `st`: a `GraphDecodeState` (static) or a plain
-    `DecodeState` (the eager decode) holding deep copies of its layer states. A `GraphDecodeState`'s prefill is
-    the model's ordinary eager prefill (dsv4/graph.py; `Transformer.forward` dispatches on the state only for
-    decode), so this is the state a second prefill of the same ids would give, bitwise."""
-    layers = copy.deepcopy(st.layers)
-    if static:
-        new = GraphDecodeState(m, st.batch, st.max_len, capture=False)
-        new.layers, new.pos = layers, st.pos
-    else:
-        new = DecodeState(layers, pos=st.pos)
-    new.owner = weakref.ref(m)
-    return new
+def _fork(m, st):
+    """A deep copy of the decode state `st`, owned by model `m` (a state of the same weights: the caches hold the
+    same keys whichever backend made them)."""
+    return DecodeState(copy.deepcopy(st.layers), pos=st.pos, max_len=st.max_len, growable=st.growable,
+                       owner=weakref.ref(m))
 
 
 @pytest.fixture(scope="module")
 def triton_prefill():
-    """(triton fp32 model, its GraphDecodeState after an 11-token prefill of 2 sequences, the prefill logits): the
-    triton prefill costs ~20 s under the interpreter, so the module runs it once and the tests decode from
-    `_fork`s of it (the triton model's backend is replaced only through monkeypatch, restored after each test)."""
+    """(triton fp32 model, its state after an 11-token prefill of 2 sequences, the prefill ids, logits): the triton
+    prefill costs ~20 s under the interpreter, so the module runs it once and the tests decode from `_fork`s of it
+    (the triton model's backend is replaced only through monkeypatch, restored after each test)."""
     m = _pair("triton")
     ids = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(11))
-    st = GraphDecodeState(m, 2, 256, capture=False)
-    return m, st, m(ids, st)
+    st = m.new_state(2, 256)
+    return m, st, ids, m(ids, st)
 
 
 @pytest.mark.parametrize("backend,prefill,steps", [
     ("reference", 21, 12),    # CSA entries complete at 24, 28, 32; top-k 4 < entries
     ("reference", 124, 8),    # the HCA entry completes at 128
-    # the triton twin (fp32) at the CSA boundary 11 and the read of its entry at 12, top-k 4 over 2-3 entries
-    # (the padded slots); the bf16 twin with every kernel checked per call: tests/unit/test_bf16_backend.py
+    # the triton step (fp32) at the CSA boundary 11 and the read of its entry at 12, top-k 4 over 2-3 entries
+    # (the padded slots); the bf16 step with every kernel checked per call: tests/unit/test_bf16_backend.py
     pytest.param("triton", 11, 2, marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
 ])
 def test_static_step_equals_decode(backend, prefill, steps, request):
-    if backend == "triton":  # the module's triton prefill (the same ids, 2 x 11); both states are copies of it
-        m, st, a = request.getfixturevalue("triton_prefill")
-        assert st.pos == prefill
-        ref, static, b = _fork(m, st, False), _fork(m, st, True), a
+    """The decode step equals ONE prefill of the same tokens (module docstring; the name, from when a second
+    decode implementation was the anchor, is kept: hard-stop ids are the merge gate's contract)."""
+    ref = _pair("reference")
+    if backend == "triton":  # the module's triton prefill (2 x 11); decoded from a copy of its state
+        m, st0, ids, a = request.getfixturevalue("triton_prefill")
+        assert st0.pos == prefill
+        st, atol = _fork(m, st0), 1e-4
     else:
-        m = _pair(backend)
+        m = ref
         ids = torch.randint(0, 512, (2, prefill), generator=torch.Generator().manual_seed(prefill))
-        ref, static = m.new_state(2), GraphDecodeState(m, 2, 256, capture=False)
-        a, b = m(ids, ref), m(ids, static)
-        assert_close(b, a, "prefill logits", atol=1e-5, rtol=0)
-    for i in range(steps):
-        tok = a.argmax(-1, keepdim=True)
-        assert torch.equal(b.argmax(-1, keepdim=True), tok), f"greedy token differs at decode step {i}"
-        a, b = m(tok, ref), m(tok, static)
-        assert_close(b, a, f"decode step {i} logits (static step vs decode)", atol=1e-5, rtol=0)
-    assert static.pos == ref.pos == prefill + steps
+        st, atol = m.new_state(2), DECODE_ATOL
+        a = m(ids, st)
+    got = [a]
+    for _ in range(steps):
+        ids = torch.cat((ids, got[-1].argmax(-1, keepdim=True)), 1)
+        got.append(m(ids[:, -1:], st))
+    assert st.pos == prefill + steps == ids.shape[1]
+    full = ref(ids, ref.new_state(2), all_logits=True)  # one prefill of every token (reference backend)
+    for i, g in enumerate(got):
+        t = prefill - 1 + i
+        assert torch.equal(g.argmax(-1), full[:, t].argmax(-1)), f"greedy token differs at position {t}"
+        assert_close(g, full[:, t], f"logits at position {t} ({backend} decode step vs prefill)", atol=atol, rtol=0)
+
+
+def test_growable_state_reallocates_between_calls():
+    """A state made without max_len holds the first multiple of 128 that fits the prompt and is reallocated (its
+    contents copied) when a decode step needs more: decoding across the growth at 128 equals the prefill."""
+    m = _pair("reference")
+    ids = torch.randint(0, 512, (1, 131), generator=torch.Generator().manual_seed(4))
+    st = m.new_state(1)
+    got = [m(ids[:, :126], st)]
+    assert (st.max_len, st.growable) == (128, True)
+    for t in range(126, 131):
+        got.append(m(ids[:, t:t + 1], st))
+    assert st.max_len == 256
+    for layer, ls in zip(m.layers, st.layers):
+        r = layer.attn.ratio
+        assert ls.keys.shape[1] == m.args.window_size + (256 // r if r else 0)
+    full = m(ids, m.new_state(1), all_logits=True)
+    for i, g in enumerate(got):
+        assert_close(g, full[:, 125 + i], f"logits at position {125 + i} (across the growth)", atol=DECODE_ATOL, rtol=0)
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
@@ -93,10 +113,10 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     only a count of the calls can tell. From a copy of the module's 11-token triton prefill."""
     import dataclasses
 
-    import dsv4.graph
+    import dsv4.model
     import kernels.indexer
 
-    m, prefilled, _ = triton_prefill
+    m, prefilled, _, _ = triton_prefill
     calls = {"kernel": 0, "ref": 0}
     kernel, ref = m.backend.indexer_topk, kernels.indexer.indexer_topk_ref
 
@@ -113,8 +133,8 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
                                                           rope_tail=count("rope", m.backend.rope_tail)))
-    monkeypatch.setattr(dsv4.graph, "indexer_topk_ref", count("ref", ref))
-    st = _fork(m, prefilled, True)
+    monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
+    st = _fork(m, prefilled)
     assert st.pos == 11
     before = dict(calls)
     m(torch.randint(0, 512, (2, 1)), st)  # position 11: a CSA boundary; the counts are per step
@@ -130,10 +150,13 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
 
 def test_static_state_refuses_past_max_len():
     m = _pair("reference")
-    st = GraphDecodeState(m, 1, 4, capture=False)
-    m(torch.zeros(1, 4, dtype=torch.int64), st)
-    with pytest.raises(ValueError, match="max_len=4"):
-        m(torch.zeros(1, 1, dtype=torch.int64), st)
+    st = m.new_state(1, 128)
+    m(torch.ones(1, 128, dtype=torch.int64), st)
+    with pytest.raises(ValueError, match="max_len=128 tokens; position 128 \\+ 1"):
+        m(torch.ones(1, 1, dtype=torch.int64), st)
+    for bad in (0, 100, -128, 128.0, True):
+        with pytest.raises(ValueError, match="max_len"):
+            m.new_state(1, bad)
 
 
 def test_graph_decode_needs_triton_bf16_quantized():
@@ -145,12 +168,12 @@ def test_graph_decode_needs_triton_bf16_quantized():
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys) simulations run the
-    backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant,
-    and the step still equals the eager decode."""
+    backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant.
+    (Each of those calls against its reference on the same input, inside the bf16 model run:
+    tests/unit/test_bf16_backend.py; whole-model bf16 logits of two backends differ by the bf16 noise.)"""
     import dataclasses
 
     import kernels.quant
-    from dsv4.model import _Sim
     args = tiny_args(vocab_size=512)
     sd = {k: v for k, v in random_state_dict(args, seed=5).items() if not k.startswith("mtp.")}
     m = Transformer(args, backend="triton", dtype=torch.bfloat16)
@@ -167,11 +190,18 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
-    st = GraphDecodeState(m, 1, 256, capture=False)
+    st = m.new_state(1, 256)
     m(ids, st)
-    ref = _fork(m, st, False)  # the eager decode's state: a copy of the same prefill (one triton prefill, not two)
-    monkeypatch.setattr(_Sim, "kv_nope", count("ref", _Sim.kv_nope))       # the model's own (torch) sims
-    monkeypatch.setattr(_Sim, "fp4", count("ref", _Sim.fp4))
+    from dsv4.model import _Sim
+
+    def torch_sim(fn):  # counts the model's own (torch, dsv4.quant) roundings: a call without a backend op
+        def wrapped(self, x, op=None):
+            calls["ref"] += op is None
+            return fn(self, x, op)
+        return wrapped
+
+    monkeypatch.setattr(_Sim, "kv_nope", torch_sim(_Sim.kv_nope))
+    monkeypatch.setattr(_Sim, "fp4", torch_sim(_Sim.fp4))
     before = dict(calls)
     tok = torch.randint(0, 512, (1, 1))
     b = m(tok, st)
@@ -180,9 +210,7 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     assert calls["q8"] - before["q8"] == len(m.layers) + n_plain, calls   # KV nope per layer + each entry
     assert calls["q4"] - before["q4"] == 2 * n_csa, calls                 # indexer q + indexer entry
     assert calls["ref"] == before["ref"], calls
-    monkeypatch.undo()
-    a = m(tok, ref)
-    assert_close(b.float(), a.float(), "bf16 static step vs decode", atol=2e-2, rtol=2e-2)
+    assert bool(torch.isfinite(b).all())
 
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
