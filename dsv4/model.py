@@ -21,10 +21,12 @@ each hc_post with the next site's hc_pre (`Block.forward_deferred`, one launch p
 Decode state (`DecodeState`, made by `Transformer.new_state(batch, max_len)`, `dsv4/state.py`) holds, per layer,
 preallocated for max_len tokens: the window ring and the compressed-entry slots (one tensor), the compressor
 buffers (with the CSA overlap window) and the indexer keys. A new state is made for every sequence; the official
-code does not reset its buffers (spec §6), we never reuse them. Supported call pattern (as official): one prefill
-at position 0 of any length (`Attention.prefill`), then one token per call: THE decode step
+code does not reset its buffers (spec §6), we never reuse them. Calls: any number of tokens appended at the
+state's position (`Attention.extend`: the prefill, a chunk of a long prompt, a chat's next turn, a verify step; the
+official code takes one prefill, then one token per call), and one token per row through THE decode step
 (`Transformer.decode_step` -> `Attention.step`, a device position, fixed slots, branch-free), which every backend
-runs eagerly and `dsv4/graph.py` captures in a CUDA graph for the triton backend.
+runs eagerly and `dsv4/graph.py` captures in a CUDA graph for the triton backend. Any split of a sequence into
+calls gives the same logits to fp32 rounding (tests/unit/test_append.py).
 """
 
 from __future__ import annotations
@@ -285,28 +287,42 @@ class Compressor(nn.Module):
         k[..., :-self.rd] = self.sim.kv_nope(k[..., :-self.rd], ops.act_quant_sim)
         return k
 
-    def prefill(self, x: torch.Tensor, st: CompressorState) -> torch.Tensor:
-        """x [b, s, dim] at positions 0..s-1 -> entries [b, s // r, d]; leaves the partial window in `st`."""
+    def extend(self, x: torch.Tensor, p: int, st: CompressorState, out: torch.Tensor) -> torch.Tensor:
+        """Tokens x [b, s, dim] at positions p..p+s-1 (spec §6.1-6.3; the prefill is p = 0): every window completed
+        by them is pooled and stored in out[:, w] (out [b, n_e, d], the state's entry slots; w = its index), the
+        partial window (and, for CSA, the last full one) stays in `st`. Returns the new entries [b, n, d].
+
+        The window's tokens before p come from `st` (their wkv rows and wgate + ape scores), so any split of a
+        sequence into calls pools the same values as one call: entry w pools positions w*r .. w*r + r - 1 (CSA:
+        the [d:] halves of window w and the [:d] halves of window w - 1, none for w = 0: the fresh state's zero
+        rows with score -inf, weight 0)."""
         b, s, _ = x.shape
-        r, d = self.ratio, self.d
+        r, d, off = self.ratio, self.d, (self.ratio if self.overlap else 0)
         a, z = self.wkv(x), self.wgate(x)  # fp32 [b, s, c*d]
-        z = z + self.ape[torch.arange(s, device=x.device) % r]
-        n = s // r
+        z = z + self.ape[torch.arange(p, p + s, device=x.device) % r]
+        w0, have = divmod(p, r)  # the current window, and its tokens already in the state
+        if have:
+            a = torch.cat((st.kv[:, off:off + have], a), 1)
+            z = torch.cat((st.score[:, off:off + have], z), 1)
+        n = (have + s) // r
         A, Z = a[:, :n * r].unflatten(1, (n, r)), z[:, :n * r].unflatten(1, (n, r))  # [b, n, r, c*d]
         if self.overlap:
-            # entry w pools the [:d] halves of window w-1 (none for w = 0: weight 0) and the [d:] halves of w
-            prevA = torch.cat((torch.zeros_like(A[:, :1, :, :d]), A[:, :-1, :, :d]), 1)
-            prevZ = torch.cat((torch.full_like(Z[:, :1, :, :d], -math.inf), Z[:, :-1, :, :d]), 1)
+            # entry w pools the [:d] halves of window w-1 (the state's previous full window for the first one)
+            prevA = torch.cat((st.kv[:, None, :r, :d], A[:, :-1, :, :d]), 1)[:, :n]
+            prevZ = torch.cat((st.score[:, None, :r, :d], Z[:, :-1, :, :d]), 1)[:, :n]
             A = torch.cat((prevA, A[..., d:]), 2)
             Z = torch.cat((prevZ, Z[..., d:]), 2)
         pooled = (Z.softmax(2) * A).sum(2)  # [b, n, d]
-        off = r if self.overlap else 0
-        if self.overlap and n >= 1:
-            st.kv[:, :r], st.score[:, :r] = a[:, (n - 1) * r:n * r], z[:, (n - 1) * r:n * r]
-        rem = s - n * r
+        if n >= 1:
+            if self.overlap:
+                st.kv[:, :r], st.score[:, :r] = a[:, (n - 1) * r:n * r], z[:, (n - 1) * r:n * r]
+            st.score[:, off:] = -math.inf  # the current window starts afresh (its kv rows get weight 0)
+        rem = have + s - n * r
         if rem:
             st.kv[:, off:off + rem], st.score[:, off:off + rem] = a[:, n * r:], z[:, n * r:]
-        return self._finish(pooled, torch.arange(n, device=x.device) * r, x.dtype, REFERENCE)
+        new = self._finish(pooled, (w0 + torch.arange(n, device=x.device)) * r, x.dtype, REFERENCE)
+        out[:, w0:w0 + n] = new
+        return new
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, out: torch.Tensor,
              backend: Backend) -> None:
@@ -315,7 +331,7 @@ class Compressor(nn.Module):
         window's entry goes to out[:, pos // r] (out [b, n_e, d], the state's entry slots) and the window shifts
         (CSA) / resets. Branch-free: the entry is pooled at every step and committed under a device condition
         (`backend.compress_pool` / `compress_commit`, `kernels.compressor`), so nothing is read back to the host
-        and the step can be captured in a CUDA graph. Same maths as `prefill` for the same tokens (tested:
+        and the step can be captured in a CUDA graph. Same maths as `extend` for the same tokens (tested:
         prefill == decode)."""
         r = self.ratio
         a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0]
@@ -427,34 +443,39 @@ class Attention(nn.Module):
         o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
         return self.wo_b(backend.grouped_linear(o, self.wo_a).flatten(2))
 
-    def prefill(self, x: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
-        """x [b, s, dim] (attn_norm output) at positions 0..s-1 -> [b, s, dim]; writes the window ring, the
-        entries completed by the prompt and the compressors' partial windows into `st` (s <= its max_len).
-        Keys = [this call's KV | its compressed entries]; query t sees positions t-W+1..t and the entries
-        w < (t+1) // r (HCA: all of them; CSA: the indexer's top-k). RoPE and the roundings of q / KV run the
-        reference maths (`REFERENCE`) on every backend, as the compressors' prefill does."""
+    def extend(self, x: torch.Tensor, p: int, st: LayerState, backend: Backend) -> torch.Tensor:
+        """x [b, s, dim] (attn_norm output) at positions p..p+s-1 -> [b, s, dim]: the prefill (p = 0) and any
+        later call of s tokens (chunked prefill, a chat's next turn, a verify step). Query t sees positions
+        t-W+1..t (those before p from the window ring, the others from this call's KV) and the entries
+        w < (t+1) // r (HCA: all of them; CSA: the indexer's top-k of them), including the ones this call
+        completes. Writes the ring, the new entries and the compressors' partial windows into `st` (room checked
+        by the caller). RoPE and the roundings of q / KV run the reference maths (`REFERENCE`) on every backend;
+        the decode step (`step`) runs the backend's."""
         b, s, _ = x.shape
         dev, W = x.device, self.window
-        pos = torch.arange(s, device=dev)
+        pos = torch.arange(p, p + s, device=dev)
         qr, q, kv = self._qkv(x, pos, REFERENCE)
-        win = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]  # [s, W] positions t-W+1..t
-        idx = torch.where(win >= 0, win, -1)[None].expand(b, s, W)
-        keys = kv
-        keep = min(s, W)
-        st.ring[:, pos[-keep:] % W] = kv[:, -keep:]
+        # keys = [ring (positions p-W..p-1 at slot u % W) | this call's KV | entries]; window of query t: u = t-W+1..t
+        u = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]  # [s, W]
+        win = torch.where(u < 0, -1, torch.where(u < p, u % W, W + u - p))
+        idx = win[None].expand(b, s, W)
+        keys = [st.ring, kv]
         if self.compressor is not None:
-            entries = self.compressor.prefill(x, st.compressor)  # [b, s // r, hd]
-            st.entries[:, :entries.shape[1]] = entries
+            self.compressor.extend(x, p, st.compressor, st.entries)
+            n_e = (p + s) // self.ratio  # the entries that exist after this call
             if self.indexer is not None:
-                newk = self.indexer.compressor.prefill(x, st.index_compressor)
-                st.index_keys[:, :newk.shape[1]] = newk
-                comp = self.indexer.select(x, qr, pos, newk, backend, REFERENCE)
+                n_i = (p + s) // 4
+                self.indexer.compressor.extend(x, p, st.index_compressor, st.index_keys)
+                comp = self.indexer.select(x, qr, pos, st.index_keys[:, :n_i], backend, REFERENCE)
             else:  # HCA: every completed entry visible to the query, w < (t+1) // r
-                w = torch.arange(entries.shape[1], device=dev)
+                w = torch.arange(n_e, device=dev)
                 comp = torch.where(w[None, :] < ((pos[:, None] + 1) // self.ratio), w[None, :], -1)
                 comp = comp[None].expand(b, s, -1)
-            idx = torch.cat((idx, torch.where(comp >= 0, comp + s, -1)), -1)
-            keys = torch.cat((kv, entries), 1)
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + W + s, -1)), -1)
+            keys.append(st.entries[:, :n_e])
+        keys = torch.cat(keys, 1)
+        keep = min(s, W)
+        st.ring[:, pos[-keep:] % W] = kv[:, -keep:]  # after the keys are gathered: the ring's old slots are read
         o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
         return self._out(o, pos, REFERENCE, backend)
 
@@ -481,10 +502,10 @@ class Attention(nn.Module):
         o = backend.sparse_attn(q, st.keys, self.attn_sink, idx, self.scale)
         return self._out(o, pos, backend, backend)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor | None, st: LayerState, backend: Backend) -> torch.Tensor:
-        """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `prefill` (pos None: positions 0..s-1) or the decode
-        `step` (pos [1] int64 on x's device, s == 1). Updates `st` in place."""
-        return self.prefill(x, st, backend) if pos is None else self.step(x, pos, st, backend)
+    def forward(self, x: torch.Tensor, pos: int | torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
+        """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `extend` (pos an int: the first position of the s
+        tokens; the prefill is 0) or the decode `step` (pos [1] int64 on x's device, s == 1). Updates `st`."""
+        return self.extend(x, pos, st, backend) if isinstance(pos, int) else self.step(x, pos, st, backend)
 
 
 # ----------------------------------------------------------------------------------------------- MoE
@@ -612,14 +633,15 @@ class Block(nn.Module):
         out = fn(x.view(b, s, d)).reshape(b * s, d)
         return backend.hc_post(out, Hf, post, comb).view(b, s, hc, d)
 
-    def forward(self, H: torch.Tensor, pos: torch.Tensor | None, input_ids: torch.Tensor, st: LayerState,
+    def forward(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, st: LayerState,
                 backend: Backend) -> torch.Tensor:
-        """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: None (prefill) or the
+        """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: the first position of the call (an int,
+        `Attention.extend`) or the
         decode step's device position [1] (`Attention.forward`)."""
         H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids), backend)
 
-    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, pos: torch.Tensor | None, input_ids: torch.Tensor,
+    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, pos: int | torch.Tensor, input_ids: torch.Tensor,
                          st: LayerState, backend: Backend) -> tuple[torch.Tensor, tuple]:
         """`forward` with each site's hc_post deferred into the next site's hc_pre (`backend.hc_post_pre`:
         one launch per layer boundary at decode; issue 14). Same maths as `forward`.
@@ -884,9 +906,9 @@ class Transformer(nn.Module):
         observer (it needs each layer's finished H)."""
         return observer is None and H.shape[0] * H.shape[1] <= self.backend.hc_post_pre_max_t
 
-    def _layers(self, H: torch.Tensor, pos: torch.Tensor | None, input_ids: torch.Tensor, state: DecodeState,
+    def _layers(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, state: DecodeState,
                 observer: ResidualObserver | None) -> torch.Tensor:
-        """The layer loop (prefill: pos None; decode step: pos [1] on the device): H [b, s, hc, dim] -> the last
+        """The layer loop (s tokens appended at position pos, an int; decode step: pos [1] on the device): H [b, s, hc, dim] -> the last
         block's streams. Decode-sized calls without an observer fuse each hc_post into the next hc_pre
         (`Block.forward_deferred`, `_defer_hc_post`; the same maths, fp32 sums in another order), the others run
         `Block.forward` and report each block's streams to the observer."""
@@ -919,10 +941,12 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
                 observer: ResidualObserver | None = None) -> torch.Tensor:
         """input_ids [b, s] int64 at positions state.pos.. -> logits fp32 [b, V] of the last position
-        ([b, s, V] with all_logits). The first call of a state is the prefill (any s >= 1), every later call
-        takes s == 1. Advances `state.pos`.
+        ([b, s, V] with all_logits). Any s >= 1 at any position: the first call of a state is the prefill, a later
+        call appends s tokens (`Attention.extend`; s == 1 runs the decode step, `decode_step`). Every row of the
+        batch is at the same position. Advances `state.pos`; a growable state is reallocated first if it lacks
+        room (`_reserve`), a fixed one raises ValueError.
 
-        Raises ValueError for an empty input, a multi-token call after the prefill, ids outside the vocab, or a
+        Raises ValueError for an empty input, a call past a fixed state's max_len, ids outside the vocab, or a
         state this model did not make (another layer count, layer kind, dtype or device: `zip` over the layers
         would otherwise silently run only the common prefix of them); TypeError for a non-tensor input or a
         non-DecodeState state.
@@ -939,18 +963,15 @@ class Transformer(nn.Module):
         if input_ids.shape[0] != state.layers[0].ring.shape[0]:
             raise ValueError(f"input_ids batch {input_ids.shape[0]} != the state's batch "
                              f"{state.layers[0].ring.shape[0]} (make it with new_state({input_ids.shape[0]}))")
-        if state.pos > 0 and input_ids.shape[1] != 1:
-            raise ValueError(f"state at position {state.pos}: decode takes one token per call, "
-                             f"got {input_ids.shape[1]} (chunked prefill is not supported, as officially)")
         self._reserve(state, input_ids.shape[1])
         if not (state.pos > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
             if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
                 raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
                                  f"max {int(input_ids.max())}")
-        if state.pos == 0:
-            H = self._layers(self._streams(input_ids), None, input_ids, state, observer)
-        else:  # the decode step (`decode_step`; a GraphDecodeState replays its capture)
+        if state.pos > 0 and input_ids.shape[1] == 1:  # the decode step (a GraphDecodeState replays its capture)
             H = state.decode_step(self, input_ids, observer)
+        else:  # the prefill, or s tokens appended at state.pos (`Attention.extend`)
+            H = self._layers(self._streams(input_ids), state.pos, input_ids, state, observer)
         state.pos += input_ids.shape[1]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]

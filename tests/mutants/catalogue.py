@@ -192,6 +192,14 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.compress_pool_kernel_ape_next_slot,
            ("tests/unit/test_compressor_kernel.py::test_compress_step_matches_reference[csa]",
             BF16_BACKEND + "test_twin_decode_across_compression_boundaries_matches_reference")),
+    # issue 24: appending tokens to a state
+    Mutant("append_partial_window_dropped", "an appended call forgets the compressor's partial window",
+           patches.append_partial_window_dropped,
+           ("tests/unit/test_append.py::test_any_split_equals_one_prefill[inside-window]",
+            "tests/unit/test_append.py::test_split_with_exact_indexer_ties_picks_the_same_entries")),
+    Mutant("append_ring_slot_shifted", "an appended call reads the window before it from the wrong ring slot",
+           patches.append_ring_slot_shifted,
+           ("tests/unit/test_append.py::test_any_split_equals_one_prefill[ring-wrap]",)),
 ]}
 
 

@@ -329,15 +329,15 @@ def kv_fp8_skipped(mp: MP) -> None:
     QAT simulation): window KV and compressed entries keep their bf16 values."""
     from dsv4.model import _Sim
 
-    mp.setattr(_Sim, "kv_nope", lambda self, x: x)  # MUTANT: no FP8 rounding
+    mp.setattr(_Sim, "kv_nope", lambda self, x, op=None: x)  # MUTANT: no FP8 rounding (any backend's op)
 
 
 def indexer_fp4_block_16(mp: MP) -> None:
     """Indexer queries and keys are FP4-rounded in 16-channel blocks instead of 32."""
     from dsv4.model import _Sim
 
-    def fp4(self, x):
-        return self._quant.fp4_act_quant_sim(x, 16) if self.enabled else x  # MUTANT: block 16
+    def fp4(self, x, op=None):  # MUTANT: block 16 (the model's sim or the backend's op alike)
+        return (op or self._quant.fp4_act_quant_sim)(x.contiguous(), 16) if self.enabled else x
 
     mp.setattr(_Sim, "fp4", fp4)
 
@@ -716,3 +716,23 @@ def compress_pool_kernel_ape_next_slot(mp: MP) -> None:
 
     _jit_source_mutant(mp, compressor, "_compress_pool_kernel", "tl.load(ape_ptr + p * W + newcol",
                        "tl.load(ape_ptr + ((p + 1) % R) * W + newcol")
+
+
+# ------------------------------------------------------------------------------------------------ append (issue 24)
+def append_partial_window_dropped(mp: MP) -> None:
+    """A call appended inside a compression window pools only its own tokens: the compressor drops the partial
+    window an earlier call left in the state (the class of a multi-token verify step corrupting the CSA compressor
+    state, vllm-ascend#9111); the prefill (p = 0) and the one-token decode step are unaffected."""
+    from dsv4.model import Compressor
+
+    _source_mutant(mp, Compressor, "extend", "w0, have = divmod(p, r)",
+                   "w0, have = p // r, 0  # MUTANT: the state's partial window ignored")
+
+
+def append_ring_slot_shifted(mp: MP) -> None:
+    """A call appended after the prefill reads the window positions before it from the next ring slot
+    ((u + 1) % W instead of u % W): right for the prefill (nothing before it) and the one-token decode step."""
+    from dsv4.model import Attention
+
+    _source_mutant(mp, Attention, "extend", "torch.where(u < p, u % W, W + u - p)",
+                   "torch.where(u < p, (u + 1) % W, W + u - p)")  # MUTANT: shifted ring slot

@@ -199,10 +199,11 @@ def test_forward_rejects_bad_input(topk4):
         ours(torch.ones(2, 3, dtype=torch.long), ours.new_state(1))
     with pytest.raises(ValueError, match=r"outside \[0, 512\)"):
         ours(torch.tensor([[1, 512]]), ours.new_state(1))
-    st = ours.new_state(1)
+    st = ours.new_state(1, 128)  # a fixed state: a call past its max_len is refused (appending is allowed)
     ours(torch.tensor([[1, 2]]), st)
-    with pytest.raises(ValueError, match="decode takes one token per call"):
-        ours(torch.tensor([[1, 2]]), st)
+    with pytest.raises(ValueError, match="max_len=128 tokens; position 2 \\+ 127"):
+        ours(torch.ones(1, 127, dtype=torch.long), st)
+    assert st.pos == 2
 
 
 def test_state_refuses_another_model_instance(tiny_ckpt):
