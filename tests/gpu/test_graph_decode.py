@@ -14,6 +14,8 @@ Model: Flash geometry, first 4 layers (compress ratios 0/0/4/128: SWA, SWA, CSA,
     positions different from the capture (the kernels are deterministic: fixed split orders, no atomics in value
     sums).
   * a decode step (eager and graph replay) under `torch.cuda.set_sync_debug_mode("error")`.
+  * appended multi-token calls (issue 24): equal to one prefill (fp32, 1e-4 relative), and a graph state that
+    takes one between replays equals an eager state bitwise.
   * the final-norm check passes on the triton backend whose decode replays the graph (hard stop), and fails
     when the final norm is removed (negative control).
 """
@@ -181,3 +183,34 @@ def test_final_norm_with_graph_decode(models, monkeypatch):
         assert not bad.passed and bad.comparisons[0].rel_l2 > 0.5
     finally:
         tri.use_decode_graphs(None)
+
+
+def test_append_equals_one_prefill_at_flash_width(args, models):
+    """Issue 24 item 1 at real width: calls of several tokens after the prefill (ending inside a CSA window, on a
+    ratio-4 boundary, 1-token steps between them, more than index_topk = 64 entries visible) give the rows of one
+    prefill of the whole sequence, triton fp32, within the module's 1e-4 relative criterion; equal greedy tokens."""
+    tri = models(torch.float32, "triton")
+    ids = _ids(args, PROMPT_LEN, 6)
+    full = tri(ids, tri.new_state(1), all_logits=True)[0]
+    st, got, p = tri.new_state(1), [], 0
+    for c in (130, 7, 1, 1, 97, 64):  # 130 + 7 = 137 (inside a window), 139, 236 (a ratio-4 boundary), 300
+        got.append(tri(ids[:, p:p + c], st, all_logits=True)[0])
+        p += c
+    got = torch.cat(got)
+    assert p == PROMPT_LEN and st.pos == PROMPT_LEN
+    assert _rel(got, full) <= 1e-4, f"split run vs one prefill: relative max |delta| {_rel(got, full):.2e} > 1e-4"
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+
+
+def test_graph_decode_after_an_appended_call(args, models):
+    """A CUDA-graph state takes a multi-token call between graph decode steps (run eagerly on the graph's
+    buffers) and the replays after it equal the same calls on an eager fixed state, bitwise."""
+    tri = models(torch.bfloat16, "triton")
+    ids = _ids(args, 140, 7)
+    g_st, e_st = GraphDecodeState(tri, 1, MAX_LEN), tri.new_state(1, MAX_LEN)
+    gen = torch.Generator().manual_seed(8)
+    for s in (140, 1, 1, 5, 1, 1, 3, 1):
+        x = ids if s == 140 else torch.randint(0, args.vocab_size, (1, s), generator=gen).cuda()
+        lg, le = tri(x, g_st), tri(x, e_st)
+        assert torch.equal(lg, le), f"call of {s} token(s) at {g_st.pos - s}: graph state differs from eager"
+    assert g_st.graphs and g_st.pos == 140 + 13
