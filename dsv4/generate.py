@@ -1,9 +1,14 @@
 """Generation: messages -> ids (through the one prompt path) -> prefill -> greedy or sampled decode.
 
-Follows the official `generate.py` loop (reference spec §12): one prefill at position 0, then one token per
-step; greedy at temperature 0, otherwise the exponential race `argmax(softmax(l/T) / Exp(1))`; stop at the
-first generated EOS or after `max_tokens`. Unlike the official code, every call starts from a fresh
-`DecodeState` (spec §6: stale compressor state otherwise leaks between requests).
+Follows the official `generate.py` loop (reference spec §12): one prefill, then one token per step; greedy at
+temperature 0, otherwise the exponential race `argmax(softmax(l/T) / Exp(1))`; stop at the first generated EOS or
+after `max_tokens`. Unlike the official code, a call starts from a fresh `DecodeState` (spec §6: stale compressor
+state otherwise leaks between requests) unless it is given the `ChatState` a previous turn of the same
+conversation ended with and the new prompt's token ids extend the ids that state holds (checked token by token):
+then only the new tokens are appended (`Transformer.forward` at the state's position; every split of a sequence
+gives the logits of one prefill, tests/unit/test_append.py). Where DeepSeek-V4's format rewrites earlier tokens
+(the reasoning of earlier turns dropped by `drop_thinking`, a re-tokenized assistant text) the state is rebuilt
+from the whole prompt, and `GenerationResult.reuse` says which happened and why.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from dsv4.config import layers_from_env
-from dsv4.model import Transformer
+from dsv4.model import DecodeState, Transformer
 
 if TYPE_CHECKING:
     from dsv4.encoding import TruncatedCompletion
 
-__all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "generate", "load_model", "run_generate", "CKPT_ENV"]
+__all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "ChatState", "reuse_plan", "generate", "load_model", "run_generate", "CKPT_ENV"]
 
 CKPT_ENV = "DSV4_CKPT"
 
@@ -68,6 +73,41 @@ class ResidualTrace:
 
 
 @dataclass
+class ChatState:
+    """A conversation's decode state between `generate` calls: `state` has processed exactly the token ids `ids`
+    (the prompts and generated tokens so far, the last sampled token excepted: it was never fed), for `model`."""
+
+    state: DecodeState
+    ids: list[int]
+
+    def __post_init__(self) -> None:
+        if self.state.pos != len(self.ids):
+            raise ValueError(f"ChatState: the state is at position {self.state.pos} but holds {len(self.ids)} ids")
+
+
+def reuse_plan(model: Transformer, chat: ChatState | None, new_ids: list[int]) -> tuple[int, str]:
+    """How much of `chat` a prompt `new_ids` can keep: (n, note). n = len(chat.ids) when `chat.ids` is a proper
+    prefix of new_ids and the state is this model's with batch 1 (append new_ids[n:]), else 0 (rebuild: a fresh
+    state and the whole prompt); note says which and why ("fresh", "reused N tokens, appended M", "rebuilt: ...")."""
+    if chat is None:
+        return 0, "fresh"
+    owner = chat.state.owner() if chat.state.owner is not None else None
+    if owner is not model:
+        return 0, "rebuilt: the chat state belongs to another model instance"
+    if chat.state.batch != 1:
+        return 0, f"rebuilt: the chat state has batch {chat.state.batch}, generate runs batch 1"
+    old = chat.ids
+    common = next((i for i, (a, b) in enumerate(zip(old, new_ids)) if a != b), min(len(old), len(new_ids)))
+    if common < len(old):
+        where = (f"differ at position {common} (state {old[common]}, prompt {new_ids[common]})"
+                 if common < len(new_ids) else f"end at {len(new_ids)}, before the state's {len(old)} tokens")
+        return 0, f"rebuilt: the prompt's ids {where}; the format rewrote earlier tokens"
+    if len(new_ids) == len(old):
+        return 0, "rebuilt: the prompt adds no token to the chat state"
+    return len(old), f"reused {len(old)} tokens, appended {len(new_ids) - len(old)}"
+
+
+@dataclass
 class GenerationResult:
     """prompt_ids and generated ids (EOS included when it was produced), the decoded text of the generated
     ids, the parsed assistant message (`reasoning_content`, `content`, `tool_calls`), stop reason
@@ -86,6 +126,8 @@ class GenerationResult:
     stop: str
     trace: ResidualTrace
     truncated: "TruncatedCompletion | None" = None
+    chat: ChatState | None = None  # the state after this turn: give it to the next turn's `generate(chat=...)`
+    reuse: str = "fresh"           # `reuse_plan`'s note: fresh, reused N tokens, or rebuilt and why
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -103,13 +145,16 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
 @torch.no_grad()
 def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens: int = 64,
              temperature: float = 0.0, thinking: bool = True, seed: int = 0,
-             on_token: Callable[[int, str], None] | None = None, trace: ResidualTrace | None = None
-             ) -> GenerationResult:
+             on_token: Callable[[int, str], None] | None = None, trace: ResidualTrace | None = None,
+             chat: ChatState | None = None) -> GenerationResult:
     """Generate one assistant turn for `messages` (OpenAI-style dicts) with batch 1.
 
     The result carries the parsed message (stopped at EOS), or the partial result of a completion cut by
-    `max_tokens` (`GenerationResult.truncated`), or why the text is malformed (`parse_error`).
-    Raises ValueError if max_tokens < 1 or the prompt is empty; prompt errors come from `dsv4.encoding`.
+    `max_tokens` (`GenerationResult.truncated`), or why the text is malformed (`parse_error`), and the state it
+    ended with (`chat`). `chat`: a previous turn's `GenerationResult.chat` of the same conversation; it is
+    continued when the new prompt's ids extend its ids (`reuse_plan`; the result's `reuse` says what happened;
+    the given ChatState is consumed: its state advances). Raises ValueError if max_tokens < 1 or the prompt is
+    empty; prompt errors come from `dsv4.encoding`.
     """
     from dsv4.encoding import parse_message_from_completion_text, parse_truncated_completion, prompt_ids
 
@@ -118,8 +163,9 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     ids = prompt_ids(tokenizer, messages, thinking=thinking)
     trace = (trace or ResidualTrace()).bind(model)
     gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
-    state = model.new_state(1)
-    x = torch.tensor([ids], dtype=torch.long, device=model.device)
+    keep, reuse = reuse_plan(model, chat, ids)
+    state = chat.state if keep else model.new_state(1)
+    x = torch.tensor([ids[keep:]], dtype=torch.long, device=model.device)
     out: list[int] = []
     stop = "max_tokens"
     eos = model.args.eos_token_id
@@ -144,7 +190,9 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
                 text, mode, reason=f"max_tokens={max_tokens} reached before the end-of-sentence token")
     except ValueError as e:  # a tiny random model rarely produces a well-formed completion; report why
         err = str(e)
-    return GenerationResult(ids, out, text, message, err, stop, trace, partial)
+    # the state holds the prompt and every generated token but the last (sampled, never fed)
+    return GenerationResult(ids, out, text, message, err, stop, trace, partial,
+                            chat=ChatState(state, ids + out[:-1]), reuse=reuse)
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,

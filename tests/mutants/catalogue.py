@@ -200,6 +200,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("append_ring_slot_shifted", "an appended call reads the window before it from the wrong ring slot",
            patches.append_ring_slot_shifted,
            ("tests/unit/test_append.py::test_any_split_equals_one_prefill[ring-wrap]",)),
+    Mutant("multi_turn_prefix_unchecked", "a chat's next turn appended to a state whose ids the prompt rewrote",
+           patches.multi_turn_prefix_unchecked,
+           ("tests/unit/test_generate.py::test_multi_turn_continues_the_state_only_when_the_prompt_extends_it[thinking]",
+            "tests/unit/test_generate.py::test_multi_turn_refuses_a_state_it_cannot_continue")),
 ]}
 
 

@@ -736,3 +736,12 @@ def append_ring_slot_shifted(mp: MP) -> None:
 
     _source_mutant(mp, Attention, "extend", "torch.where(u < p, u % W, W + u - p)",
                    "torch.where(u < p, (u + 1) % W, W + u - p)")  # MUTANT: shifted ring slot
+
+
+def multi_turn_prefix_unchecked(mp: MP) -> None:
+    """A new turn continues the previous turn's state whenever it belongs to the model, without checking that
+    the new prompt's ids extend the state's ids (the format's rewrite of earlier turns, e.g. the reasoning dropped
+    by drop_thinking, goes unseen: the new tokens are appended to a context the prompt no longer has)."""
+    from dsv4 import generate
+
+    _source_mutant(mp, generate, "reuse_plan", "    if common < len(old):", "    if False:  # MUTANT")

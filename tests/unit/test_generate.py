@@ -79,3 +79,64 @@ def test_generate_cli_without_checkpoint(capsys, monkeypatch):
     monkeypatch.delenv("DSV4_CKPT", raising=False)
     assert main(["generate", "--prompt", "Hi"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+
+
+def _scripted(monkeypatch, ids):
+    """Make `generate` emit the given token ids (then EOS) instead of sampling: a known assistant text."""
+    import dsv4.generate as g
+    it = iter(ids)
+    monkeypatch.setattr(g, "sample", lambda logits, t, gen=None: torch.tensor([next(it)]))
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
+def test_multi_turn_continues_the_state_only_when_the_prompt_extends_it(model_tok, monkeypatch, thinking):
+    """issue 24 item 3: the second turn continues the first turn's state when the new prompt's ids extend the ids
+    that state holds (chat mode: turn 1 + "Paris." + EOS + turn 2), appending only the new tokens; in thinking
+    mode `drop_thinking` rewrites the first turn (its `<think>` becomes `</think>`), so the state is rebuilt and
+    the result says where the ids differ. Either way the greedy tokens are those of a fresh generation, and the
+    first one is the argmax of one prefill of the whole new prompt."""
+    model, tok = model_tok
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = tok.encode("Paris.", add_special_tokens=False)
+    with monkeypatch.context() as mp:
+        _scripted(mp, answer + [model.args.eos_token_id])
+        r1 = generate(model, tok, msgs, max_tokens=8, thinking=thinking)
+    assert r1.ids == answer + [model.args.eos_token_id] and r1.reuse == "fresh"
+    assert r1.chat.ids == r1.prompt_ids + answer and r1.chat.state.pos == len(r1.chat.ids)
+    turn = {"role": "assistant", "content": "Paris."}
+    if thinking:
+        turn["reasoning_content"] = "An easy one."
+    msgs2 = msgs + [turn, {"role": "user", "content": "And Spain?"}]
+    kept = len(r1.chat.ids)
+    r2 = generate(model, tok, msgs2, max_tokens=4, thinking=thinking, chat=r1.chat)
+    fresh = generate(model, tok, msgs2, max_tokens=4, thinking=thinking)
+    assert r2.ids == fresh.ids and r2.prompt_ids == fresh.prompt_ids
+    if thinking:
+        assert r2.reuse.startswith("rebuilt: the prompt's ids differ at position 10"), r2.reuse
+    else:
+        assert r2.prompt_ids[:kept] == r1.chat.ids
+        assert r2.reuse == f"reused {kept} tokens, appended {len(r2.prompt_ids) - kept}", r2.reuse
+    assert r2.chat.state.pos == len(r2.prompt_ids) + len(r2.ids) - 1
+    full = model(torch.tensor([r2.prompt_ids]), model.new_state(1))
+    assert int(full.argmax()) == r2.ids[0]
+
+
+def test_multi_turn_refuses_a_state_it_cannot_continue(model_tok, tiny_ckpt):
+    """A chat state of another model instance, or one whose ids the new prompt does not extend, is never
+    continued: the turn rebuilds and says why."""
+    from dsv4.generate import ChatState, reuse_plan
+    model, tok = model_tok
+    other, _ = load_model(tiny_ckpt, progress=False)
+    ids = prompt_ids(tok, [{"role": "user", "content": "hi"}], thinking=False)
+    st = other.new_state(1)
+    other(torch.tensor([ids[:-1]]), st)
+    assert reuse_plan(model, ChatState(st, ids[:-1]), ids)[1] == \
+        "rebuilt: the chat state belongs to another model instance"
+    st = model.new_state(1)
+    model(torch.tensor([ids]), st)
+    assert reuse_plan(model, ChatState(st, ids), ids) == (0, "rebuilt: the prompt adds no token to the chat state")
+    assert reuse_plan(model, ChatState(st, ids), ids[:-2] + [5, 6, 7])[1].startswith(
+        f"rebuilt: the prompt's ids differ at position {len(ids) - 2}")
+    assert reuse_plan(model, ChatState(st, ids), ids + [9]) == (len(ids), f"reused {len(ids)} tokens, appended 1")
+    with pytest.raises(ValueError, match="position"):
+        ChatState(st, ids + [9])
