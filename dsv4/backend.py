@@ -65,7 +65,7 @@ class Backend:
     # hc_pre (`hc_post_pre`) when b*s <= this (triton: `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, where the fused
     # kernel runs; reference: 0, never: its `hc_post_pre_ref` composes hc_post then hc_pre, the same maths)
     hc_post_pre_max_t: int = 0
-    # prepare(moes): called once by `dsv4.model.bind_backend` with the model's MoE modules (triton:
+    # prepare(moes): called once by `Transformer.__init__` with the model's MoE modules (triton:
     # `dsv4.fast.prepare` stacks the FP4 routed experts for the grouped kernel; reference: nothing to do)
     prepare: Callable = lambda moes: None
 

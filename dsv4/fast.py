@@ -117,7 +117,7 @@ def _stackable(moe: MoE) -> bool:
 
 
 def prepare(moes) -> None:
-    """The triton backend's `prepare` (`dsv4.model.bind_backend` passes the model's MoE modules): stack each
+    """The triton backend's `prepare` (`Transformer.__init__` passes the model's MoE modules): stack each
     MoE's FP4 routed experts once (`kernels.moe.stack_experts`, rebinding the experts' buffers to views, so memory
     is unchanged and `load_weights` writes through) where the grouped kernel applies."""
     for m in moes:

@@ -68,10 +68,15 @@ class _Sim:
     The official kernels need widths that are multiples of the block (128 / 64 / 32); real DeepSeek-V4 widths
     are. A test-scale width smaller than the block is quantized as one group spanning the row; any other
     width raises ValueError (`_block`).
+
+    Also the construction context every module of a `Transformer` is built with: `ops` is the model's backend
+    table (`dsv4.backend.Backend`, frozen; `REFERENCE` when not given), from which each module takes its entries
+    at construction (`Linear.kernel`, `RMSNorm.kernel`, `Gate.kernel`, `MoE.routed`): nothing rebinds them later.
     """
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, ops: Backend | None = None):
         self.enabled = enabled
+        self.ops = REFERENCE if ops is None else ops
         if enabled:
             self._quant = quant
 
@@ -107,11 +112,12 @@ class _Sim:
 class RMSNorm(nn.Module):
     """Weighted RMSNorm: `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))` (spec §2). weight [d] fp32."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, sim: _Sim | None = None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.kernel: Callable[["RMSNorm", torch.Tensor], torch.Tensor] = rms_norm_ref  # Backend.rms_norm (bind)
+        # the backend's `rms_norm` (construction context `sim.ops`; reference `rms_norm_ref` without one)
+        self.kernel: Callable[["RMSNorm", torch.Tensor], torch.Tensor] = (sim.ops if sim else REFERENCE).rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] any float dtype -> weight * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in
@@ -153,7 +159,7 @@ class Linear(nn.Module):
         deferred = getattr(sim, "resident", "dequantized") == "quantized"
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.compute_dtype,
                                                device="meta" if deferred else None))
-        self.kernel: Callable[["Linear", torch.Tensor], torch.Tensor] = linear_ref  # Backend.linear (bind_backend)
+        self.kernel: Callable[["Linear", torch.Tensor], torch.Tensor] = sim.ops.linear  # the backend's `linear`
 
     def hold(self, fmt: str | None, device: str | torch.device) -> None:
         """Give a deferred (meta) linear its storage on `device`: `fmt` None -> parameter [out, in] in the
@@ -265,7 +271,7 @@ class Compressor(nn.Module):
         self.wkv = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
         self.wgate = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
         self.ape = nn.Parameter(torch.zeros(ratio, c * d, dtype=torch.float32))
-        self.norm = RMSNorm(d, args.norm_eps)
+        self.norm = RMSNorm(d, args.norm_eps, sim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if indexer:
             self.register_buffer("hadamard", hadamard_matrix(d), persistent=False)
@@ -394,10 +400,10 @@ class Attention(nn.Module):
         self.window, self.groups = args.window_size, args.o_groups
         self.scale = self.hd ** -0.5
         self.wq_a = Linear(args.dim, args.q_lora_rank, sim, quantized=True, dtype=dtype)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.norm_eps, sim)
         self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.hd, sim, quantized=True, dtype=dtype)
         self.wkv = Linear(args.dim, self.hd, sim, quantized=True, dtype=dtype)
-        self.kv_norm = RMSNorm(self.hd, args.norm_eps)
+        self.kv_norm = RMSNorm(self.hd, args.norm_eps, sim)
         # wo_a is FP8 on disk but used dequantized in bf16 with no activation quantization (spec §5, pitfall 17)
         self.wo_a = Linear(self.n_heads * self.hd // self.groups, self.groups * args.o_lora_rank, sim,
                            quantized=False, dtype=dtype)
@@ -541,14 +547,15 @@ class Gate(nn.Module):
     torch.bfloat16 (`weights="quantized"`: as on disk); either way the logits are the fp32 product of its exact
     fp32 value (`fp32_linear_ref`; the triton backend's `fp32_linear` reads the bf16 bytes directly)."""
 
-    def __init__(self, args: ModelArgs, layer_id: int, held: torch.dtype = torch.float32):
+    def __init__(self, args: ModelArgs, layer_id: int, held: torch.dtype = torch.float32,
+                 kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear_ref):
         super().__init__()
         if held not in (torch.float32, torch.bfloat16):
             raise ValueError(f"Gate: held={held}, expected torch.float32 or torch.bfloat16")
         self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
         self.hash = layer_id < args.n_hash_layers
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=held))
-        self.kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear_ref  # Backend.fp32_linear
+        self.kernel = kernel  # the backend's `fp32_linear` (`MoE` passes `sim.ops.fp32_linear`)
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
         else:
@@ -583,19 +590,19 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
-        self.gate = Gate(args, layer_id, gate_held(sim))
+        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
-        self.routed: Callable = moe_routed_ref  # Backend.moe_routed (bind_backend)
+        self.routed: Callable = sim.ops.moe_routed  # the backend's `moe_routed` (reference: `moe_routed_ref`)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [b, s, dim], input_ids [b, s] (hash routing) -> routed + shared experts [b, s, dim] in x.dtype."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, input_ids.reshape(-1))
-        y = self.routed(self, x, weights, ids)  # Backend.moe_routed (bind_backend); reference: `moe_routed_ref`
+        y = self.routed(self, x, weights, ids)  # the backend's `moe_routed`; reference: `moe_routed_ref`
         y = self.reduce_routed(y) + self.shared_experts(x).float()
         return y.to(x.dtype).view(shape)
 
@@ -612,8 +619,8 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
         self.args, self.layer_id = args, layer_id
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, sim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, sim)
         self.attn = Attention(args, layer_id, sim, dtype)
         self.ffn = MoE(args, layer_id, sim, dtype)
         n, hcd = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim
@@ -688,24 +695,6 @@ def held_bf16_names(model: nn.Module) -> set[str]:
             or (isinstance(m, Gate) and m.weight.dtype == torch.bfloat16)}
 
 
-def bind_backend(model: nn.Module, backend: Backend) -> None:
-    """Point every `Linear` and `RMSNorm` (`.kernel`), `Gate` (`.kernel` = `fp32_linear`) and `MoE` (`.routed`)
-    of `model` at `backend`'s entries, then `backend.prepare(moes)` (triton: stacks each layer's FP4 routed experts
-    for the grouped kernel, `dsv4.fast.prepare`). Called once by `Transformer.__init__` (formerly `Backend.bind`)."""
-    moes = []
-    for m in model.modules():
-        if isinstance(m, Linear):
-            m.kernel = backend.linear
-        elif isinstance(m, Gate):
-            m.kernel = backend.fp32_linear
-        elif isinstance(m, RMSNorm):
-            m.kernel = backend.rms_norm
-        elif isinstance(m, MoE):
-            m.routed = backend.moe_routed
-            moes.append(m)
-    backend.prepare(moes)
-
-
 class Transformer(nn.Module):
     """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
 
@@ -732,12 +721,12 @@ class Transformer(nn.Module):
         check_weights_mode(weights, args)
         self.args, self.dtype, self.weights = args, dtype, weights
         self.backend = get_backend(backend, torch.device(device))
-        sim = _Sim(dtype == torch.bfloat16)
+        sim = _Sim(dtype == torch.bfloat16, self.backend)  # every module takes its backend entries from it
         sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
         with torch.device(device):
             self.embed = self._make_embed(args, dtype)
             self.layers = nn.ModuleList(self._make_block(args, i, sim, dtype) for i in range(args.n_layers))
-            self.norm = RMSNorm(args.dim, args.norm_eps)
+            self.norm = RMSNorm(args.dim, args.norm_eps, sim)
             self.head = self._make_head(args, sim)
             hc = args.hc_mult
             self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
@@ -746,7 +735,9 @@ class Transformer(nn.Module):
             self.hc_head = HcHead(args)
         if weights == "quantized":
             hold_on_disk(self, args, device)
-        bind_backend(self, self.backend)
+        # once, at construction: the triton backend stacks each layer's FP4 routed experts for the grouped kernel
+        # (`dsv4.fast.prepare`; after `hold_on_disk`, which gives the experts their storage)
+        self.backend.prepare([m for m in self.modules() if isinstance(m, MoE)])
         self.decode_graph_max_len: int | None = None  # see `use_decode_graphs`
 
     # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.

@@ -298,11 +298,12 @@ class ParallelMoE(MoE):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
         nn.Module.__init__(self)
         self.comm, self.local = comm, expert_range(args, comm)
-        self.gate = Gate(args, layer_id, gate_held(sim))
+        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      if e in self.local else None for e in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
+        self.routed = sim.ops.moe_routed  # the backend's `moe_routed` (as `MoE`)
 
     def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(y)
@@ -315,8 +316,8 @@ class ParallelBlock(Block):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
         nn.Module.__init__(self)
         self.args, self.layer_id = args, layer_id
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, sim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, sim)
         self.attn = parallel_attention(args, layer_id, sim, dtype, comm)
         self.ffn = ParallelMoE(args, layer_id, sim, dtype, comm)
         n, hcd = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.dim

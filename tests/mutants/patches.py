@@ -181,16 +181,16 @@ def csa_overlap_state_lost(mp: MP) -> None:
     so the first entry completed by decode pools zeros / -inf instead of the prefill's last window."""
     from dsv4.model import Compressor
 
-    orig = Compressor.prefill
+    orig = Compressor.extend
 
-    def prefill(self, x, st):
-        out = orig(self, x, st)
-        if self.overlap:  # MUTANT: overlap half of the state reset at the prefill -> decode boundary
+    def extend(self, x, p, st, out):
+        new = orig(self, x, p, st, out)
+        if self.overlap and p == 0:  # MUTANT: overlap half of the state reset at the prefill -> decode boundary
             st.kv[:, :self.ratio] = 0
             st.score[:, :self.ratio] = -math.inf
-        return out
+        return new
 
-    mp.setattr(Compressor, "prefill", prefill)
+    mp.setattr(Compressor, "extend", extend)
 
 
 def compressor_state_shared_across_requests(mp: MP) -> None:

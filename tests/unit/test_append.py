@@ -135,6 +135,8 @@ def test_triton_append_equals_reference_prefill():
     indexer over the state's key slots) against one reference prefill: 1e-4 of max |logit|."""
     ref = _model(seed=22)
     tri = _model(seed=22, backend="triton")
-    ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(24))
+    # 13 tokens: calls end inside a window (5), on a ratio-4 boundary (8) and past the third entry (13); the
+    # interpreter costs ~4 s per triton call of the 4-layer model, so the split is short
+    ids = torch.randint(0, VOCAB, (1, 13), generator=torch.Generator().manual_seed(24))
     full = ref(ids, ref.new_state(1), all_logits=True)
-    _assert_same(_split_run(tri, ids, [5, 3, 11, 5]), full, "triton split [5, 3, 11, 5]", rel=1e-4)
+    _assert_same(_split_run(tri, ids, [5, 3, 5]), full, "triton split [5, 3, 5]", rel=1e-4)
