@@ -15,16 +15,41 @@ report also says what produced it (`environment`: versions, git commit, world si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import difflib
+import hashlib
+import importlib
+import io
 import json
 import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
-from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
+import torch
+
+import dsv4
+import dsv4.final_norm
+import dsv4.generate  # load_model, final_norm_check, make_tiny looked up per call (the run's seams)
+import dsv4.tiny
+from dsv4.checkpoint import placeholder_evidence, read_index
+from dsv4.config import ModelArgs
 from dsv4.encoding import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, encode_messages, prompt_ids,
                            special_strings_in_messages)
+from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
+from dsv4.generate import CKPT_ENV, resolve_ckpt
+from dsv4.launch import LaunchEnvError, launch_from_env
+from dsv4.report import ReportFile, ReportPathError, SCHEMA_VERSION, command_line
+from dsv4.synth import geometry_config, is_synth_source, parse_source, source_provenance, tokenizer_folder
+from dsv4.tokenizer import load_tokenizer
 
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
            "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
@@ -375,7 +400,6 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
     The first id equals the prompt's greedy top-1. `on_token(k)` (optional) is called after the k-th generated
     id (progress). Raises ValueError if n_tokens < 1 or the prompt is empty.
     """
-    import torch
 
     if n_tokens < 1 or not prompt:
         raise ValueError(f"greedy_continuation: need n_tokens >= 1 (got {n_tokens}) and a non-empty prompt")
@@ -467,7 +491,6 @@ def format_continuation_report(hand: Continuation, tmpl: Continuation, expect: s
 def _git_commit() -> tuple[str | None, bool | None]:
     """(HEAD commit, dirty) of the checkout dsv4 runs from; (None, None) when dsv4 is not run from a git
     checkout (an installed copy inside some other repository does not count: the top level must hold it)."""
-    import subprocess
 
     pkg = Path(__file__).resolve().parent
 
@@ -488,7 +511,6 @@ def _git_commit() -> tuple[str | None, bool | None]:
 def _import_version(module: str) -> str | None:
     """The version the imported module reports about itself (`torch.__version__` = "2.14.1+cu130", with the
     build tag), not the distribution's metadata ("2.14.1"); None when it is not installed or does not import."""
-    import importlib
 
     try:
         mod = importlib.import_module(module)
@@ -496,8 +518,6 @@ def _import_version(module: str) -> str | None:
         return None
     v = getattr(mod, "__version__", None)
     if v is None:
-        from importlib import metadata
-
         try:
             return metadata.version(module)
         except metadata.PackageNotFoundError:
@@ -508,7 +528,6 @@ def _import_version(module: str) -> str | None:
 def _accelerator() -> dict:
     """torch's CUDA build (`torch.version.cuda`, None on a CPU build), whether CUDA is usable, and the name of
     every visible GPU ([] when none)."""
-    import torch
 
     gpus: list[str] = []
     available = bool(torch.cuda.is_available())
@@ -526,10 +545,6 @@ def environment() -> dict:
     tag: "2.13.0+cpu", "2.14.1+cu130"; None when not installed), torch's CUDA version (None on a CPU build), the
     visible GPUs' names, the platform, the CPU count, when the report was made (UTC) and the world size
     ($WORLD_SIZE, 1 if unset)."""
-    import datetime
-    import platform
-
-    import dsv4
 
     commit, dirty = _git_commit()
     return {"dsv4": dsv4.__version__, "git_commit": commit, "git_dirty": dirty, "python": platform.python_version(),
@@ -541,8 +556,6 @@ def environment() -> dict:
 
 
 def _world_size() -> int:
-    from dsv4.launch import launch_from_env
-
     return launch_from_env().world_size
 
 
@@ -565,15 +578,9 @@ EXIT_PASS, EXIT_ERROR, EXIT_HARD_STOP, EXIT_INCONCLUSIVE = 0, 2, 3, 4
 
 def _checkpoint_identity(path: Path, built: bool) -> dict:
     """Where the weights come from: path, sha256 of config.json and of the index, total_size, layer count."""
-    import hashlib
-
-    from dsv4.config import ModelArgs
 
     def digest(p: Path) -> str | None:
         return hashlib.sha256(p.read_bytes()).hexdigest()[:16] if p.is_file() else None
-
-    from dsv4.checkpoint import read_index
-    from dsv4.synth import is_synth_source
 
     if is_synth_source(path):  # `--ckpt synth:...`: no files, the weights are generated on load
         return _synthetic_source_identity(path)
@@ -588,7 +595,6 @@ def _checkpoint_identity(path: Path, built: bool) -> dict:
                       f"seed {p['seed']}: random weights, not a trained model)")
         except (ValueError, KeyError, TypeError):
             source = f"given checkpoint ({prov.name} present but unreadable)"
-    from dsv4.checkpoint import placeholder_evidence
 
     evidence = [] if built else placeholder_evidence(path)
     if evidence:  # `make-checkpoint --dry-run`: no weights at all (the reader refuses it; say so here too)
@@ -609,9 +615,6 @@ def _synthetic_source_identity(path) -> dict:
     """`_checkpoint_identity` of a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`: says the weights are
     synthetic (random, generated on each rank as it loads them) and which make-checkpoint call writes the same
     bytes; config_sha256 is that of the config.json make-checkpoint would write."""
-    import hashlib
-
-    from dsv4.synth import geometry_config, parse_source, source_provenance
 
     src = parse_source(path)
     cfg = json.dumps(geometry_config(src.geometry, src.layers), indent=2) + "\n"
@@ -667,15 +670,10 @@ class Progress:
         self._label, self._t0, self._last = "", 0.0, 0.0
 
     def _say(self, text: str) -> None:
-        import sys
-
         stream = self._stream or sys.stderr
         print(f"dsv4 {self.command}: {text}", file=stream, flush=True)
 
     def step(self, label: str):
-        import contextlib
-        import time
-
         @contextlib.contextmanager
         def run():
             self._label, self._t0 = label, time.perf_counter()
@@ -687,8 +685,6 @@ class Progress:
         return run()
 
     def tick(self, k: int, n: int, unit: str = "tokens") -> None:
-        import time
-
         now = time.perf_counter()
         if now - self._last >= PROGRESS_EVERY_S and k < n:
             self._last = now
@@ -706,19 +702,11 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
     incomplete report at the start, by the complete report at the end, or by a failure report (`"passed":
     false`, `"error"`: the run's error line, `"exit_status"`) when the run fails or raises.
     """
-    import contextlib
-    import io
-    import sys
-
-    from dsv4.launch import LaunchEnvError, launch_from_env
-    from dsv4.report import ReportFile, ReportPathError
 
     try:
         rank_zero = launch_from_env().is_rank_zero
         report = None
         if json_path is not None and rank_zero:
-            from dsv4.generate import CKPT_ENV
-
             report = ReportFile(Path(json_path), "diagnose",
                                 ckpt if ckpt is not None else os.environ.get(CKPT_ENV) or None)
     except (LaunchEnvError, ReportPathError) as e:
@@ -802,17 +790,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
     fails but one could not decide (Test 2's power check, Test 1's special-id / control check), 2 for bad input (missing
     checkpoint, invalid TEST_LAYERS, a later revision, unreadable files), with the reason on stderr.
     """
-    import tempfile
-
-    import torch
-
-    from dsv4.final_norm import final_norm_check
-    from dsv4.generate import load_model, resolve_ckpt
-    from dsv4.tiny import make_tiny
-    from dsv4.tokenizer import load_tokenizer
 
     if expect is not None and not expect.strip():
-        import sys
         print(f"dsv4 diagnose: error: --expect {expect!r}: an empty expected answer is contained in every text "
               "(a check that cannot fail); give the answer's text or leave --expect out", file=sys.stderr)
         return EXIT_ERROR
@@ -822,20 +801,15 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
             path = resolve_ckpt(ckpt)
             built = path is None
             if built:
-                path = make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
+                path = dsv4.tiny.make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
             ident = _checkpoint_identity(path, built)
-            from dsv4.synth import tokenizer_folder
 
             tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
-            model, n_layers = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
+            model, n_layers = dsv4.generate.load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
-            import sys
             print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         env = environment()
-        import shlex
-
-        from dsv4.report import SCHEMA_VERSION, command_line
 
         print("== Checkpoint ==")
         for k, v in ident.items():
@@ -854,7 +828,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
         progress = Progress("diagnose")
         with progress.step(f"Test 2: final norm (prefill {len(fed)} tokens + {decode_steps} decode step(s))"):
-            r = final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
+            r = dsv4.final_norm.final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
         with progress.step(f"Test 1: greedy continuation of the hand-rolled prompt (up to {continue_tokens} "
                            "tokens)") as pr:
             cont_hand = greedy_continuation(model, tok, diff.hand_rolled_ids, continue_tokens, expect,
@@ -901,11 +875,9 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                       "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed,
                       "exit_status": exit_status}
             try:  # atomically, tied to this run (dsv4.report.ReportFile; a plain path gets one)
-                from dsv4.report import ReportFile
 
                 (json_path if isinstance(json_path, ReportFile) else ReportFile(Path(json_path), "diagnose")).write(report)
             except OSError as e:  # the CLI checked the path up front; it can still vanish or fill up
-                import sys
                 print(f"dsv4 diagnose: error: --json {json_path}: cannot write the report ({e})", file=sys.stderr)
                 return EXIT_ERROR
         return exit_status

@@ -68,6 +68,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
+from dsv4.config import UnsupportedRevisionError
+
 __all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
            "EmptyConversationError", "TruncatedCompletion", "parse_truncated_completion",
            "PROMPT_KWARGS", "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
@@ -693,7 +697,6 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         raise ValueError(f"thinking: expected a bool, got {thinking!r}")
     revision = getattr(tokenizer.dsv4_template_source, "revision", None)
     if revision is not None:
-        from dsv4.config import UnsupportedRevisionError
         raise UnsupportedRevisionError(*revision)
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages: expected a list of message dicts, got {type(messages).__name__} (one "
@@ -705,7 +708,6 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         log.warning("messages[%d].%s contains the special string %r: it is tokenised as the special token, "
                     "as the official encoder does", i, field, sp)
     kw.setdefault("add_generation_prompt", True)
-    from jinja2.exceptions import TemplateError
     try:
         ids = tokenizer.apply_chat_template(messages, thinking=thinking, tokenize=True, return_dict=False, **kw)
     except TemplateError as e:

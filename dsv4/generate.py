@@ -20,9 +20,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from rich.console import Console
 
+import dsv4.checkpoint  # called as dsv4.checkpoint.load_checkpoint (looked up per call)
 from dsv4.config import layers_from_env
+import dsv4.encoding  # prompt_ids / parse_* looked up per call (a seam the tests replace)
+from dsv4.launch import LaunchEnvError, launch_from_env
+from dsv4.memory_plan import check_fits
 from dsv4.model import DecodeState, Transformer
+from dsv4.parallel import comm_from_env, load_distributed_model
+from dsv4.resident import WEIGHTS
+from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
+from dsv4.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from dsv4.encoding import TruncatedCompletion
@@ -36,7 +45,6 @@ def is_rank_zero() -> bool:
     """False on the non-zero ranks of a torchrun launch (they compute but do not print reports). Reads the launch
     through `dsv4.launch.launch_from_env`: an inconsistent RANK / WORLD_SIZE / LOCAL_RANK (a stray `RANK=1`
     without WORLD_SIZE) raises `LaunchEnvError` instead of silencing the process."""
-    from dsv4.launch import launch_from_env
 
     return launch_from_env().is_rank_zero
 
@@ -156,11 +164,10 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     the given ChatState is consumed: its state advances). Raises ValueError if max_tokens < 1 or the prompt is
     empty; prompt errors come from `dsv4.encoding`.
     """
-    from dsv4.encoding import parse_message_from_completion_text, parse_truncated_completion, prompt_ids
 
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: expected >= 1")
-    ids = prompt_ids(tokenizer, messages, thinking=thinking)
+    ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
     trace = (trace or ResidualTrace()).bind(model)
     gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
     keep, reuse = reuse_plan(model, chat, ids)
@@ -184,9 +191,9 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     message, err, partial = None, None, None
     try:
         if stop == "eos":
-            message = parse_message_from_completion_text(text, mode)
+            message = dsv4.encoding.parse_message_from_completion_text(text, mode)
         else:  # cut by the limit: not malformed, a partial result (unless it already broke the format)
-            partial = parse_truncated_completion(
+            partial = dsv4.encoding.parse_truncated_completion(
                 text, mode, reason=f"max_tokens={max_tokens} reached before the end-of-sentence token")
     except ValueError as e:  # a tiny random model rarely produces a well-formed completion; report why
         err = str(e)
@@ -210,20 +217,12 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     fit. Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and `dsv4.parallel.comm_from_env`
     raise; CheckpointError for weights="quantized" on a bf16 checkpoint.
     """
-    from dsv4.checkpoint import load_checkpoint
-    from dsv4.resident import WEIGHTS
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
-    from dsv4.launch import launch_from_env
-
-    from dsv4.memory_plan import check_fits
-    from dsv4.synth import checkpoint_args
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if launch_from_env().distributed:
-        from dsv4.parallel import comm_from_env, load_distributed_model
-
         comm, rank_device = comm_from_env(device)
         full = checkpoint_args(ckpt)
         check_fits(full, layers_from_env(full.n_layers), device=rank_device, dtype_bytes=dtype_bytes,
@@ -237,7 +236,7 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     # the memory plan before any weight is read or generated: a named error with the numbers, not an allocator
     # error minutes later (dsv4.memory_plan.check_fits)
     check_fits(full, n, device=device, dtype_bytes=dtype_bytes, weights=weights)
-    args, sd = load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
+    args, sd = dsv4.checkpoint.load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
                                dequantize=weights == "dequantized", device=device)  # dequantized on `device`
     model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
@@ -252,7 +251,6 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
         ckpt, src = Path(os.environ[CKPT_ENV]), f"${CKPT_ENV}"
     else:
         src = "--ckpt"
-    from dsv4.synth import is_synth_source, parse_source
 
     if is_synth_source(ckpt):
         try:
@@ -270,10 +268,6 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                  weights: str = "dequantized") -> int:
     """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input
     (an inconsistent RANK / WORLD_SIZE / LOCAL_RANK is checked first: `dsv4.launch.launch_from_env`)."""
-    from rich.console import Console
-
-    from dsv4.launch import LaunchEnvError, launch_from_env
-    from dsv4.tokenizer import load_tokenizer
 
     try:
         launch_from_env()
@@ -289,7 +283,6 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
-        from dsv4.synth import checkpoint_args, is_synth_source, tokenizer_folder
 
         tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import torch
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from dsv4.config import ModelArgs
 
@@ -79,7 +80,6 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
 
 def hf_config(args: ModelArgs):
     """transformers `DeepseekV4Config` for `args` (unquantized: weights are given dequantized)."""
-    from transformers import DeepseekV4Config
 
     cfg = args.to_hf_config()
     cfg.pop("quantization_config", None)
@@ -93,7 +93,6 @@ def hf_config(args: ModelArgs):
 def build_hf_model(args: ModelArgs, sd: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
     """transformers `DeepseekV4ForCausalLM` holding the weights `sd` (official names), eval mode, eager
     attention. Raises RuntimeError on missing/unexpected keys (strict load)."""
-    from transformers import DeepseekV4ForCausalLM
 
     cfg = hf_config(args)
     cfg._attn_implementation = "eager"

@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from dsv4.checkpoint import DTYPE_BYTES, expected_tensors
 from dsv4.config import ModelArgs
 from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
@@ -154,7 +156,6 @@ class DeviceMemoryError(ValueError):
     """The device cannot hold the model's weights by the memory plan; the message has the numbers (what the plan
     needs, what the device has available, where that number comes from) and what to change."""
 
-
 def _cgroup_room() -> int | None:
     """Bytes this process's cgroup (v2) may still allocate (memory.max - memory.current), None without a limit."""
     try:
@@ -170,7 +171,6 @@ def available_bytes(device: str) -> tuple[int, str] | None:
     """(bytes the device can still give a new allocation, where the number comes from), or None when it cannot
     be told (then nothing is refused). CPU: psutil's available memory if psutil is installed, else /proc/meminfo
     MemAvailable + SwapFree, capped by a cgroup v2 limit; CUDA: `torch.cuda.mem_get_info` (free bytes)."""
-    import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":

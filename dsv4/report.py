@@ -31,6 +31,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+import shlex
 
 __all__ = ["ReportFile", "ReportPathError", "check_report_path", "write_atomically", "SCHEMA_VERSION",
            "set_command_line", "command_line"]
@@ -163,7 +164,6 @@ class ReportFile:
         check_report_path(Path(path), ckpt, option)
         self.path = Path(path)
         self.command = command
-        import shlex
 
         argv = command_line()
         self.run = {"id": uuid.uuid4().hex, "command": f"dsv4 {command}", "argv": argv,

