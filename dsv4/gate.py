@@ -386,15 +386,89 @@ def judge_report(report: dict, head_commit: str, expected: list[str] = ()) -> tu
     return None, []
 
 
-def run_hardstop_tests(repo: Path, report_file: Path) -> int:
+def shard_files(files: list[tuple[str, int]], jobs: int) -> list[list[str]]:
+    """Split test files [(path, weight)] into `jobs` groups of about equal total weight (greedy, heaviest first;
+    a file is never split, so its module fixtures run once). Deterministic; empty groups dropped."""
+    groups: list[tuple[int, list[str]]] = [(0, []) for _ in range(max(1, jobs))]
+    for path, w in sorted(files, key=lambda f: (-f[1], f[0])):
+        i = min(range(len(groups)), key=lambda k: (groups[k][0], k))
+        groups[i] = (groups[i][0] + w, groups[i][1] + [path])
+    return [sorted(g) for _, g in groups if g]
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One pytest-json-report dict from the reports of runs over disjoint sets of test files (`run_hardstop_tests`
+    with jobs > 1): tests, collectors and the hard-stop lists concatenated; `hardstop.passed` only if every run's
+    is True; `git_commit` kept only when every run names the same one (else None: the judge calls it unnamed);
+    `git_dirty` True if any run saw a dirty tree (None if any did not say); the summary counts summed; the exit
+    status the worst (the largest). Judged by `judge_report` exactly as one run's report."""
+    def first(key):
+        vals = {r.get(key) for r in reports}
+        return vals.pop() if len(vals) == 1 else None
+
+    dirty = [r.get("git_dirty") for r in reports]
+    out = {"tests": [t for r in reports for t in r.get("tests", [])],
+           "collectors": [c for r in reports for c in r.get("collectors", [])],
+           "git_commit": first("git_commit"),
+           "git_dirty": None if any(d is None for d in dirty) else any(dirty),
+           "git_dirty_files": sorted({f for r in reports for f in (r.get("git_dirty_files") or [])}),
+           "exitcode": max((r.get("exitcode", 2) for r in reports), default=2),
+           "summary": {k: sum(int((r.get("summary") or {}).get(k, 0) or 0) for r in reports)
+                       for k in ("collected", "total", "deselected", "passed", "failed")}}
+    hs = [r.get("hardstop") if isinstance(r.get("hardstop"), dict) else {} for r in reports]
+    out["hardstop"] = {k: [n for h in hs for n in (h.get(k) or [])] for k in ("tests", "failed", "deselected")}
+    out["hardstop"]["passed"] = bool(reports) and all(h.get("passed") is True for h in hs)
+    return out
+
+
+def _unit_test_files(repo: Path) -> list[tuple[str, int]]:
+    """The unit test files with a weight: their size in bytes, scaled by the known cost of the model-level
+    Triton files under the interpreter (README, "The merge gate")."""
+    heavy = {"test_graph_decode.py": 8, "test_bf16_backend.py": 6, "test_gemm_moe_kernels.py": 3,
+             "test_resident_quant.py": 4, "test_backend.py": 6, "test_append.py": 4, "test_indexer_kernels.py": 3}
+    return [(p.relative_to(repo).as_posix(), p.stat().st_size * heavy.get(p.name, 1))
+            for p in sorted((repo / "tests" / "unit").glob("test_*.py"))]
+
+
+def run_hardstop_tests(repo: Path, report_file: Path, jobs: int | None = None) -> int:
     """Run the hard-stop unit tests in `repo` (output streams to the terminal), writing a JSON report to
-    `report_file`; returns pytest's exit status."""
-    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "--json-report", f"--json-report-file={report_file}"]
+    `report_file`; returns pytest's exit status (the worst over the runs). jobs (default: $DSV4_GATE_JOBS, else
+    min(2, CPU count)): that many pytest processes at once, each over a disjoint set of whole test files
+    (`shard_files`), their reports merged (`merge_reports`); jobs 1 runs `pytest -m hardstop tests/unit`."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 python {' '.join(cmd[1:])}", markup=False,
-                     soft_wrap=True)
+    if jobs is None:
+        jobs = int(os.environ.get("DSV4_GATE_JOBS") or min(2, os.cpu_count() or 1))
+    if jobs <= 1:
+        cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "--json-report", f"--json-report-file={report_file}"]
+        _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 python {' '.join(cmd[1:])}", markup=False,
+                         soft_wrap=True)
+        sys.stdout.flush()
+        return subprocess.run(cmd, cwd=repo, env=env).returncode
+    groups = shard_files(_unit_test_files(repo), jobs)
+    args = [a for a in PYTEST_ARGS if a != "tests/unit"]
+    procs, files = [], []
+    for i, g in enumerate(groups):
+        f = Path(f"{report_file}.shard{i}")
+        files.append(f)
+        cmd = [sys.executable, "-m", "pytest", *args, *g, "--json-report", f"--json-report-file={f}"]
+        _console().print(f"dsv4 gate: shard {i + 1}/{len(groups)}: TRITON_INTERPRET=1 python -m pytest "
+                         f"{' '.join(args)} ({len(g)} files of tests/unit) --json-report", markup=False, soft_wrap=True)
+        log = open(f"{f}.log", "w")
+        procs.append((subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     sys.stdout.flush()
-    return subprocess.run(cmd, cwd=repo, env=env).returncode
+    status = 0
+    for (proc, log), f in zip(procs, files):
+        status = max(status, proc.wait())
+        log.close()
+        print(Path(f"{f}.log").read_text(encoding="utf-8", errors="replace")[-4000:], end="")
+    reports = []
+    for f in files:
+        try:
+            reports.append(load_report(f))
+        except ValueError:
+            return status or 2  # a shard wrote no readable report: the merged report is not written (fails closed)
+    report_file.write_text(json.dumps(merge_reports(reports)), encoding="utf-8")
+    return status
 
 
 def evaluate(base: str, report: Path | None = None, repo: Path | None = None,

@@ -251,3 +251,42 @@ def test_base_that_cannot_be_collected_blocks(repo: Path, tmp_path: Path):
 
     d = evaluate("base", rep, repo, runner=never_run, collector=broken)
     assert not d.allowed and "exit status 2" in d.reason, d
+
+
+# ------------------------------------------------------------------------------------- sharded hard-stop runs
+def test_shard_files_balance_whole_files_deterministically():
+    files = [("a.py", 90), ("b.py", 50), ("c.py", 40), ("d.py", 10), ("e.py", 10)]
+    groups = gate.shard_files(files, 2)
+    assert groups == gate.shard_files(list(reversed(files)), 2)  # order of discovery does not matter
+    assert sorted(p for g in groups for p in g) == [p for p, _ in files]  # every file once, none split
+    load = sorted(sum(dict(files)[p] for p in g) for g in groups)
+    assert load == [100, 100]
+    assert gate.shard_files(files, 1) == [sorted(p for p, _ in files)]
+    assert len(gate.shard_files(files[:1], 4)) == 1  # empty groups dropped
+
+
+def _shard(tmp_path, name, commit_id, outcomes, **extra):
+    return json.loads(write_report(tmp_path / name, commit_id, outcomes, **extra).read_text())
+
+
+def test_merged_shard_reports_are_judged_as_one_run(tmp_path):
+    """Two shards over disjoint files: green + green is green and names every test; a red, a stale, a dirty or
+    a missing shard test blocks exactly as in one run (the merge never turns a failure into a pass)."""
+    a, b = "tests/unit/test_a.py::test_x", "tests/unit/test_b.py::test_y"
+    head = "c" * 40
+    green = gate.merge_reports([_shard(tmp_path, "1", head, {a: "passed"}), _shard(tmp_path, "2", head, {b: "passed"})])
+    assert gate.judge_report(green, head, [a, b]) == (None, [])
+    assert sorted(green["hardstop"]["tests"]) == [a, b] and green["summary"]["total"] == 2
+    red = gate.merge_reports([_shard(tmp_path, "1", head, {a: "passed"}), _shard(tmp_path, "2", head, {b: "failed"})])
+    problem, failing = gate.judge_report(red, head, [a, b])
+    assert problem == "1 hard-stop test(s) did not pass" and failing == [f"{b} (failed)"]
+    stale = gate.merge_reports([_shard(tmp_path, "1", head, {a: "passed"}),
+                                _shard(tmp_path, "2", "d" * 40, {b: "passed"})])
+    assert "names no git commit" in gate.judge_report(stale, head, [a, b])[0]
+    dirty = gate.merge_reports([_shard(tmp_path, "1", head, {a: "passed"}),
+                                _shard(tmp_path, "2", head, {b: "passed"}, git_dirty=True, git_dirty_files=["x.py"])])
+    assert "uncommitted or untracked files (x.py)" in gate.judge_report(dirty, head, [a, b])[0]
+    one = gate.merge_reports([_shard(tmp_path, "1", head, {a: "passed"})])
+    problem, failing = gate.judge_report(one, head, [a, b])
+    assert "did not run" in problem and failing == [f"{b} (missing: a hard-stop test of the base that did not run)"]
+    assert gate.merge_reports([])["hardstop"]["passed"] is False
