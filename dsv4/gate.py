@@ -421,12 +421,21 @@ def merge_reports(reports: list[dict]) -> dict:
     return out
 
 
+# Seconds of each unit test file's hard-stop tests in one process on 2 cores (measured at 71dd336, pytest
+# --durations; 535 s in all): the weights `shard_files` balances. A balancing hint only: a stale entry makes the
+# shards uneven, never a test skipped. Files not listed weigh 1 s.
+HARDSTOP_SECONDS = {"test_gemm_moe_kernels.py": 87, "test_graph_decode.py": 86, "test_bf16_backend.py": 57,
+                    "test_backend.py": 39, "test_indexer_kernels.py": 36, "test_resident_quant.py": 35,
+                    "test_synth_source.py": 27, "test_append.py": 22, "test_kernel_launchers.py": 17,
+                    "test_model.py": 16, "test_gate_bypass.py": 16, "test_diagnose.py": 15, "test_mhc_kernels.py": 13,
+                    "test_parallel.py": 13, "test_fast_paths.py": 8, "test_kernel_edges.py": 8, "test_final_norm.py": 7,
+                    "test_fp32_linear.py": 4, "test_attention_kernels.py": 4, "test_compressor_kernel.py": 4,
+                    "test_gate.py": 4, "test_rope_kernel.py": 3, "test_chat_template.py": 3, "test_hardstop_banner.py": 2}
+
+
 def _unit_test_files(repo: Path) -> list[tuple[str, int]]:
-    """The unit test files with a weight: their size in bytes, scaled by the known cost of the model-level
-    Triton files under the interpreter (README, "The merge gate")."""
-    heavy = {"test_graph_decode.py": 8, "test_bf16_backend.py": 6, "test_gemm_moe_kernels.py": 3,
-             "test_resident_quant.py": 4, "test_backend.py": 6, "test_append.py": 4, "test_indexer_kernels.py": 3}
-    return [(p.relative_to(repo).as_posix(), p.stat().st_size * heavy.get(p.name, 1))
+    """The unit test files, each weighted by `HARDSTOP_SECONDS`."""
+    return [(p.relative_to(repo).as_posix(), HARDSTOP_SECONDS.get(p.name, 1))
             for p in sorted((repo / "tests" / "unit").glob("test_*.py"))]
 
 
@@ -434,7 +443,8 @@ def run_hardstop_tests(repo: Path, report_file: Path, jobs: int | None = None) -
     """Run the hard-stop unit tests in `repo` (output streams to the terminal), writing a JSON report to
     `report_file`; returns pytest's exit status (the worst over the runs). jobs (default: $DSV4_GATE_JOBS, else
     min(2, CPU count)): that many pytest processes at once, each over a disjoint set of whole test files
-    (`shard_files`), their reports merged (`merge_reports`); jobs 1 runs `pytest -m hardstop tests/unit`."""
+    (`shard_files`, weighted by `HARDSTOP_SECONDS`), their reports merged (`merge_reports`); jobs 1 runs
+    `pytest -m hardstop tests/unit`."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     if jobs is None:
         jobs = int(os.environ.get("DSV4_GATE_JOBS") or min(2, os.cpu_count() or 1))
