@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "The hard-stop run is `TRITON_INTERPRET=1 pytest -m hardstop tests/unit` (CPU): "
                                 "1,040 tests, measured 9 min 12 s wall / 8 min 55 s CPU in one process on a 2-core "
                                 "machine; this command runs it in min(2, CPUs) processes over whole test files "
-                                "(DSV4_GATE_JOBS=N to choose), 5 min 51 s there (README, \"The merge gate\"). It checks every kernel and fast path "
+                                "(DSV4_GATE_JOBS=N to choose): 4 min 47 s there (README, \"The merge gate\"). It checks every kernel and fast path "
                                 "against its reference, the bf16 triton backend with quantized weights per call "
                                 "(tests/unit/test_bf16_backend.py) and the decode step a CUDA graph captures, run eagerly.\n"
                                 "GPU hard stops are not run by this command: run `pytest tests/gpu -m hardstop` on "
