@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dsv4.checkpoint  # called as dsv4.checkpoint.load_checkpoint (looked up per call)
 from dsv4.config import layers_from_env
 import dsv4.encoding  # prompt_ids / parse_* looked up per call (a seam the tests replace)
 from dsv4.launch import LaunchEnvError, launch_from_env
-from dsv4.memory_plan import check_fits
-from dsv4.model import DecodeState, Transformer
+from dsv4.memory_plan import LimitError, check_fits, check_serving, MAX_BATCH
+from dsv4.model import STATE_GRAIN, DecodeState, Transformer
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
 from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
@@ -36,7 +37,7 @@ from dsv4.tokenizer import load_tokenizer
 if TYPE_CHECKING:
     from dsv4.encoding import TruncatedCompletion
 
-__all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "ChatState", "reuse_plan", "generate", "load_model", "run_generate", "CKPT_ENV"]
+__all__ = ["is_rank_zero", "ResidualTrace", "GenerationResult", "ChatState", "reuse_plan", "generate", "generate_batch", "load_model", "run_generate", "CKPT_ENV"]
 
 CKPT_ENV = "DSV4_CKPT"
 
@@ -186,6 +187,15 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
             stop = "eos"
             break
         x = torch.tensor([[tok]], dtype=torch.long, device=model.device)
+    # the state holds the prompt and every generated token but the last (sampled, never fed)
+    return _result(tokenizer, ids, out, stop, thinking, max_tokens, trace,
+                   chat=ChatState(state, ids + out[:-1]), reuse=reuse)
+
+
+def _result(tokenizer, ids: list[int], out: list[int], stop: str, thinking: bool, max_tokens: int,
+            trace: ResidualTrace, **extra) -> GenerationResult:
+    """The GenerationResult of a finished completion: the text, then the parsed message (stop "eos"), the partial
+    result of a completion cut by max_tokens, or why the text is malformed."""
     text = tokenizer.decode(out, skip_special_tokens=False)
     mode = "thinking" if thinking else "chat"
     message, err, partial = None, None, None
@@ -197,9 +207,118 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
                 text, mode, reason=f"max_tokens={max_tokens} reached before the end-of-sentence token")
     except ValueError as e:  # a tiny random model rarely produces a well-formed completion; report why
         err = str(e)
-    # the state holds the prompt and every generated token but the last (sampled, never fed)
-    return GenerationResult(ids, out, text, message, err, stop, trace, partial,
-                            chat=ChatState(state, ids + out[:-1]), reuse=reuse)
+    return GenerationResult(ids, out, text, message, err, stop, trace, partial, **extra)
+
+
+@torch.no_grad()
+def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]], *,
+                   max_tokens: int | list[int] = 64, temperature: float = 0.0, thinking: bool = True,
+                   seed: int = 0, max_batch: int | None = None, progress: bool = True) -> list[GenerationResult]:
+    """Generate one assistant turn for each conversation (OpenAI-style message lists) in one ragged batch, with
+    continuous batching (issue 24 item 2); returns one `GenerationResult` per conversation, in order.
+
+    Up to `max_batch` (default: all, at most `dsv4.memory_plan.MAX_BATCH`) conversations hold a row of one decode
+    state. Each request is prefilled into its row (`DecodeState.row`: a batch-1 call, the same maths as
+    `generate`), then every running row decodes one token per step in one call of the decode step, each row at its
+    own position (`DecodeState.row_pos`). A row stops at its EOS or its own `max_tokens` (an int, or one per
+    conversation); the next waiting conversation then takes the row (`DecodeState.reset_row`, then its prefill)
+    while the other rows continue. Free rows still run in the step (at position 0, their output unused, their
+    buffers reset before reuse). Sampling: request i draws from its own generator seeded with `seed`, as `generate`
+    does, so a request's draws do not depend on its neighbours.
+
+    The guarantee (tests/unit/test_generate_batch.py): each conversation's tokens equal `generate` run on it alone,
+    except from a step where the two runs' logits put the top two tokens within the dtype's tolerance of each
+    other (the batched GEMMs round in another order: fp32 1e-5, bf16 1e-2 of the largest |logit|); the test counts
+    such steps and fails on any other difference. No multi-turn reuse and no residual trace per row (`trace` of
+    each result is empty); use `generate` for those.
+
+    A progress bar on stderr (rich) counts the generated tokens against the most that can be generated; off with
+    progress=False. Limits are checked before any model work (`dsv4.memory_plan.check_serving`: LimitError for a
+    batch over MAX_BATCH, a row over the model's context, a decode state larger than the device has available).
+    Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index);
+    prompt errors come from `dsv4.encoding` with the conversation's index added."""
+    if not isinstance(conversations, (list, tuple)) or not conversations:
+        raise ValueError("conversations: expected a non-empty list of message lists")
+    n = len(conversations)
+    limits = [max_tokens] * n if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else max_tokens
+    if not isinstance(limits, (list, tuple)) or len(limits) != n:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1 or a list of {n} of them")
+    for i, m in enumerate(limits):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"max_tokens[{i}]={m!r}: expected an int >= 1")
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+        raise ValueError(f"max_batch={max_batch!r}: expected None or an int >= 1")
+    prompts = []
+    for i, conv in enumerate(conversations):
+        try:
+            prompts.append(dsv4.encoding.prompt_ids(tokenizer, conv, thinking=thinking))
+        except ValueError as e:  # the same exception (type and fields), its message naming the conversation
+            e.args = (f"conversations[{i}]: {e}",) + e.args[1:]
+            raise
+    rows = min(n, max_batch or min(n, MAX_BATCH))
+    need = max(len(p) + m for p, m in zip(prompts, limits))
+    max_len = -(-need // STATE_GRAIN) * STATE_GRAIN
+    if model.decode_graph_max_len is not None:  # a graph state has the capture's max_len
+        if need > model.decode_graph_max_len:
+            raise LimitError(f"a row needs {need} tokens (prompt + max_tokens); this model decodes through CUDA "
+                             f"graphs of max_len={model.decode_graph_max_len} (use_decode_graphs)")
+        max_len = model.decode_graph_max_len
+    check_serving(model.args, batch=rows, max_len=max_len, device=model.device,
+                  dtype_bytes=torch.empty((), dtype=model.dtype).element_size())
+    state = model.new_state(rows, None if model.decode_graph_max_len is not None else max_len)
+
+    eos = model.args.eos_token_id
+    gens = [torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None for _ in range(n)]
+    outs: list[list[int]] = [[] for _ in range(n)]
+    stops: list[str | None] = [None] * n
+    slot: list[int | None] = [None] * rows  # the request each row serves
+    waiting = list(range(n))[::-1]  # pop() takes the lowest index first
+
+    def take(req: int, logits: torch.Tensor) -> bool:
+        """Sample request req's next token from its logits [1, V]; True when the request is finished."""
+        tok = int(sample(logits, temperature, gens[req])[0])
+        outs[req].append(tok)
+        if tok == eos:
+            stops[req] = "eos"
+        elif len(outs[req]) >= limits[req]:
+            stops[req] = "max_tokens"
+        return stops[req] is not None
+
+    console = Console(stderr=True, quiet=not progress)
+    with Progress(TextColumn("generate_batch"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
+                  TextColumn("{task.fields[done]}/" + str(n) + " done"), TimeElapsedColumn(), console=console,
+                  disable=not progress) as bar:
+        task = bar.add_task("generate", total=sum(limits), done=0)
+        while True:
+            for r in range(rows):  # admit: a free row takes the next waiting request (prefill into its row)
+                while slot[r] is None and waiting:
+                    req = waiting.pop()
+                    state.reset_row(r)
+                    x = torch.tensor([prompts[req]], dtype=torch.long, device=model.device)
+                    finished = take(req, model(x, state.row(r)))
+                    bar.update(task, advance=1)
+                    if finished:
+                        bar.update(task, advance=limits[req] - len(outs[req]),
+                                   done=sum(st is not None for st in stops))
+                        continue
+                    slot[r] = req
+            running = [r for r in range(rows) if slot[r] is not None]
+            if not running:
+                break
+            feed = [outs[slot[r]][-1] if slot[r] is not None else 0 for r in range(rows)]
+            logits = model(torch.tensor(feed, dtype=torch.long, device=model.device)[:, None], state)
+            for r in running:
+                req = slot[r]
+                if take(req, logits[r:r + 1]):
+                    bar.update(task, advance=1 + limits[req] - len(outs[req]))
+                    slot[r] = None
+                else:
+                    bar.update(task, advance=1)
+            bar.update(task, done=sum(st is not None for st in stops))
+            pos = state.row_pos  # free rows stay at position 0 (their buffers are reset before reuse)
+            state.row_pos = [p if slot[r] is not None else 0 for r, p in enumerate(pos)]
+    return [_result(tokenizer, prompts[i], outs[i], stops[i], thinking, limits[i], ResidualTrace().bind(model))
+            for i in range(n)]
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,

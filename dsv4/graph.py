@@ -85,7 +85,7 @@ class GraphDecodeState(DecodeState):
         V = model.args.vocab_size
         torch._assert_async(((input_ids >= 0) & (input_ids < V)).all(), f"token id outside [0, {V})")
         self.ids_buf.copy_(input_ids)
-        self.pos_buf.fill_(self.pos)
+        self.load_positions()  # each row's position (rows of a ragged batch differ)
         key = observer is not None
         if key not in self.graphs:
             self.graphs[key] = self._capture(key)

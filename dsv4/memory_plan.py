@@ -29,7 +29,8 @@ from dsv4.config import ModelArgs
 from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
 
 __all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB", "DeviceMemoryError",
-           "available_bytes", "load_bytes", "check_fits"]
+           "available_bytes", "load_bytes", "check_fits", "MAX_BATCH", "LimitError", "ServingPlan", "max_context",
+           "check_serving"]
 
 RESIDENCY = ("bf16", "quantized")
 GiB = 2 ** 30
@@ -249,3 +250,67 @@ def check_fits(args: ModelArgs, n_layers: int, *, device: str, dtype_bytes: int,
         f"{weights}, {dtype_bytes} B per dequantized element, world size {world_size}) its weights alone need "
         f"{need / GiB:.2f} GiB, and {device} has {free / GiB:.2f} GiB available ({where}); refused before "
         f"reading any weight" + (f". Options: {'; '.join(hint)}" if hint else ""))
+
+
+# ---------------------------------------------------------------- serving limits (issue 24 item 4)
+
+MAX_BATCH = 64  # rows of one decode state: the batch sizes the gate runs the kernels at (1..64)
+
+
+class LimitError(ValueError):
+    """A request exceeds a stated serving limit (`MAX_BATCH`, the model's context per row, the memory of the decode
+    state); raised before any model work, with the limit's name, its value and what was asked."""
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """What a batch of `batch` rows of up to `max_len` tokens each costs and may use: `max_batch` (MAX_BATCH),
+    `max_context` (tokens per row: original_seq_len x rope_factor, the YaRN-extended context, 1,048,576 for the
+    released models), `row_bytes` / `state_bytes` (one row's / the whole decode state's bytes, `state_bytes`),
+    `available` (bytes the device can still give, None when it cannot be told) and where that number comes from."""
+
+    batch: int
+    max_len: int
+    max_batch: int
+    max_context: int
+    row_bytes: int
+    state_bytes: int
+    available: int | None
+    where: str
+
+
+def max_context(args: ModelArgs) -> int:
+    """Tokens one row may hold: original_seq_len x rope_factor (YaRN, spec §5.2; = max_position_embeddings)."""
+    return int(args.original_seq_len * args.rope_factor)
+
+
+def check_serving(args: ModelArgs, *, batch: int, max_len: int, device: str | torch.device, dtype_bytes: int,
+                  ) -> ServingPlan:
+    """Check a batch of `batch` rows, each needing up to `max_len` tokens (prompt + generated), against the
+    serving limits before any work: LimitError naming the limit (batch > MAX_BATCH, max_len > the model's context
+    per row, the decode state larger than what `device` has available) with the numbers; the plan otherwise.
+    `args` is the loaded model's (its layer count: TEST_LAYERS applied). The weights are already resident, so
+    the device's available bytes are what the state may take (activations need a margin beyond it)."""
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise LimitError(f"batch={batch!r}: expected an int >= 1")
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise LimitError(f"max_len={max_len!r}: expected an int >= 1 (tokens per row)")
+    if batch > MAX_BATCH:
+        raise LimitError(f"batch {batch} exceeds MAX_BATCH={MAX_BATCH} rows per decode state "
+                         "(dsv4.memory_plan.MAX_BATCH: the batch sizes the kernels are gated at); pass max_batch <= "
+                         f"{MAX_BATCH} and the rest of the requests wait for a free row")
+    ctx = max_context(args)
+    if max_len > ctx:
+        raise LimitError(f"a row needs {max_len} tokens (prompt + max_tokens), over the model's context of {ctx} "
+                         f"tokens per row (original_seq_len {args.original_seq_len} x rope_factor "
+                         f"{args.rope_factor}); shorten the prompt or lower max_tokens")
+    row = state_bytes(args, max_len, 1, dtype_bytes)
+    total = state_bytes(args, max_len, batch, dtype_bytes)
+    room = available_bytes(str(device))
+    free, where = room if room is not None else (None, "unknown")
+    if free is not None and total > free:
+        fit = max(0, free // row)
+        raise LimitError(f"the decode state of {batch} row(s) x {max_len} tokens needs {total / GiB:.3f} GiB "
+                         f"({row / GiB:.4f} GiB per row, dsv4.memory_plan.state_bytes), and {device} has "
+                         f"{free / GiB:.3f} GiB available ({where}); about {fit} row(s) of this length would fit")
+    return ServingPlan(batch, max_len, MAX_BATCH, ctx, row, total, free, where)

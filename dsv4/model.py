@@ -285,7 +285,7 @@ class Compressor(nn.Module):
 
     def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype, ops: Backend) -> torch.Tensor:
         """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE of the tail at each window's
-        first position first_pos [n] int64 (w*r), then the indexer's Hadamard + FP4 rounding or the FP8 rounding
+        first position first_pos [n] int64 (w*r; [b, 1] in the decode step: each row's window), then the indexer's Hadamard + FP4 rounding or the FP8 rounding
         of the nope channels (spec §6.3), RoPE and roundings through `ops` (the prefill passes `REFERENCE`)."""
         k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
@@ -332,17 +332,17 @@ class Compressor(nn.Module):
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: CompressorState, out: torch.Tensor,
              backend: Backend) -> None:
-        """One decode token x [b, 1, dim] at device position pos [1] int64 (spec §6.2, one window at a time):
-        writes the token's (wkv, wgate + ape[pos % r]) row into `st`; where (pos + 1) % r == 0 the completed
-        window's entry goes to out[:, pos // r] (out [b, n_e, d], the state's entry slots) and the window shifts
-        (CSA) / resets. Branch-free: the entry is pooled at every step and committed under a device condition
+        """One decode token per row x [b, 1, dim] at device positions pos [b] int64 (each row its own; spec §6.2,
+        one window at a time): writes the token's (wkv, wgate + ape[pos % r]) row into `st`; in each row where
+        (pos + 1) % r == 0 the completed window's entry goes to out[row, pos // r] (out [b, n_e, d], the state's
+        entry slots) and that row's window shifts (CSA) / resets. Branch-free: the entry is pooled at every step and committed under a device condition
         (`backend.compress_pool` / `compress_commit`, `kernels.compressor`), so nothing is read back to the host
         and the step can be captured in a CUDA graph. Same maths as `extend` for the same tokens (tested:
         prefill == decode)."""
         r = self.ratio
         a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0]
         pooled = backend.compress_pool(a.contiguous(), z.contiguous(), self.ape, pos, st.kv, st.score, r, self.overlap)
-        new = self._finish(pooled, (pos // r) * r, x.dtype, backend)
+        new = self._finish(pooled, ((pos // r) * r).view(-1, 1), x.dtype, backend)
         backend.compress_commit(new.contiguous(), pos, st.kv, st.score, out, r, self.overlap)
 
 
@@ -369,7 +369,8 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
                backend: Backend, ops: Backend, k: int | None = None) -> torch.Tensor:
-        """Top-k entry indices `[b, s, k]` int64 (-1 = empty) of the queries at positions pos [s] int64 (spec §7).
+        """Top-k entry indices `[b, s, k]` int64 (-1 = empty) of the queries at positions pos int64 (spec §7):
+        [s] (every row at the same positions) or [b, s] (each row its own: the decode step).
 
         x [b, s, dim], qr [b, s, q_lora]; keys [b, n, d_I]: slot w holds entry w where it exists; query t sees
         the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k None (prefill):
@@ -381,11 +382,11 @@ class Indexer(nn.Module):
         q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype), ops.fp4_act_quant_sim)
         w = self.weights_proj(x).float() * self.weight_scale
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
-        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1])  # causal entries per query, spec §7.4
+        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
         if k is None:
-            return topk(scores, min(self.topk, int(n_valid.max())), n_valid.expand(b, s))
-        return topk(scores, k, n_valid.view(1, s).expand(b, s), check=False)
+            return topk(scores, min(self.topk, int(n_valid.max())), n_valid)
+        return topk(scores, k, n_valid, check=False)
 
 
 class Attention(nn.Module):
@@ -486,31 +487,34 @@ class Attention(nn.Module):
         return self._out(o, pos, REFERENCE, backend)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
-        """The decode step: one token x [b, 1, dim] (attn_norm output) at device position pos [1] int64 ->
-        [b, 1, dim], on the state's preallocated slots, branch-free and without a host read (so the same step
-        runs eagerly and under CUDA-graph capture, `dsv4/graph.py`). Writes the token's KV into ring slot
-        pos % W, then attends over `st.keys` = [ring | entry slots]: ring slots holding positions <= pos, the
-        entries completed so far (HCA: all w < (pos+1) // r; CSA: the indexer's index_topk picks, -1 padded)."""
+        """The decode step: one token per row x [b, 1, dim] (attn_norm output) at device positions pos [b] int64
+        (each row its own: rows of a ragged batch sit anywhere) -> [b, 1, dim], on the state's preallocated
+        slots, branch-free and without a host read (so the same step runs eagerly and under CUDA-graph capture,
+        `dsv4/graph.py`). Writes each row's KV into its ring slot pos % W, then attends over `st.keys` = [ring |
+        entry slots]: ring slots holding positions <= the row's pos, the row's entries completed so far (HCA:
+        all w < (pos+1) // r; CSA: the indexer's index_topk picks, -1 padded)."""
         b, dev, W = x.shape[0], x.device, self.window
-        qr, q, kv = self._qkv(x, pos, backend)
-        st.ring.index_copy_(1, pos % W, kv)
+        pos2 = pos.view(b, 1)  # [b, s = 1]: the positions of RoPE and the indexer's causal count
+        qr, q, kv = self._qkv(x, pos2, backend)
+        st.ring.scatter_(1, (pos2 % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
         slots = torch.arange(W, device=dev)
-        idx = torch.where(slots <= pos, slots, -1).view(1, 1, W).expand(b, 1, W)
+        idx = torch.where(slots <= pos2, slots, -1).view(b, 1, W)
         if self.compressor is not None:
             self.compressor.step(x, pos, st.compressor, st.entries, backend)
             if self.indexer is not None:
                 self.indexer.compressor.step(x, pos, st.index_compressor, st.index_keys, backend)
-                comp = self.indexer.select(x, qr, pos, st.index_keys, backend, backend, k=self.indexer.topk)
+                comp = self.indexer.select(x, qr, pos2, st.index_keys, backend, backend, k=self.indexer.topk)
             else:
                 w = torch.arange(st.entries.shape[1], device=dev)
-                comp = torch.where(w < (pos + 1) // self.ratio, w, -1).view(1, 1, -1).expand(b, 1, -1)
+                comp = torch.where(w < (pos2 + 1) // self.ratio, w, -1).view(b, 1, -1)
             idx = torch.cat((idx, torch.where(comp >= 0, comp + W, -1)), -1)
         o = backend.sparse_attn(q, st.keys, self.attn_sink, idx, self.scale)
-        return self._out(o, pos, backend, backend)
+        return self._out(o, pos2, backend, backend)
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `extend` (pos an int: the first position of the s
-        tokens; the prefill is 0) or the decode `step` (pos [1] int64 on x's device, s == 1). Updates `st`."""
+        tokens; the prefill is 0) or the decode `step` (pos [b] int64 on x's device, each row's; s == 1).
+        Updates `st`."""
         return self.extend(x, pos, st, backend) if isinstance(pos, int) else self.step(x, pos, st, backend)
 
 
@@ -828,13 +832,16 @@ class Transformer(nn.Module):
         return DecodeState(self.layer_states(batch, n), max_len=n, growable=max_len is None, owner=weakref.ref(self))
 
     def _reserve(self, state: DecodeState, n: int) -> None:
-        """Make room for n more tokens: a growable state below pos + n is reallocated (contents copied) to
-        max(pos + n, 2 * max_len) rounded up to `STATE_GRAIN`; a fixed one raises ValueError."""
-        need = state.pos + n
+        """Make room for n more tokens in every row: a growable state whose furthest row p lacks room for p + n
+        is reallocated (contents copied) to max(p + n, 2 * max_len) rounded up to `STATE_GRAIN`; a fixed one
+        (a row view of a batch state included) raises ValueError. Row views taken before a reallocation are
+        stale (refused by `_check_state`)."""
+        p = max(state.row_pos)
+        need = p + n
         if need <= state.max_len:
             return
         if not state.growable:
-            raise ValueError(f"decode state holds max_len={state.max_len} tokens; position {state.pos} + {n} "
+            raise ValueError(f"decode state holds max_len={state.max_len} tokens; position {p} + {n} "
                              f"new token(s) needs {need} (make it with a larger new_state(batch, max_len))")
         new_len = -(-max(need, 2 * state.max_len) // STATE_GRAIN) * STATE_GRAIN
         grown = self.layer_states(state.batch, new_len)
@@ -849,6 +856,10 @@ class Transformer(nn.Module):
         """The state has one LayerState per layer of this model, of that layer's kind (compressed / indexed or
         not), window, head dim, dtype and device. ValueError naming the first mismatch. Checked once per
         (state, model) pair: the layer states keep their shapes, dtype and device for the whole sequence."""
+        parent = getattr(state, "_parent", None)
+        if parent is not None and parent.layers is not state._parent_layers:
+            raise ValueError("a stale row view: its batch state was reallocated (grown) after state.row(i) was "
+                             "taken; take state.row(i) again")
         if state.checked_by == id(self) and state.owner is not None and state.owner() is self:
             return
         if len(state.layers) != len(self.layers):
@@ -923,7 +934,8 @@ class Transformer(nn.Module):
     def decode_step(self, input_ids: torch.Tensor, pos: torch.Tensor, state: DecodeState,
                     observer: ResidualObserver | None = None) -> torch.Tensor:
         """THE decode step of every backend, eager and CUDA-graph captured alike (`dsv4/graph.py` captures this
-        call): input_ids [b, 1] int64, pos [1] int64 on the model's device (the position of this token) ->
+        call): input_ids [b, 1] int64, pos [b] int64 on the model's device (each row's position of this token;
+        rows of a ragged batch differ) ->
         the last block's streams [b, 1, hc, dim]. Writes the token into `state`'s preallocated slots (room
         checked by the caller, `_reserve`); reads nothing back to the host on the triton backend."""
         return self._layers(self._streams(input_ids), pos, input_ids, state, observer)
@@ -931,11 +943,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
                 observer: ResidualObserver | None = None) -> torch.Tensor:
-        """input_ids [b, s] int64 at positions state.pos.. -> logits fp32 [b, V] of the last position
+        """input_ids [b, s] int64, row i at positions state.row_pos[i].. -> logits fp32 [b, V] of the last position
         ([b, s, V] with all_logits). Any s >= 1 at any position: the first call of a state is the prefill, a later
-        call appends s tokens (`Attention.extend`; s == 1 runs the decode step, `decode_step`). Every row of the
-        batch is at the same position. Advances `state.pos`; a growable state is reallocated first if it lacks
-        room (`_reserve`), a fixed one raises ValueError.
+        call appends s tokens (`Attention.extend`; s == 1 runs the decode step, `decode_step`). Rows may sit at
+        different positions (a ragged batch, issue 24): one token per row runs the one decode step with each
+        row's position; several tokens per row run each row's `extend` on its row view (`DecodeState.row`).
+        Advances every row by s; a growable state is reallocated first if a row lacks room (`_reserve`), a fixed
+        one raises ValueError.
 
         Raises ValueError for an empty input, a call past a fixed state's max_len, ids outside the vocab, or a
         state this model did not make (another layer count, layer kind, dtype or device: `zip` over the layers
@@ -955,14 +969,18 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids batch {input_ids.shape[0]} != the state's batch "
                              f"{state.layers[0].ring.shape[0]} (make it with new_state({input_ids.shape[0]}))")
         self._reserve(state, input_ids.shape[1])
-        if not (state.pos > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
+        if not (max(state.row_pos) > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
             if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
                 raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
                                  f"max {int(input_ids.max())}")
-        if state.pos > 0 and input_ids.shape[1] == 1:  # the decode step (a GraphDecodeState replays its capture)
+        rows, s = state.row_pos, input_ids.shape[1]
+        if s == 1 and max(rows) > 0:  # the decode step, each row at its position (a GraphDecodeState replays)
             H = state.decode_step(self, input_ids, observer)
-        else:  # the prefill, or s tokens appended at state.pos (`Attention.extend`)
-            H = self._layers(self._streams(input_ids), state.pos, input_ids, state, observer)
-        state.pos += input_ids.shape[1]
+        elif len(set(rows)) == 1:  # the prefill, or s tokens appended at the rows' common position (`extend`)
+            H = self._layers(self._streams(input_ids), rows[0], input_ids, state, observer)
+        else:  # several tokens into rows at different positions: each row's own append, on its row view
+            return torch.cat([self(input_ids[i:i + 1], state.row(i), all_logits=all_logits, observer=observer)
+                              for i in range(state.batch)], 0)
+        state.row_pos = [p + s for p in rows]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]

@@ -9,8 +9,9 @@ between calls (`Transformer._reserve`), never during a step.
 
 from __future__ import annotations
 
+import math
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -65,39 +66,129 @@ class LayerState:
         return out
 
 
-@dataclass
 class DecodeState:
-    """Everything a sequence carries between calls: `pos` = tokens processed so far, one LayerState per layer,
-    `max_len` = the tokens its buffers hold, `growable` = whether `Transformer.forward` may reallocate them to a
-    larger max_len (False: a call past max_len raises ValueError). `pos_buf` int64 [1] on the state's device: the
-    decode step's position as a device tensor (the step never reads a position from the host).
+    """Everything a batch of sequences carries between calls: one LayerState per layer, `max_len` = the tokens its
+    buffers hold per row, `growable` = whether `Transformer.forward` may reallocate them to a larger max_len
+    (False: a call past max_len raises ValueError).
+
+    Positions (issue 24): `row_pos` [b] host ints = tokens each row has processed. Rows may sit at different
+    positions (a ragged batch, continuous batching); `pos` is their common position and raises ValueError when
+    they differ (assigning `pos` sets every row). `pos_buf` int64 [b] on the state's device: the decode step's
+    positions as a device tensor (the step never reads a position from the host). `row(i)` is a view of row i
+    (its buffers are slices of these: a prefill or an append into it writes this state's row i, nothing else);
+    `reset_row(i)` empties row i for a new request.
+
     `checked_by`: id of the model that last validated this state (`Transformer._check_state`), so a decode step
     does not re-walk every layer's state. `owner`: a weak reference to the model instance the state belongs to
     (set by `new_state`, or by the first model that runs it): another instance, even of the same architecture,
     refuses it (its caches hold that model's keys and values)."""
 
-    layers: list[LayerState]
-    pos: int = 0
-    max_len: int = 0
-    growable: bool = True
-    checked_by: int | None = field(default=None, repr=False, compare=False)
-    owner: weakref.ref | None = field(default=None, repr=False, compare=False)  # the model it belongs to
-
     checks_ids_on_device = False  # class attribute: True for a CUDA-graph state (`dsv4.graph`)
 
-    def __post_init__(self) -> None:
+    def __init__(self, layers: list[LayerState], pos: int = 0, max_len: int = 0, growable: bool = True,
+                 checked_by: int | None = None, owner: weakref.ref | None = None):
+        self.layers, self.max_len, self.growable = layers, max_len, growable
+        self.checked_by, self.owner = checked_by, owner
         dev = self.layers[0].keys.device if self.layers else "cpu"
-        self.pos_buf = torch.zeros(1, dtype=torch.int64, device=dev)  # not a field: not state bytes, not compared
+        b = self.layers[0].keys.shape[0] if self.layers else 1
+        self._rows: list[int] = [pos] * b  # a row view shares its parent's list (`row`)
+        self._slice = slice(None)
+        self.pos_buf = torch.zeros(b, dtype=torch.int64, device=dev)  # not state bytes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(batch={self.batch}, row_pos={self.row_pos}, max_len={self.max_len}, " \
+               f"growable={self.growable}, layers={len(self.layers)})"
 
     @property
     def batch(self) -> int:
         return self.layers[0].keys.shape[0]
 
+    @property
+    def row_pos(self) -> list[int]:
+        """Tokens processed by each row (a copy; assign a list of `batch` ints to change them)."""
+        return self._rows[self._slice]
+
+    @row_pos.setter
+    def row_pos(self, value: list[int]) -> None:
+        value = [int(v) for v in value]
+        if len(value) != self.batch or min(value) < 0:
+            raise ValueError(f"row_pos={value}: expected {self.batch} ints >= 0")
+        self._rows[self._slice] = value
+
+    @property
+    def ragged(self) -> bool:
+        """True when the rows sit at different positions."""
+        return len(set(self.row_pos)) > 1
+
+    @property
+    def pos(self) -> int:
+        """The position every row is at. Raises ValueError when the rows differ (read `row_pos` then)."""
+        rows = self.row_pos
+        if len(set(rows)) > 1:
+            raise ValueError(f"the rows of this state sit at different positions {rows}: read state.row_pos")
+        return rows[0]
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.row_pos = [value] * self.batch
+
+    def row(self, i: int) -> "DecodeState":
+        """Row i as a state of batch 1 whose buffers are views of this state's row i (writes land here) and whose
+        position is this state's row_pos[i]. Fixed size (growable False): grow the batch state first
+        (`Transformer.reserve`). Raises IndexError for a row outside 0..batch-1."""
+        if not isinstance(i, int) or not 0 <= i < self.batch:
+            raise IndexError(f"row {i!r}: this state has rows 0..{self.batch - 1}")
+        sl = slice(i, i + 1)
+        view = DecodeState([_row_layer(ls, sl) for ls in self.layers], max_len=self.max_len, growable=False,
+                           owner=self.owner)
+        view._rows, view._slice = self._rows, slice(self._start + i, self._start + i + 1)
+        view._parent, view._parent_layers = self, self.layers  # a reallocation of self makes the view stale
+        return view
+
+    @property
+    def _start(self) -> int:
+        return self._slice.start or 0
+
+    def reset_row(self, i: int) -> None:
+        """Empty row i for a new request (continuous batching): its keys, indexer keys and compressor windows as in
+        a fresh state (zeros, scores -inf), its position 0. The other rows are untouched."""
+        if not isinstance(i, int) or not 0 <= i < self.batch:
+            raise IndexError(f"row {i!r}: this state has rows 0..{self.batch - 1}")
+        for ls in self.layers:
+            ls.keys[i].zero_()
+            if ls.index_keys is not None:
+                ls.index_keys[i].zero_()
+            for c in (ls.compressor, ls.index_compressor):
+                if c is not None:
+                    c.kv[i].zero_()
+                    c.score[i].fill_(-math.inf)
+        rows = self.row_pos
+        rows[i] = 0
+        self.row_pos = rows
+
+    def load_positions(self) -> torch.Tensor:
+        """`pos_buf` [b] int64 <- row_pos (one fill when the rows agree, else one host-to-device copy)."""
+        rows = self.row_pos
+        if len(set(rows)) == 1:
+            self.pos_buf.fill_(rows[0])
+        else:
+            self.pos_buf.copy_(torch.tensor(rows, dtype=torch.int64))
+        return self.pos_buf
+
     def decode_step(self, model, input_ids: torch.Tensor, observer=None) -> torch.Tensor:
-        """One decode token per row, eagerly: input_ids [b, 1] (checked by `Transformer.forward`) -> the last
-        layer's streams [b, 1, hc, dim]. `dsv4.graph.GraphDecodeState` replays a capture of the same step."""
-        self.pos_buf.fill_(self.pos)
-        return model.decode_step(input_ids, self.pos_buf, self, observer)
+        """One decode token per row, eagerly: input_ids [b, 1] (checked by `Transformer.forward`) at each row's
+        position -> the last layer's streams [b, 1, hc, dim]. `dsv4.graph.GraphDecodeState` replays a capture
+        of the same step."""
+        return model.decode_step(input_ids, self.load_positions(), self, observer)
+
+
+def _row_layer(ls: LayerState, sl: slice) -> LayerState:
+    """The LayerState of rows `sl` as views of `ls`'s buffers."""
+    def comp(c):
+        return None if c is None else CompressorState(kv=c.kv[sl], score=c.score[sl])
+    return LayerState(keys=ls.keys[sl], window=ls.window, compressor=comp(ls.compressor),
+                      index_keys=None if ls.index_keys is None else ls.index_keys[sl],
+                      index_compressor=comp(ls.index_compressor))
 
 
 class ResidualObserver(Protocol):

@@ -8,6 +8,8 @@ overlapping CSA compressor, else 1; state kv / score fp32 [b, c*r, c*d]):
   3. the entry (after `Compressor._finish`: norm, RoPE, quantization simulation) is stored at entry p // r only
      where (p + 1) % r == 0, and then the CSA window shifts (slots r..2r-1 -> 0..r-1) and the current window's
      scores reset to -inf.
+The position is one device value for the batch (pos [1]) or one per row (pos [b]: a ragged batch whose rows sit at
+different positions, issue 24; every row then pools, commits and resets at its own window boundary).
 The references `compress_pool_ref` (1-2) and `compress_commit_ref` (3) are the decode step's torch code
 (`dsv4.model.Compressor.step` on the reference backend), branch-free on a device position (`torch.where`); the
 decode step equals the prefill's whole-window pooling (tests/unit/test_graph_decode.py). `compress_pool` / `compress_commit` do the same in one launch each: in torch it is ~20
@@ -67,9 +69,9 @@ def _check(op: str, a, z, ape, pos, kv, score, ratio: int, overlap: bool) -> tup
                             or ape.dtype != torch.float32):
         _fail(op, "ape", f"{getattr(ape, 'dtype', type(ape))} shape {tuple(getattr(ape, 'shape', ()))}",
               f"float32 [{ratio}, {W}]")
-    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) != (1,):
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((1,), (b,)):
         _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
-              "int64 [1] (the decode position, on the device)")
+              f"int64 [1] or [{b}] (the decode position of the batch or of each row, on the device)")
     return b, W // c, W
 
 
@@ -81,12 +83,15 @@ def compress_pool_ref(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: 
                       score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """Steps 1-2 of the module docstring: writes the token's row into kv / score (in place) and returns the
     window's pooled entry [b, 1, d] fp32. a, z [b, W] fp32 (wkv(x), wgate(x) without ape); ape [r, W] fp32;
-    pos int64 [1]; kv, score fp32 [b, c*r, W]. Raises ValueError naming a wrong argument."""
-    _, d, _ = _check("compress_pool_ref", a, z, ape, pos, kv, score, ratio, overlap)
+    pos int64 [1] (every row) or [b] (each row's own); kv, score fp32 [b, c*r, W]. Raises ValueError naming a
+    wrong argument."""
+    b, d, _ = _check("compress_pool_ref", a, z, ape, pos, kv, score, ratio, overlap)
     r = ratio
-    slot = (r if overlap else 0) + pos % r
-    kv.index_copy_(1, slot, a[:, None])
-    score.index_copy_(1, slot, (z + ape.index_select(0, pos % r))[:, None])
+    p = pos.expand(b)
+    rows = torch.arange(b, device=kv.device)
+    slot = (r if overlap else 0) + p % r  # [b]
+    kv[rows, slot] = a
+    score[rows, slot] = z + ape.index_select(0, p % r)
     if overlap:
         A = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), 1)
         Z = torch.cat((score[:, :r, :d], score[:, r:, d:]), 1)
@@ -97,14 +102,17 @@ def compress_pool_ref(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: 
 
 def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
                         out: torch.Tensor, ratio: int, overlap: bool) -> None:
-    """Step 3: where (pos + 1) % r == 0, out[:, pos // r] = new ([b, 1, d], out's dtype; the index clamped to
-    out's last entry), the CSA window shifts and the current scores reset to -inf; elsewhere nothing changes.
-    out [b, n_out, d] (may be a strided view). Raises ValueError naming a wrong argument."""
+    """Step 3, per row (pos [1]: every row at that position; pos [b]: each row's own): where (pos + 1) % r == 0,
+    out[row, pos // r] = new[row] (new [b, 1, d], out's dtype; the index clamped to out's last entry), the row's
+    CSA window shifts and its current scores reset to -inf; elsewhere nothing changes. out [b, n_out, d] (may be
+    a strided view). Raises ValueError naming a wrong argument."""
     b, d, _ = _check("compress_commit_ref", None, None, None, pos, kv, score, ratio, overlap)
     r = ratio
-    done = ((pos + 1) % r == 0).view(1, 1, 1)
-    w = (pos // r).clamp(max=out.shape[1] - 1)
-    out.index_copy_(1, w, torch.where(done, new, out.index_select(1, w)))
+    p = pos.expand(b)
+    done = ((p + 1) % r == 0).view(b, 1, 1)
+    rows = torch.arange(b, device=kv.device)
+    w = (p // r).clamp(max=out.shape[1] - 1)
+    out[rows, w] = torch.where(done[:, 0], new[:, 0], out[rows, w])
     if overlap:
         kv[:, :r] = torch.where(done, kv[:, r:], kv[:, :r])
         score[:, :r] = torch.where(done, score[:, r:], score[:, :r])
@@ -119,14 +127,17 @@ def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     @triton.jit
     def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R,
-                              OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-        """Grid (b, cdiv(d, BD)). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
+                              OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PER_ROW: tl.constexpr):
+        """Grid (b, cdiv(d, BD)); the position pos[0], or pos[b] (PER_ROW). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
         at column d + j), with the token's new row substituted in registers (no read-after-write), pools, stores
         pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state."""
         b = tl.program_id(0).to(tl.int64)
         offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
         mj = offs_j < d
-        pos = tl.load(pos_ptr)
+        if PER_ROW:
+            pos = tl.load(pos_ptr + b)
+        else:
+            pos = tl.load(pos_ptr)
         ok = pos >= 0  # a negative position (never made by the graph step) writes nothing and pools NaN: loud
         p = tl.where(ok, pos, 0) % R
         if OVERLAP:
@@ -170,11 +181,15 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit(do_not_specialize=["n_out"])  # issue 29: n_out = max_len // r varies per graph state
     def _compress_commit_kernel(new_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, n_out, so_b, so_n,
-                                OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-        """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value)."""
+                                OVERLAP: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, PER_ROW: tl.constexpr):
+        """Grid (b, cdiv(W, BD)); does nothing unless (pos + 1) % R == 0 (a uniform branch on a device value); the
+        position pos[0], or pos[b] (PER_ROW: each row commits at its own boundary)."""
         b = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BD + tl.arange(0, BD)
-        pos = tl.load(pos_ptr)
+        if PER_ROW:
+            pos = tl.load(pos_ptr + b)
+        else:
+            pos = tl.load(pos_ptr)
         if (pos >= 0) & ((pos + 1) % R == 0):
             w = tl.minimum(pos // R, n_out - 1)
             md = offs < d
@@ -206,7 +221,7 @@ def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torc
                   score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """`compress_pool_ref` in one launch (same arguments, same state writes; pooled within a few fp32 ulps).
 
-    Args: a, z fp32 [b, W]; ape fp32 [r, W]; pos int64 [1] >= 0 (device value: a negative one is not read back,
+    Args: a, z fp32 [b, W]; ape fp32 [r, W]; pos int64 [1] or [b] (per row) >= 0 (device values: a negative one is not read back,
     it makes pooled NaN and writes nothing); kv, score fp32 [b, c*r, W] (c = 2 iff overlap); ratio r; overlap
     bool. Tensors contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync.
     Returns: pooled [b, 1, W / c] fp32. Raises: ValueError naming the wrong argument."""
@@ -220,14 +235,15 @@ def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torc
     BN = max(2, triton.next_power_of_2(kv.shape[1]))
     BD = max(16, min(triton.next_power_of_2(d), 8192 // BN))
     _compress_pool_kernel[(b, triton.cdiv(d, BD))](a, z, ape, pos, kv, score, out, d, W, ratio,
-                                                  OVERLAP=overlap, BN=BN, BD=BD, num_warps=4)
+                                                  OVERLAP=overlap, BN=BN, BD=BD, PER_ROW=pos.shape[0] != 1,
+                                                  num_warps=4)
     return out
 
 
 def compress_commit(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, out: torch.Tensor,
                     ratio: int, overlap: bool) -> None:
-    """`compress_commit_ref` in one launch: new [b, 1, d] contiguous in out's dtype; pos int64 [1] (a negative
-    value commits nothing); kv, score as `compress_pool`; out [b, n_out >= 1, d] with a contiguous last dim (a
+    """`compress_commit_ref` in one launch: new [b, 1, d] contiguous in out's dtype; pos int64 [1] or [b] (per
+    row; a negative value commits nothing); kv, score as `compress_pool`; out [b, n_out >= 1, d] with a contiguous last dim (a
     view into the static key buffer). Returns None (writes in place). Raises ValueError naming the wrong argument."""
     op = "compress_commit"
     b, d, W = _check(op, None, None, None, pos, kv, score, ratio, overlap)
@@ -243,4 +259,4 @@ def compress_commit(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, scor
     BD = max(16, min(triton.next_power_of_2(W), 8192 // BR))
     _compress_commit_kernel[(b, triton.cdiv(W, BD))](new, pos, kv, score, out, d, W, ratio, out.shape[1],
                                                     out.stride(0), out.stride(1), OVERLAP=overlap, BR=BR, BD=BD,
-                                                    num_warps=4)
+                                                    PER_ROW=pos.shape[0] != 1, num_warps=4)

@@ -261,16 +261,16 @@ def fp4_act_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate the interleaved pairs (2i, 2i+1) of the last dim of `x` by angle pos*f_i (spec §5, pitfall 4).
 
-    x [..., s, (heads,) rd] any float dtype; pos [s] int64 absolute positions (broadcast over the axis
-    right after the batch axes: x must be [b, s, rd] or [b, s, h, rd]); computed in fp32, returned in x.dtype.
+    x [b, s, rd] or [b, s, h, rd], any float dtype; pos int64 absolute positions, [s] (every row at the same
+    positions) or [b, s] (a ragged batch: each row's own, issue 24); computed in fp32, returned in x.dtype.
     `inverse=True` rotates by -pos*f_i (the output de-rotation).
     """
-    ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]  # [s, rd/2]
+    ang = pos.to(torch.float64)[..., None] * inv_freq.to(pos.device)  # [(b,) s, rd/2]
     cos, sin = ang.cos().float(), ang.sin().float()
     if inverse:
         sin = -sin
     if x.dim() == 4:
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)

@@ -39,10 +39,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     from kernels.gemm import cast_for_store
 
     @triton.jit
-    def _rope_tail_kernel(x_ptr, pos_ptr, f_ptr, D, S, H, RD2, SIGN, BR: tl.constexpr):
-        """One program per row of x viewed [rows, D] (row = ((b*S + t)*H + h)); rotates columns D-2*RD2 .. D-1."""
+    def _rope_tail_kernel(x_ptr, pos_ptr, f_ptr, D, S, H, RD2, SIGN, BR: tl.constexpr, PER_ROW: tl.constexpr):
+        """One program per row of x viewed [rows, D] (row = ((b*S + t)*H + h)); rotates columns D-2*RD2 .. D-1.
+        The position of token t of batch row b: pos[t] (pos [S]) or pos[b, t] (PER_ROW: pos [B, S])."""
         row = tl.program_id(0).to(tl.int64)
         t = (row // H) % S
+        if PER_ROW:
+            t = row // H  # b*S + t: the element of pos [B, S]
         offs = tl.arange(0, BR)
         mask = offs < RD2
         ang = tl.load(pos_ptr + t).to(tl.float64) * tl.load(f_ptr + offs, mask=mask, other=0.0)
@@ -59,7 +62,8 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
                inverse: bool = False) -> torch.Tensor:
     """Rotate the last `rd` columns of x in place as `kernels.numerics.apply_rope` does (module docstring); returns x.
 
-    Args: x [b, s, D] or [b, s, h, D] bf16 / fp32 contiguous; pos [s] int64 (on x's device); inv_freq [rd/2]
+    Args: x [b, s, D] or [b, s, h, D] bf16 / fp32 contiguous; pos int64 on x's device, [s] (every row at the
+    same positions) or [b, s] contiguous (each row its own: a ragged batch, issue 24); inv_freq [rd/2]
     fp64 (`dsv4.model.rope_inv_freq`, on x's device); rd even, <= D; inverse: rotate by -pos*f (de-rotation).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, rd).
     """
@@ -72,9 +76,10 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
     D, S = x.shape[-1], x.shape[1]
     if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
         _fail(op, "rd", repr(rd), f"an even int in 2..{D}")
-    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) != (S,):
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or \
+            tuple(pos.shape) not in ((S,), (x.shape[0], S)):
         _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
-              f"int64 [{S}]")
+              f"int64 [{S}] or [{x.shape[0]}, {S}]")
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or \
             tuple(inv_freq.shape) != (rd // 2,):
         _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))} shape "
@@ -84,5 +89,6 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
     rows = x.numel() // D
     if rows:
         _rope_tail_kernel[(rows,)](x, pos, inv_freq, D, S, H, rd // 2, -1.0 if inverse else 1.0,
-                                   BR=max(16, triton.next_power_of_2(rd // 2)), num_warps=1)
+                                   BR=max(16, triton.next_power_of_2(rd // 2)), PER_ROW=pos.dim() == 2,
+                                   num_warps=1)
     return x

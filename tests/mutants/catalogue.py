@@ -204,6 +204,20 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.multi_turn_prefix_unchecked,
            ("tests/unit/test_generate.py::test_multi_turn_continues_the_state_only_when_the_prompt_extends_it[thinking]",
             "tests/unit/test_generate.py::test_multi_turn_refuses_a_state_it_cannot_continue")),
+    # issue 24: ragged batches
+    Mutant("ragged_row0_position", "a ragged batch's decode step runs every row at row 0's position",
+           patches.ragged_row0_position,
+           ("tests/unit/test_ragged.py::test_ragged_rows_equal_each_conversation_alone",
+            "tests/unit/test_ragged.py::test_continuous_batching_a_replaced_row_leaves_the_others_untouched",
+            "tests/unit/test_generate_batch.py::test_generate_batch_equals_each_conversation_alone")),
+    Mutant("ragged_commit_row0_boundary", "a ragged row's compressor entry committed at row 0's window boundary",
+           patches.ragged_commit_row0_boundary,
+           ("tests/unit/test_ragged.py::test_ragged_rows_equal_each_conversation_alone",
+            "tests/unit/test_compressor_kernel.py::test_per_row_positions_equal_each_row_alone[ref-csa]")),
+    Mutant("ragged_commit_kernel_row0_boundary", "the commit kernel reads row 0's position for every row",
+           patches.ragged_commit_kernel_row0_boundary,
+           ("tests/unit/test_compressor_kernel.py::test_per_row_positions_equal_each_row_alone[kernel-csa]",
+            "tests/unit/test_ragged.py::test_triton_ragged_decode_equals_the_reference_alone")),
 ]}
 
 

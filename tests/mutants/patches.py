@@ -112,12 +112,12 @@ def rope_split_halves(mp: MP) -> None:
     from kernels import numerics
 
     def apply_rope(x, pos, inv_freq, inverse=False):
-        ang = pos.to(torch.float64)[:, None] * inv_freq.to(pos.device)[None, :]
+        ang = pos.to(torch.float64)[..., None] * inv_freq.to(pos.device)
         cos, sin = ang.cos().float(), ang.sin().float()
         if inverse:
             sin = -sin
         if x.dim() == 4:
-            cos, sin = cos[:, None, :], sin[:, None, :]
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         x0, x1 = x.float().chunk(2, dim=-1)  # MUTANT: halves, not unflatten(-1, (-1, 2))
         return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).to(x.dtype)
 
@@ -745,3 +745,30 @@ def multi_turn_prefix_unchecked(mp: MP) -> None:
     from dsv4 import generate
 
     _source_mutant(mp, generate, "reuse_plan", "    if common < len(old):", "    if False:  # MUTANT")
+
+
+# ------------------------------------------------------------------------------------------- ragged batches (issue 24)
+def ragged_row0_position(mp: MP) -> None:
+    """The decode step of a ragged batch runs every row at row 0's position (one scalar position for the batch:
+    the lockstep assumption); right whenever the rows agree, so every lockstep test passes."""
+    from dsv4.state import DecodeState
+
+    _source_mutant(mp, DecodeState, "load_positions", "if len(set(rows)) == 1:", "if True:  # MUTANT: row 0's")
+
+
+def ragged_commit_row0_boundary(mp: MP) -> None:
+    """The compressor's commit (reference decode step) decides from row 0's position whether a window completed,
+    for every row: a row whose window ends at another step than row 0's skips its entry (and its reset)."""
+    from kernels import compressor
+
+    _source_mutant(mp, compressor, "compress_commit_ref", "done = ((p + 1) % r == 0).view(b, 1, 1)",
+                   "done = ((p[:1] + 1) % r == 0).view(1, 1, 1).expand(b, 1, 1)  # MUTANT: row 0's boundary")
+
+
+def ragged_commit_kernel_row0_boundary(mp: MP) -> None:
+    """The compressor commit kernel (triton decode step) reads row 0's position in every program: a ragged row
+    commits, shifts and resets its window at row 0's boundary instead of its own."""
+    from kernels import compressor
+
+    _jit_source_mutant(mp, compressor, "_compress_commit_kernel", "pos = tl.load(pos_ptr + b)",
+                       "pos = tl.load(pos_ptr)  # MUTANT: row 0's position")

@@ -117,3 +117,54 @@ def test_compress_edges_fail_loud():
         compress_pool(a, a, ape, torch.tensor([0], device=DEV), kv, sc, 4, "yes")
     with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(\)"):
         compress_pool(a, a, ape, torch.tensor(0, device=DEV), kv, sc, 4, False)
+
+
+@pytest.mark.parametrize("r,overlap,d", [(4, True, 48), (8, False, 32)], ids=["csa", "r8_plain"])
+@pytest.mark.parametrize("impl", ["ref", "kernel"])
+def test_per_row_positions_equal_each_row_alone(seed, r, overlap, d, impl):
+    """A ragged batch (issue 24): pos [b] puts each row at its own position, so rows complete, commit, shift and
+    reset their windows at different steps. The anchor is the same op run on each row alone with pos [1] (the
+    lockstep form): state writes, pooled entries and committed entries bitwise equal, row by row, at every step.
+    Row offsets 0, 1, r // 2 + 1 and r - 1 put every phase of the window in some row at every step. Negative
+    control: feeding every row row 0's position (the bug class of a ragged step that broadcasts one position)
+    changes some row's committed entries."""
+    from kernels import compressor as kc
+    pool, commit = ((kc.compress_pool_ref, kc.compress_commit_ref) if impl == "ref"
+                    else (kc.compress_pool, kc.compress_commit))
+    c = 2 if overlap else 1
+    W, b = c * d, 4
+    offs = torch.tensor([0, 1, r // 2 + 1, r - 1], device=DEV)
+    ape = torch.randn(r, W, device=DEV)
+    kv, sc = _state(b, r, d, overlap)
+    out = torch.full((b, 4, d), 7.0, device=DEV)
+    alone = [(*_state(1, r, d, overlap), torch.full((1, 4, d), 7.0, device=DEV)) for _ in range(b)]
+    wrong_kv, wrong_sc = _state(b, r, d, overlap)
+    wrong_out = out.clone()
+    for step in range(2 * r + 1):
+        pos = offs + step
+        a = torch.randn(b, W, device=DEV)
+        z = torch.randn(b, W, device=DEV) * 3 + 80.0
+        new = torch.randn(b, 1, d, device=DEV)
+        got = pool(a, z, ape, pos, kv, sc, r, overlap)
+        commit(new, pos, kv, sc, out, r, overlap)
+        for i, (kv_i, sc_i, out_i) in enumerate(alone):
+            want = pool(a[i:i + 1], z[i:i + 1], ape, pos[i:i + 1], kv_i, sc_i, r, overlap)
+            commit(new[i:i + 1], pos[i:i + 1], kv_i, sc_i, out_i, r, overlap)
+            assert torch.equal(got[i], want[0]), f"row {i} pooled at step {step}"
+            assert torch.equal(kv[i], kv_i[0]) and torch.equal(sc[i], sc_i[0]), f"row {i} state at step {step}"
+            assert torch.equal(out[i], out_i[0]), f"row {i} entries at step {step}"
+        row0 = pos[:1].expand(b).contiguous()
+        pool(a, z, ape, row0, wrong_kv, wrong_sc, r, overlap)
+        commit(new, row0, wrong_kv, wrong_sc, wrong_out, r, overlap)
+    assert bool((out[:, 0] != 7.0).all()), "every row completed and committed a window"
+    assert not torch.equal(wrong_out, out), "negative control: row 0's position for every row must differ"
+
+
+def test_per_row_pos_shape_is_checked():
+    from kernels.compressor import compress_pool, compress_pool_ref
+    kv, sc = _state(2, 4, 16, False)
+    a = torch.randn(2, 16, device=DEV)
+    ape = torch.randn(4, 16, device=DEV)
+    for fn in (compress_pool, compress_pool_ref):
+        with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(3,\).*int64 \[1\] or \[2\]"):
+            fn(a, a, ape, torch.tensor([0, 1, 2], device=DEV), kv, sc, 4, False)

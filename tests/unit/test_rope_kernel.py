@@ -115,3 +115,28 @@ def test_rope_and_norm_refuse_non_bool_and_non_finite():
         rope_tail_(torch.randn(1, 2, 64, device=DEV), torch.arange(2, device=DEV), f, 32, inverse="no")
     with pytest.raises(ValueError, match="eps is inf"):
         rms_norm(torch.randn(2, 8, device=DEV), torch.ones(8, device=DEV), float("inf"))
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 4, 96), (3, 2, 80)], ids=["bshD-decode", "bsD-two"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_row_positions_rotate_each_row_by_its_own(seed, shape, dtype):
+    """pos [b, s] (a ragged batch's decode step, issue 24): row i of the kernel's output equals the reference on
+    row i alone with pos[i] [s] (bitwise for the reference itself: `apply_rope` with pos [b, s] against its
+    per-row form), the kernel within the tolerances above. Negative control: row 0's positions for every row
+    differ beyond the tolerance."""
+    from kernels.rope import rope_tail_
+    rd = 32
+    f = rope_inv_freq(tiny_args(), 4, rd).to(DEV)
+    b, s = shape[0], shape[1]
+    pos = torch.tensor([[5, 130], [1 << 16, 7], [0, 64]], device=DEV, dtype=torch.int64)[:, :s].contiguous()
+    x = (torch.randn(shape, device=DEV) * 3).to(dtype)
+    want = torch.cat([_want(x[i:i + 1], pos[i], f, rd, False) for i in range(b)], 0)
+    assert torch.equal(_want(x, pos, f, rd, False), want), "apply_rope with pos [b, s] != row by row"
+    got = rope_tail_(x.clone(), pos, f, rd)
+    rtol = 2.0 ** -22 if dtype == torch.float32 else 2.0 ** -7
+    tol = rtol * 2 * want.float().abs().amax(-1, keepdim=True)
+    assert bool(((got.float() - want.float()).abs() <= tol).all()), "per-row rope"
+    row0 = torch.cat([_want(x[i:i + 1], pos[0], f, rd, False) for i in range(b)], 0)
+    assert bool(((row0.float() - want.float()).abs() > tol).any()), "control: each row's positions must matter"
+    with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(2, 1\)"):
+        rope_tail_(x.clone(), pos[:2, :1].contiguous(), f, rd)
