@@ -1,0 +1,100 @@
+"""Serving shapes at Flash width (issue 24 item 5): ragged decode and chunked prefill, triton backend, bf16,
+`weights="quantized"` (random codes), the first `--layers` layers (default 4) of the Flash geometry, one GPU.
+
+Run: `PYTHONPATH=. python benchmarks/bench_ragged.py [--layers 4] [--markdown out.md]`
+
+Rows:
+  * ragged decode at batch 8 and 32: rows spread evenly over positions 1k..16k (`DecodeState.row_pos`), against a
+    lockstep batch whose rows all sit at the spread's mean position; CUDA-graph replays (`use_decode_graphs`),
+    ms per step and tokens/s (median of `--reps` steps after `--warmup`). States are synthetic (random keys,
+    entries and indexer keys in the slots, as `bench_model.synthetic_state`): the ratio ragged / lockstep is the
+    cost of per-row positions, the byte floor of one step is `bench_model.py`'s.
+  * chunked prefill of 16k tokens in 2k chunks (8 appended calls, `Attention.extend`) against one 16k prefill,
+    fresh states, each timed on its second run (the first compiles nothing after the first shapes but allocates).
+Timing: wall clock with torch.cuda.synchronize() before and after each call (the user's latency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_model import CONFIGS, build, synthetic_state  # noqa: E402
+from dsv4.config import ModelArgs  # noqa: E402
+
+
+def _time(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def ragged_rows(model, batch: int, lo: int, hi: int, ragged: bool, warmup: int, reps: int) -> float:
+    st = synthetic_state(model, batch, hi)
+    spread = [lo + (hi - lo) * i // max(1, batch - 1) for i in range(batch)]
+    st.row_pos = spread if ragged else [sum(spread) // batch] * batch
+    tok = torch.randint(0, model.args.vocab_size, (batch, 1), device="cuda")
+    return _time(lambda: model(tok, st), warmup, reps)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--markdown", type=Path)
+    a = ap.parse_args()
+    args = ModelArgs.from_hf_config(CONFIGS["flash"]).with_layers(a.layers)
+    model = build(args, "triton")
+    lo, hi = 1024, 16384
+    model.use_decode_graphs(hi + 256)
+    lines = [f"Flash geometry, first {a.layers} layers, bf16, weights=quantized, triton, CUDA-graph decode; "
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             "| decode | batch | rows at | ms / step | tokens/s | ragged / lockstep |", "|---|---:|---|---:|---:|---:|"]
+    for b in (8, 32):
+        lock = ragged_rows(model, b, lo, hi, False, a.warmup, a.reps)
+        rag = ragged_rows(model, b, lo, hi, True, a.warmup, a.reps)
+        mean = (lo + hi) // 2
+        lines.append(f"| lockstep | {b} | all at ~{mean} | {lock:.2f} | {b / lock * 1e3:.0f} | |")
+        lines.append(f"| ragged | {b} | {lo}..{hi} | {rag:.2f} | {b / rag * 1e3:.0f} | {rag / lock:.3f} |")
+        print(lines[-2], lines[-1], sep="\n", flush=True)
+    model.use_decode_graphs(None)
+    n, chunk = 16384, 2048
+    ids = torch.randint(0, args.vocab_size, (1, n), device="cuda")
+
+    def one():
+        model(ids, model.new_state(1, n))
+
+    def chunked():
+        st = model.new_state(1, n)
+        for p in range(0, n, chunk):
+            model(ids[:, p:p + chunk], st)
+
+    t_one, t_chunk = _time(one, 1, 3), _time(chunked, 1, 3)
+    lines += ["", "| prefill 16384 tokens | ms | tokens/s | / one prefill |", "|---|---:|---:|---:|",
+              f"| one call | {t_one:.1f} | {n / t_one * 1e3:.0f} | 1.000 |",
+              f"| 8 chunks of 2048 | {t_chunk:.1f} | {n / t_chunk * 1e3:.0f} | {t_chunk / t_one:.3f} |"]
+    text = "\n".join(lines)
+    print(text)
+    if a.markdown:
+        a.markdown.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
