@@ -4,7 +4,9 @@
 `max_len` whose prefill is the ordinary prefill and whose decode calls replay one captured `decode_step` (the same
 step the eager decode runs; nothing of the block maths is here). On the first decode call the step is run once on a
 side stream (compiles, workspaces, constant tables; its writes to the state are undone), then captured with the
-token ids and the position in static device buffers; every later call copies them in and replays. A residual
+token ids and each row's position in static device buffers; every later call copies them in and replays. A call
+of s <= `MAX_STEP_TOKENS` tokens per row after the prefill (a speculative verify step) replays its own capture
+of the same step for that s; longer calls run eagerly on the state's buffers. A residual
 observer gets its own capture (the plain layer loop, recording each block's streams); without one the capture runs
 the fused layer boundaries. The final path (hc_head -> norm -> head) runs eagerly after the replay, through the
 modules, so forward hooks (the final-norm check) observe it.
@@ -54,19 +56,20 @@ class GraphDecodeState(DecodeState):
         check_graph_model(model, max_len)
         super().__init__(layers=model.layer_states(batch, max_len), max_len=max_len, growable=False)
         self.model = model
-        self.ids_buf = torch.zeros(batch, 1, dtype=torch.int64, device=model.device)
-        self.graphs: dict[bool, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
+        self.ids_bufs: dict[int, torch.Tensor] = {}  # s -> static token ids [batch, s]
+        self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
 
-    def _capture(self, observe: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
+    def _capture(self, observe: bool, s: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
         """Warm up on a side stream, undo its writes, capture: (graph, last streams, each block's streams)."""
         m, outs = self.model, []
+        ids = self.ids_bufs[s]
         record = (lambda layer_id, H: outs.append(H)) if observe else None
         state = [t for ls in self.layers for t in ls.tensors()]
         saved = [t.clone() for t in state]
         stream = torch.cuda.Stream(m.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            m.decode_step(self.ids_buf, self.pos_buf, self, record)
+            m.decode_step(ids, self.pos_buf, self, record)
         torch.cuda.current_stream().wait_stream(stream)
         for t, s in zip(state, saved):
             t.copy_(s)
@@ -74,21 +77,25 @@ class GraphDecodeState(DecodeState):
         outs.clear()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=stream):
-            H = m.decode_step(self.ids_buf, self.pos_buf, self, record)
+            H = m.decode_step(ids, self.pos_buf, self, record)
         return g, H, outs
 
     def decode_step(self, model, input_ids: torch.Tensor, observer=None) -> torch.Tensor:
-        """`DecodeState.decode_step` by graph replay: input_ids [b, 1] -> the last block's streams [b, 1, hc, dim]
-        (the graph's output buffer, valid until the next replay). No host sync."""
+        """`DecodeState.decode_step` by graph replay: input_ids [b, s] (s <= MAX_STEP_TOKENS: one capture per s
+        and observer use) -> the last block's streams [b, s, hc, dim] (the graph's output buffer, valid until the
+        next replay). No host sync."""
         if model is not self.model:
             raise ValueError("a GraphDecodeState replays the graph of the model that made it")
         V = model.args.vocab_size
         torch._assert_async(((input_ids >= 0) & (input_ids < V)).all(), f"token id outside [0, {V})")
-        self.ids_buf.copy_(input_ids)
+        s = input_ids.shape[1]
+        if s not in self.ids_bufs:
+            self.ids_bufs[s] = torch.zeros(self.batch, s, dtype=torch.int64, device=model.device)
+        self.ids_bufs[s].copy_(input_ids)
         self.load_positions()  # each row's position (rows of a ragged batch differ)
-        key = observer is not None
+        key = (observer is not None, s)
         if key not in self.graphs:
-            self.graphs[key] = self._capture(key)
+            self.graphs[key] = self._capture(*key)
         g, H, outs = self.graphs[key]
         g.replay()
         if observer is not None:

@@ -55,8 +55,9 @@ from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside
 # runs the model's backend; both are the same maths, `kernels.rope` / `kernels.quant` are tested against these).
 REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
+MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -487,29 +488,51 @@ class Attention(nn.Module):
         return self._out(o, pos, REFERENCE, backend)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
-        """The decode step: one token per row x [b, 1, dim] (attn_norm output) at device positions pos [b] int64
-        (each row its own: rows of a ragged batch sit anywhere) -> [b, 1, dim], on the state's preallocated
-        slots, branch-free and without a host read (so the same step runs eagerly and under CUDA-graph capture,
-        `dsv4/graph.py`). Writes each row's KV into its ring slot pos % W, then attends over `st.keys` = [ring |
-        entry slots]: ring slots holding positions <= the row's pos, the row's entries completed so far (HCA:
-        all w < (pos+1) // r; CSA: the indexer's index_topk picks, -1 padded)."""
-        b, dev, W = x.shape[0], x.device, self.window
-        pos2 = pos.view(b, 1)  # [b, s = 1]: the positions of RoPE and the indexer's causal count
-        qr, q, kv = self._qkv(x, pos2, backend)
-        st.ring.scatter_(1, (pos2 % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
-        slots = torch.arange(W, device=dev)
-        idx = torch.where(slots <= pos2, slots, -1).view(b, 1, W)
+        """The decode step: s new tokens per row x [b, s, dim] (attn_norm output; s = 1 for one decode token,
+        s <= `MAX_STEP_TOKENS` for a verify step), row i's at positions pos[i] .. pos[i] + s - 1 (pos [b] int64 on
+        the device; rows of a ragged batch sit anywhere) -> [b, s, dim], on the state's preallocated slots,
+        branch-free and without a host read (so the same step runs eagerly and under CUDA-graph capture,
+        `dsv4/graph.py`). Query t sees positions t-W+1..t and the row's entries completed up to t (HCA: all
+        w < (t+1) // r; CSA: the indexer's index_topk picks, -1 padded). Same maths as `extend` (tested).
+
+        s = 1: the token's KV goes to ring slot pos % W first, and the attention reads `st.keys` = [ring | entry
+        slots] in place (ring slots holding positions <= pos). s > 1: the attention reads [ring before the call |
+        the call's KV | entry slots] (the call's tokens would overwrite ring slots its earlier queries still see),
+        then the last min(s, W) tokens' KV go to the ring. The compressors take the tokens one at a time
+        (`Compressor.step`), so every window boundary inside the call is committed before the attention."""
+        b, s = x.shape[:2]
+        dev, W = x.device, self.window
+        P = pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
+        qr, q, kv = self._qkv(x, P, backend)
+        if s == 1:
+            st.ring.scatter_(1, (P % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
+            slots = torch.arange(W, device=dev)
+            idx, off = torch.where(slots <= P, slots, -1).view(b, 1, W), W
+        else:  # window of query t: u = t-W+1..t, from the ring before the call (u < pos) or this call's KV
+            u = P[:, :, None] - (W - 1) + torch.arange(W, device=dev)  # [b, s, W]
+            p0 = pos.view(b, 1, 1)
+            idx, off = torch.where(u < 0, -1, torch.where(u < p0, u % W, W + u - p0)), W + s
         if self.compressor is not None:
-            self.compressor.step(x, pos, st.compressor, st.entries, backend)
+            for j in range(s):  # one token at a time: each window boundary in the call committed in order
+                self.compressor.step(x[:, j:j + 1], pos + j, st.compressor, st.entries, backend)
+                if self.indexer is not None:
+                    self.indexer.compressor.step(x[:, j:j + 1], pos + j, st.index_compressor, st.index_keys,
+                                                 backend)
             if self.indexer is not None:
-                self.indexer.compressor.step(x, pos, st.index_compressor, st.index_keys, backend)
-                comp = self.indexer.select(x, qr, pos2, st.index_keys, backend, backend, k=self.indexer.topk)
+                comp = self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk)
             else:
                 w = torch.arange(st.entries.shape[1], device=dev)
-                comp = torch.where(w < (pos2 + 1) // self.ratio, w, -1).view(b, 1, -1)
-            idx = torch.cat((idx, torch.where(comp >= 0, comp + W, -1)), -1)
-        o = backend.sparse_attn(q, st.keys, self.attn_sink, idx, self.scale)
-        return self._out(o, pos2, backend, backend)
+                comp = torch.where(w < ((P + 1) // self.ratio)[..., None], w, -1)  # [b, s, n_e]
+            idx = torch.cat((idx, torch.where(comp >= 0, comp + off, -1)), -1)
+        if s == 1:
+            keys = st.keys
+        else:
+            keys = torch.cat((st.ring, kv) + ((st.entries,) if self.compressor is not None else ()), 1)
+            keep = min(s, W)  # after the keys are gathered: the ring's old slots are read above
+            tail = P[:, -keep:] % W
+            st.ring.scatter_(1, tail[..., None].expand(b, keep, kv.shape[-1]), kv[:, -keep:])
+        o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)
+        return self._out(o, P, backend, backend)
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `extend` (pos an int: the first position of the s
@@ -934,10 +957,10 @@ class Transformer(nn.Module):
     def decode_step(self, input_ids: torch.Tensor, pos: torch.Tensor, state: DecodeState,
                     observer: ResidualObserver | None = None) -> torch.Tensor:
         """THE decode step of every backend, eager and CUDA-graph captured alike (`dsv4/graph.py` captures this
-        call): input_ids [b, 1] int64, pos [b] int64 on the model's device (each row's position of this token;
-        rows of a ragged batch differ) ->
-        the last block's streams [b, 1, hc, dim]. Writes the token into `state`'s preallocated slots (room
-        checked by the caller, `_reserve`); reads nothing back to the host on the triton backend."""
+        call): input_ids [b, s] int64 (s = 1, or a verify step of s <= MAX_STEP_TOKENS), pos [b] int64 on the
+        model's device (each row's position of its first token; rows of a ragged batch differ) -> the last
+        block's streams [b, s, hc, dim]. Writes the tokens into `state`'s preallocated slots (room checked by
+        the caller, `_reserve`); reads nothing back to the host on the triton backend."""
         return self._layers(self._streams(input_ids), pos, input_ids, state, observer)
 
     @torch.no_grad()
@@ -946,8 +969,10 @@ class Transformer(nn.Module):
         """input_ids [b, s] int64, row i at positions state.row_pos[i].. -> logits fp32 [b, V] of the last position
         ([b, s, V] with all_logits). Any s >= 1 at any position: the first call of a state is the prefill, a later
         call appends s tokens (`Attention.extend`; s == 1 runs the decode step, `decode_step`). Rows may sit at
-        different positions (a ragged batch, issue 24): one token per row runs the one decode step with each
-        row's position; several tokens per row run each row's `extend` on its row view (`DecodeState.row`).
+        different positions (a ragged batch, issue 24): up to MAX_STEP_TOKENS tokens per row run the one decode
+        step with each row's position (a CUDA-graph state replays a capture per s for these s, also when its rows
+        agree); more tokens per row, or a row not yet prefilled, run each row's `extend` on its row view
+        (`DecodeState.row`).
         Advances every row by s; a growable state is reallocated first if a row lacks room (`_reserve`), a fixed
         one raises ValueError.
 
@@ -974,7 +999,9 @@ class Transformer(nn.Module):
                 raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
                                  f"max {int(input_ids.max())}")
         rows, s = state.row_pos, input_ids.shape[1]
-        if s == 1 and max(rows) > 0:  # the decode step, each row at its position (a GraphDecodeState replays)
+        stepped = (s == 1 and max(rows) > 0) or (1 < s <= MAX_STEP_TOKENS and min(rows) > 0 and (
+            len(set(rows)) > 1 or state.checks_ids_on_device))
+        if stepped:  # the decode step, each row at its position (a GraphDecodeState replays its capture for s)
             H = state.decode_step(self, input_ids, observer)
         elif len(set(rows)) == 1:  # the prefill, or s tokens appended at the rows' common position (`extend`)
             H = self._layers(self._streams(input_ids), rows[0], input_ids, state, observer)

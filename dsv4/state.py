@@ -176,8 +176,8 @@ class DecodeState:
         return self.pos_buf
 
     def decode_step(self, model, input_ids: torch.Tensor, observer=None) -> torch.Tensor:
-        """One decode token per row, eagerly: input_ids [b, 1] (checked by `Transformer.forward`) at each row's
-        position -> the last layer's streams [b, 1, hc, dim]. `dsv4.graph.GraphDecodeState` replays a capture
+        """The decode step, eagerly: input_ids [b, s] (s <= MAX_STEP_TOKENS, checked by `Transformer.forward`) at
+        each row's position -> the last layer's streams [b, s, hc, dim]. `dsv4.graph.GraphDecodeState` replays a capture
         of the same step."""
         return model.decode_step(input_ids, self.load_positions(), self, observer)
 

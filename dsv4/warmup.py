@@ -15,8 +15,8 @@ finite; `warmup(model)` runs the model once through each of them:
      after a prefill of 8 tokens;
   3. CUDA-graph decode (`Transformer.use_decode_graphs`), when the model supports it: the static decode step
      (`Transformer.decode_step` run eagerly on a `new_state(b, max_len)`: the launches a capture records) at every batch size
-     1..`max_batch` with max_len 1024, and at batch 1 for each top-k bucket of the state's max_len (4096,
-     16384, 65536, capped at `max_len`).
+     1..`max_batch` with max_len 1024 (1 and, for the verify steps, 2..`MAX_STEP_TOKENS` tokens per row), and
+     at batch 1 for each top-k bucket of the state's max_len (4096, 16384, 65536, capped at `max_len`).
 
 After it, prefill of any length 1..max_len at batch 1, eager decode at any position < max_len and batch
 <= max_batch, and graph decode states of any batch <= max_batch and max_len <= max_len build nothing
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.graph import check_graph_model
+from dsv4.model import MAX_STEP_TOKENS
 from kernels.compiles import CompileLog
 
 __all__ = ["warmup", "prefill_probes", "decode_probes", "WarmupReport", "DEFAULT_MAX_LEN", "DEFAULT_MAX_BATCH"]
@@ -162,5 +163,10 @@ def _graph_warmup(model, max_len: int, max_batch: int, ids) -> str:
         model(ids(b, 8), st)  # the prefill (eager), then static steps at positions 8..11
         for _ in range(4):
             model(ids(b, 1), st)
+        if L == lens[0]:  # the verify-sized steps (s tokens per row, captured per s by a graph state)
+            for n in range(2, MAX_STEP_TOKENS + 1):
+                st.decode_step(model, ids(b, n))
+                st.pos = st.pos + n
         del st
-    return f"static step at batch 1..{max_batch} (max_len {lens[0]}) and batch 1 at max_len {lens[1:]}"
+    return (f"static step at batch 1..{max_batch} (max_len {lens[0]}; 1..{MAX_STEP_TOKENS} tokens per row) and "
+            f"batch 1 at max_len {lens[1:]}")

@@ -209,11 +209,11 @@ def test_graph_decode_after_an_appended_call(args, models):
     ids = _ids(args, 140, 7)
     g_st, e_st = GraphDecodeState(tri, 1, MAX_LEN), tri.new_state(1, MAX_LEN)
     gen = torch.Generator().manual_seed(8)
-    for s in (140, 1, 1, 5, 1, 1, 3, 1):
+    for s in (140, 1, 1, 9, 1, 1, 12, 1):  # 9 and 12 > MAX_STEP_TOKENS: eager appends on the graph's buffers
         x = ids if s == 140 else torch.randint(0, args.vocab_size, (1, s), generator=gen).cuda()
         lg, le = tri(x, g_st), tri(x, e_st)
         assert torch.equal(lg, le), f"call of {s} token(s) at {g_st.pos - s}: graph state differs from eager"
-    assert g_st.graphs and g_st.pos == 140 + 13
+    assert g_st.graphs and g_st.pos == 140 + 26
 
 
 def _ragged_prefill(model, st, prompts):
@@ -241,21 +241,21 @@ def test_ragged_rows_equal_each_alone_at_flash_width(args, models):
 
 
 def test_graph_ragged_decode_and_row_replacement_equal_eager(args, models):
-    """A CUDA-graph state of 3 rows at different positions (per-row pos_buf) replays the same decode step as an
-    eager fixed state, bitwise, and a row replaced between replays (reset_row + a new prefill into its view:
+    """A CUDA-graph state of 3 rows at different positions (per-row pos_buf) replays the same decode step (1, 3
+    and 4 tokens per row: one capture per s) as an eager fixed state, bitwise, and a row replaced between replays (reset_row + a new prefill into its view:
     continuous batching) leaves the replays bitwise equal to the eager state's."""
     tri = models(torch.bfloat16, "triton")
     prompts = [_ids(args, n, 30 + n) for n in (140, 61, 7)]
     g_st, e_st = GraphDecodeState(tri, 3, MAX_LEN), tri.new_state(3, MAX_LEN)
     assert torch.equal(_ragged_prefill(tri, g_st, prompts), _ragged_prefill(tri, e_st, prompts))
     gen = torch.Generator().manual_seed(31)
-    for step in range(6):
+    for step, n in enumerate((1, 1, 3, 1, 4, 1)):  # verify-sized steps: one capture per s
         if step == 3:
             newcomer = _ids(args, 33, 32)
             for st in (g_st, e_st):
                 st.reset_row(1)
             assert torch.equal(tri(newcomer, g_st.row(1)), tri(newcomer, e_st.row(1)))
-        tok = torch.randint(0, args.vocab_size, (3, 1), generator=gen).cuda()
-        lg, le = tri(tok, g_st), tri(tok, e_st)
-        assert torch.equal(lg, le), f"step {step} at {g_st.row_pos}: replay differs from the eager step"
-    assert g_st.graphs and g_st.row_pos == [146, 36, 13]
+        tok = torch.randint(0, args.vocab_size, (3, n), generator=gen).cuda()
+        lg, le = tri(tok, g_st, all_logits=True), tri(tok, e_st, all_logits=True)
+        assert torch.equal(lg, le), f"step {step} ({n} tokens) at {g_st.row_pos}: replay differs from eager"
+    assert {k[1] for k in g_st.graphs} == {1, 3, 4} and g_st.row_pos == [151, 33 + 6, 18]

@@ -218,6 +218,13 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.ragged_commit_kernel_row0_boundary,
            ("tests/unit/test_compressor_kernel.py::test_per_row_positions_equal_each_row_alone[kernel-csa]",
             "tests/unit/test_ragged.py::test_triton_ragged_decode_equals_the_reference_alone")),
+    Mutant("verify_step_compressor_one_position", "a verify step compresses every token at its first position",
+           patches.verify_step_compressor_one_position,
+           ("tests/unit/test_ragged.py::test_lockstep_verify_step_equals_append",
+            "tests/unit/test_ragged.py::test_ragged_rows_equal_each_conversation_alone")),
+    Mutant("verify_step_ring_written_first", "a verify step overwrites ring slots its earlier queries read",
+           patches.verify_step_ring_written_first,
+           ("tests/unit/test_ragged.py::test_lockstep_verify_step_equals_append",)),
 ]}
 
 

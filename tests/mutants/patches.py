@@ -772,3 +772,22 @@ def ragged_commit_kernel_row0_boundary(mp: MP) -> None:
 
     _jit_source_mutant(mp, compressor, "_compress_commit_kernel", "pos = tl.load(pos_ptr + b)",
                        "pos = tl.load(pos_ptr)  # MUTANT: row 0's position")
+
+
+def verify_step_compressor_one_position(mp: MP) -> None:
+    """The decode step with s tokens per row (a verify step) feeds the KV compressor every token at the call's
+    first position (pos instead of pos + j): windows complete at the wrong token and ape is the first slot's; the
+    one-token step (j = 0) is right."""
+    from dsv4.model import Attention
+
+    _source_mutant(mp, Attention, "step", "pos + j, st.compressor", "pos, st.compressor")  # MUTANT
+
+
+def verify_step_ring_written_first(mp: MP) -> None:
+    """The decode step with s tokens per row writes the call's KV into the window ring BEFORE gathering the keys
+    (as the one-token step may): the earlier queries of the call read ring slots the later tokens overwrote."""
+    from dsv4.model import Attention
+
+    _source_mutant(mp, Attention, "step", "keys = torch.cat((st.ring, kv)",  # dedented source: 8-space body
+                   "st.ring.scatter_(1, (P[:, -min(s, W):] % W)[..., None].expand(b, min(s, W), "
+                   "kv.shape[-1]), kv[:, -min(s, W):])  # MUTANT\n        keys = torch.cat((st.ring, kv)")

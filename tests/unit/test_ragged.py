@@ -75,7 +75,7 @@ def _data(lengths: list[int], schedule: list[int], seed: int):
 
 
 LENGTHS = [5, 125, 18]
-SCHEDULE = [1, 1, 1, 3, 1, 1, 1, 1]  # decode steps, a ragged 3-token append, decode steps
+SCHEDULE = [1, 1, 1, 3, 1, 8, 1, 2, 1]  # decode steps and ragged verify-sized steps of 3, 8 and 2 tokens
 
 
 def test_ragged_rows_equal_each_conversation_alone(seed):
@@ -129,7 +129,7 @@ def test_triton_ragged_decode_equals_the_reference_alone(seed):
     within the backends' distance (1e-4). Short prompts (interpreter time): rows at positions 5 / 10 / 3 cross
     ratio-4 boundaries at different steps and the ring's wrap."""
     ref, tri = _model(), _model(backend="triton")
-    prompts, feeds = _data([5, 10, 3], [1, 1, 1, 1, 1], seed)
+    prompts, feeds = _data([5, 10, 3], [1, 1, 3, 1, 1], seed)
     got = _ragged_run(tri, prompts, feeds, max_len=128)
     for i, p in enumerate(prompts):
         want = _alone(ref, p, [f[i] for f in feeds])
@@ -159,3 +159,23 @@ def test_ragged_state_api_names_misuse():
         m(torch.randint(0, VOCAB, (1, 126)), st.row(0))
     st.pos = 5
     assert st.row_pos == [5, 5] and st.pos == 5 and not st.ragged
+
+
+def test_lockstep_verify_step_equals_append(seed):
+    """The decode step with s tokens per row (`Transformer.decode_step`, what a CUDA-graph state replays for a
+    verify step) on rows at one position equals appending the same tokens (`Attention.extend`) at every one of
+    the s positions (all_logits), fp32 within 1e-5, for s = 2, 5, 8 after a 126-token prompt (the HCA window
+    completes inside the first call, ratio-4 windows inside and across every call, the ring wraps)."""
+    m = _model()
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (2, 126), generator=g)
+    st, ref = m.new_state(2, 256), m.new_state(2, 256)
+    m(prompt, st), m(prompt, ref)
+    for s in (2, 5, 8):
+        x = torch.randint(0, VOCAB, (2, s), generator=g)
+        want = m(x, ref, all_logits=True)
+        with torch.no_grad():
+            got = m.final_logits(st.decode_step(m, x))
+        st.pos = st.pos + s
+        _assert_same(got, want, f"verify step of {s} tokens at {st.pos - s}")
+    assert st.pos == ref.pos == 126 + 15
