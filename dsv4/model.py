@@ -32,6 +32,7 @@ calls gives the same logits to fp32 rounding (tests/unit/test_append.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 import weakref
 from typing import Callable
 
@@ -57,7 +58,7 @@ REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
 MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "VerifyRecord", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -518,6 +519,8 @@ class Attention(nn.Module):
                 if self.indexer is not None:
                     self.indexer.compressor.step(x[:, j:j + 1], pos + j, st.index_compressor, st.index_keys,
                                                  backend)
+                if st.trail is not None:  # a verify step: the windows after each token, for a rollback
+                    st.trail.append([t.clone() for t in st.window_tensors()])
             if self.indexer is not None:
                 comp = self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk)
             else:
@@ -1000,7 +1003,7 @@ class Transformer(nn.Module):
                                  f"max {int(input_ids.max())}")
         rows, s = state.row_pos, input_ids.shape[1]
         stepped = (s == 1 and max(rows) > 0) or (1 < s <= MAX_STEP_TOKENS and min(rows) > 0 and (
-            len(set(rows)) > 1 or state.checks_ids_on_device))
+            len(set(rows)) > 1 or state.checks_ids_on_device or state.trails is not None))
         if stepped:  # the decode step, each row at its position (a GraphDecodeState replays its capture for s)
             H = state.decode_step(self, input_ids, observer)
         elif len(set(rows)) == 1:  # the prefill, or s tokens appended at the rows' common position (`extend`)
@@ -1011,3 +1014,74 @@ class Transformer(nn.Module):
         state.row_pos = [p + s for p in rows]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
         return logits if all_logits else logits[:, -1]
+
+    @torch.no_grad()
+    def verify(self, input_ids: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, "VerifyRecord"]:
+        """A speculative verify step: input_ids [b, s] (each row's last token then its s - 1 drafts, 2 <= s <=
+        MAX_STEP_TOKENS; every row prefilled) through the one decode step, eagerly -> (logits [b, s, V] fp32 at
+        every position, the record `rollback` needs). The record holds each layer's window ring before the call
+        and its compressors' partial windows after each of the s tokens (fp32 [b, c*r, c*d], a few KB a layer per
+        row), so a rollback restores the state of any accepted prefix without recomputing it. Raises ValueError
+        as `forward` does, and for s outside 2..MAX_STEP_TOKENS, a row not prefilled, or a CUDA-graph state
+        (its verify steps replay captures without a record: not supported yet)."""
+        if not isinstance(state, DecodeState) or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("verify: expected input_ids [b, s] and a DecodeState")
+        s = input_ids.shape[1]
+        if not 2 <= s <= MAX_STEP_TOKENS:
+            raise ValueError(f"verify: {s} tokens per row; expected 2..{MAX_STEP_TOKENS} (the last token + drafts)")
+        if min(state.row_pos) < 1:
+            raise ValueError(f"verify: rows at {state.row_pos}; every row must be prefilled first")
+        if state.checks_ids_on_device:
+            raise ValueError("verify: a CUDA-graph state's verify step keeps no rollback record (not supported)")
+        rings = [ls.ring.clone() for ls in state.layers]
+        pos0 = state.row_pos
+        for ls in state.layers:
+            ls.trail = []
+        state.trails = True
+        try:
+            logits = self(input_ids, state, all_logits=True)
+            trails = [ls.trail for ls in state.layers]
+        finally:
+            state.trails = None
+            for ls in state.layers:
+                ls.trail = None
+        return logits, VerifyRecord(pos0, s, rings, trails)
+
+    @torch.no_grad()
+    def rollback(self, state: DecodeState, record: "VerifyRecord", keep: list[int]) -> None:
+        """Row i of `state` keeps the first keep[i] tokens (1..s) of the verify call `record` describes, as if
+        only those had been fed: the ring slots of the rejected positions get back what they held, the
+        compressors' partial windows are those after keep[i] tokens, row_pos[i] = pos0[i] + keep[i]. Entries and
+        indexer keys that rejected tokens completed stay in their slots, invisible (a query at t sees the entries
+        completed by t) and overwritten when their window completes again. Raises ValueError for a keep outside
+        1..s or a state that moved since the record."""
+        s = record.s
+        if len(keep) != state.batch or any(not isinstance(k, int) or not 1 <= k <= s for k in keep):
+            raise ValueError(f"rollback: keep={keep}; expected {state.batch} ints in 1..{s}")
+        if state.row_pos != [p + s for p in record.pos0]:
+            raise ValueError(f"rollback: the state is at {state.row_pos}, the record's call left it at "
+                             f"{[p + s for p in record.pos0]}")
+        for ls, ring, trail in zip(state.layers, record.rings, record.trails):
+            W = ls.window
+            for i, k in enumerate(keep):
+                if k == s:
+                    continue
+                rej = torch.tensor([(record.pos0[i] + j) % W for j in range(k, s)], device=ring.device)
+                ls.ring[i, rej] = ring[i, rej]
+                if trail:
+                    for t, saved in zip(ls.window_tensors(), trail[k - 1]):
+                        t[i].copy_(saved[i])
+        state.row_pos = [p + k for p, k in zip(record.pos0, keep)]
+
+
+@dataclass
+class VerifyRecord:
+    """What `Transformer.rollback` needs from a `Transformer.verify` call: each row's position before it (pos0),
+    the tokens per row (s), each layer's ring before the call, and per layer the compressors' partial windows
+    after each token (`LayerState.window_tensors` clones; empty for a sliding-window-only layer)."""
+
+    pos0: list[int]
+    s: int
+    rings: list[torch.Tensor]
+    trails: list[list[list[torch.Tensor]]]
+

@@ -44,6 +44,11 @@ class LayerState:
     compressor: CompressorState | None = None
     index_keys: torch.Tensor | None = None
     index_compressor: CompressorState | None = None
+    trail: list | None = None  # during `Transformer.verify`: the windows after each token (`window_tensors`)
+
+    def window_tensors(self) -> list[torch.Tensor]:
+        """The compressors' partial windows (kv, score of the KV compressor, then of the indexer's)."""
+        return [t for c in (self.compressor, self.index_compressor) if c is not None for t in (c.kv, c.score)]
 
     @property
     def ring(self) -> torch.Tensor:
@@ -94,6 +99,7 @@ class DecodeState:
         self._rows: list[int] = [pos] * b  # a row view shares its parent's list (`row`)
         self._slice = slice(None)
         self.pos_buf = torch.zeros(b, dtype=torch.int64, device=dev)  # not state bytes
+        self.trails = None  # True while `Transformer.verify` records a rollback trail
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(batch={self.batch}, row_pos={self.row_pos}, max_len={self.max_len}, " \

@@ -225,6 +225,14 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("verify_step_ring_written_first", "a verify step overwrites ring slots its earlier queries read",
            patches.verify_step_ring_written_first,
            ("tests/unit/test_ragged.py::test_lockstep_verify_step_equals_append",)),
+    # issue 26: speculative decoding
+    Mutant("rollback_keeps_a_rejected_token_window", "a rollback keeps one rejected draft in a compressor window",
+           patches.rollback_keeps_a_rejected_token_window,
+           ("tests/unit/test_speculative.py::test_speculative_greedy_equals_plain_greedy[adversary-2]",
+            "tests/unit/test_speculative.py::test_rollback_of_a_ragged_batch_keeps_each_rows_prefix")),
+    Mutant("draft_eos_accepted_unverified", "a drafted EOS accepted without verification",
+           patches.draft_eos_accepted_unverified,
+           ("tests/unit/test_speculative.py::test_speculative_greedy_equals_plain_greedy[eos_drafts-3]",)),
 ]}
 
 

@@ -791,3 +791,22 @@ def verify_step_ring_written_first(mp: MP) -> None:
     _source_mutant(mp, Attention, "step", "keys = torch.cat((st.ring, kv)",  # dedented source: 8-space body
                    "st.ring.scatter_(1, (P[:, -min(s, W):] % W)[..., None].expand(b, min(s, W), "
                    "kv.shape[-1]), kv[:, -min(s, W):])  # MUTANT\n        keys = torch.cat((st.ring, kv)")
+
+
+# ------------------------------------------------------------------------------- speculative decoding (issue 26)
+def rollback_keeps_a_rejected_token_window(mp: MP) -> None:
+    """The verify step's rollback restores the compressors' partial windows as they were after one token MORE than
+    the accepted prefix: the first rejected draft stays in a compressor window (the class of vLLM's MTP accuracy
+    drop from a compressor state that kept rejected tokens)."""
+    from dsv4.model import Transformer
+
+    _source_mutant(mp, Transformer, "rollback", "trail[k - 1]", "trail[k]")  # MUTANT
+
+
+def draft_eos_accepted_unverified(mp: MP) -> None:
+    """A drafted EOS is accepted without comparing it with the model's token (the class of a draft EOS ending an
+    answer the model would have continued)."""
+    from dsv4 import speculative
+
+    _source_mutant(mp, speculative, "speculative_greedy", "while a < k and drafts[a] == pred[a]:",
+                   "while a < k and (drafts[a] == pred[a] or drafts[a] == eos):  # MUTANT")

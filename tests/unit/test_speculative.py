@@ -1,0 +1,130 @@
+"""Speculative greedy decoding (issue 26 items 2-3, `dsv4.speculative`): speculative greedy == plain greedy, and the
+verify step's rollback leaves the state of the accepted prefix.
+
+Anchor: plain greedy decoding of the same prompt, one token per call. Over 260 tokens from a 21-token prompt on
+the tiny geometry (window 8, ratios 0/4/128/4, index_topk 4) the verify windows cross ratio-4 boundaries, the
+ratio-128 boundary (position 127) and the ring's wrap many times; four drafters: the oracle (the plain greedy
+continuation: every draft accepted), an adversary (every draft wrong: each round rolls back all of them), a random
+one (rejected: random ids from 512), and an EOS-injecting oracle (drafts EOS where the model's token is not: it must
+be rejected; rounds accept 0..k drafts, so rollbacks go to every prefix length). The tokens must be equal one for one; a divergence is allowed only at a step
+whose plain-run top two logits lie within fp32 1e-5 of the largest |logit| (the verify step batches k + 1
+positions: fp32 sums in another order), counted and reported (none measured).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model import Transformer
+from dsv4.speculative import AdversaryDrafter, ContinuationDrafter, RandomDrafter, speculative_greedy
+from dsv4.tiny import random_state_dict, tiny_args
+
+pytestmark = pytest.mark.hardstop  # speculative greedy == plain greedy; the rollback's state (issue 26)
+VOCAB, REL, N, EOS = 512, 1e-5, 260, 7
+
+
+@pytest.fixture(scope="module")
+def run():
+    args = tiny_args(vocab_size=VOCAB, index_topk=4)
+    m = Transformer(args)
+    m.load_weights({k: v for k, v in random_state_dict(args, seed=26).items() if not k.startswith("mtp.")})
+    prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(26)).tolist()
+    st, logits = m.new_state(1), []
+    lg = m(torch.tensor([prompt]), st)
+    out = []
+    for _ in range(N):
+        logits.append(lg[0])
+        out.append(int(lg.argmax(-1)))
+        lg = m(torch.tensor([[out[-1]]]), st)
+    assert EOS not in out, "the test's EOS id must not be a plain greedy token (the run ends at max_tokens)"
+    return m, prompt, out, logits
+
+
+def _check(got: list[int], plain: list[int], logits: list[torch.Tensor], what: str) -> int:
+    for i, (g, p) in enumerate(zip(got, plain)):
+        if g != p:
+            top = logits[i].topk(2).values
+            gap, scale = float(top[0] - top[1]), float(logits[i].abs().max())
+            assert gap <= REL * scale, f"{what}: token {i} is {g}, plain greedy {p} (top-2 gap {gap:.3g})"
+            return 1  # a near-tie: the rest follows another (equally valid) path
+    assert len(got) == len(plain), f"{what}: {len(got)} tokens, plain {len(plain)}"
+    return 0
+
+
+@pytest.mark.parametrize("name,k", [("oracle", 3), ("oracle", 7), ("adversary", 2), ("random", 4),
+                                    ("eos_drafts", 3)])
+def test_speculative_greedy_equals_plain_greedy(run, name, k):
+    m, prompt, plain, logits = run
+    n = len(prompt)
+    drafter = {"oracle": ContinuationDrafter(n, plain), "adversary": AdversaryDrafter(n, plain, VOCAB),
+               "random": RandomDrafter(VOCAB, seed=k),
+               "eos_drafts": ContinuationDrafter(n, [EOS if i % 5 == 2 else t for i, t in enumerate(plain)])}[name]
+    res = speculative_greedy(m, prompt, drafter, k=k, max_tokens=N, eos=EOS)
+    ties = _check(res.ids, plain, logits, f"{name} k={k}")
+    assert res.stop == "max_tokens" and EOS not in res.ids
+    if name == "oracle" and not ties:
+        assert all(a == k for a in res.accepted[:-1]), f"the oracle's drafts must all be accepted: {res.accepted}"
+        assert res.mean_accepted_length > k
+    if name == "adversary":
+        assert set(res.accepted) == {0} and len(res.accepted) == N - 1
+    if name == "eos_drafts":
+        assert set(res.accepted) == set(range(k + 1)), f"rollbacks to every prefix length: {set(res.accepted)}"
+    print(f"{name} k={k}: {len(res.accepted)} verify rounds, mean accepted length "
+          f"{res.mean_accepted_length:.2f}, near-tie divergences {ties}")
+
+
+def test_rollback_of_a_ragged_batch_keeps_each_rows_prefix(run, seed):
+    """Two rows at different positions verify 5 tokens each and keep 2 and 5 of them (rows accept different
+    lengths); the decode steps after the rollback equal each row's conversation fed only its kept tokens, fp32
+    1e-5. Row 0 sits so that its rejected tokens complete a ratio-4 window (an entry committed, then rolled back).
+    Negative control: without the rollback (state left after all 5 tokens, positions reset) row 0 differs."""
+    m = run[0]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g) for n in (13, 30)]
+    ver = torch.randint(0, VOCAB, (2, 5), generator=g)
+    after = [torch.randint(0, VOCAB, (2, 1), generator=g) for _ in range(6)]
+    keep = [2, 5]
+
+    def batch(rollback: bool) -> list[torch.Tensor]:
+        st = m.new_state(2, 128)
+        for i, p in enumerate(prompts):
+            m(p[None], st.row(i))
+        _, rec = m.verify(ver, st)
+        if rollback:
+            m.rollback(st, rec, keep)
+        else:
+            st.row_pos = [p + k for p, k in zip(rec.pos0, keep)]
+        return [m(a, st) for a in after]
+
+    got, wrong = batch(True), batch(False)
+    for i, p in enumerate(prompts):
+        st = m.new_state(1)
+        m(torch.cat((p, ver[i, :keep[i]]))[None], st)
+        for j, a in enumerate(after):
+            want = m(a[i:i + 1], st)
+            d, scale = float((got[j][i] - want[0]).abs().max()), float(want.abs().max())
+            assert d <= REL * scale, f"row {i} step {j} after the rollback: |d| {d:.3g}"
+            if i == 0 and j == 0:
+                assert float((wrong[j][0] - want[0]).abs().max()) > 100 * REL * scale, "control: no rollback"
+
+
+def test_verify_and_rollback_name_misuse(run):
+    m = run[0]
+    st = m.new_state(1, 128)
+    with pytest.raises(ValueError, match="every row must be prefilled"):
+        m.verify(torch.tensor([[1, 2]]), st)
+    m(torch.tensor([[1, 2, 3]]), st)
+    with pytest.raises(ValueError, match=r"9 tokens per row; expected 2..8"):
+        m.verify(torch.ones(1, 9, dtype=torch.long), st)
+    _, rec = m.verify(torch.tensor([[4, 5, 6]]), st)
+    with pytest.raises(ValueError, match=r"keep=\[4\]; expected 1 ints in 1..3"):
+        m.rollback(st, rec, [4])
+    m.rollback(st, rec, [1])
+    assert st.pos == 4
+    with pytest.raises(ValueError, match=r"the state is at \[4\]"):
+        m.rollback(st, rec, [1])
+    with pytest.raises(ValueError, match=r"k=8"):
+        speculative_greedy(m, [1, 2], RandomDrafter(VOCAB), k=8, max_tokens=4)
+    with pytest.raises(ValueError, match="drafter returned"):
+        speculative_greedy(m, [1, 2], ContinuationDrafter(2, [VOCAB + 5] * 9), k=2, max_tokens=4)
