@@ -1033,6 +1033,8 @@ class Transformer(nn.Module):
             raise ValueError(f"verify: rows at {state.row_pos}; every row must be prefilled first")
         if state.checks_ids_on_device:
             raise ValueError("verify: a CUDA-graph state's verify step keeps no rollback record (not supported)")
+        self._check_state(state)
+        self._reserve(state, s)  # a reallocation first: the record holds this state's layers
         rings = [ls.ring.clone() for ls in state.layers]
         pos0 = state.row_pos
         for ls in state.layers:

@@ -128,3 +128,15 @@ def test_verify_and_rollback_name_misuse(run):
         speculative_greedy(m, [1, 2], RandomDrafter(VOCAB), k=8, max_tokens=4)
     with pytest.raises(ValueError, match="drafter returned"):
         speculative_greedy(m, [1, 2], ContinuationDrafter(2, [VOCAB + 5] * 9), k=2, max_tokens=4)
+
+
+def test_verify_on_a_growable_state_that_must_grow(run):
+    """A verify call that makes a growable state reallocate keeps its record (taken after the reallocation)."""
+    m = run[0]
+    st = m.new_state(1)
+    m(torch.randint(0, VOCAB, (1, 126)), st)
+    assert st.max_len == 128
+    logits, rec = m.verify(torch.tensor([[1, 2, 3, 4]]), st)
+    assert st.max_len > 128 and all(len(t) == 4 for t in rec.trails if t)
+    m.rollback(st, rec, [2])
+    assert st.pos == 128
