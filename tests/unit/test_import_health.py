@@ -331,5 +331,5 @@ def test_triton_blocker_works():
     """Negative control: under the same blocker, importing triton (or a triton-only kernel module) fails."""
     r = _python(BLOCK_TRITON + "import triton\n")
     assert r.returncode != 0 and "blocked by the test" in r.stderr, r.stderr
-    r = _python(BLOCK_TRITON + "import kernels.gemm\n")
+    r = _python(BLOCK_TRITON + "import kernels.moe\n")
     assert r.returncode != 0 and "blocked by the test" in r.stderr, r.stderr
