@@ -102,8 +102,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type != "cuda" and not interp:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
-        from dsv4 import fast  # triton is optional: dsv4.fast and kernels.quant import it
-        from kernels import quant as kquant  # triton is optional (as above)
+        from dsv4 import fast  # triton is an optional dependency: dsv4.fast and kernels.quant import it
+        from kernels import quant as kquant  # triton is an optional dependency (as above)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
