@@ -276,8 +276,9 @@ def test_scanner_finds_an_unexplained_import_inside_a_function(tmp_path):
 
 def test_scanner_wants_the_reason_not_a_bare_optional(tmp_path):
     """`# optional` alone (psutil's comment before issue 23) is no reason; `# an optional dependency: ...` is."""
-    files = dict(CLEAN, **{"dsv4/memory_plan.py": "def room():\n    import psutil  # optional\n",
-                           "dsv4/testing.py": "def skip():\n    import pytest  # an optional dependency: the test extra\n"})
+    files = dict(CLEAN, **{
+        "dsv4/memory_plan.py": "def room():\n    import psutil  # optional\n",
+        "dsv4/testing.py": "def skip():\n    import pytest  # an optional dependency: the test extra\n"})
     got = violations(_package(tmp_path, files))
     assert got["unexplained_inner_imports"] == [("dsv4.memory_plan", 2, "import psutil  # optional")]
 
