@@ -1,6 +1,7 @@
 """Backends: which implementation of the hot paths the model runs (spec §4, §5, §7, §9).
 
-`reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec).
+`reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec; the one
+exception, the routed experts' loop over the model's `Expert` modules, is `dsv4/ops_ref.py`).
 `triton` = the Triton launchers of the same modules, and the model-level fast paths of `dsv4/fast.py` (FP8 /
 FP4 GEMMs of `kernels/gemm.py` and `kernels/moe.py`, the bf16-weight fp32 GEMV of `kernels/fp32_linear.py`, bf16
 cuBLAS GEMMs; table there). The choice is explicit and checked: asking for the
@@ -17,8 +18,11 @@ from typing import Callable
 
 import torch
 
-from dsv4 import ops_ref
+from dsv4.ops_ref import moe_routed_ref
 from kernels import attention, compressor, indexer, mhc, numerics, rope
+from kernels.fp32_linear import fp32_linear_ref
+from kernels.gemm import grouped_linear_ref, linear_ref
+from kernels.norm import rms_norm_ref
 
 __all__ = ["Backend", "get_backend", "BACKENDS"]
 
@@ -40,20 +44,23 @@ class Backend:
     # `hc_post_pre(a, H, post, comb, fn, base, scale, ...)` = hc_post of one site then hc_pre of the next.
     indexer_topk: Callable | None = None
     hc_post_pre: Callable | None = None
-    # Model-level entries (issue 13), signatures of the reference functions in dsv4/ops_ref.py:
-    #   linear(lin, x) -> y                      `linear_ref`          (every Linear.forward)
-    #   grouped_linear(o, lin) -> z              `grouped_linear_ref`  (the grouped wo_a)
-    #   moe_routed(moe, x, weights, ids) -> y    `moe_routed_ref`      (routed experts, fp32 sum)
+    # Model-level entries (issue 13; tensor signatures since issue 23), signatures of the references:
+    #   linear(x, weight, scale, act_block, fp32) -> y   `kernels.gemm.linear_ref`  (every Linear.forward; the
+    #                                                    weight as held: codes + ue8m0 scale, or a float weight)
+    #   grouped_linear(o, weight, scale) -> z            `kernels.gemm.grouped_linear_ref`  (the grouped wo_a)
+    #   moe_routed(moe, x, weights, ids) -> y            `dsv4.ops_ref.moe_routed_ref`  (routed experts, fp32
+    #                                                    sum; the one entry that takes a module, reason there)
     linear: Callable | None = None
     grouped_linear: Callable | None = None
     moe_routed: Callable | None = None
-    #   fp32_linear(x, weight) -> y fp32         `fp32_linear_ref`     (the router `Gate`; `linear` uses it for
-    #                                                                  the fp32 linears head / compressor)
+    #   fp32_linear(x, weight) -> y fp32                 `kernels.fp32_linear.fp32_linear_ref`  (the router
+    #                                                    `Gate`; `linear(fp32=True)` computes it for the fp32
+    #                                                    linears head / compressor)
     fp32_linear: Callable | None = None
     # the compressor's decode step (graph decode): `kernels.compressor.compress_pool_ref` / `compress_commit_ref`
     compress_pool: Callable | None = None
     compress_commit: Callable | None = None
-    #   rms_norm(norm, x) -> y                   `rms_norm_ref`        (every RMSNorm.forward)
+    #   rms_norm(x, weight, eps) -> y                    `kernels.norm.rms_norm_ref`  (every RMSNorm.forward)
     rms_norm: Callable | None = None
     # RoPE of the last rd columns (graph decode): `kernels.rope.rope_tail_ref(x, pos, inv_freq, rd, inverse)`
     # signature; the triton entry rotates x in place and returns it (callers pass a tensor they own)
@@ -81,10 +88,10 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
-                       linear=ops_ref.linear_ref, grouped_linear=ops_ref.grouped_linear_ref,
-                       moe_routed=ops_ref.moe_routed_ref, fp32_linear=ops_ref.fp32_linear_ref,
+                       linear=linear_ref, grouped_linear=grouped_linear_ref,
+                       moe_routed=moe_routed_ref, fp32_linear=fp32_linear_ref,
                        compress_pool=compressor.compress_pool_ref,
-                       compress_commit=compressor.compress_commit_ref, rms_norm=ops_ref.rms_norm_ref,
+                       compress_commit=compressor.compress_commit_ref, rms_norm=rms_norm_ref,
                        rope_tail=rope.rope_tail_ref, act_quant_sim=numerics.act_quant_sim,
                        fp4_act_quant_sim=numerics.fp4_act_quant_sim)
     if name == "triton":
@@ -95,8 +102,8 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type != "cuda" and not interp:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
-        from dsv4 import fast  # triton is optional: dsv4.fast and kernels.quant import it
-        from kernels import quant as kquant  # triton is optional (as above)
+        from dsv4 import fast  # triton is an optional dependency: dsv4.fast and kernels.quant import it
+        from kernels import quant as kquant  # triton is an optional dependency (as above)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,

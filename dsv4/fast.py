@@ -1,14 +1,17 @@
-"""Model-level fast paths of the triton backend (issue 13): linears, the grouped wo_a and the routed experts.
+"""Model-level fast paths of the triton backend (issue 13): linears, the grouped wo_a, the routed experts, RMSNorm.
 
-The reference entries (`dsv4.ops_ref.linear_ref`, `grouped_linear_ref`, `moe_routed_ref`) are the executable spec;
-these compute the same maths with kernels. Which path runs is decided by the linear's kind and the model's
-numerics, never by a failure (nothing falls back silently; every row below is deliberate):
+The reference entries beside their kernels (`kernels.gemm.linear_ref`, `kernels.gemm.grouped_linear_ref`,
+`kernels.norm.rms_norm_ref`, `kernels.fp32_linear.fp32_linear_ref`; `dsv4.ops_ref.moe_routed_ref`) are the
+executable spec; these compute the same maths with kernels, with the same signatures (functions of tensors and
+plain numbers; `moe_routed` takes the MoE module, see `dsv4.ops_ref`). Which path runs is decided by the weight's
+dtype (its resident format), the arguments and the activation dtype, never by a failure (nothing falls back
+silently; every row below is deliberate):
 
 | what | bf16 mode (official numerics) | fp32 mode (exact) |
 |---|---|---|
-| FP8 linear (`quantized`, fmt "fp8", in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
-| other bf16 linears (weights_proj, dequantized mode) | act quant (if `quantized`) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
-| fp32 linears (head, compressor wkv/wgate via `linear`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
+| FP8 linear (weight float8_e4m3fn, act_block > 0, in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
+| other bf16 linears (weights_proj, dequantized mode) | act quant (if act_block > 0) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
+| fp32 linears (head, compressor wkv/wgate via `linear(fp32=True)`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
 | those, weight held bf16, M > 64 (prefill of router / compressor) | exact fp32 upcast of the weight + fp32 cuBLAS `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
 | those, weight held fp32 (weights="dequantized") | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
@@ -21,8 +24,8 @@ Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 c
 dequantized FP8 / FP4 weights are exact in bf16, and cuBLAS multiplies bf16 with fp32 accumulation, so the
 result equals the reference's fp32 product up to summation order (measured on an H200: 0.0% / 0.05% / 0.12%
 of outputs differ by one bf16 rounding at M = 1 / 8 / 1024, K = 4096; benchmarks/RESULTS.md, issue 13).
-Narrow widths (test-scale models, in % 128 != 0) quantize activations with `dsv4.quant` (as `_Sim` does) because
-the FP8 kernels need 128-channel blocks.
+Narrow widths (test-scale models, in % 128 != 0) quantize activations with `kernels.numerics.act_quant_sim` (as
+`linear_ref` does) because the FP8 kernels need 128-channel blocks.
 """
 
 from __future__ import annotations
@@ -31,47 +34,53 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4.ops_ref import fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref
+from dsv4.ops_ref import moe_routed_ref
 # the kernels, looked up in their modules at call time (tests spy on them, mutants replace them there)
 from kernels import fp32_linear as kfp32
 from kernels import gemm as kgemm
 from kernels import moe as kmoe
 from kernels import norm as knorm
+from kernels import numerics
+from kernels.fp32_linear import fp32_linear_ref
+from kernels.gemm import dequantize_ref, grouped_linear_ref, linear_ref
 
 if TYPE_CHECKING:  # annotations only (never executed): dsv4.model imports this module's table through dsv4.backend
-    from dsv4.model import Linear, MoE
+    from dsv4.model import MoE
 
 __all__ = ["linear", "grouped_linear", "moe_routed", "rms_norm", "fp32_linear", "prepare"]
 
 _BLOCK = 128
 
 
-def _bf16_weight(lin: Linear) -> torch.Tensor:
-    """[out, in] bf16 weight: the parameter, or the FP8 codes dequantized by the Triton kernel (exact)."""
-    if lin.fmt == "fp8" and lin.codes.shape[1] % _BLOCK == 0:
-        return kgemm.fp8_dequant(lin._buffers["weight"], lin._buffers["scale"])
-    return lin.dequantized_weight()
+def _bf16_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """[out, in] bf16 weight: a bf16 weight as it is, FP8 codes dequantized by the Triton kernel (exact), other
+    codes by `kernels.gemm.dequantize_ref` (exact)."""
+    if weight.dtype == torch.float8_e4m3fn and weight.shape[1] % _BLOCK == 0:
+        return kgemm.fp8_dequant(weight, scale)
+    return dequantize_ref(weight, scale, torch.bfloat16)
 
 
-def linear(lin: Linear, x: torch.Tensor) -> torch.Tensor:
-    """Triton-backend `Linear.forward` (table in the module docstring): x [..., in] -> [..., out], same dtype
-    contract as `linear_ref` (fp32 out for fp32 linears, x.dtype otherwise)."""
-    if lin.fp32:
-        return fp32_linear(x, lin.codes)
-    if not lin.sim.enabled or x.dtype != torch.bfloat16:
-        return linear_ref(lin, x)
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, act_block: int = 0,
+           fp32: bool = False) -> torch.Tensor:
+    """Triton-backend `Linear.forward` (table in the module docstring), the signature and dtype contract of
+    `kernels.gemm.linear_ref`: x [..., in], the weight as held (+ scale), act_block, fp32 -> [..., out] (fp32 for
+    fp32 linears, x.dtype otherwise). Raises ValueError from the kernels' argument checks."""
+    if fp32:
+        return fp32_linear(x, weight)
+    if x.dtype != torch.bfloat16:
+        return linear_ref(x, weight, scale, act_block)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
-    if lin.fmt == "fp8" and lin.quantized and k % _BLOCK == 0:
-        y = kgemm.fp8_linear(x2, lin._buffers["weight"], lin._buffers["scale"])
+    if weight.dtype == torch.float8_e4m3fn and act_block and k % _BLOCK == 0:
+        y = kgemm.fp8_linear(x2, weight, scale)
     else:
-        if lin.quantized:
+        if act_block:
             if k % _BLOCK == 0:
                 x2 = kgemm.act_quant(x2, sim=True)[0]
             else:
-                x2 = lin.sim.act(x2)
-        y = x2 @ _bf16_weight(lin).T
+                x2 = numerics.act_quant_sim(x2, act_block)
+        y = x2 @ _bf16_weight(weight, scale).T
     return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -90,18 +99,17 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y.view(*shape[:-1], y.shape[-1])
 
 
-def grouped_linear(o: torch.Tensor, lin: Linear) -> torch.Tensor:
-    """Triton-backend grouped wo_a: o [b, s, G, i] -> [b, s, G, o] in o.dtype (bf16 bmm, fp32 accumulation;
-    fp32 mode: `grouped_linear_ref`)."""
-    if not lin.sim.enabled or o.dtype != torch.bfloat16:
-        return grouped_linear_ref(o, lin)
+def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton-backend grouped wo_a (`kernels.gemm.grouped_linear_ref` signature): o [b, s, G, i], wo_a as held
+    [G*o, i] (+ scale) -> [b, s, G, o] in o.dtype (bf16 bmm, fp32 accumulation; fp32 mode: the reference)."""
+    if o.dtype != torch.bfloat16:
+        return grouped_linear_ref(o, weight, scale)
     b, s, G, i = o.shape
-    n = lin.codes.shape[0] // G
-    if lin.fmt == "fp8" and b * s <= kgemm.GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
-        y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), lin._buffers["weight"], lin._buffers["scale"],
-                                   G)
+    n = weight.shape[0] // G
+    if weight.dtype == torch.float8_e4m3fn and b * s <= kgemm.GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
+        y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G)
         return y.view(b, s, G, n)
-    w = _bf16_weight(lin).view(G, -1, i)                       # [G, o, i]
+    w = _bf16_weight(weight, scale).view(G, -1, i)                       # [G, o, i]
     z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
     return z.transpose(0, 1).reshape(b, s, G, -1)
 
@@ -134,7 +142,8 @@ def moe_routed(moe: MoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     return kmoe.moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), stacked, moe.experts[0].limit)
 
 
-def rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """Triton-backend `RMSNorm.forward`: `kernels.norm.rms_norm` (one launch) on x [..., dim] bf16 / fp32, the
-    same fp32 maths as `dsv4.ops_ref.rms_norm_ref` up to the order of the sum of squares; x.dtype out."""
-    return knorm.rms_norm(x.contiguous(), norm.weight, norm.eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton-backend `RMSNorm.forward` (`kernels.norm.rms_norm_ref` signature): `kernels.norm.rms_norm` (one
+    launch) on x [..., dim] bf16 / fp32 in any layout (made contiguous), weight [dim] fp32, eps > 0; the same fp32
+    maths as the reference up to the order of the sum of squares; x.dtype out. Raises ValueError as the kernel."""
+    return knorm.rms_norm(x.contiguous(), weight, eps)

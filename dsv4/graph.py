@@ -28,7 +28,7 @@ __all__ = ["GraphDecodeState", "check_graph_model"]
 
 def check_graph_model(model, max_len: int) -> None:
     """Raise ValueError naming every reason `model` cannot decode through CUDA graphs up to `max_len`."""
-    from dsv4.fast import _stackable  # triton is optional: dsv4.fast imports the Triton kernels
+    from dsv4.fast import _stackable  # triton is an optional dependency: dsv4.fast imports the Triton kernels
     problems = []
     if model.backend.name != "triton":
         problems.append(f"backend {model.backend.name!r} (needs 'triton')")

@@ -183,7 +183,7 @@ def available_bytes(device: str) -> tuple[int, str] | None:
         return None
     room, where = None, ""
     try:
-        import psutil  # optional
+        import psutil  # an optional dependency: psutil (not in pyproject.toml; /proc/meminfo below without it)
 
         vm, sw = psutil.virtual_memory(), psutil.swap_memory()
         room, where = int(vm.available + sw.free), "available RAM + free swap (psutil)"

@@ -45,10 +45,11 @@ from dsv4.backend import Backend, get_backend
 from dsv4.config import ModelArgs
 from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
 from dsv4.graph import GraphDecodeState, check_graph_model
-# the reference backend's model-level entries (`dsv4.ops_ref`; re-exported here) and the decode state (`dsv4.state`)
-from dsv4.ops_ref import fp32_linear_ref, grouped_linear_ref, linear_ref, moe_routed_ref, rms_norm_ref  # noqa: F401
+# the reference backend's routed experts (`dsv4.ops_ref`; re-exported here) and the decode state (`dsv4.state`)
+from dsv4.ops_ref import moe_routed_ref  # noqa: F401
 from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
+from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
 from kernels.indexer import indexer_topk_ref
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
 
@@ -92,9 +93,15 @@ class _Sim:
         raise ValueError(f"quantization simulation: width {n} is neither a multiple of nor smaller than "
                          f"the block {block}")
 
+    def act_block(self, x: torch.Tensor) -> int:
+        """The block of the FP8 activation quantization before an FP8/FP4 GEMM of x [..., n]: 128 (n < 128: n;
+        `_block`), 0 (none) in fp32 mode; the `act_block` argument of the backend's `linear`."""
+        return self._block(x, 128) if self.enabled else 0
+
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """FP8 activation quantization (128-channel blocks, ue8m0 scales) before an FP8/FP4 GEMM."""
-        return self._quant.act_quant_sim(x, self._block(x, 128)) if self.enabled else x
+        block = self.act_block(x)
+        return self._quant.act_quant_sim(x, block) if block else x
 
     def kv_nope(self, x: torch.Tensor, op: Callable | None = None) -> torch.Tensor:
         """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks (`op`: a backend's `act_quant_sim`,
@@ -118,13 +125,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        # the backend's `rms_norm` (construction context `sim.ops`; reference `rms_norm_ref` without one)
-        self.kernel: Callable[["RMSNorm", torch.Tensor], torch.Tensor] = (sim.ops if sim else REFERENCE).rms_norm
+        ops = sim.ops if sim else REFERENCE  # the construction context's backend (`REFERENCE` without one)
+        self.kernel: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = ops.rms_norm  # `rms_norm`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] any float dtype -> weight * x * rsqrt(mean(x^2) + eps), computed in fp32, returned in
-        x.dtype (spec §2), through the backend's `rms_norm` (reference: `rms_norm_ref`)."""
-        return self.kernel(self, x)
+        x.dtype (spec §2), through the backend's `rms_norm` (reference: `kernels.norm.rms_norm_ref`)."""
+        return self.kernel(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -161,7 +168,7 @@ class Linear(nn.Module):
         deferred = getattr(sim, "resident", "dequantized") == "quantized"
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.compute_dtype,
                                                device="meta" if deferred else None))
-        self.kernel: Callable[["Linear", torch.Tensor], torch.Tensor] = sim.ops.linear  # the backend's `linear`
+        self.kernel: Callable[..., torch.Tensor] = sim.ops.linear  # the backend's `linear` (`forward`)
 
     def hold(self, fmt: str | None, device: str | torch.device) -> None:
         """Give a deferred (meta) linear its storage on `device`: `fmt` None -> parameter [out, in] in the
@@ -206,6 +213,11 @@ class Linear(nn.Module):
         otherwise."""
         return self._buffers["weight"] if self.fmt is not None else self._parameters["weight"]
 
+    @property
+    def scales(self) -> torch.Tensor | None:
+        """The ue8m0 block scales of the codes (buffer `scale`, float8_e8m0fnu) in "fp8" / "fp4", else None."""
+        return self._buffers.get("scale")
+
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] weight in the compute dtype: the parameter itself, or the codes dequantized now (fp8:
         `quant.fp8_block_dequant`, fp4: `quant.fp4_dequant`; exact in fp32 and bf16; "bf16": the fp32 upcast,
@@ -218,8 +230,11 @@ class Linear(nn.Module):
         return deq(self._buffers["weight"], self._buffers["scale"], out_dtype=self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out] through the backend's `linear` (reference: `linear_ref`)."""
-        return self.kernel(self, x)
+        """x [..., in] -> [..., out] (fp32 for `fp32=True`, else x.dtype) through the backend's `linear` (reference:
+        `kernels.gemm.linear_ref`) on the weight as held (`codes`, `scales`), FP8 activation quantization first
+        when `quantized` in bf16 mode (`_Sim.act_block`)."""
+        act_block = self.sim.act_block(x) if self.quantized else 0
+        return self.kernel(x, self.codes, self.scales, act_block, self.fp32)
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -447,10 +462,10 @@ class Attention(nn.Module):
 
     def _out(self, o: torch.Tensor, pos: torch.Tensor, ops: Backend, backend: Backend) -> torch.Tensor:
         """Attention output o [b, s, h, hd] -> [b, s, dim]: de-rotation of the RoPE channels (spec §5.4), grouped
-        wo_a (`grouped_linear_ref`) and wo_b."""
+        wo_a (the backend's `grouped_linear`; reference `kernels.gemm.grouped_linear_ref`) and wo_b."""
         o = ops.rope_tail(o, pos, self.inv_freq, self.rd, inverse=True)
         o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
-        return self.wo_b(backend.grouped_linear(o, self.wo_a).flatten(2))
+        return self.wo_b(backend.grouped_linear(o, self.wo_a.codes, self.wo_a.scales).flatten(2))
 
     def extend(self, x: torch.Tensor, p: int, st: LayerState, backend: Backend) -> torch.Tensor:
         """x [b, s, dim] (attn_norm output) at positions p..p+s-1 -> [b, s, dim]: the prefill (p = 0) and any

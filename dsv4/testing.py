@@ -149,7 +149,7 @@ def greedy_logits(model, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
 
 def require_gpus(n: int, *, nccl: bool = False) -> None:
     """pytest.skip with a stated reason unless n CUDA devices (and, with nccl, the NCCL backend) are visible."""
-    import pytest
+    import pytest  # an optional dependency: pytest (the test extra; this helper runs only under pytest)
 
     if not torch.cuda.is_available():
         pytest.skip("CUDA is not available (these tests need a GPU)")

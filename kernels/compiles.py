@@ -85,7 +85,7 @@ class CompileLog:
         if interpreting():
             raise RuntimeError("CompileLog: TRITON_INTERPRET=1 compiles nothing (the hooks never run); count "
                                "specializations with kernels.compiles.LaunchLog instead")
-        import triton  # triton is optional: this module is importable without it
+        import triton  # triton is an optional dependency: this module is importable without it
         rt = getattr(getattr(triton, "knobs", None), "runtime", None)
         if rt is None or not hasattr(rt, "jit_post_compile_hook") or not hasattr(rt, "jit_cache_hook"):
             raise RuntimeError(f"CompileLog: triton {triton.__version__} has no knobs.runtime.jit_cache_hook / "
@@ -212,7 +212,7 @@ class LaunchLog:
     def __enter__(self) -> "LaunchLog":
         if not interpreting():
             raise RuntimeError("LaunchLog: needs TRITON_INTERPRET=1 (on the GPU count compiles with CompileLog)")
-        from triton.runtime.interpreter import InterpretedFunction  # triton is optional
+        from triton.runtime.interpreter import InterpretedFunction  # triton is an optional dependency
         self._cls = InterpretedFunction
         self._orig = InterpretedFunction.run
         log = self

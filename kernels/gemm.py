@@ -7,7 +7,10 @@ s_w[n/128, kb]` over the 128-wide K blocks in fp32. The act-quantized input and 
 exact in bf16, so the result equals a GEMM with fp32 accumulation on the two dequantized operands up to summation
 order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode with FP8 weights).
 
-Reading order (STYLE §1): the reference, the shared in-kernel quantization helpers, the kernels, the launchers.
+Reading order (STYLE §1): the references, the shared in-kernel quantization helpers, the kernels, the launchers.
+The references include the model's: `linear_ref` (every `dsv4.model.Linear`, any resident format) and
+`grouped_linear_ref` (the grouped `wo_a`), the reference backend's `linear` / `grouped_linear` entries; the triton
+backend's entries (`dsv4.fast`) run `fp8_linear` / `fp8_grouped_gemv` / `fp8_dequant` where they apply.
 
 Paths of `fp8_linear` (chosen by M, never by a silent fallback):
   * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
@@ -41,16 +44,18 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
 
 from kernels import numerics
-# the in-kernel number formats (re-exported: kernels.moe, the tests and the other kernels import them from here)
-from kernels.jit_formats import (_nonfinite_rows, act_apply, act_quant_block, act_scale, cast_for_store,  # noqa: F401
-                                 dot_q_w, dot_w_w, e4m3_bits, e4m3_to_f32, e8m0_to_f32, round_bf16, round_e4m3)
-from kernels.launch import check_layout, interpreting, split_k, split_k_total, workspace
+from kernels.fp32_linear import fp32_linear_ref
+from kernels.launch import check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
-from kernels.quant import act_quant_sim
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
@@ -102,159 +107,220 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
     return (xq.float() @ w.T).to(torch.bfloat16)
 
 
+def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's weight as stored -> [out, in] in `dtype` (spec §2; `dsv4.model.Linear.dequantized_weight`'s maths).
+
+    Args: weight float8_e4m3fn [out, in] FP8 codes with scale float8_e8m0fnu [ceil(out/128), ceil(in/128)]
+    (`numerics.fp8_block_dequant`); int8 [out, in/2] packed e2m1 with scale float8_e8m0fnu [out, in/32]
+    (`numerics.fp4_dequant`); any float [out, in] with scale None (returned as it is, not cast).
+    Returns: [out, in] in `dtype` (exact: every FP8 / FP4 value times its power-of-two scale is exact in bf16
+    and fp32), or the float weight itself. Raises ValueError (from the dequantizers) on a wrong scale shape.
+    """
+    if weight.dtype == torch.float8_e4m3fn:
+        return numerics.fp8_block_dequant(weight, scale, out_dtype=dtype)
+    if weight.dtype == torch.int8:
+        return numerics.fp4_dequant(weight, scale, out_dtype=dtype)
+    return weight
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, act_block: int = 0,
+               fp32: bool = False) -> torch.Tensor:
+    """Every `dsv4.model.Linear` (the `linear` entry of the reference backend; spec §2): x [..., in] -> [..., out].
+
+    Args:
+        x: [..., in] activations (bf16 in the official numerics, fp32 in the exact mode).
+        weight, scale: the weight as the linear holds it (`dequantize_ref`: FP8 / FP4 codes + ue8m0 scales, or a
+            float [out, in] weight with scale None).
+        act_block: > 0: FP8 activation quantization of x first (`numerics.act_quant_sim(x, act_block)`, the
+            official act_quant before an FP8 / FP4 GEMM; 128, or the row width below 128); 0: none.
+        fp32: an official fp32-compute linear (head, compressor wkv / wgate): `fp32_linear_ref(x, weight)` with
+            the weight fp32 or bf16 as on disk (upcast exactly), fp32 out; scale and act_block unused.
+    Returns: [..., out] fp32 when `fp32`, else `x.float() @ W.float()^T` (fp32 products and sum) in x.dtype,
+        W dequantized to x.dtype (the linear's compute dtype).
+    Raises: ValueError (from `numerics`) on a width that is no multiple of act_block, or a wrong scale shape.
+    """
+    if fp32:
+        return fp32_linear_ref(x, weight)
+    w = dequantize_ref(weight, scale, x.dtype)
+    if act_block:
+        x = numerics.act_quant_sim(x, act_block)
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def grouped_linear_ref(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped `wo_a` (spec §5; the `grouped_linear` entry of the reference backend): group g of o times rows
+    g*o..(g+1)*o-1 of the weight.
+
+    Args: o [b, s, G, i] in the activation dtype; weight, scale: wo_a as held (`dequantize_ref`), [G*o, i].
+    Returns: [b, s, G, o] in o.dtype; fp32 products and sum, no activation quantization (wo_a's input is used
+        unquantized in bf16, as officially: pitfall 17).
+    Raises: RuntimeError (torch) when the weight's rows are not G groups of i-wide rows.
+    """
+    wa = dequantize_ref(weight, scale, o.dtype).view(o.shape[2], -1, o.shape[-1])
+    return torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(o.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["M"])  # issue 29: one build, not one per class of the row count
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
-    """Grid (cdiv(M, BR), K/128): q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`). The
-    quantize -> dequantize form is `kernels.quant.act_quant_sim`."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    kb = tl.program_id(1)
-    cols = kb * 128 + tl.arange(0, 128)
-    mask = (rows < M)[:, None]
-    r64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, s = act_quant_block(x)
-    tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
-    tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    # the in-kernel number formats (re-exported: kernels.moe, the tests and the other kernels import them here)
+    from kernels.jit_formats import (_nonfinite_rows, act_apply, act_quant_block, act_scale,  # noqa: F401
+                                     cast_for_store, dot_q_w, dot_w_w, e4m3_bits, e4m3_to_f32, e8m0_to_f32,
+                                     round_bf16, round_e4m3)
+    from kernels.launch import split_k_total
+    from kernels.quant import act_quant_sim
+
+    @triton.jit(do_not_specialize=["M"])  # issue 29: one build, not one per class of the row count
+    def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, KB, BR: tl.constexpr):
+        """Grid (cdiv(M, BR), K/128): q_ptr <- e4m3 codes and s_ptr[m, kb] <- s fp32 (`act_quant`). The
+        quantize -> dequantize form is `kernels.quant.act_quant_sim`."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        kb = tl.program_id(1)
+        cols = kb * 128 + tl.arange(0, 128)
+        mask = (rows < M)[:, None]
+        r64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + r64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        q, s = act_quant_block(x)
+        tl.store(q_ptr + r64[:, None] * K + cols[None, :], e4m3_bits(q).to(tl.uint8), mask=mask)
+        tl.store(s_ptr + r64 * KB + kb, s, mask=rows < M)
 
 
-@triton.jit
-def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
-                MMA: tl.constexpr, DOT: tl.constexpr):
-    """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
-    (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
-    row: `sum(q_m * w, axis=1)` of the same exact fp32 products (e4m3 x e4m3, or bf16 x e4m3: <= 12 significant
-    bits), summed by `tl.sum`'s tree instead of the MMA's order; each row quantized (QUANT_X) as `act_quant_block`.
-    A masked row (DOT, m >= M) or block (live [1, 1] False) loads zeros and adds nothing."""
-    offs_k = tl.arange(0, 128)
-    if DOT:
-        x = tl.load(x_ptr + offs_m[:, None] * GK + xcol + offs_k[None, :], mask=mask_m[:, None] & live,
-                    other=0.0).to(tl.float32)
-        if QUANT_X:
-            q, sx = act_quant_block(x)
-            acc += dot_q_w(q, w, MMA) * (sx * sw)[:, None]
-        else:
-            acc += dot_q_w(x, w, MMA) * sw
-    else:
-        if MMA == 0:
-            wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
-        else:
-            wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
-        live1 = (kbu + tl.zeros((128,), tl.int32)) < kb1
-        for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
-            # x as one [128] vector (not [1, 128]): the products and the sum then stay in the weight tile's
-            # layout (a [1, 128] row made Triton move the whole tile into the row's layout through shared memory)
-            xm = tl.load(x_ptr + m * GK + xcol + offs_k, mask=live1, other=0.0).to(tl.float32)
+    @triton.jit
+    def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
+                    MMA: tl.constexpr, DOT: tl.constexpr):
+        """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
+        (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
+        row: `sum(q_m * w, axis=1)` of the same exact fp32 products (e4m3 x e4m3, or bf16 x e4m3: <= 12 significant
+        bits), summed by `tl.sum`'s tree instead of the MMA's order; each row quantized (QUANT_X) as `act_quant_block`.
+        A masked row (DOT, m >= M) or block (live [1, 1] False) loads zeros and adds nothing."""
+        offs_k = tl.arange(0, 128)
+        if DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * GK + xcol + offs_k[None, :], mask=mask_m[:, None] & live,
+                        other=0.0).to(tl.float32)
             if QUANT_X:
-                inv, sx = act_scale(xm, 0)
-                row = tl.sum(wf * act_apply(xm, inv, 0)[None, :], axis=1) * (sx * sw)
+                q, sx = act_quant_block(x)
+                acc += dot_q_w(q, w, MMA) * (sx * sw)[:, None]
             else:
-                row = tl.sum(wf * xm[None, :], axis=1) * sw
-            acc += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
-    return acc
+                acc += dot_q_w(x, w, MMA) * sw
+        else:
+            if MMA == 0:
+                wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
+            else:
+                wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
+            live1 = (kbu + tl.zeros((128,), tl.int32)) < kb1
+            for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
+                # x as one [128] vector (not [1, 128]): the products and the sum then stay in the weight tile's
+                # layout (a [1, 128] row made Triton move the whole tile into the row's layout through shared memory)
+                xm = tl.load(x_ptr + m * GK + xcol + offs_k, mask=live1, other=0.0).to(tl.float32)
+                if QUANT_X:
+                    inv, sx = act_scale(xm, 0)
+                    row = tl.sum(wf * act_apply(xm, inv, 0)[None, :], axis=1) * (sx * sw)
+                else:
+                    row = tl.sum(wf * xm[None, :], axis=1) * sw
+                acc += tl.where(offs_m[:, None] == m, row[None, :], 0.0)
+        return acc
 
 
-@triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT"])  # one build per GemvConfig and M range
-def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
-                     BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr,
-                     DOT: tl.constexpr, UNROLL: tl.constexpr):
-    """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
-    x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T, x [M, G*K] bf16, W [G*N, K] e4m3 codes with one ue8m0 scale per
-    128x128 block, y [M, G*N] bf16, fp32 accumulation. G = 1 is `fp8_linear`'s decode path; G > 1 the grouped
-    `wo_a` (`fp8_grouped_gemv`). BN divides 128, so one weight scale per K block (G > 1 needs N % 128 == 0).
-    QUANT_X: x is quantized in registers per 128 block (`act_quant_block`, the official act_quant) and the
-    block's scale applied; otherwise x is used as it is (wo_a: no activation quantization, spec §5; or x already
-    `act_quant_sim`-ed, whose values are the codes times 2^k: the same sums times the same powers of two).
-    DOT: tensor-core dot per K block, else CUDA-core rows (`_gemv_block`). UNROLL: K blocks loaded per loop
-    iteration (more bytes in flight), accumulated in the same kb order as UNROLL = 1 (bitwise the same result).
-    SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
-    semaphore) sums them in split order, writes bf16 and resets its semaphore.
-    Not specialized on M, G and the split sizes (loop bounds and masks only; K, whose divisibility by 16 the
-    vector loads of W need, is): Triton would otherwise build one kernel per value class (== 1, % 16 == 0) of
-    each, several per launch config across the model's shapes."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    g = tl.program_id(2)
-    offs_m = tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, 128)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    GK = G * K
-    GN = G * N
-    rows64 = (g * N + offs_n).to(tl.int64)
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    kb0 = pid_s * KB_PER_SPLIT
-    kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
-    srow = (g * N + pid_n * BN) // 128
-    for kb in range(kb0, kb1, UNROLL):
-        for u in tl.static_range(UNROLL):  # a block past kb1 (UNROLL > 1) loads zero codes and x: adds +0
-            live = (kb + u + tl.zeros((1, 1), tl.int32)) < kb1  # [1, 1]: the interpreter cannot mask by a scalar
-            w = tl.load(w_ptr + rows64[:, None] * K + (kb + u) * 128 + offs_k[None, :],
-                        mask=mask_n[:, None] & live, other=0.0)
-            sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
-            acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
-                              QUANT_X, MMA, DOT)
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
-    if SPLIT == 1:
-        tl.store(y_ptr + yoffs, round_bf16(acc).to(tl.bfloat16), mask=out_mask)
-    else:
-        base = (g * SPLIT * M).to(tl.int64) * N
-        tot, last = split_k_total(acc, part_ptr + base, sem_ptr + g * tl.num_programs(0) + pid_n,
-                                  offs_m[:, None] * N + offs_n[None, :], M * N, pid_s, SPLIT, out_mask)
-        if last:
-            tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
+    @triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT"])  # one build per GemvConfig and M range
+    def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
+                         BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr,
+                         DOT: tl.constexpr, UNROLL: tl.constexpr):
+        """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
+        x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T, x [M, G*K] bf16, W [G*N, K] e4m3 codes with one ue8m0 scale per
+        128x128 block, y [M, G*N] bf16, fp32 accumulation. G = 1 is `fp8_linear`'s decode path; G > 1 the grouped
+        `wo_a` (`fp8_grouped_gemv`). BN divides 128, so one weight scale per K block (G > 1 needs N % 128 == 0).
+        QUANT_X: x is quantized in registers per 128 block (`act_quant_block`, the official act_quant) and the
+        block's scale applied; otherwise x is used as it is (wo_a: no activation quantization, spec §5; or x already
+        `act_quant_sim`-ed, whose values are the codes times 2^k: the same sums times the same powers of two).
+        DOT: tensor-core dot per K block, else CUDA-core rows (`_gemv_block`). UNROLL: K blocks loaded per loop
+        iteration (more bytes in flight), accumulated in the same kb order as UNROLL = 1 (bitwise the same result).
+        SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
+        semaphore) sums them in split order, writes bf16 and resets its semaphore.
+        Not specialized on M, G and the split sizes (loop bounds and masks only; K, whose divisibility by 16 the
+        vector loads of W need, is): Triton would otherwise build one kernel per value class (== 1, % 16 == 0) of
+        each, several per launch config across the model's shapes."""
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        g = tl.program_id(2)
+        offs_m = tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, 128)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        GK = G * K
+        GN = G * N
+        rows64 = (g * N + offs_n).to(tl.int64)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        kb0 = pid_s * KB_PER_SPLIT
+        kb1 = tl.minimum(kb0 + KB_PER_SPLIT, KB)
+        srow = (g * N + pid_n * BN) // 128
+        for kb in range(kb0, kb1, UNROLL):
+            for u in tl.static_range(UNROLL):  # a block past kb1 (UNROLL > 1) loads zero codes and x: adds +0
+                live = (kb + u + tl.zeros((1, 1), tl.int32)) < kb1  # [1, 1]: the interpreter cannot mask by a scalar
+                w = tl.load(w_ptr + rows64[:, None] * K + (kb + u) * 128 + offs_k[None, :],
+                            mask=mask_n[:, None] & live, other=0.0)
+                sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
+                acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
+                                  QUANT_X, MMA, DOT)
+        out_mask = mask_m[:, None] & mask_n[None, :]
+        yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
+        if SPLIT == 1:
+            tl.store(y_ptr + yoffs, round_bf16(acc).to(tl.bfloat16), mask=out_mask)
+        else:
+            base = (g * SPLIT * M).to(tl.int64) * N
+            tot, last = split_k_total(acc, part_ptr + base, sem_ptr + g * tl.num_programs(0) + pid_n,
+                                      offs_m[:, None] * N + offs_n[None, :], M * N, pid_s, SPLIT, out_mask)
+            if last:
+                tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
 
 
-@triton.jit
-def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
-    """W bf16 [N, K] <- e4m3 code * 2^(s-127), grid (cdiv(N, BN), K/128); exact."""
-    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    kb = tl.program_id(1)
-    offs_k = kb * 128 + tl.arange(0, 128)
-    mask = (offs_n < N)[:, None]
-    n64 = offs_n.to(tl.int64)
-    w = tl.load(w_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = e8m0_to_f32(tl.load(ws_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=127).to(tl.int32))
-    tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
+    @triton.jit
+    def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
+        """W bf16 [N, K] <- e4m3 code * 2^(s-127), grid (cdiv(N, BN), K/128); exact."""
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        kb = tl.program_id(1)
+        offs_k = kb * 128 + tl.arange(0, 128)
+        mask = (offs_n < N)[:, None]
+        n64 = offs_n.to(tl.int64)
+        w = tl.load(w_ptr + n64[:, None] * K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = e8m0_to_f32(tl.load(ws_ptr + (offs_n // 128) * KB + kb, mask=offs_n < N, other=127).to(tl.int32))
+        tl.store(out_ptr + n64[:, None] * K + offs_k[None, :], (w * s[:, None]).to(tl.bfloat16), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])  # issue 29
-def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
-                     BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
-    """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
-    cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
-    `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
-    pid = tl.program_id(0)
-    n_m = tl.cdiv(M, BM)
-    n_n = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = tl.arange(0, 128)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    m64 = offs_m.to(tl.int64)
-    n64 = offs_n.to(tl.int64)
-    srow = (pid_n * BN) // 128
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, KB):
-        a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-        b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
-        blk = dot_w_w(a, b, MMA)
-        sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
-        sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
-        acc += blk * (sx * sw)[:, None]
-    tl.store(y_ptr + m64[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16),
-             mask=mask_m[:, None] & mask_n[None, :])
+    @triton.jit(do_not_specialize=["M"])  # issue 29
+    def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
+                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
+        """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
+        cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
+        `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
+        pid = tl.program_id(0)
+        n_m = tl.cdiv(M, BM)
+        n_n = tl.cdiv(N, BN)
+        group = pid // (GROUP_M * n_n)
+        first_m = group * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+        pid_n = (pid % (GROUP_M * n_n)) // size_m
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, 128)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        m64 = offs_m.to(tl.int64)
+        n64 = offs_n.to(tl.int64)
+        srow = (pid_n * BN) // 128
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, KB):
+            a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            blk = dot_w_w(a, b, MMA)
+            sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
+            sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
+            acc += blk * (sx * sw)[:, None]
+        tl.store(y_ptr + m64[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16),
+                 mask=mask_m[:, None] & mask_n[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -486,7 +552,7 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """Grouped weight-only FP8 linear for few rows (decode `wo_a`, spec §5: used in bf16 WITHOUT activation
     quantization, pitfall 17): y[m, g, :] = x[m, g, :] . W_g^T, with W_g = weight[g*N:(g+1)*N] dequantized
     (e4m3 code x 2^(s-127) per 128x128 block), fp32 accumulation, bf16 out. The same maths as
-    `dsv4.model.grouped_linear_ref` in bf16 mode (x bf16 and the dequantized weight are exact in bf16, products
+    `grouped_linear_ref` in bf16 mode (x bf16 and the dequantized weight are exact in bf16, products
     exact in fp32), up to summation order; one launch, no host sync (CUDA-graph capturable).
 
     Args: x [M, G*K] bf16 contiguous, M <= GEMV_MAX_M; weight [G*N, K] float8_e4m3fn; scale [G*N/128, K/128]

@@ -1,8 +1,9 @@
 """Weighted RMSNorm in one launch (spec §2): `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))`.
 
-`dsv4.ops_ref.rms_norm_ref` (re-exported by `dsv4.model`) is the executable spec (what `RMSNorm.forward`
-computes with the reference backend: upcast, `pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a
-GPU). The triton backend's `RMSNorm` runs `rms_norm` instead: one program per row, the row in registers, the same
+Reading order (STYLE §1): the reference, the kernel, the launcher. `rms_norm_ref` is the executable spec (the
+reference backend's `rms_norm` entry, what every `dsv4.model.RMSNorm` computes with the reference backend: upcast,
+`pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a GPU). The triton backend's `RMSNorm` runs
+`rms_norm` instead (through `dsv4.fast.rms_norm`): one program per row, the row in registers, the same
 operations in the same order in fp32 (w * x first, then * rsqrt), the store rounded once to x.dtype (`kernels.gemm.cast_for_store`).
 Only the order of the sum of squares differs, so the fp32 results agree within a few ulps and bf16 outputs are
 bitwise equal in almost every element (tests/unit/test_norm_kernel.py). Used at every norm of the model: the
@@ -24,6 +25,17 @@ from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
 MAX_DIM = 16384   # a row must fit in one program's registers (DeepSeek-V4: 7168 at most)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The reference RMSNorm (spec §2; the `rms_norm` entry of the reference backend).
+
+    Args: x [..., d] any float dtype, any layout; weight [d] fp32 (`RMSNorm.weight`); eps > 0 (norm_eps).
+    Returns: `weight * x * rsqrt(mean(x^2) + eps)` computed in fp32, [..., d] in x.dtype.
+    Raises: RuntimeError (torch) when weight does not broadcast against x's last dimension.
+    """
+    xf = x.float()
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)

@@ -23,7 +23,7 @@ FEATURES = {"wgmma": r"\bwgmma\.", "tcgen05": r"\btcgen05\.", "mma.sync": r"\bmm
 
 def _specs():
     """(name, jit function, {arg: pointer dtype}, {arg: float}, {arg: constexpr value}); other args are i32."""
-    from kernels import attention, indexer, mhc  # triton is optional: their kernels exist only with it
+    from kernels import attention, indexer, mhc  # triton is an optional dependency: their kernels exist only with it
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     specs = [
         ("attention._sparse_attn_kernel", attention._sparse_attn_kernel,
@@ -53,7 +53,7 @@ def _specs():
               scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32),
          ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
     ]
-    from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is optional
+    from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is an optional dependency
     u8, f8 = "*u8", "*fp8e4nv"
     specs += [
         ("fp32_linear._bf16w_gemv_kernel", fp32_linear._bf16w_gemv_kernel,
@@ -120,9 +120,9 @@ def compile_all(capability: int, names: list[str] | None = None) -> dict[str, di
     Returns {kernel name: {"ok": bool, "features": [found FEATURES], "error": str}}; a kernel that fails to
     compile is reported with its error, never skipped. Raises RuntimeError under TRITON_INTERPRET=1.
     """
-    import triton  # triton is optional: only this check needs its compiler
-    from triton.backends.compiler import GPUTarget  # triton is optional
-    from triton.compiler import ASTSource  # triton is optional
+    import triton  # triton is an optional dependency: only this check needs its compiler
+    from triton.backends.compiler import GPUTarget  # triton is an optional dependency
+    from triton.compiler import ASTSource  # triton is an optional dependency
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernels.targets.compile_all: unset TRITON_INTERPRET (the interpreter replaces "

@@ -132,7 +132,7 @@ WO_A = [("flash", 8, 4096, 1024), ("pro", 16, 4096, 1024)]
 @pytest.mark.parametrize("name,G,K,N", WO_A, ids=[w[0] for w in WO_A])
 def test_fp8_grouped_gemv_gpu(seed, name, G, K, N, M):
     """Decode wo_a (`fp8_grouped_gemv`: FP8 codes read directly, no activation quantization) against the
-    reference maths of `dsv4.model.grouped_linear_ref` (bf16 x and dequantized weight, fp32 products)."""
+    reference maths of `kernels.gemm.grouped_linear_ref` (bf16 x and dequantized weight, fp32 products)."""
     from kernels.gemm import fp8_grouped_gemv
     x = (torch.randn(M, G * K, device="cuda") * torch.logspace(-2, 2, G * K // 128, device="cuda")
          .repeat_interleave(128)).to(torch.bfloat16)

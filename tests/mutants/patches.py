@@ -321,7 +321,7 @@ def act_quant_skipped(mp: MP) -> None:
     ue8m0 blocks) before the GEMM is skipped."""
     from dsv4.model import _Sim
 
-    mp.setattr(_Sim, "act", lambda self, x: x)  # MUTANT: no act_quant
+    mp.setattr(_Sim, "act_block", lambda self, x: 0)  # MUTANT: no act_quant (`_Sim.act` and every linear's act_block)
 
 
 def kv_fp8_skipped(mp: MP) -> None:

@@ -52,10 +52,11 @@ import pytest
 import torch
 
 from dsv4 import fast, quant
-from dsv4.model import (DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref, grouped_linear_ref, linear_ref,
-                        moe_routed_ref, rms_norm_ref)
+from dsv4.model import DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref, moe_routed_ref
 from dsv4.testing import assert_mostly_bitwise, fill_random_quantized_
 from dsv4.tiny import tiny_args
+from kernels.gemm import grouped_linear_ref, linear_ref
+from kernels.norm import rms_norm_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = [pytest.mark.hardstop,  # every bf16 fast path of the triton backend equals its reference
@@ -119,18 +120,18 @@ class Checked:
                               x.reshape(-1, x.shape[-1]).float(), w.float(), what)
 
     # ---------------------------------------------------------------------------------------- entries
-    def linear(self, lin, x):
-        got, want = self.k["linear"](lin, x), linear_ref(lin, x)
+    def linear(self, x, weight, scale=None, act_block=0, fp32=False):
+        got, want = self.k["linear"](x, weight, scale, act_block, fp32), linear_ref(x, weight, scale, act_block, fp32)
         from kernels import fp32_linear as kf
         from kernels import gemm as kg
         M = x.numel() // x.shape[-1]
-        if lin.fp32:
+        if fp32:
             path = "fp32_gemv" if M <= kf.GEMV_MAX_M else "fp32_mm"
-            self._fp32_sum(got, want, x, lin.codes, f"{path} {tuple(lin.codes.shape)}")
+            self._fp32_sum(got, want, x, weight, f"{path} {tuple(weight.shape)}")
         else:
-            kind = "fp8" if lin.fmt == "fp8" and lin.quantized and x.shape[-1] % 128 == 0 else "bf16w"
+            kind = "fp8" if weight.dtype == torch.float8_e4m3fn and act_block and x.shape[-1] % 128 == 0 else "bf16w"
             path = f"{kind}_gemv" if kind == "fp8" and M <= kg.GEMV_MAX_M else f"{kind}_mm"
-            self._bf16_once(got, want, f"{path} {tuple(lin.codes.shape)} M={M}")
+            self._bf16_once(got, want, f"{path} {tuple(weight.shape)} M={M}")
         self.paths[path] += 1
         return got
 
@@ -140,8 +141,8 @@ class Checked:
         self.paths["router"] += 1
         return got
 
-    def rms_norm(self, norm, x):
-        got, want = self.k["rms_norm"](norm, x), rms_norm_ref(norm, x)
+    def rms_norm(self, x, weight, eps):
+        got, want = self.k["rms_norm"](x, weight, eps), rms_norm_ref(x, weight, eps)
         if x.dtype == torch.bfloat16:
             self._bf16_once(got, want, f"rms_norm {tuple(x.shape)}")
         else:
@@ -162,9 +163,9 @@ class Checked:
         self.paths[path] += 1
         return got
 
-    def grouped_linear(self, o, lin):
+    def grouped_linear(self, o, weight, scale=None):
         from kernels.gemm import GEMV_MAX_M
-        got, want = self.k["grouped_linear"](o, lin), grouped_linear_ref(o, lin)
+        got, want = self.k["grouped_linear"](o, weight, scale), grouped_linear_ref(o, weight, scale)
         path = "wo_a_gemv" if o.shape[0] * o.shape[1] <= GEMV_MAX_M else "wo_a_bmm"
         self._bf16_once(got, want, f"{path} {tuple(o.shape)}")
         self.paths[path] += 1

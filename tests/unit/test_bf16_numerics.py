@@ -92,7 +92,7 @@ class Run:
     weights_proj: list   # indexer.weights_proj outputs, in call order
     attn_q: list = dataclasses.field(default_factory=list)  # q passed to backend.sparse_attn, in call order
     compressor_norm_in: dict = dataclasses.field(default_factory=dict)  # compressor norm name -> inputs
-    grouped_io: list = dataclasses.field(default_factory=list)  # (o, wo_a, z) of backend.grouped_linear
+    grouped_io: list = dataclasses.field(default_factory=list)  # (o, (weight, scale), z) of backend.grouped_linear
 
 
 def _args():
@@ -141,9 +141,9 @@ def run() -> Run:
 
     orig_grouped = model.backend.grouped_linear
 
-    def grouped_spy(o, lin):
-        z = orig_grouped(o, lin)
-        r.grouped_io.append((o.clone(), lin, z.clone()))
+    def grouped_spy(o, weight, scale=None):
+        z = orig_grouped(o, weight, scale)
+        r.grouped_io.append((o.clone(), (weight, scale), z.clone()))
         return z
 
     model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy,
@@ -413,10 +413,11 @@ def test_wo_a_consumes_the_unquantized_bf16_input(run):
     errs by ~2^-4 per element (negative control: o FP8-rounded in 32-channel blocks fails)."""
     assert len(run.grouped_io) == run.args.n_layers * (1 + DECODE)
     power = 0
-    for o, lin, z in run.grouped_io:
+    for o, (weight, scale), z in run.grouped_io:
         assert o.dtype == torch.bfloat16 and z.dtype == torch.bfloat16
         G = o.shape[2]
-        Wa = lin.dequantized_weight().view(G, -1, o.shape[-1])
+        assert scale is None, "the dequantized model's wo_a is its bf16 parameter"
+        Wa = weight.view(G, -1, o.shape[-1])
         for g in range(G):
             ok = _matches(z[:, :, g], o[:, :, g], Wa[g], 2.0 ** -8)
             assert bool(ok.all()), f"wo_a group {g}: output != bf16(o @ Wa^T) at {int((~ok).sum())} elements"

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from dsv4 import fast
-from dsv4.model import grouped_linear_ref, linear_ref, moe_routed_ref
+from dsv4.model import moe_routed_ref
 from dsv4.testing import fill_random_quantized_
 from dsv4.tiny import tiny_args
+from kernels.gemm import grouped_linear_ref, linear_ref
 
 pytestmark = [pytest.mark.hardstop,  # kernel / fast path vs reference (issue 22 item 4)
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -48,7 +49,8 @@ def test_fp8_linear_matches_reference(model):
     for lin, k in ((attn.wq_a, 128), (attn.wo_b, 256), (model.layers[0].ffn.shared_experts.w2, 128)):
         x = torch.randn(3, 5, k).to(torch.bfloat16)
         assert lin.fmt == "fp8" and lin.kernel is fast.linear
-        _close(fast.linear(lin, x), linear_ref(lin, x), ULP, f"linear {tuple(lin.codes.shape)}")
+        args = (lin.codes, lin.scales, lin.sim.act_block(x))
+        _close(fast.linear(x, *args), linear_ref(x, *args), ULP, f"linear {tuple(lin.codes.shape)}")
 
 
 @pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_mm"])
@@ -68,7 +70,7 @@ def test_fp32_linears_read_the_bf16_weight(model, rows, monkeypatch, seed):
     for lin in (comp.wkv, comp.wgate, model.head):
         assert lin.fmt == "bf16" and lin.kernel is fast.linear
         x = torch.randn(*rows, 128).to(torch.bfloat16)
-        y, want = fast.linear(lin, x), linear_ref(lin, x)
+        y, want = fast.linear(x, lin.codes, fp32=True), linear_ref(x, lin.codes, fp32=True)
         w = lin.codes.float()
         within_fp32_sum_bound(y.reshape(-1, y.shape[-1]), want.reshape(-1, y.shape[-1]),
                               x.reshape(-1, 128).float(), w, f"{tuple(w.shape)} linear")
@@ -94,7 +96,8 @@ def test_grouped_wo_a_matches_reference(model, rows, monkeypatch, seed):
     monkeypatch.setattr(kg, "fp8_grouped_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     attn = model.layers[0].attn
     o = torch.randn(*rows, attn.groups, attn.n_heads * attn.hd // attn.groups).to(torch.bfloat16)
-    got, want = fast.grouped_linear(o, attn.wo_a), grouped_linear_ref(o, attn.wo_a)
+    args = (attn.wo_a.codes, attn.wo_a.scales)
+    got, want = fast.grouped_linear(o, *args), grouped_linear_ref(o, *args)
     assert len(calls) == (1 if rows[0] * rows[1] <= kg.GEMV_MAX_M else 0)
     _close(got, want, ULP, "grouped wo_a")
     assert_mostly_bitwise(got, want, "grouped wo_a")

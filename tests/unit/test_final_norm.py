@@ -146,9 +146,9 @@ def test_each_criterion_of_compare_logits_fails_alone(seed):
 NEAR_TIE = "synth:tiny:2:0"  # = TEST_LAYERS=2 of `dsv4 make-checkpoint D --geometry tiny`: the issue-22 repro
 
 
-def _no_rms(norm, x):
+def _no_rms(x, weight, eps):
     """The final norm replaced by `x * weight` (present, runs in place, does not normalise)."""
-    return (norm.weight.float() * x.float()).to(x.dtype)
+    return (weight.float() * x.float()).to(x.dtype)
 
 
 def _with_eps(copy_ckpt, src, eps: float, dtype=torch.float32):

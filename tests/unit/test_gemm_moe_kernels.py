@@ -151,7 +151,7 @@ def test_fp8_linear_gemv_variants(seed, label):
 @pytest.mark.parametrize("label", [k for k, c in GEMV_VARIANTS.items() if not c.prequant])
 def test_fp8_grouped_gemv_variants(seed, label):
     """The grouped wo_a (no activation quantization) with each launch variant against its reference maths
-    (`dsv4.model.grouped_linear_ref` in bf16 mode: bf16 x, dequantized weight, fp32 products), G = 3."""
+    (`kernels.gemm.grouped_linear_ref` in bf16 mode: bf16 x, dequantized weight, fp32 products), G = 3."""
     from kernels.gemm import fp8_grouped_gemv
     G, K, N, M = 3, 384, 128, 3
     x = (torch.randn(M, G * K) * torch.logspace(-2, 2, G * K // 128).repeat_interleave(128)).to(torch.bfloat16)
