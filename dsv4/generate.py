@@ -322,12 +322,14 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               backend: str = "reference", progress: bool = True, weights: str = "dequantized"
-               ) -> tuple[Transformer, int]:
+               backend: str = "reference", progress: bool = True, weights: str = "dequantized",
+               mtp: bool = False) -> tuple[Transformer, int]:
     """Load the checkpoint directory `ckpt` (or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`, generated on
     load: `dsv4.synth.SynthCheckpoint`) honouring TEST_LAYERS; returns (model, effective layer count).
 
-    `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or "quantized" (kept FP8/FP4 +
+    `mtp`: also load the MTP block `mtp.0` (spec §10; the drafter of `dsv4.speculative.MTPDrafter`; world size 1
+    only: ValueError under torchrun). `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or
+    "quantized" (kept FP8/FP4 +
     ue8m0 scales on `device`, dequantized per use; same logits bit for bit, see `dsv4.resident`).
     Under a torchrun launch (WORLD_SIZE > 1) this rank's tensor/expert-parallel model is loaded instead
     (`dsv4.parallel.load_distributed_model`; each rank reads only its shards of the tensors, and on CUDA uses
@@ -342,6 +344,8 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if launch_from_env().distributed:
+        if mtp:
+            raise ValueError("load_model(mtp=True): the MTP block is loaded at world size 1 only (not yet sharded)")
         comm, rank_device = comm_from_env(device)
         full = checkpoint_args(ckpt)
         check_fits(full, layers_from_env(full.n_layers), device=rank_device, dtype_bytes=dtype_bytes,
@@ -354,10 +358,11 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     n = layers_from_env(full.n_layers)
     # the memory plan before any weight is read or generated: a named error with the numbers, not an allocator
     # error minutes later (dsv4.memory_plan.check_fits)
-    check_fits(full, n, device=device, dtype_bytes=dtype_bytes, weights=weights)
+    check_fits(full, n, device=device, dtype_bytes=dtype_bytes, weights=weights, include_mtp=mtp)
     args, sd = dsv4.checkpoint.load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
-                               dequantize=weights == "dequantized", device=device)  # dequantized on `device`
-    model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights)
+                               dequantize=weights == "dequantized", device=device,  # dequantized on `device`
+                               include_mtp=mtp)
+    model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights, mtp=mtp)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
     return model.eval().requires_grad_(False), n
 

@@ -202,13 +202,16 @@ def available_bytes(device: str) -> tuple[int, str] | None:
     return room, where
 
 
-def load_bytes(args: ModelArgs, n_layers: int, *, dtype_bytes: int, weights: str, world_size: int = 1) -> int:
-    """Bytes of weights one rank holds after loading the first `n_layers` main layers of `args` (MTP not loaded):
+def load_bytes(args: ModelArgs, n_layers: int, *, dtype_bytes: int, weights: str, world_size: int = 1,
+               include_mtp: bool = False) -> int:
+    """Bytes of weights one rank holds after loading the first `n_layers` main layers of `args` (and the MTP
+    blocks with include_mtp: `load_model(..., mtp=True)`):
     `rank_memory` of the "bf16" plan for weights="dequantized" (its bf16-held tensors at `dtype_bytes` each:
     fp32 doubles them), of the "quantized" plan otherwise, with its per-use temporary. A lower bound of the
     load's peak (the loader also holds activations, the decode state and, briefly, a tensor being converted)."""
-    inv = expected_tensors(args, n_layers)
-    plan = rank_memory(args, world_size, 0, "bf16" if weights == "dequantized" else "quantized", inventory=inv)
+    inv = expected_tensors(args, n_layers, include_mtp)
+    plan = rank_memory(args, world_size, 0, "bf16" if weights == "dequantized" else "quantized", inventory=inv,
+                       include_mtp=include_mtp)
     if weights == "dequantized":
         bf16 = plan.by_dtype.get("BF16", 0)
         return plan.weights - bf16 + bf16 * dtype_bytes // 2
@@ -216,7 +219,7 @@ def load_bytes(args: ModelArgs, n_layers: int, *, dtype_bytes: int, weights: str
 
 
 def check_fits(args: ModelArgs, n_layers: int, *, device: str, dtype_bytes: int, weights: str,
-               world_size: int = 1, what: str = "the model") -> None:
+               world_size: int = 1, what: str = "the model", include_mtp: bool = False) -> None:
     """Refuse a load that cannot fit before any weight is read or generated (a `synth:flash` load on CPU once
     ran 159 s and then died with a raw allocator error). Raises DeviceMemoryError naming the plan's bytes, the
     device's available bytes and what would fit; does nothing when the available memory cannot be told or the
@@ -225,7 +228,8 @@ def check_fits(args: ModelArgs, n_layers: int, *, device: str, dtype_bytes: int,
     if room is None:
         return
     try:
-        need = load_bytes(args, n_layers, dtype_bytes=dtype_bytes, weights=weights, world_size=world_size)
+        need = load_bytes(args, n_layers, dtype_bytes=dtype_bytes, weights=weights, world_size=world_size,
+                          include_mtp=include_mtp)
     except ValueError:
         return
     free, where = room

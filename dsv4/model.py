@@ -59,7 +59,7 @@ REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
 MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "VerifyRecord", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -598,7 +598,9 @@ class Gate(nn.Module):
         if held not in (torch.float32, torch.bfloat16):
             raise ValueError(f"Gate: held={held}, expected torch.float32 or torch.bfloat16")
         self.topk, self.score_func, self.route_scale = args.n_activated_experts, args.score_func, args.route_scale
-        self.hash = layer_id < args.n_hash_layers
+        # main layers below n_hash_layers; never the MTP block (layer_id = n_layers, spec §10), also when TEST_LAYERS
+        # keeps fewer main layers than n_hash_layers
+        self.hash = layer_id < min(args.n_hash_layers, args.n_layers)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=held))
         self.kernel = kernel  # the backend's `fp32_linear` (`MoE` passes `sim.ops.fp32_linear`)
         if self.hash:
@@ -716,6 +718,41 @@ class Block(nn.Module):
         return Hf.view(b, s, hc, d), pending
 
 
+class MTPBlock(Block):
+    """The multi-token-prediction block `mtp.K` (spec §10; official `MTPBlock`): a Block at layer_id = n_layers + K
+    (its own compress ratio `compress_ratios[layer_id]`, 0 for the released models: sliding window only; a
+    non-hash router with bias) plus e_proj, h_proj `[dim, dim]` (FP8 on disk), enorm, hnorm, norm `[dim]` and its
+    own hc_head_fn / base / scale. It shares `embed` and `head` with the main model.
+
+    forward: the main model's last streams H [b, s, hc, dim] at positions t (before `hc_head`) and the embedding
+    rows e [b, s, dim] of the tokens at t + 1 -> (logits [b, s, V] fp32 for the tokens at t + 2, the block's
+    streams [b, s, hc, dim], which feed the next chained draft as its H):
+    x = e_proj(enorm(e)) broadcast over the hc streams + h_proj(hnorm(H)); x = Block(x); logits =
+    head(norm(hc_head(x))). Its decode state is one LayerState at the main model's positions."""
+
+    def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
+        super().__init__(args, layer_id, sim, dtype)
+        self.e_proj = Linear(args.dim, args.dim, sim, quantized=True, dtype=dtype)
+        self.h_proj = Linear(args.dim, args.dim, sim, quantized=True, dtype=dtype)
+        self.enorm = RMSNorm(args.dim, args.norm_eps, sim)
+        self.hnorm = RMSNorm(args.dim, args.norm_eps, sim)
+        self.norm = RMSNorm(args.dim, args.norm_eps, sim)
+        hc = args.hc_mult
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * args.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        self.hc_head = HcHead(args)
+
+    def predict(self, H: torch.Tensor, e: torch.Tensor, pos: int | torch.Tensor, ids: torch.Tensor, st: LayerState,
+                backend: Backend, head: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [b, s, V] fp32, streams [b, s, hc, dim]); pos as `Block.forward` (an int: `extend`; a device
+        tensor [b]: the decode step), ids [b, s] the tokens at t + 1 (routing input; the router is not hashed)."""
+        x = self.e_proj(self.enorm(e)).unsqueeze(2) + self.h_proj(self.hnorm(H))
+        x = super().forward(x, pos, ids, st, backend)
+        y = self.hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, backend)
+        return head(self.norm(y)), x
+
+
 class HcHead(nn.Module):
     """Collapse of the hc streams before the final norm (spec §9). Parameterless module (the parameters are
     the official top-level `hc_head_fn/base/scale`) so that hooks can observe its execution."""
@@ -748,6 +785,8 @@ class Transformer(nn.Module):
         dtype: torch.float32 (exact mode) or torch.bfloat16 (official numerics); see the module docstring.
         device: where parameters and state live.
         backend: "reference" or "triton" (`dsv4.backend.get_backend`; triton needs CUDA or TRITON_INTERPRET=1).
+        mtp: build the MTP blocks `mtp.K` (`MTPBlock`; their tensors are then part of the state dict, loaded
+            with `load_checkpoint(..., include_mtp=True)`), the drafter of `dsv4.speculative.MTPDrafter`.
         weights: "dequantized" (every weight a parameter in `dtype`) or "quantized" (every linear that is FP8 /
             FP4 on disk, `wo_a` included, holds its on-disk codes + ue8m0 scales under the official names and
             is dequantized to `dtype` per use; the BF16 fp32-compute weights - head, router, compressor wkv /
@@ -759,7 +798,7 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, args: ModelArgs, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 backend: str = "reference", weights: str = "dequantized"):
+                 backend: str = "reference", weights: str = "dequantized", mtp: bool = False):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
@@ -778,6 +817,9 @@ class Transformer(nn.Module):
             self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
             self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
             self.hc_head = HcHead(args)
+            # the MTP blocks (spec §10), built only when asked (`mtp.*` is loaded then; plain decoding skips it)
+            self.mtp = nn.ModuleList(MTPBlock(args, args.n_layers + k, sim, dtype)
+                                     for k in range(args.n_mtp_layers)) if mtp else None
         if weights == "quantized":
             hold_on_disk(self, args, device)
         # once, at construction: the triton backend stacks each layer's FP4 routed experts for the grouped kernel
@@ -983,9 +1025,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: DecodeState, *, all_logits: bool = False,
-                observer: ResidualObserver | None = None) -> torch.Tensor:
+                observer: ResidualObserver | None = None, streams: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [b, s] int64, row i at positions state.row_pos[i].. -> logits fp32 [b, V] of the last position
-        ([b, s, V] with all_logits). Any s >= 1 at any position: the first call of a state is the prefill, a later
+        ([b, s, V] with all_logits); with streams=True (logits, H): H the last block's residual streams before
+        `hc_head` at every one of the s positions [b, s, hc, dim] (what the MTP block reads, spec §10). Any s >= 1 at any position: the first call of a state is the prefill, a later
         call appends s tokens (`Attention.extend`; s == 1 runs the decode step, `decode_step`). Rows may sit at
         different positions (a ragged batch, issue 24): up to MAX_STEP_TOKENS tokens per row run the one decode
         step with each row's position (a CUDA-graph state replays a capture per s for these s, also when its rows
@@ -1024,11 +1068,14 @@ class Transformer(nn.Module):
         elif len(set(rows)) == 1:  # the prefill, or s tokens appended at the rows' common position (`extend`)
             H = self._layers(self._streams(input_ids), rows[0], input_ids, state, observer)
         else:  # several tokens into rows at different positions: each row's own append, on its row view
-            return torch.cat([self(input_ids[i:i + 1], state.row(i), all_logits=all_logits, observer=observer)
-                              for i in range(state.batch)], 0)
+            outs = [self(input_ids[i:i + 1], state.row(i), all_logits=all_logits, observer=observer,
+                         streams=True) for i in range(state.batch)]
+            logits, H = torch.cat([o[0] for o in outs], 0), torch.cat([o[1] for o in outs], 0)
+            return (logits, H) if streams else logits
         state.row_pos = [p + s for p in rows]
         logits = self.final_logits(H if all_logits else H[:, -1:].contiguous())
-        return logits if all_logits else logits[:, -1]
+        logits = logits if all_logits else logits[:, -1]
+        return (logits, H.clone()) if streams else logits  # a copy: a graph replay reuses its output buffer
 
     @torch.no_grad()
     def verify(self, input_ids: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, "VerifyRecord"]:
@@ -1056,13 +1103,13 @@ class Transformer(nn.Module):
             ls.trail = []
         state.trails = True
         try:
-            logits = self(input_ids, state, all_logits=True)
+            logits, H = self(input_ids, state, all_logits=True, streams=True)
             trails = [ls.trail for ls in state.layers]
         finally:
             state.trails = None
             for ls in state.layers:
                 ls.trail = None
-        return logits, VerifyRecord(pos0, s, rings, trails)
+        return logits, VerifyRecord(pos0, s, rings, trails, H)
 
     @torch.no_grad()
     def rollback(self, state: DecodeState, record: "VerifyRecord", keep: list[int]) -> None:
@@ -1101,4 +1148,5 @@ class VerifyRecord:
     s: int
     rings: list[torch.Tensor]
     trails: list[list[list[torch.Tensor]]]
+    streams: torch.Tensor | None = None  # the last block's streams at the s positions [b, s, hc, dim] (MTP input)
 

@@ -35,9 +35,11 @@ TORCH_TO_SAFETENSORS = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e8m0fnu: "F
                         torch.bfloat16: "BF16", torch.float32: "F32", torch.int64: "I64"}
 
 
-def on_disk_formats(args: ModelArgs) -> dict[str, str]:
-    """Module name -> "fp8" | "fp4" for every linear stored quantized on disk (main layers of `args`, no MTP)."""
-    return {name.removesuffix(".weight"): ON_DISK_CODES[dt] for name, (_, dt) in expected_tensors(args).items()
+def on_disk_formats(args: ModelArgs, include_mtp: bool = False) -> dict[str, str]:
+    """Module name -> "fp8" | "fp4" for every linear stored quantized on disk (main layers of `args`; the MTP
+    blocks with include_mtp)."""
+    return {name.removesuffix(".weight"): ON_DISK_CODES[dt]
+            for name, (_, dt) in expected_tensors(args, include_mtp=include_mtp).items()
             if dt in ON_DISK_CODES}
 
 
@@ -58,8 +60,10 @@ def hold_on_disk(model: nn.Module, args: ModelArgs, device: str | torch.device) 
     """Give every deferred `Linear` of `model` its storage on `device` (see the module docstring); the module
     name (its on-disk dtype) and `Linear.fp32` decide the format. Raises ValueError (from `Linear.hold`) for a linear that is not deferred (already
     holds its weight) or an FP4 width not divisible by 32."""
-    fmts = on_disk_formats(args)
-    bf16 = {name.removesuffix(".weight") for name, (_, dt) in expected_tensors(args).items() if dt == "BF16"}
+    mtp = getattr(model, "mtp", None) is not None  # the MTP blocks' linears are in the inventory with include_mtp
+    fmts = on_disk_formats(args, mtp)
+    bf16 = {name.removesuffix(".weight") for name, (_, dt) in expected_tensors(args, include_mtp=mtp).items()
+            if dt == "BF16"}
     for name, mod in model.named_modules():
         if callable(getattr(type(mod), "hold", None)):  # a `dsv4.model.Linear` (this module imports no model class)
             mod.hold(fmts.get(name, "bf16" if mod.fp32 and name in bf16 else None), device)

@@ -1,4 +1,4 @@
-"""Speculative decoding, greedy (issue 26 items 2-3, without the MTP drafter yet): drafts checked by one verify step.
+"""Speculative decoding, greedy (issue 26 items 1-3): drafts checked by one verify step.
 
 Each round: the drafter proposes k tokens after the context; the model runs one verify step of k + 1 tokens (the
 last accepted token, then the drafts: `Transformer.verify`, the one decode step with s = k + 1 tokens per row)
@@ -12,7 +12,8 @@ failed. A draft is never emitted unverified: an EOS draft ends the output only w
 
 Drafters (`Drafter`: `draft(context, k) -> k token ids`): `ContinuationDrafter` proposes from a given token list
 (the oracle, when the list is the model's own greedy continuation: every draft accepted), `AdversaryDrafter`
-proposes a token different from a given continuation's (none accepted), `RandomDrafter` uniform random ids.
+proposes a token different from a given continuation's (none accepted), `RandomDrafter` uniform random ids, and
+`MTPDrafter` the model's MTP block (spec §10), chained k times on its own streams.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from dsv4.model import MAX_STEP_TOKENS, STATE_GRAIN, Transformer
 
-__all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "SpeculativeResult",
+__all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "MTPDrafter", "SpeculativeResult",
            "speculative_greedy"]
 
 
@@ -75,6 +76,52 @@ class RandomDrafter:
         return torch.randint(0, self.vocab_size, (k,), generator=self._g).tolist()
 
 
+class MTPDrafter:
+    """The model's own MTP block `mtp.0` as drafter (spec §10; the model built with `mtp=True`). The block keeps
+    its own sliding-window state at the main model's positions: position t reads the main model's last streams
+    H_t and the token at t + 1 and predicts the token at t + 2. `speculative_greedy` calls `begin` after the
+    prefill (H of every prompt position) and `accepted` after each round (H of the positions the round kept and
+    the tokens after them). A draft of k chains the block k - 1 times on its own streams, at the positions that
+    follow, on a copy of its window ring taken before and put back after (nothing of a draft stays). Its drafts
+    on random weights are random: acceptance means nothing there; the output is plain greedy whatever it drafts.
+    Raises ValueError for a model without MTP blocks."""
+
+    def __init__(self, model: Transformer):
+        if getattr(model, "mtp", None) is None:
+            raise ValueError("MTPDrafter: the model has no MTP block (build it with Transformer(..., mtp=True) / "
+                             "load_model(..., mtp=True))")
+        self.model, self.block = model, model.mtp[0]
+        self.st = None
+        self.pos = 0
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits [1, V], streams [1, 1, hc, dim])
+
+    def _predict(self, H: torch.Tensor, next_ids: list[int], pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        ids = torch.tensor([next_ids], device=m.device)
+        return self.block.predict(H, m.embed(ids), pos, ids, self.st, m.backend, m.head)
+
+    def begin(self, prompt: list[int], H: torch.Tensor, first: int, max_len: int) -> None:
+        m = self.model
+        self.st = self.block.attn.new_state(1, max_len, m.dtype, m.device)
+        logits, X = self._predict(H, prompt[1:] + [first], 0)
+        self.pos, self.last = len(prompt), (logits[:, -1], X[:, -1:])
+
+    def accepted(self, H: torch.Tensor, next_ids: list[int]) -> None:
+        logits, X = self._predict(H, next_ids, self.pos)
+        self.pos, self.last = self.pos + len(next_ids), (logits[:, -1], X[:, -1:])
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        logits, X = self.last
+        out = [int(logits.argmax(-1))]
+        if k > 1:
+            ring = self.st.ring.clone()
+            for j in range(k - 1):
+                lg, X = self._predict(X, [out[-1]], self.pos + j)
+                out.append(int(lg[:, -1].argmax(-1)))
+            self.st.ring.copy_(ring)
+        return out
+
+
 @dataclass
 class SpeculativeResult:
     """ids: the emitted tokens (EOS included when produced); accepted: drafts accepted per verify round (0..k);
@@ -106,7 +153,10 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
     V, dev = model.args.vocab_size, model.device
     max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
     state = model.new_state(1, max_len)
-    out = [int(model(torch.tensor([prompt], device=dev), state).argmax(-1))]
+    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
+    out = [int(logits.argmax(-1))]
+    if hasattr(drafter, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
+        drafter.begin(prompt, H, out[0], max_len)
     accepted: list[int] = []
     while out[-1] != eos and len(out) < max_tokens:
         drafts = drafter.draft(prompt + out, k)
@@ -119,7 +169,10 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
             a += 1
         model.rollback(state, record, [a + 1])  # the last token and the a accepted drafts stay in the state
         accepted.append(a)
-        for t in drafts[:a] + [pred[a]]:  # drafts[:a] == pred[:a]: every emitted token is the model's own
+        emitted = drafts[:a] + [pred[a]]
+        if hasattr(drafter, "accepted"):  # the kept positions' streams and the tokens after them
+            drafter.accepted(record.streams[:, :a + 1], emitted)
+        for t in emitted:  # drafts[:a] == pred[:a]: every emitted token is the model's own
             out.append(t)
             if t == eos or len(out) >= max_tokens:
                 break

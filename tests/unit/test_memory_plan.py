@@ -107,3 +107,19 @@ def test_errors():
         rank_memory(_args("flash"), 3)
     with pytest.raises(ValueError, match="seq_len=-1"):
         state_bytes(tiny_args(), -1)
+
+
+def test_load_bytes_count_the_mtp_block_when_it_is_loaded():
+    """`load_model(..., mtp=True)` loads mtp.0: the plan counts exactly its inventory bytes (spec §11: Flash's MTP
+    block is 1,575 tensors, ~3.59 GB on disk), in both weight modes."""
+    from dsv4.formats import expected_tensors, inventory_bytes
+    from dsv4.memory_plan import load_bytes
+    a = _args("flash")
+    mtp_disk = inventory_bytes(expected_tensors(a, include_mtp=True)) - inventory_bytes(expected_tensors(a))
+    assert 3.5e9 < mtp_disk < 3.7e9
+    q0 = load_bytes(a, a.n_layers, dtype_bytes=2, weights="quantized")
+    q1 = load_bytes(a, a.n_layers, dtype_bytes=2, weights="quantized", include_mtp=True)
+    assert q1 - q0 >= mtp_disk  # + the per-use dequantization temporary where the MTP's is the largest
+    d0 = load_bytes(a, 2, dtype_bytes=2, weights="dequantized")
+    d1 = load_bytes(a, 2, dtype_bytes=2, weights="dequantized", include_mtp=True)
+    assert d1 > d0 + mtp_disk

@@ -140,3 +140,67 @@ def test_verify_on_a_growable_state_that_must_grow(run):
     assert st.max_len > 128 and all(len(t) == 4 for t in rec.trails if t)
     m.rollback(st, rec, [2])
     assert st.pos == 128
+
+
+@pytest.fixture(scope="module")
+def mtp_model():
+    args = tiny_args(vocab_size=VOCAB, index_topk=4)
+    m = Transformer(args, mtp=True)
+    m.load_weights(random_state_dict(args, seed=26))  # the main weights of `run`'s model, plus mtp.0.*
+    return m
+
+
+def test_speculative_greedy_with_the_mtp_drafter_equals_plain_greedy(run, mtp_model):
+    """The MTP block as drafter (k = 3: one MTP step on the main streams, two chained on its own): the output is
+    plain greedy (the drafter cannot change it: every emitted token is verified); the drafter's state stays at
+    the main model's position (it consumed every kept position once)."""
+    _, prompt, plain, logits = run
+    from dsv4.speculative import MTPDrafter
+    d = MTPDrafter(mtp_model)
+    res = speculative_greedy(mtp_model, prompt, d, k=3, max_tokens=N, eos=EOS)
+    ties = _check(res.ids, plain, logits, "mtp k=3")
+    assert d.pos == len(prompt) + sum(a + 1 for a in res.accepted) or ties
+    print(f"mtp k=3: {len(res.accepted)} rounds, mean accepted length {res.mean_accepted_length:.2f} (random "
+          f"weights: meaningless), near-tie divergences {ties}")
+
+
+def test_mtp_block_prefill_equals_token_by_token(mtp_model, seed):
+    """The MTP block over a prompt's positions in one call equals the same positions one call at a time (its
+    window state across calls: the ring wraps at 8), fp32 within 1e-5; and its logits depend on both inputs
+    (negative controls: another H, another next token)."""
+    m = mtp_model
+    blk = m.mtp[0]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=g)
+    with torch.no_grad():
+        _, H = m(ids, m.new_state(1), streams=True)
+        nxt = torch.randint(0, VOCAB, (1, 20), generator=g)
+        st = blk.attn.new_state(1, 128, m.dtype, m.device)
+        whole, _ = blk.predict(H, m.embed(nxt), 0, nxt, st, m.backend, m.head)
+        st = blk.attn.new_state(1, 128, m.dtype, m.device)
+        steps = [blk.predict(H[:, t:t + 1], m.embed(nxt[:, t:t + 1]), t, nxt[:, t:t + 1], st, m.backend, m.head)[0]
+                 for t in range(20)]
+        other_h, _ = blk.predict(H.flip(1), m.embed(nxt), 0, nxt, blk.attn.new_state(1, 128, m.dtype, m.device),
+                                 m.backend, m.head)
+        other_t, _ = blk.predict(H, m.embed(nxt.flip(1)), 0, nxt, blk.attn.new_state(1, 128, m.dtype, m.device),
+                                 m.backend, m.head)
+    scale = float(whole.abs().max())
+    assert float((torch.cat(steps, 1) - whole).abs().max()) <= REL * scale
+    assert float((other_h - whole).abs().max()) > 100 * REL * scale, "control: H must matter"
+    assert float((other_t - whole).abs().max()) > 100 * REL * scale, "control: the next token must matter"
+
+
+def test_mtp_loads_from_a_checkpoint_in_both_weight_modes(tiny_ckpt):
+    """`load_model(..., mtp=True)` reads `mtp.*` from the official files (dequantized and quantized: the same
+    logits bit for bit, as for the main layers), and the MTP drafter runs on both."""
+    from dsv4.generate import load_model
+    from dsv4.speculative import MTPDrafter
+    outs = []
+    for weights in ("dequantized", "quantized"):
+        m, _ = load_model(tiny_ckpt, progress=False, weights=weights, mtp=True)
+        assert m.mtp is not None and not m.mtp[0].ffn.gate.hash
+        res = speculative_greedy(m, [5, 6, 7, 8, 9], MTPDrafter(m), k=2, max_tokens=12, eos=-1)
+        outs.append(res.ids)
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="no MTP block"):
+        MTPDrafter(load_model(tiny_ckpt, progress=False)[0])
