@@ -9,6 +9,8 @@ Rows:
     ms per step and tokens/s (median of `--reps` steps after `--warmup`). States are synthetic (random keys,
     entries and indexer keys in the slots, as `bench_model.synthetic_state`): the ratio ragged / lockstep is the
     cost of per-row positions, the byte floor of one step is `bench_model.py`'s.
+  * a verify step of 1 / 2 / 4 / 8 tokens per row (the decode step with s tokens, one CUDA graph per s) at batch
+    1 and context 4096: ms, and the ratio to the one-token step (the cost of checking k = s - 1 drafts).
   * chunked prefill of 16k tokens in 2k chunks (8 appended calls, `Attention.extend`) against one 16k prefill,
     fresh states, each timed on its second run (the first compiles nothing after the first shapes but allocates).
 Timing: wall clock with torch.cuda.synchronize() before and after each call (the user's latency).
@@ -73,6 +75,19 @@ def main() -> int:
         lines.append(f"| lockstep | {b} | all at ~{mean} | {lock:.2f} | {b / lock * 1e3:.0f} | |")
         lines.append(f"| ragged | {b} | {lo}..{hi} | {rag:.2f} | {b / rag * 1e3:.0f} | {rag / lock:.3f} |")
         print(lines[-2], lines[-1], sep="\n", flush=True)
+    lines += ["", "| verify step (graph), batch 1, context 4096 | ms | / one-token step |", "|---|---:|---:|"]
+    one = None
+    for k1 in (1, 2, 4, 8):  # a step of k + 1 tokens per row: what a speculative verify of k drafts costs
+        st = synthetic_state(model, 1, 4096)
+        tok = torch.randint(0, model.args.vocab_size, (1, k1), device="cuda")
+
+        def step():
+            model(tok, st)
+            st.pos = 4096  # stay at the same context (the step writes the same slots again)
+        t = _time(step, a.warmup, a.reps)
+        one = one or t
+        lines.append(f"| {k1} token(s) | {t:.2f} | {t / one:.2f} |")
+        print(lines[-1], flush=True)
     model.use_decode_graphs(None)
     n, chunk = 16384, 2048
     ids = torch.randint(0, args.vocab_size, (1, n), device="cuda")

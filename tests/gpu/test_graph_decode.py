@@ -259,3 +259,27 @@ def test_graph_ragged_decode_and_row_replacement_equal_eager(args, models):
         lg, le = tri(tok, g_st, all_logits=True), tri(tok, e_st, all_logits=True)
         assert torch.equal(lg, le), f"step {step} ({n} tokens) at {g_st.row_pos}: replay differs from eager"
     assert {k[1] for k in g_st.graphs} == {1, 3, 4} and g_st.row_pos == [151, 33 + 6, 18]
+
+
+def test_speculative_greedy_equals_plain_greedy_at_flash_width(args, models):
+    """Issue 26 at Flash width (triton fp32, eager verify steps with rollback): speculative greedy with the oracle
+    (k = 3) and the adversary (k = 2) drafters emits the plain greedy tokens of the same model for 48 tokens from
+    a 300-token prompt (verify windows across ratio-4 boundaries; a near-tie within 1e-4 relative is allowed)."""
+    from dsv4.speculative import AdversaryDrafter, ContinuationDrafter, speculative_greedy
+    tri = models(torch.float32, "triton")
+    ids = _ids(args, PROMPT_LEN, 40)
+    st = tri.new_state(1, MAX_LEN)
+    lg, plain, logits = tri(ids, st), [], []
+    for _ in range(48):
+        logits.append(lg[0])
+        plain.append(int(lg.argmax(-1)))
+        lg = tri(torch.tensor([[plain[-1]]], device="cuda"), st)
+    prompt = ids[0].tolist()
+    for drafter, k in ((ContinuationDrafter(len(prompt), plain), 3),
+                       (AdversaryDrafter(len(prompt), plain, args.vocab_size), 2)):
+        got = speculative_greedy(tri, prompt, drafter, k=k, max_tokens=48, eos=-1).ids
+        for i, (g, p) in enumerate(zip(got, plain)):
+            if g != p:
+                top = logits[i].topk(2).values
+                assert float(top[0] - top[1]) <= 1e-4 * float(logits[i].abs().max()), f"token {i}: {g} vs {p}"
+                break
