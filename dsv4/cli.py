@@ -52,6 +52,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _speculative(text: str) -> int:
+    try:
+        v = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v <= 7:
+        raise argparse.ArgumentTypeError(f"{v} is not in 0..7 (drafts per verify step; 0 = off)")
+    return v
+
+
 def _temperature(text: str) -> float:
     try:
         v = float(text)
@@ -207,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after N generated tokens (>= 1, default 64) if no EOS came before")
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=_seed, default=0, help="sampling seed (temperature > 0)")
+    g.add_argument("--speculative", type=_speculative, default=0, metavar="K",
+                   help="greedy speculative decoding with K drafts per verify step from the checkpoint's MTP block "
+                        "(1..7; 0 = off, default); reports the accepted drafts per step and the mean accepted "
+                        "length; temperature 0 only")
     _model_options(g)
 
     t = _subparser(sub, "make-tiny",
@@ -467,7 +481,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from dsv4.generate import run_generate  # the CLI parses before importing torch
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,
                             temperature=args.temperature, thinking=args.thinking, seed=args.seed,
-                            device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights)
+                            device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights,
+                            speculative=args.speculative)
     if args.command == "make-tiny":
         from dsv4.tiny import make_tiny  # the CLI parses before importing torch
         fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)

@@ -31,6 +31,7 @@ from dsv4.memory_plan import LimitError, check_fits, check_serving, MAX_BATCH
 from dsv4.model import STATE_GRAIN, DecodeState, Transformer
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
+from dsv4.speculative import MTPDrafter, speculative_greedy
 from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
 from dsv4.tokenizer import load_tokenizer
 
@@ -389,7 +390,7 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
 
 def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature: float, thinking: bool,
                  seed: int, device: str, dtype: str = "bf16", backend: str = "reference",
-                 weights: str = "dequantized") -> int:
+                 weights: str = "dequantized", speculative: int = 0) -> int:
     """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input
     (an inconsistent RANK / WORLD_SIZE / LOCAL_RANK is checked first: `dsv4.launch.launch_from_env`)."""
 
@@ -405,8 +406,12 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         if path is None:
             raise FileNotFoundError(f"no checkpoint: pass --ckpt DIR or set {CKPT_ENV} "
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
+        if speculative and temperature > 0:
+            raise ValueError(f"--speculative {speculative} with --temperature {temperature}: speculative sampling "
+                             "(rejection sampling) is not implemented yet; use --temperature 0")
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
+        model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights,
+                              mtp=speculative > 0)
 
         tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
@@ -417,6 +422,8 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                       "not a trained model, the text is meaningless)", markup=False)
     console.print(f"checkpoint {path} | TEST_LAYERS={n} of {checkpoint_args(path).n_layers} | "
                   f"thinking={thinking} | T={temperature} | {dtype} | {backend} | weights {weights}")
+    if speculative:
+        return _run_speculative(model, tok, prompt, thinking, max_tokens, speculative, console)
     res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
                    temperature=temperature, thinking=thinking, seed=seed,
                    on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()) if is_rank_zero() else None)
@@ -437,3 +444,18 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         console.print(f"malformed completion (does not parse as an assistant message): {res.parse_error}",
                       markup=False)
     return 0
+
+
+def _run_speculative(model: Transformer, tok, prompt: str, thinking: bool, max_tokens: int, k: int,
+                     console: Console) -> int:
+    """`dsv4 generate --speculative K`: greedy speculative decoding with the MTP drafter (`dsv4.speculative`); the
+    completion on stdout, the accepted drafts per verify step and their mean on stderr."""
+    ids = dsv4.encoding.prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
+    res = speculative_greedy(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens)
+    if is_rank_zero():
+        sys.stdout.write(tok.decode(res.ids, skip_special_tokens=False) + "\n")
+    console.print(f"stop={res.stop} tokens={len(res.ids)} speculative k={k}: {len(res.accepted)} verify steps, "
+                  f"accepted drafts per step {res.accepted}, mean accepted length {res.mean_accepted_length:.2f} "
+                  "tokens per step (random weights: acceptance means nothing)", markup=False)
+    return 0
+

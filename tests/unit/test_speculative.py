@@ -204,3 +204,19 @@ def test_mtp_loads_from_a_checkpoint_in_both_weight_modes(tiny_ckpt):
     assert outs[0] == outs[1]
     with pytest.raises(ValueError, match="no MTP block"):
         MTPDrafter(load_model(tiny_ckpt, progress=False)[0])
+
+
+def test_generate_cli_speculative(tiny_ckpt, capsys):
+    """`dsv4 generate --speculative 2` prints the plain greedy completion (the same text as without the flag) and
+    the accepted drafts per verify step; a temperature with it, or K outside 0..7, is refused by name."""
+    from dsv4.cli import main
+    base = ["generate", "--ckpt", str(tiny_ckpt), "--prompt", "hello", "--max-tokens", "9", "--dtype", "fp32"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--speculative", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == plain.strip() and "speculative k=2" in err and "mean accepted length" in err
+    assert main(base + ["--speculative", "2", "--temperature", "0.5"]) == 2
+    assert "speculative sampling" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(base + ["--speculative", "8"])
