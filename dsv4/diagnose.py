@@ -47,6 +47,7 @@ from dsv4.encoding import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, en
 from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
 from dsv4.generate import CKPT_ENV, resolve_ckpt
 from dsv4.launch import LaunchEnvError, launch_from_env
+from dsv4.speculative import AdversaryDrafter, ContinuationDrafter, speculative_greedy
 from dsv4.report import ReportFile, ReportPathError, SCHEMA_VERSION, command_line
 from dsv4.synth import geometry_config, is_synth_source, parse_source, source_provenance, tokenizer_folder
 from dsv4.tokenizer import load_tokenizer
@@ -54,7 +55,7 @@ from dsv4.tokenizer import load_tokenizer
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
            "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
            "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "continuation_verdict",
-           "format_continuation_report", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
+           "format_continuation_report", "speculative_check", "format_speculative_check", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
            "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS"]
 
 DEFAULT_CONTINUE_TOKENS = 32
@@ -420,6 +421,43 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
     body = out[:-1] if out and out[-1] == eos else out
     found = None if expect is None else expect.casefold() in text.casefold()
     return Continuation(out, text, "eos" if out[-1] == eos else "max_tokens", loop_measure(body), found)
+
+
+def speculative_check(model, prompt: list[int], plain: Continuation, k: int = 3) -> dict:
+    """Decode the template continuation again with speculative decoding (`dsv4.speculative.speculative_greedy`:
+    verify steps of k + 1 tokens and their rollbacks) with two drafters that need no MTP block: the oracle (the
+    plain continuation itself: every draft accepted, so every verify window is kept whole) and the adversary
+    (every draft wrong, so every verify is rolled back to its first token). Both must give the plain
+    continuation's ids: a degeneration caused by the verify / rollback state shows here and nowhere else (the
+    class of the public MTP bugs: a compressor keeping rejected tokens, a corrupt row after a partial accept).
+    Returns {"k", "equal", "oracle": {...}, "adversary": {...}} with each drafter's ids equal or not, the first
+    differing index, the verify steps and the mean accepted length. Reported, not gated (bf16 near-ties may flip
+    a token between a verify step and a one-token step)."""
+    n = len(plain.ids)
+    out = {"k": k, "tokens": n}
+    V = model.args.vocab_size
+    for name, drafter, kk in (("oracle", ContinuationDrafter(len(prompt), plain.ids), k),
+                              ("adversary", AdversaryDrafter(len(prompt), plain.ids, V), max(1, k - 1))):
+        res = speculative_greedy(model, prompt, drafter, k=kk, max_tokens=n)
+        diff = next((i for i, (a, b) in enumerate(zip(res.ids, plain.ids)) if a != b),
+                    None if len(res.ids) == n else min(len(res.ids), n))
+        out[name] = {"k": kk, "equal": diff is None, "first_difference": diff, "verify_steps": len(res.accepted),
+                     "mean_accepted_length": round(res.mean_accepted_length, 3)}
+    out["equal"] = out["oracle"]["equal"] and out["adversary"]["equal"]
+    return out
+
+
+def format_speculative_check(c: dict) -> str:
+    """One line per drafter of `speculative_check`."""
+    lines = [f"speculative decoding check (verify steps + rollback; the template continuation, {c['tokens']} "
+             "tokens, decoded again): " + ("EQUAL to the plain continuation" if c["equal"] else
+                                           "DIFFERS from the plain continuation (reported, not gated)")]
+    for name in ("oracle", "adversary"):
+        d = c[name]
+        lines.append(f"  {name} drafter, k={d['k']}: " + ("equal" if d["equal"] else
+                     f"first difference at token {d['first_difference']}") +
+                     f"; {d['verify_steps']} verify steps, mean accepted length {d['mean_accepted_length']}")
+    return "\n".join(lines)
 
 
 VERDICTS = ("prompt fixed", "still degenerate", "expected answer absent", "no degeneration with either prompt",
@@ -837,12 +875,16 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                            "tokens)") as pr:
             cont_tmpl = greedy_continuation(model, tok, fed, continue_tokens, expect,
                                             on_token=lambda k: pr.tick(k, continue_tokens))
+        with progress.step("speculative decoding check (the template continuation again, verify steps + "
+                           "rollback)"):
+            spec = speculative_check(model, fed, cont_tmpl)
         verdict, verdict_line = continuation_verdict(cont_hand, cont_tmpl, expect)
         top_hand, top_tmpl = _token(tok, cont_hand.ids[0]), _token(tok, r.greedy_ids[0])
         print(format_template_report(diff))
         print(f"greedy top-1 with the hand-rolled prompt: {top_hand['id']} {json.dumps(top_hand['token'])}")
         print(f"greedy top-1 after switching to the template: {top_tmpl['id']} {json.dumps(top_tmpl['token'])}")
         print(format_continuation_report(cont_hand, cont_tmpl, expect, continue_tokens, verdict_line))
+        print(format_speculative_check(spec))
         if cont_tmpl.ids[0] != r.greedy_ids[0]:  # same ids, same model, fresh state: a near-tie flipped
             print(f"note: the continuation's first token {cont_tmpl.ids[0]} differs from Test 2's greedy top-1 "
                   f"{r.greedy_ids[0]} for the same prompt (non-deterministic kernels and a near-tie)")
@@ -871,7 +913,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                                          "continuation": {"tokens_requested": continue_tokens, "expect": expect,
                                                           "hand_rolled": cont_hand.to_json(),
                                                           "template": cont_tmpl.to_json(),
-                                                          "verdict": verdict, "verdict_line": verdict_line}},
+                                                          "verdict": verdict, "verdict_line": verdict_line},
+                                         "speculative": spec},
                       "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed,
                       "exit_status": exit_status}
             try:  # atomically, tied to this run (dsv4.report.ReportFile; a plain path gets one)

@@ -32,6 +32,11 @@ def test_diagnose_passes_and_reports_both_halves(tiny_ckpt, tmp_path, capsys):
     assert rep["passed"] and rep["test1_template"]["passed"] and rep["test2_final_norm"]["passed"]
     assert rep["test1_template"]["fed_ids"][-1] == 128821
     assert rep["test2_final_norm"]["norm_calls"] == 3  # prefill + 2 decode steps
+    spec = rep["test1_template"]["speculative"]  # issue 26 item 4: the continuation decoded speculatively
+    assert spec["equal"] and spec["oracle"]["equal"] and spec["adversary"]["equal"], spec
+    assert spec["tokens"] == len(rep["test1_template"]["continuation"]["template"]["ids"])
+    assert spec["adversary"]["mean_accepted_length"] == 1.0 and spec["oracle"]["mean_accepted_length"] > 1
+    assert "speculative decoding check" in out and "EQUAL to the plain continuation" in out
 
 
 def test_diagnose_chat_mode_and_test_layers(tiny_ckpt, capsys, monkeypatch):
@@ -171,3 +176,15 @@ def test_test1_is_anchored_to_the_official_special_ids(tiny_ckpt, capsys, monkey
     assert status == EXIT_HARD_STOP, out
     assert 'problem: "<｜User｜>" encodes to [128803], expected the official [128804]' in out
     assert "Test 1 FAIL: the tokenizer's special ids are not DeepSeek-V4's official ones" in out
+
+
+def test_speculative_check_reports_a_rollback_bug(tiny_ckpt, capsys, monkeypatch):
+    """Negative control of the diagnose check: a rollback that keeps every rejected token (the state left after the
+    whole verify step, positions reset) makes the adversary's decode differ, and the report says DIFFERS."""
+    from dsv4.model import Transformer
+
+    def no_rollback(self, state, record, keep):
+        state.row_pos = [p + k for p, k in zip(record.pos0, keep)]
+    monkeypatch.setattr(Transformer, "rollback", no_rollback)
+    status, out = _run(capsys, "--ckpt", str(tiny_ckpt))
+    assert "DIFFERS from the plain continuation" in out and "adversary drafter, k=2: first difference" in out
