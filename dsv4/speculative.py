@@ -26,7 +26,7 @@ import torch
 from dsv4.model import MAX_STEP_TOKENS, STATE_GRAIN, Transformer
 
 __all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "MTPDrafter", "SpeculativeResult",
-           "speculative_greedy"]
+           "speculative_greedy", "accept_or_resample", "speculative_sample"]
 
 
 class Drafter(Protocol):
@@ -178,3 +178,73 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
                 break
     stop = "eos" if out[-1] == eos else "max_tokens"
     return SpeculativeResult(out[:max_tokens], accepted, stop)
+
+
+def accept_or_resample(p: torch.Tensor, draft: int, generator: torch.Generator | None = None) -> tuple[bool, int]:
+    """Lossless speculative sampling for a point-mass draft (Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding", §2.3, with the draft distribution q = one-hot(draft): the drafters
+    here propose their argmax): accept the draft with probability min(1, p(draft) / q(draft)) = p(draft); on
+    rejection draw from the residual norm(max(0, p - q)) = p with the draft's mass removed, renormalised. The
+    token returned is distributed exactly as p. p: [V] probabilities (fp32, sum 1) of the target model at the
+    draft's position. Returns (accepted, token)."""
+    u = torch.rand((), generator=generator, device=p.device)
+    if bool(u < p[draft]):
+        return True, draft
+    r = p.clone()
+    r[draft] = 0
+    return False, int(torch.multinomial(r / r.sum(), 1, generator=generator))
+
+
+@torch.no_grad()
+def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, *, k: int, max_tokens: int,
+                       temperature: float, seed: int = 0, eos: int | None = None) -> SpeculativeResult:
+    """Speculative decoding at temperature T > 0 (batch 1, eager): each verify step's drafts are accepted or
+    replaced by `accept_or_resample` on softmax(logits / T) at their positions, in order, until the first
+    rejection; when every draft is accepted a bonus token is drawn at the next position. The tokens are
+    distributed as plain sampling at T (the rule's test: tests/unit/test_speculative.py, a chi-square test at a
+    stated false-alarm rate); not the same draws as `generate`'s exponential race (another use of the random
+    numbers). Seeded by `seed` (a generator on the model's device). Raises ValueError as `speculative_greedy`,
+    and for a temperature that is not a finite number > 0."""
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r}: expected a finite number > 0 (0: speculative_greedy)")
+    if not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
+        raise ValueError(f"k={k!r}: expected 1..{MAX_STEP_TOKENS - 1} drafts per verify step")
+    if not isinstance(max_tokens, int) or max_tokens < 1 or not prompt:
+        raise ValueError(f"max_tokens={max_tokens!r} and a non-empty prompt expected")
+    eos = model.args.eos_token_id if eos is None else eos
+    V, dev = model.args.vocab_size, model.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def probs(logits: torch.Tensor) -> torch.Tensor:
+        return (logits.float() / temperature).softmax(-1)
+
+    max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
+    state = model.new_state(1, max_len)
+    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
+    out = [int(torch.multinomial(probs(logits[0]), 1, generator=gen))]
+    if hasattr(drafter, "begin"):
+        drafter.begin(prompt, H, out[0], max_len)
+    accepted: list[int] = []
+    while out[-1] != eos and len(out) < max_tokens:
+        drafts = drafter.draft(prompt + out, k)
+        if len(drafts) != k or any(not isinstance(t, int) or not 0 <= t < V for t in drafts):
+            raise ValueError(f"drafter returned {drafts!r}: expected {k} token ids in [0, {V})")
+        logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
+        emitted = []
+        for j, d in enumerate(drafts):
+            ok, t = accept_or_resample(probs(logits[0, j]), d, gen)
+            emitted.append(t)
+            if not ok or t == eos:
+                break
+        else:  # every draft accepted: the bonus token at the next position
+            emitted.append(int(torch.multinomial(probs(logits[0, k]), 1, generator=gen)))
+        a = len(emitted) - 1
+        model.rollback(state, record, [a + 1])
+        accepted.append(a)
+        if hasattr(drafter, "accepted"):
+            drafter.accepted(record.streams[:, :a + 1], emitted)
+        for t in emitted:
+            out.append(t)
+            if t == eos or len(out) >= max_tokens:
+                break
+    return SpeculativeResult(out[:max_tokens], accepted, "eos" if out[-1] == eos else "max_tokens")

@@ -220,3 +220,59 @@ def test_generate_cli_speculative(tiny_ckpt, capsys):
     assert "speculative sampling" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(base + ["--speculative", "8"])
+
+
+def _chi2_critical(dof: int, z: float) -> float:
+    """Upper quantile of chi-square(dof) at the normal quantile z (Wilson-Hilferty, within ~1 % for dof >= 10)."""
+    a = 2.0 / (9 * dof)
+    return dof * (1 - a + z * a ** 0.5) ** 3
+
+
+@pytest.mark.parametrize("which", ["likely_draft", "unlikely_draft"])
+def test_rejection_rule_draws_from_the_target_distribution(which):
+    """`accept_or_resample` returns tokens distributed as p whatever the draft: 40,000 draws against p by
+    Pearson's chi-square over 31 cells (30 tokens + the rest pooled), false-alarm rate 1e-4 (z = 3.719; the test
+    fails on a correct rule once in 10,000 seeds; it is seeded). The drafts: p's most likely token (p ~ 0.35) and
+    an unlikely one (p ~ 0.003). Negative controls at the same rate: always accepting the draft (both), and
+    resampling from p itself (the draft's mass counted twice; for the likely draft, where it has power)."""
+    from dsv4.speculative import accept_or_resample
+    g = torch.Generator().manual_seed(2026)
+    logits = torch.randn(200, generator=g) * 1.5
+    logits[7] += 4.0
+    p = logits.softmax(-1)
+    d = int(p.argmax()) if which == "likely_draft" else int(p.argsort()[100])
+    n, cells = 40_000, 30
+    top = p.argsort(descending=True)[:cells]
+    crit = _chi2_critical(cells, 3.719)
+
+    def chi2(draws: list[int]) -> float:
+        counts = torch.bincount(torch.tensor(draws), minlength=p.numel()).float()
+        obs = torch.cat((counts[top], (n - counts[top].sum()).view(1)))
+        exp = torch.cat((p[top], (1 - p[top].sum()).view(1))) * n
+        return float(((obs - exp) ** 2 / exp).sum())
+
+    rule = [accept_or_resample(p, d, g)[1] for _ in range(n)]
+    assert chi2(rule) < crit, f"lossless rule rejected: chi2 {chi2(rule):.1f} >= {crit:.1f}"
+
+    def resample_from_p(p, d, g):  # the bug: the rejected draft's mass not removed
+        return (False, int(torch.multinomial(p, 1, generator=g))) if bool(torch.rand((), generator=g) >= p[d]) \
+            else (True, d)
+    # resampling from p shifts mass only where the draft is likely (p(d)^2 extra on d): no power for the unlikely one
+    for bad in ((lambda p, d, g: (True, d)),) + ((resample_from_p,) if which == "likely_draft" else ()):
+        draws = [bad(p, d, g)[1] for _ in range(n)]
+        assert chi2(draws) > crit, "control: a wrong rule must be rejected"
+
+
+def test_speculative_sampling_runs_and_is_seeded(run):
+    """End to end at T = 0.9 with the oracle drafter: seeded (the same seed gives the same tokens, another seed
+    other tokens), not greedy, and the accepted-draft counts are within 0..k."""
+    from dsv4.speculative import speculative_sample
+    m, prompt, plain, _ = run
+    dr = ContinuationDrafter(len(prompt), plain)
+    a = speculative_sample(m, prompt, dr, k=3, max_tokens=40, temperature=0.9, seed=1, eos=EOS)
+    b = speculative_sample(m, prompt, dr, k=3, max_tokens=40, temperature=0.9, seed=1, eos=EOS)
+    c = speculative_sample(m, prompt, dr, k=3, max_tokens=40, temperature=0.9, seed=2, eos=EOS)
+    assert a.ids == b.ids and a.ids != c.ids and a.ids != plain[:40] and len(a.ids) == 40
+    assert all(0 <= x <= 3 for x in a.accepted)
+    with pytest.raises(ValueError, match="temperature=0"):
+        speculative_sample(m, prompt, dr, k=3, max_tokens=4, temperature=0)
