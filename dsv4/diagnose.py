@@ -442,7 +442,8 @@ def speculative_check(model, prompt: list[int], plain: Continuation, k: int = 3)
         diff = next((i for i, (a, b) in enumerate(zip(res.ids, plain.ids)) if a != b),
                     None if len(res.ids) == n else min(len(res.ids), n))
         out[name] = {"k": kk, "equal": diff is None, "first_difference": diff, "verify_steps": len(res.accepted),
-                     "mean_accepted_length": round(res.mean_accepted_length, 3)}
+                     "mean_accepted_length": (None if res.mean_accepted_length is None
+                                              else round(res.mean_accepted_length, 3))}
     out["equal"] = out["oracle"]["equal"] and out["adversary"]["equal"]
     return out
 

@@ -27,7 +27,7 @@ import dsv4.checkpoint  # called as dsv4.checkpoint.load_checkpoint (looked up p
 from dsv4.config import layers_from_env
 import dsv4.encoding  # prompt_ids / parse_* looked up per call (a seam the tests replace)
 from dsv4.launch import LaunchEnvError, launch_from_env
-from dsv4.memory_plan import LimitError, check_fits, check_serving, MAX_BATCH
+from dsv4.memory_plan import LimitError, MAX_BATCH, check_fits, check_serving, max_context
 from dsv4.model import STATE_GRAIN, DecodeState, Transformer
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
@@ -167,9 +167,12 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     empty; prompt errors come from `dsv4.encoding`.
     """
 
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens}: expected >= 1")
+    _check_sampling(max_tokens, temperature, seed)
     ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
+    ctx = max_context(model.args)
+    if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.memory_plan.check_serving)
+        raise LimitError(f"the prompt ({len(ids)} tokens) + max_tokens {max_tokens} exceed the model's context of "
+                         f"{ctx} tokens per row (original_seq_len x rope_factor); shorten one")
     trace = (trace or ResidualTrace()).bind(model)
     gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
     keep, reuse = reuse_plan(model, chat, ids)
@@ -191,6 +194,18 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     # the state holds the prompt and every generated token but the last (sampled, never fed)
     return _result(tokenizer, ids, out, stop, thinking, max_tokens, trace,
                    chat=ChatState(state, ids + out[:-1]), reuse=reuse)
+
+
+def _check_sampling(max_tokens, temperature, seed) -> None:
+    """ValueError naming a max_tokens that is not an int >= 1 (bool refused), a temperature that is not a finite
+    number >= 0, or a seed that is not an int."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            0 <= temperature < float("inf")):
+        raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed={seed!r}: expected an int")
 
 
 def _result(tokenizer, ids: list[int], out: list[int], stop: str, thinking: bool, max_tokens: int,
@@ -247,6 +262,7 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     for i, m in enumerate(limits):
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise ValueError(f"max_tokens[{i}]={m!r}: expected an int >= 1")
+    _check_sampling(1, temperature, seed)
     if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise ValueError(f"max_batch={max_batch!r}: expected None or an int >= 1")
     prompts = []
@@ -431,6 +447,30 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         sys.stdout.write("\n")
     console.print(f"stop={res.stop} tokens={len(res.ids)} max|X| per layer (last step)="
                   f"{[round(v, 2) for v in res.trace.max_abs[-1]]}")
+    _print_outcome(console, res)
+    return 0
+
+
+def _run_speculative(model: Transformer, tok, prompt: str, thinking: bool, max_tokens: int, k: int,
+                     console: Console) -> int:
+    """`dsv4 generate --speculative K`: greedy speculative decoding with the MTP drafter (`dsv4.speculative`); the
+    completion on stdout, the accepted drafts per verify step and their mean on stderr."""
+    ids = dsv4.encoding.prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
+    res = speculative_greedy(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens)
+    if is_rank_zero():
+        sys.stdout.write(tok.decode(res.ids, skip_special_tokens=False) + "\n")
+    mean = res.mean_accepted_length
+    console.print(f"stop={res.stop} tokens={len(res.ids)} speculative k={k}: {len(res.accepted)} verify steps, "
+                  f"accepted drafts per step {res.accepted}, " +
+                  ("no verify step (the first token ended the output)" if mean is None else
+                   f"mean accepted length {mean:.2f} tokens per step") +
+                  " (on random weights the MTP block's acceptance means nothing)", markup=False)
+    _print_outcome(console, _result(tok, ids, res.ids, res.stop, thinking, max_tokens, ResidualTrace()))
+    return 0
+
+
+def _print_outcome(console: Console, res: GenerationResult) -> None:
+    """The parsed message, the partial result of a truncated completion, or why the text is malformed (stderr)."""
     if res.message is not None:
         console.print(f"reasoning={res.message.get('reasoning_content')!r}\ncontent={res.message.get('content')!r}",
                       markup=False)
@@ -443,19 +483,3 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
     else:
         console.print(f"malformed completion (does not parse as an assistant message): {res.parse_error}",
                       markup=False)
-    return 0
-
-
-def _run_speculative(model: Transformer, tok, prompt: str, thinking: bool, max_tokens: int, k: int,
-                     console: Console) -> int:
-    """`dsv4 generate --speculative K`: greedy speculative decoding with the MTP drafter (`dsv4.speculative`); the
-    completion on stdout, the accepted drafts per verify step and their mean on stderr."""
-    ids = dsv4.encoding.prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
-    res = speculative_greedy(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens)
-    if is_rank_zero():
-        sys.stdout.write(tok.decode(res.ids, skip_special_tokens=False) + "\n")
-    console.print(f"stop={res.stop} tokens={len(res.ids)} speculative k={k}: {len(res.accepted)} verify steps, "
-                  f"accepted drafts per step {res.accepted}, mean accepted length {res.mean_accepted_length:.2f} "
-                  "tokens per step (random weights: acceptance means nothing)", markup=False)
-    return 0
-

@@ -299,6 +299,14 @@ def check_serving(args: ModelArgs, *, batch: int, max_len: int, device: str | to
         raise LimitError(f"batch={batch!r}: expected an int >= 1")
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
         raise LimitError(f"max_len={max_len!r}: expected an int >= 1 (tokens per row)")
+    if not isinstance(args, ModelArgs):
+        raise LimitError(f"args: expected the loaded model's ModelArgs, got {type(args).__name__}")
+    if isinstance(dtype_bytes, bool) or dtype_bytes not in (2, 4):
+        raise LimitError(f"dtype_bytes={dtype_bytes!r}: expected 2 (bf16) or 4 (fp32), the model dtype's bytes")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise LimitError(f"device={device!r}: not a torch device ({e})") from None
     if batch > MAX_BATCH:
         raise LimitError(f"batch {batch} exceeds MAX_BATCH={MAX_BATCH} rows per decode state "
                          "(dsv4.memory_plan.MAX_BATCH: the batch sizes the kernels are gated at); pass max_batch <= "
@@ -308,8 +316,9 @@ def check_serving(args: ModelArgs, *, batch: int, max_len: int, device: str | to
         raise LimitError(f"a row needs {max_len} tokens (prompt + max_tokens), over the model's context of {ctx} "
                          f"tokens per row (original_seq_len {args.original_seq_len} x rope_factor "
                          f"{args.rope_factor}); shorten the prompt or lower max_tokens")
-    row = state_bytes(args, max_len, 1, dtype_bytes)
-    total = state_bytes(args, max_len, batch, dtype_bytes)
+    held = -(-max_len // 128) * 128  # a state holds a multiple of 128 tokens (dsv4.model.STATE_GRAIN)
+    row = state_bytes(args, held, 1, dtype_bytes)
+    total = state_bytes(args, held, batch, dtype_bytes)
     room = available_bytes(str(device))
     free, where = room if room is not None else (None, "unknown")
     if free is not None and total > free:

@@ -924,8 +924,11 @@ class Transformer(nn.Module):
         if need <= state.max_len:
             return
         if not state.growable:
+            fix = ("a row view cannot grow: grow its batch state (a call on a growable batch state reallocates) and "
+                   "take state.row(i) again" if getattr(state, "_parent", None) is not None
+                   else "make it with a larger new_state(batch, max_len)")
             raise ValueError(f"decode state holds max_len={state.max_len} tokens; position {p} + {n} "
-                             f"new token(s) needs {need} (make it with a larger new_state(batch, max_len))")
+                             f"new token(s) needs {need} ({fix})")
         new_len = -(-max(need, 2 * state.max_len) // STATE_GRAIN) * STATE_GRAIN
         grown = self.layer_states(state.batch, new_len)
         for old, new in zip(state.layers, grown):
@@ -1095,6 +1098,9 @@ class Transformer(nn.Module):
             raise ValueError(f"verify: rows at {state.row_pos}; every row must be prefilled first")
         if state.checks_ids_on_device:
             raise ValueError("verify: a CUDA-graph state's verify step keeps no rollback record (not supported)")
+        if s > self.args.window_size:
+            raise ValueError(f"verify: {s} tokens per row > window_size {self.args.window_size}: the call would "
+                             "overwrite ring slots of its own kept tokens, which a rollback cannot restore")
         self._check_state(state)
         self._reserve(state, s)  # a reallocation first: the record holds this state's layers
         rings = [ls.ring.clone() for ls in state.layers]
@@ -1109,7 +1115,7 @@ class Transformer(nn.Module):
             state.trails = None
             for ls in state.layers:
                 ls.trail = None
-        return logits, VerifyRecord(pos0, s, rings, trails, H)
+        return logits, VerifyRecord(pos0, s, rings, trails, H, state._calls, state._calls[0])
 
     @torch.no_grad()
     def rollback(self, state: DecodeState, record: "VerifyRecord", keep: list[int]) -> None:
@@ -1120,11 +1126,15 @@ class Transformer(nn.Module):
         completed by t) and overwritten when their window completes again. Raises ValueError for a keep outside
         1..s or a state that moved since the record."""
         s = record.s
-        if len(keep) != state.batch or any(not isinstance(k, int) or not 1 <= k <= s for k in keep):
-            raise ValueError(f"rollback: keep={keep}; expected {state.batch} ints in 1..{s}")
-        if state.row_pos != [p + s for p in record.pos0]:
-            raise ValueError(f"rollback: the state is at {state.row_pos}, the record's call left it at "
-                             f"{[p + s for p in record.pos0]}")
+        if not isinstance(keep, (list, tuple)) or len(keep) != state.batch or any(
+                isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= s for k in keep):
+            raise ValueError(f"rollback: keep={keep!r}; expected a list of {state.batch} ints in 1..{s}")
+        if record.calls_of is not state._calls:
+            raise ValueError("rollback: the record is another state's (verify and rollback take the same state)")
+        if state._calls[0] != record.calls or state.row_pos != [p + s for p in record.pos0]:
+            raise ValueError(f"rollback: the state moved since the verify call (now at {state.row_pos}, "
+                             f"{state._calls[0] - record.calls} call(s) later); a record is used once, right after "
+                             "its verify call")
         for ls, ring, trail in zip(state.layers, record.rings, record.trails):
             W = ls.window
             for i, k in enumerate(keep):
@@ -1149,4 +1159,6 @@ class VerifyRecord:
     rings: list[torch.Tensor]
     trails: list[list[list[torch.Tensor]]]
     streams: torch.Tensor | None = None  # the last block's streams at the s positions [b, s, hc, dim] (MTP input)
+    calls_of: list | None = None  # the state's call counter (`DecodeState._calls`, shared with its row views)
+    calls: int = 0  # its value right after the verify call
 

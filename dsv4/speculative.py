@@ -132,8 +132,31 @@ class SpeculativeResult:
     stop: str
 
     @property
-    def mean_accepted_length(self) -> float:
-        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verify step; None when no verify step ran (the first token ended the output)."""
+        if not self.accepted:
+            return None
+        return (sum(self.accepted) + len(self.accepted)) / len(self.accepted)
+
+
+def _check_call(model: Transformer, prompt, k, max_tokens) -> None:
+    """ValueError naming the first bad argument of a speculative decode."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
+        raise ValueError(f"k={k!r}: expected an int in 1..{MAX_STEP_TOKENS - 1} (drafts per verify step)")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+    V = model.args.vocab_size
+    if not isinstance(prompt, (list, tuple)) or not prompt or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in prompt):
+        raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {V}) (ints), got "
+                         f"{type(prompt).__name__}")
+
+
+def _check_drafts(drafts, k: int, V: int) -> list[int]:
+    if not isinstance(drafts, (list, tuple)) or len(drafts) != k or any(
+            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in drafts):
+        raise ValueError(f"drafter returned {drafts!r}: expected a list of {k} token ids (ints) in [0, {V})")
+    return list(drafts)
 
 
 @torch.no_grad()
@@ -143,12 +166,7 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
     eager (module docstring). Stops at the model's EOS (`eos`, default the model's) or after max_tokens tokens
     (a round's tokens past it are dropped). Raises ValueError for k or max_tokens out of range, an empty prompt, or
     a drafter that returns other than k ints in the vocabulary."""
-    if not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
-        raise ValueError(f"k={k!r}: expected 1..{MAX_STEP_TOKENS - 1} drafts per verify step")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
-    if not prompt:
-        raise ValueError("prompt: expected at least one token id")
+    _check_call(model, prompt, k, max_tokens)
     eos = model.args.eos_token_id if eos is None else eos
     V, dev = model.args.vocab_size, model.device
     max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
@@ -156,12 +174,10 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
     logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
     out = [int(logits.argmax(-1))]
     if hasattr(drafter, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
-        drafter.begin(prompt, H, out[0], max_len)
+        drafter.begin(list(prompt), H, out[0], max_len)
     accepted: list[int] = []
     while out[-1] != eos and len(out) < max_tokens:
-        drafts = drafter.draft(prompt + out, k)
-        if len(drafts) != k or any(not isinstance(t, int) or not 0 <= t < V for t in drafts):
-            raise ValueError(f"drafter returned {drafts!r}: expected {k} token ids in [0, {V})")
+        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
         logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
         pred = logits[0].argmax(-1).tolist()  # pred[j]: the model's token after out[-1] + drafts[:j]
         a = 0
@@ -207,10 +223,7 @@ def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, 
     and for a temperature that is not a finite number > 0."""
     if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: expected a finite number > 0 (0: speculative_greedy)")
-    if not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
-        raise ValueError(f"k={k!r}: expected 1..{MAX_STEP_TOKENS - 1} drafts per verify step")
-    if not isinstance(max_tokens, int) or max_tokens < 1 or not prompt:
-        raise ValueError(f"max_tokens={max_tokens!r} and a non-empty prompt expected")
+    _check_call(model, prompt, k, max_tokens)
     eos = model.args.eos_token_id if eos is None else eos
     V, dev = model.args.vocab_size, model.device
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -223,12 +236,10 @@ def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, 
     logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
     out = [int(torch.multinomial(probs(logits[0]), 1, generator=gen))]
     if hasattr(drafter, "begin"):
-        drafter.begin(prompt, H, out[0], max_len)
+        drafter.begin(list(prompt), H, out[0], max_len)
     accepted: list[int] = []
     while out[-1] != eos and len(out) < max_tokens:
-        drafts = drafter.draft(prompt + out, k)
-        if len(drafts) != k or any(not isinstance(t, int) or not 0 <= t < V for t in drafts):
-            raise ValueError(f"drafter returned {drafts!r}: expected {k} token ids in [0, {V})")
+        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
         logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
         emitted = []
         for j, d in enumerate(drafts):

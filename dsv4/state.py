@@ -10,6 +10,7 @@ between calls (`Transformer._reserve`), never during a step.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
@@ -97,6 +98,7 @@ class DecodeState:
         dev = self.layers[0].keys.device if self.layers else "cpu"
         b = self.layers[0].keys.shape[0] if self.layers else 1
         self._rows: list[int] = [pos] * b  # a row view shares its parent's list (`row`)
+        self._calls = [0]  # calls that changed the state (shared with row views; `Transformer.rollback` checks it)
         self._slice = slice(None)
         self.pos_buf = torch.zeros(b, dtype=torch.int64, device=dev)  # not state bytes
         self.trails = None  # True while `Transformer.verify` records a rollback trail
@@ -116,10 +118,14 @@ class DecodeState:
 
     @row_pos.setter
     def row_pos(self, value: list[int]) -> None:
-        value = [int(v) for v in value]
-        if len(value) != self.batch or min(value) < 0:
-            raise ValueError(f"row_pos={value}: expected {self.batch} ints >= 0")
-        self._rows[self._slice] = value
+        if not isinstance(value, (list, tuple)) or len(value) != self.batch or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+            raise ValueError(f"row_pos={value!r}: expected a list of {self.batch} ints >= 0")
+        if self.max_len and not self.growable and max(value) > self.max_len:
+            raise ValueError(f"row_pos={value!r}: beyond this fixed state's max_len={self.max_len}")
+        self._rows[self._slice] = list(value)
+        self._calls[0] += 1  # every change of positions (each call, a rollback, by hand): a verify record is
+        # valid only until the next one (`Transformer.rollback`)
 
     @property
     def ragged(self) -> bool:
@@ -140,14 +146,15 @@ class DecodeState:
 
     def row(self, i: int) -> "DecodeState":
         """Row i as a state of batch 1 whose buffers are views of this state's row i (writes land here) and whose
-        position is this state's row_pos[i]. Fixed size (growable False): grow the batch state first
-        (`Transformer.reserve`). Raises IndexError for a row outside 0..batch-1."""
-        if not isinstance(i, int) or not 0 <= i < self.batch:
-            raise IndexError(f"row {i!r}: this state has rows 0..{self.batch - 1}")
+        position is this state's row_pos[i]. Fixed size (growable False): a growable batch state grows when a
+        call on the batch state itself needs room, and views taken before are then stale (refused). Raises
+        TypeError for an index that is not an int (bool refused), IndexError for a row outside 0..batch-1."""
+        i = _row_index(i, self.batch)
         sl = slice(i, i + 1)
         view = DecodeState([_row_layer(ls, sl) for ls in self.layers], max_len=self.max_len, growable=False,
                            owner=self.owner)
         view._rows, view._slice = self._rows, slice(self._start + i, self._start + i + 1)
+        view._calls = self._calls
         view._parent, view._parent_layers = self, self.layers  # a reallocation of self makes the view stale
         return view
 
@@ -158,8 +165,7 @@ class DecodeState:
     def reset_row(self, i: int) -> None:
         """Empty row i for a new request (continuous batching): its keys, indexer keys and compressor windows as in
         a fresh state (zeros, scores -inf), its position 0. The other rows are untouched."""
-        if not isinstance(i, int) or not 0 <= i < self.batch:
-            raise IndexError(f"row {i!r}: this state has rows 0..{self.batch - 1}")
+        i = _row_index(i, self.batch)
         for ls in self.layers:
             ls.keys[i].zero_()
             if ls.index_keys is not None:
@@ -186,6 +192,19 @@ class DecodeState:
         each row's position -> the last layer's streams [b, s, hc, dim]. `dsv4.graph.GraphDecodeState` replays a capture
         of the same step."""
         return model.decode_step(input_ids, self.load_positions(), self, observer)
+
+
+def _row_index(i, batch: int) -> int:
+    """A row index: an int (numpy / torch integer scalars through `operator.index`), never a bool."""
+    if isinstance(i, bool):
+        raise TypeError(f"row {i!r}: expected an int row index, not a bool")
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise TypeError(f"row {i!r}: expected an int row index, got {type(i).__name__}") from None
+    if not 0 <= i < batch:
+        raise IndexError(f"row {i}: this state has rows 0..{batch - 1}")
+    return i
 
 
 def _row_layer(ls: LayerState, sl: slice) -> LayerState:

@@ -675,8 +675,8 @@ def graph_rope_stale_position(mp: MP) -> None:
     previous step's position (pos - 1, a stale device position); q, the keys and the prefill stay right."""
     from dsv4.model import Attention
 
-    _source_mutant(mp, Attention, "step", "return self._out(o, pos, backend, backend)",
-                   "return self._out(o, pos - 1, backend, backend)  # MUTANT: stale position")
+    _source_mutant(mp, Attention, "step", "return self._out(o, P, backend, backend)",
+                   "return self._out(o, P - 1, backend, backend)  # MUTANT: stale position")
 
 
 def rope_tail_token0_position(mp: MP) -> None:

@@ -148,8 +148,17 @@ def test_ragged_state_api_names_misuse():
         st.row(2)
     with pytest.raises(IndexError, match="row -1"):
         st.reset_row(-1)
-    with pytest.raises(ValueError, match=r"row_pos=\[1\]: expected 2 ints >= 0"):
-        st.row_pos = [1]
+    for bad in ([1], "12", [1.7, 2.2], [True, 1], 3, None, [-1, 0]):  # nothing converted quietly
+        with pytest.raises(ValueError, match=r"row_pos=.*: expected a list of 2 ints >= 0"):
+            st.row_pos = bad
+    with pytest.raises(ValueError, match=r"beyond this fixed state's max_len=128"):
+        st.row_pos = [10 ** 6, 0]
+    import numpy as np
+    assert st.row(np.int64(1)).row_pos == [0]  # integer scalars are indices
+    with pytest.raises(TypeError, match="not a bool"):
+        st.row(True)
+    with pytest.raises(TypeError, match="expected an int row index, got str"):
+        st.reset_row("1")
     grow = m.new_state(2)  # growable: a reallocation makes earlier row views stale
     view = grow.row(1)
     m(torch.randint(0, VOCAB, (2, 200)), grow)

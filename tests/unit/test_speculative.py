@@ -118,12 +118,33 @@ def test_verify_and_rollback_name_misuse(run):
     with pytest.raises(ValueError, match=r"9 tokens per row; expected 2..8"):
         m.verify(torch.ones(1, 9, dtype=torch.long), st)
     _, rec = m.verify(torch.tensor([[4, 5, 6]]), st)
-    with pytest.raises(ValueError, match=r"keep=\[4\]; expected 1 ints in 1..3"):
-        m.rollback(st, rec, [4])
+    for keep in ([4], [0], [True], 2, [1, 1]):
+        with pytest.raises(ValueError, match=r"rollback: keep=.*; expected a list of 1 ints in 1..3"):
+            m.rollback(st, rec, keep)
     m.rollback(st, rec, [1])
     assert st.pos == 4
-    with pytest.raises(ValueError, match=r"the state is at \[4\]"):
-        m.rollback(st, rec, [1])
+    with pytest.raises(ValueError, match=r"the state moved since the verify call"):
+        m.rollback(st, rec, [1])  # a record is used once
+    # a state that moved and came back to the record's position (found by a fresh-user attack)
+    _, rec = m.verify(torch.tensor([[4, 5, 6]]), st)
+    m.rollback(st, rec, [1])
+    m(torch.tensor([[9, 9]]), st)
+    assert st.pos == 7 == rec.pos0[0] + rec.s
+    with pytest.raises(ValueError, match="the state moved since the verify call"):
+        m.rollback(st, rec, [2])
+    other = m.new_state(1, 128)
+    m(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), other)
+    _, rec2 = m.verify(torch.tensor([[1, 2, 3]]), other)
+    m(torch.tensor([[1, 2, 3]]), st)
+    with pytest.raises(ValueError, match="the record is another state's"):
+        m.rollback(st, rec2, [2])
+    with pytest.raises(ValueError, match=r"5 tokens per row > window_size 4"):
+        small = Transformer(tiny_args(vocab_size=VOCAB, window_size=4))
+        small.load_weights({k: v for k, v in random_state_dict(small.args, seed=1).items()
+                            if not k.startswith("mtp.")})
+        sst = small.new_state(1, 128)
+        small(torch.tensor([[1, 2, 3, 4, 5, 6]]), sst)
+        small.verify(torch.tensor([[1, 2, 3, 4, 5]]), sst)
     with pytest.raises(ValueError, match=r"k=8"):
         speculative_greedy(m, [1, 2], RandomDrafter(VOCAB), k=8, max_tokens=4)
     with pytest.raises(ValueError, match="drafter returned"):
