@@ -29,7 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_model import CONFIGS, build, synthetic_state  # noqa: E402
+from benchmarks.bench_model import (CONFIGS, build, copy_bandwidth, decode_bytes, distinct_experts,  # noqa: E402
+                                    synthetic_state)
 from dsv4.config import ModelArgs  # noqa: E402
 
 
@@ -54,6 +55,20 @@ def ragged_rows(model, batch: int, lo: int, hi: int, ragged: bool, warmup: int, 
     return _time(lambda: model(tok, st), warmup, reps)
 
 
+def floor_ms(model, batch: int, ctx: int, gbps: float) -> float:
+    """The step's byte floor (bench_model.decode_bytes at context ctx: the KV / indexer bytes are linear in each
+    row's context, so a ragged batch's floor is the lockstep floor at the rows' mean context) / copy bandwidth;
+    the distinct routed experts counted by a gate hook on one eager step."""
+    graphs, model.decode_graph_max_len = model.decode_graph_max_len, None
+    try:
+        st = synthetic_state(model, batch, ctx)
+        tok = torch.randint(0, model.args.vocab_size, (batch, 1), device="cuda")
+        distinct = distinct_experts(model, lambda: model(tok, st))
+    finally:
+        model.decode_graph_max_len = graphs
+    return decode_bytes(model, batch, ctx, distinct) / (gbps * 1e9) * 1e3
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -65,15 +80,20 @@ def main() -> int:
     model = build(args, "triton")
     lo, hi = 1024, 16384
     model.use_decode_graphs(hi + 256)
+    gbps = copy_bandwidth()
     lines = [f"Flash geometry, first {a.layers} layers, bf16, weights=quantized, triton, CUDA-graph decode; "
-             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| decode | batch | rows at | ms / step | tokens/s | ragged / lockstep |", "|---|---:|---|---:|---:|---:|"]
+             f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth {gbps:.0f} GB/s", "",
+             "| decode | batch | rows at | ms / step | tokens/s | ragged / lockstep | byte floor ms | / floor |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
     for b in (8, 32):
         lock = ragged_rows(model, b, lo, hi, False, a.warmup, a.reps)
         rag = ragged_rows(model, b, lo, hi, True, a.warmup, a.reps)
         mean = (lo + hi) // 2
-        lines.append(f"| lockstep | {b} | all at ~{mean} | {lock:.2f} | {b / lock * 1e3:.0f} | |")
-        lines.append(f"| ragged | {b} | {lo}..{hi} | {rag:.2f} | {b / rag * 1e3:.0f} | {rag / lock:.3f} |")
+        fl = floor_ms(model, b, mean // 128 * 128, gbps)
+        lines.append(f"| lockstep | {b} | all at ~{mean} | {lock:.2f} | {b / lock * 1e3:.0f} | | {fl:.2f} | "
+                     f"{lock / fl:.2f} |")
+        lines.append(f"| ragged | {b} | {lo}..{hi} | {rag:.2f} | {b / rag * 1e3:.0f} | {rag / lock:.3f} | "
+                     f"{fl:.2f} | {rag / fl:.2f} |")
         print(lines[-2], lines[-1], sep="\n", flush=True)
     lines += ["", "| verify step (graph), batch 1, context 4096 | ms | / one-token step |", "|---|---:|---:|"]
     one = None
