@@ -229,7 +229,8 @@ def _result(tokenizer, ids: list[int], out: list[int], stop: str, thinking: bool
 @torch.no_grad()
 def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]], *,
                    max_tokens: int | list[int] = 64, temperature: float = 0.0, thinking: bool = True,
-                   seed: int = 0, max_batch: int | None = None, progress: bool = True) -> list[GenerationResult]:
+                   seed: int = 0, max_batch: int | None = None, progress: bool = True,
+                   chats: list[ChatState | None] | None = None, keep_chats: bool = False) -> list[GenerationResult]:
     """Generate one assistant turn for each conversation (OpenAI-style message lists) in one ragged batch, with
     continuous batching (issue 24 item 2); returns one `GenerationResult` per conversation, in order.
 
@@ -245,8 +246,14 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     The guarantee (tests/unit/test_generate_batch.py): each conversation's tokens equal `generate` run on it alone,
     except from a step where the two runs' logits put the top two tokens within the dtype's tolerance of each
     other (the batched GEMMs round in another order: fp32 1e-5, bf16 1e-2 of the largest |logit|); the test counts
-    such steps and fails on any other difference. No multi-turn reuse and no residual trace per row (`trace` of
-    each result is empty); use `generate` for those.
+    such steps and fails on any other difference. No residual trace per row (`trace` of each result is empty).
+
+    Multi-turn (issue 24 item 3): `chats[i]` (a previous turn's `GenerationResult.chat`, or None) is continued as
+    `generate` does (`reuse_plan`: only when the new prompt's ids extend the ids it holds; `reuse` of the result
+    says which happened): its buffers are copied into the request's row (`DecodeState.load_row`; the given
+    ChatState is left as it was) and only the new ids are prefilled. `keep_chats=True` returns each result's
+    `chat` (its row copied out when it finishes, `DecodeState.copy_row`: one batch-1 state per conversation, the
+    memory of a row each); otherwise `chat` is None.
 
     A progress bar on stderr (rich) counts the generated tokens against the most that can be generated; off with
     progress=False. Limits are checked before any model work (`dsv4.memory_plan.check_serving`: LimitError for a
@@ -272,6 +279,11 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
         except ValueError as e:  # the same exception (type and fields), its message naming the conversation
             e.args = (f"conversations[{i}]: {e}",) + e.args[1:]
             raise
+    if chats is not None and (not isinstance(chats, (list, tuple)) or len(chats) != n or any(
+            c is not None and not isinstance(c, ChatState) for c in chats)):
+        raise ValueError(f"chats: expected None or a list of {n} ChatState-or-None (one per conversation)")
+    plans = [reuse_plan(model, chats[i], prompts[i]) if chats is not None else (0, "fresh") for i in range(n)]
+    chat_out: list[ChatState | None] = [None] * n
     rows = min(n, max_batch or min(n, MAX_BATCH))
     need = max(len(p) + m for p, m in zip(prompts, limits))
     max_len = -(-need // STATE_GRAIN) * STATE_GRAIN
@@ -291,14 +303,17 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     slot: list[int | None] = [None] * rows  # the request each row serves
     waiting = list(range(n))[::-1]  # pop() takes the lowest index first
 
-    def take(req: int, logits: torch.Tensor) -> bool:
-        """Sample request req's next token from its logits [1, V]; True when the request is finished."""
+    def take(req: int, logits: torch.Tensor, r: int) -> bool:
+        """Sample request req's next token from its logits [1, V] (row r); True when the request is finished
+        (its row copied out first with keep_chats: it holds the prompt and every token but the last)."""
         tok = int(sample(logits, temperature, gens[req])[0])
         outs[req].append(tok)
         if tok == eos:
             stops[req] = "eos"
         elif len(outs[req]) >= limits[req]:
             stops[req] = "max_tokens"
+        if stops[req] is not None and keep_chats:
+            chat_out[req] = ChatState(state.copy_row(r), prompts[req] + outs[req][:-1])
         return stops[req] is not None
 
     console = Console(stderr=True, quiet=not progress)
@@ -311,8 +326,11 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
                 while slot[r] is None and waiting:
                     req = waiting.pop()
                     state.reset_row(r)
-                    x = torch.tensor([prompts[req]], dtype=torch.long, device=model.device)
-                    finished = take(req, model(x, state.row(r)))
+                    keep = plans[req][0]
+                    if keep:  # a previous turn's state: copied into the row, only the new ids prefilled
+                        state.load_row(r, chats[req].state)
+                    x = torch.tensor([prompts[req][keep:]], dtype=torch.long, device=model.device)
+                    finished = take(req, model(x, state.row(r)), r)
                     bar.update(task, advance=1)
                     if finished:
                         bar.update(task, advance=limits[req] - len(outs[req]),
@@ -326,7 +344,7 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
             logits = model(torch.tensor(feed, dtype=torch.long, device=model.device)[:, None], state)
             for r in running:
                 req = slot[r]
-                if take(req, logits[r:r + 1]):
+                if take(req, logits[r:r + 1], r):
                     bar.update(task, advance=1 + limits[req] - len(outs[req]))
                     slot[r] = None
                 else:
@@ -334,8 +352,8 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
             bar.update(task, done=sum(st is not None for st in stops))
             pos = state.row_pos  # free rows stay at position 0 (their buffers are reset before reuse)
             state.row_pos = [p if slot[r] is not None else 0 for r, p in enumerate(pos)]
-    return [_result(tokenizer, prompts[i], outs[i], stops[i], thinking, limits[i], ResidualTrace().bind(model))
-            for i in range(n)]
+    return [_result(tokenizer, prompts[i], outs[i], stops[i], thinking, limits[i], ResidualTrace().bind(model),
+                    chat=chat_out[i], reuse=plans[i][1]) for i in range(n)]
 
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -178,6 +178,46 @@ class DecodeState:
         rows[i] = 0
         self.row_pos = rows
 
+    def copy_row(self, i: int) -> "DecodeState":
+        """Row i as a new, independent batch-1 state (its buffers copied; growable, the same max_len and owner):
+        what a finished request of a batch keeps for its conversation's next turn."""
+        i = _row_index(i, self.batch)
+        sl = slice(i, i + 1)
+
+        def comp(c):
+            return None if c is None else CompressorState(kv=c.kv[sl].clone(), score=c.score[sl].clone())
+        layers = [LayerState(keys=ls.keys[sl].clone(), window=ls.window, compressor=comp(ls.compressor),
+                             index_keys=None if ls.index_keys is None else ls.index_keys[sl].clone(),
+                             index_compressor=comp(ls.index_compressor)) for ls in self.layers]
+        return DecodeState(layers, pos=self.row_pos[i], max_len=self.max_len, growable=True, owner=self.owner)
+
+    def load_row(self, i: int, src: "DecodeState") -> None:
+        """Row i <- the batch-1 state `src` (a previous turn's state): its window ring, compressor windows, entry
+        and indexer-key slots (the first ones, as many as both hold) and its position. Raises ValueError when src
+        is not batch 1, belongs to another model, or its position does not fit this state's max_len."""
+        i = _row_index(i, self.batch)
+        if src.batch != 1 or len(src.layers) != len(self.layers):
+            raise ValueError(f"load_row: expected a batch-1 state of {len(self.layers)} layers, got batch "
+                             f"{src.batch} with {len(src.layers)}")
+        if src.owner is not None and self.owner is not None and src.owner() is not self.owner():
+            raise ValueError("load_row: the state belongs to another model instance")
+        p = src.pos
+        if p > self.max_len:
+            raise ValueError(f"load_row: the state is at position {p}, over this state's max_len={self.max_len}")
+        for dst, s in zip(self.layers, src.layers):
+            n = min(dst.keys.shape[1], s.keys.shape[1])
+            dst.keys[i, :n] = s.keys[0, :n]
+            if dst.index_keys is not None:
+                m = min(dst.index_keys.shape[1], s.index_keys.shape[1])
+                dst.index_keys[i, :m] = s.index_keys[0, :m]
+            for cd, cs in ((dst.compressor, s.compressor), (dst.index_compressor, s.index_compressor)):
+                if cd is not None:
+                    cd.kv[i] = cs.kv[0]
+                    cd.score[i] = cs.score[0]
+        rows = self.row_pos
+        rows[i] = p
+        self.row_pos = rows
+
     def load_positions(self) -> torch.Tensor:
         """`pos_buf` [b] int64 <- row_pos (one fill when the rows agree, else one host-to-device copy)."""
         rows = self.row_pos

@@ -233,6 +233,9 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("draft_eos_accepted_unverified", "a drafted EOS accepted without verification",
            patches.draft_eos_accepted_unverified,
            ("tests/unit/test_speculative.py::test_speculative_greedy_equals_plain_greedy[eos_drafts-3]",)),
+    Mutant("batch_chat_row_not_loaded", "a batch row continuing a chat gets its position but not its buffers",
+           patches.batch_chat_row_not_loaded,
+           ("tests/unit/test_generate_batch.py::test_generate_batch_continues_chats_where_the_ids_extend_them",)),
 ]}
 
 

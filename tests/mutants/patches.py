@@ -810,3 +810,12 @@ def draft_eos_accepted_unverified(mp: MP) -> None:
 
     _source_mutant(mp, speculative, "speculative_greedy", "while a < k and drafts[a] == pred[a]:",
                    "while a < k and (drafts[a] == pred[a] or drafts[a] == eos):  # MUTANT")
+
+
+def batch_chat_row_not_loaded(mp: MP) -> None:
+    """A batch row continuing a previous turn takes the chat's position but not its buffers (window ring,
+    compressor windows, entries): the new ids are appended to an empty context at the right positions."""
+    from dsv4.state import DecodeState
+
+    _source_mutant(mp, DecodeState, "load_row", "for dst, s in zip(self.layers, src.layers):",
+                   "for dst, s in []:  # MUTANT: buffers not copied")

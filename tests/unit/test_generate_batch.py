@@ -119,3 +119,39 @@ def test_generate_batch_limits_are_named_errors_before_any_work(model_tok, monke
     with pytest.raises(ValueError, match=r"conversations\[1\]: "):
         generate_batch(model, tok, [CONVS[0], []], progress=False)
     assert calls == [], "no model call before the limits are checked"
+
+
+def test_generate_batch_continues_chats_where_the_ids_extend_them(model_tok, monkeypatch):
+    """Multi-turn in a batch (issue 24 item 3): turn 1 with keep_chats=True; turn 2's prompts extend two of the
+    three chats' ids and rewrite the third (its 5th id differs: a drop_thinking-like rewrite), so two rows start
+    from a copy of their chat (only the new ids prefilled) and one rebuilds, and each result says which. Every
+    conversation's tokens equal turn 2 run fresh (the near-tie rule), and the given chats are left as they were.
+    The prompts are given through `dsv4.encoding.prompt_ids` (the one prompt path, replaced here) so that the
+    ids extend exactly, whatever the random model generated."""
+    import dsv4.encoding
+    model, tok = model_tok
+    g = torch.Generator().manual_seed(24)
+    t1 = [torch.randint(0, 5000, (n,), generator=g).tolist() for n in (9, 17, 6)]
+    table = {}
+    monkeypatch.setattr(dsv4.encoding, "prompt_ids", lambda tok, conv, thinking=True: table[conv[0]["content"]])
+    convs = [[{"role": "user", "content": f"c{i}"}] for i in range(3)]
+    for i, ids in enumerate(t1):
+        table[f"c{i}"] = ids
+    r1 = generate_batch(model, tok, convs, max_tokens=[4, 3, 5], max_batch=2, keep_chats=True, progress=False)
+    assert all(r.chat is not None and r.chat.state.pos == len(r.chat.ids) for r in r1)
+    before = [r.chat.state.layers[1].keys.clone() for r in r1]
+    t2 = [r1[0].chat.ids + [11, 12, 13], r1[1].chat.ids + [21], None]
+    t2[2] = r1[2].chat.ids[:4] + [r1[2].chat.ids[4] + 1] + r1[2].chat.ids[5:] + [31, 32]
+    convs2 = [[{"role": "user", "content": f"d{i}"}] for i in range(3)]
+    for i, ids in enumerate(t2):
+        table[f"d{i}"] = ids
+    r2 = generate_batch(model, tok, convs2, max_tokens=5, max_batch=2, chats=[r.chat for r in r1], progress=False)
+    fresh = generate_batch(model, tok, convs2, max_tokens=5, max_batch=2, progress=False)
+    assert r2[0].reuse == f"reused {len(r1[0].chat.ids)} tokens, appended 3"
+    assert r2[1].reuse == f"reused {len(r1[1].chat.ids)} tokens, appended 1"
+    assert r2[2].reuse.startswith("rebuilt: the prompt's ids differ at position 4"), r2[2].reuse
+    assert fresh[0].reuse == "fresh"
+    _check_against_alone(model, r2, fresh, t2)
+    assert all(torch.equal(b, r.chat.state.layers[1].keys) for b, r in zip(before, r1)), "the chats were changed"
+    with pytest.raises(ValueError, match="chats: expected None or a list of 3"):
+        generate_batch(model, tok, convs2, chats=[None], progress=False)
