@@ -219,12 +219,18 @@ class DecodeState:
         self.row_pos = rows
 
     def load_positions(self) -> torch.Tensor:
-        """`pos_buf` [b] int64 <- row_pos (one fill when the rows agree, else one host-to-device copy)."""
+        """`pos_buf` [b] int64 <- row_pos without a host sync: one fill when the rows agree, else one
+        host-to-device copy from pinned memory, asynchronous on CUDA (torch's pinned allocator keeps the source
+        alive until the copy is done)."""
         rows = self.row_pos
         if len(set(rows)) == 1:
             self.pos_buf.fill_(rows[0])
         else:
-            self.pos_buf.copy_(torch.tensor(rows, dtype=torch.int64))
+            t = torch.tensor(rows, dtype=torch.int64)
+            if self.pos_buf.is_cuda:
+                self.pos_buf.copy_(t.pin_memory(), non_blocking=True)
+            else:
+                self.pos_buf.copy_(t)
         return self.pos_buf
 
     def decode_step(self, model, input_ids: torch.Tensor, observer=None) -> torch.Tensor:

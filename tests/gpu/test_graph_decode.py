@@ -133,12 +133,19 @@ def test_graph_replay_equals_eager_step(args, models):
     assert g_st.graphs and not isinstance(e_st, GraphDecodeState)
 
 
-def test_decode_step_is_sync_free(args, models):
+@pytest.mark.parametrize("ragged", [False, True], ids=["lockstep", "ragged"])
+def test_decode_step_is_sync_free(args, models, ragged):
+    """The decode step (eager and graph replay) under sync-debug "error"; ragged: the rows at 140 and 139
+    (per-row positions reach the device by an asynchronous copy from pinned memory, `load_positions`)."""
     tri = models(torch.bfloat16, "triton")
     ids = _ids(args, 140, 5)
     for capture in (False, True):
         st = GraphDecodeState(tri, 2, MAX_LEN) if capture else tri.new_state(2, MAX_LEN)
-        tri(ids.expand(2, -1).contiguous(), st)
+        if ragged:
+            tri(ids, st.row(0)), tri(ids[:, :139], st.row(1))
+            assert st.row_pos == [140, 139]
+        else:
+            tri(ids.expand(2, -1).contiguous(), st)
         tok = torch.tensor([[7], [11]], device="cuda")
         tri(tok, st)  # first step: warm-up, capture
         torch.cuda.synchronize()
@@ -149,7 +156,7 @@ def test_decode_step_is_sync_free(args, models):
                     out = tri(tok, st)
                 else:  # the step itself (Transformer.forward checks eager ids on the host: one read, by design)
                     out = st.decode_step(tri, tok)
-                    st.pos += 1
+                    st.row_pos = [p + 1 for p in st.row_pos]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(out).all()
