@@ -19,9 +19,7 @@ Timing: wall clock with torch.cuda.synchronize() before and after each call (the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,21 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_model import (CONFIGS, build, copy_bandwidth, decode_bytes, distinct_experts,  # noqa: E402
-                                    synthetic_state)
+                                    synthetic_state, timed)
 from dsv4.config import ModelArgs  # noqa: E402
 
 
 def _time(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
+    """Median ms of fn() (`bench_model.timed`: synchronized wall clock after `warmup` calls)."""
+    return timed(fn, warmup, reps) * 1e3
 
 
 def ragged_rows(model, batch: int, lo: int, hi: int, ragged: bool, warmup: int, reps: int) -> float:

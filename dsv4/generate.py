@@ -167,7 +167,8 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     empty; prompt errors come from `dsv4.encoding`.
     """
 
-    _check_sampling(max_tokens, temperature, seed)
+    _check_max_tokens(max_tokens)
+    _check_sampling(temperature, seed)
     ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
     ctx = max_context(model.args)
     if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.memory_plan.check_serving)
@@ -196,11 +197,14 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
                    chat=ChatState(state, ids + out[:-1]), reuse=reuse)
 
 
-def _check_sampling(max_tokens, temperature, seed) -> None:
-    """ValueError naming a max_tokens that is not an int >= 1 (bool refused), a temperature that is not a finite
-    number >= 0, or a seed that is not an int."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
+def _check_max_tokens(m, name: str = "max_tokens") -> None:
+    """ValueError naming a max_tokens that is not an int >= 1 (bool refused)."""
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"{name}={m!r}: expected an int >= 1")
+
+
+def _check_sampling(temperature, seed) -> None:
+    """ValueError naming a temperature that is not a finite number >= 0, or a seed that is not an int."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             0 <= temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
@@ -267,9 +271,8 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     if not isinstance(limits, (list, tuple)) or len(limits) != n:
         raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1 or a list of {n} of them")
     for i, m in enumerate(limits):
-        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
-            raise ValueError(f"max_tokens[{i}]={m!r}: expected an int >= 1")
-    _check_sampling(1, temperature, seed)
+        _check_max_tokens(m, f"max_tokens[{i}]")
+    _check_sampling(temperature, seed)
     if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise ValueError(f"max_batch={max_batch!r}: expected None or an int >= 1")
     prompts = []

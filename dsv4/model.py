@@ -59,7 +59,7 @@ REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
 MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "window_slots", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -406,6 +406,15 @@ class Indexer(nn.Module):
         return topk(scores, k, n_valid, check=False)
 
 
+def window_slots(P: torch.Tensor, p0: int | torch.Tensor, W: int) -> torch.Tensor:
+    """The sliding window of queries at positions P [..., s] int64 of a call that starts at p0 (an int, or per row
+    [..., 1, 1]), as slots of the keys [ring before the call (W slots, position u at u % W) | the call's KV]:
+    query t sees u = t-W+1..t (spec §5.5) -> [..., s, W] int64: -1 where u < 0, ring slot u % W where u < p0,
+    W + u - p0 (the call's own KV) otherwise. `Attention.extend` and the decode step with s > 1 tokens."""
+    u = P[..., None] - (W - 1) + torch.arange(W, device=P.device)
+    return torch.where(u < 0, -1, torch.where(u < p0, u % W, W + u - p0))
+
+
 class Attention(nn.Module):
     """DeepSeek-V4 attention (spec §5): low-rank q, shared K=V head, partial interleaved RoPE, per-head sink,
     sliding window + compressed entries (all for HCA, indexer top-k for CSA), grouped wo_a / wo_b."""
@@ -479,10 +488,8 @@ class Attention(nn.Module):
         dev, W = x.device, self.window
         pos = torch.arange(p, p + s, device=dev)
         qr, q, kv = self._qkv(x, pos, REFERENCE)
-        # keys = [ring (positions p-W..p-1 at slot u % W) | this call's KV | entries]; window of query t: u = t-W+1..t
-        u = pos[:, None] - (W - 1) + torch.arange(W, device=dev)[None, :]  # [s, W]
-        win = torch.where(u < 0, -1, torch.where(u < p, u % W, W + u - p))
-        idx = win[None].expand(b, s, W)
+        # keys = [ring (positions p-W..p-1 at slot u % W) | this call's KV | entries]
+        idx = window_slots(pos, p, W)[None].expand(b, s, W)
         keys = [st.ring, kv]
         if self.compressor is not None:
             self.compressor.extend(x, p, st.compressor, st.entries)
@@ -524,10 +531,8 @@ class Attention(nn.Module):
             st.ring.scatter_(1, (P % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
             slots = torch.arange(W, device=dev)
             idx, off = torch.where(slots <= P, slots, -1).view(b, 1, W), W
-        else:  # window of query t: u = t-W+1..t, from the ring before the call (u < pos) or this call's KV
-            u = P[:, :, None] - (W - 1) + torch.arange(W, device=dev)  # [b, s, W]
-            p0 = pos.view(b, 1, 1)
-            idx, off = torch.where(u < 0, -1, torch.where(u < p0, u % W, W + u - p0)), W + s
+        else:  # keys = [ring before the call | this call's KV | entries], as `extend`
+            idx, off = window_slots(P, pos.view(b, 1, 1), W), W + s
         if self.compressor is not None:
             for j in range(s):  # one token at a time: each window boundary in the call committed in order
                 self.compressor.step(x[:, j:j + 1], pos + j, st.compressor, st.entries, backend)
@@ -554,8 +559,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `extend` (pos an int: the first position of the s
-        tokens; the prefill is 0) or the decode `step` (pos [b] int64 on x's device, each row's; s == 1).
-        Updates `st`."""
+        tokens; the prefill is 0) or the decode `step` (pos [b] int64 on x's device, each row's first position;
+        s <= MAX_STEP_TOKENS). Updates `st`."""
         return self.extend(x, pos, st, backend) if isinstance(pos, int) else self.step(x, pos, st, backend)
 
 
@@ -1065,7 +1070,7 @@ class Transformer(nn.Module):
                                  f"max {int(input_ids.max())}")
         rows, s = state.row_pos, input_ids.shape[1]
         stepped = (s == 1 and max(rows) > 0) or (1 < s <= MAX_STEP_TOKENS and min(rows) > 0 and (
-            len(set(rows)) > 1 or state.checks_ids_on_device or state.trails is not None))
+            len(set(rows)) > 1 or state.checks_ids_on_device or state.layers[0].trail is not None))
         if stepped:  # the decode step, each row at its position (a GraphDecodeState replays its capture for s)
             H = state.decode_step(self, input_ids, observer)
         elif len(set(rows)) == 1:  # the prefill, or s tokens appended at the rows' common position (`extend`)
@@ -1105,14 +1110,12 @@ class Transformer(nn.Module):
         self._reserve(state, s)  # a reallocation first: the record holds this state's layers
         rings = [ls.ring.clone() for ls in state.layers]
         pos0 = state.row_pos
-        for ls in state.layers:
+        for ls in state.layers:  # recording (a list per layer): `forward` runs the decode step, which fills them
             ls.trail = []
-        state.trails = True
         try:
             logits, H = self(input_ids, state, all_logits=True, streams=True)
             trails = [ls.trail for ls in state.layers]
         finally:
-            state.trails = None
             for ls in state.layers:
                 ls.trail = None
         return logits, VerifyRecord(pos0, s, rings, trails, H, state._calls, state._calls[0])
@@ -1135,16 +1138,15 @@ class Transformer(nn.Module):
             raise ValueError(f"rollback: the state moved since the verify call (now at {state.row_pos}, "
                              f"{state._calls[0] - record.calls} call(s) later); a record is used once, right after "
                              "its verify call")
-        for ls, ring, trail in zip(state.layers, record.rings, record.trails):
-            W = ls.window
-            for i, k in enumerate(keep):
-                if k == s:
-                    continue
-                rej = torch.tensor([(record.pos0[i] + j) % W for j in range(k, s)], device=ring.device)
-                ls.ring[i, rej] = ring[i, rej]
-                if trail:
-                    for t, saved in zip(ls.window_tensors(), trail[k - 1]):
-                        t[i].copy_(saved[i])
+        W = self.args.window_size
+        for i, k in enumerate(keep):
+            if k == s:
+                continue
+            rej = torch.tensor([(record.pos0[i] + j) % W for j in range(k, s)], device=state.pos_buf.device)
+            for ls, ring, trail in zip(state.layers, record.rings, record.trails):
+                ls.ring[i, rej] = ring[i, rej]  # the ring slots of the rejected positions, as before the call
+                for t, saved in zip(ls.window_tensors(), trail[k - 1] if trail else ()):
+                    t[i].copy_(saved[i])
         state.row_pos = [p + k for p, k in zip(record.pos0, keep)]
 
 

@@ -19,7 +19,7 @@ proposes a token different from a given continuation's (none accepted), `RandomD
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -159,6 +159,39 @@ def _check_drafts(drafts, k: int, V: int) -> list[int]:
     return list(drafts)
 
 
+def _speculate(model: Transformer, prompt: list[int], drafter: Drafter, k: int, max_tokens: int, eos: int | None,
+               first: Callable[[torch.Tensor], int], choose: Callable[[torch.Tensor, list[int]], list[int]]
+               ) -> SpeculativeResult:
+    """The loop both decoders share: prefill (its first token `first(logits [V])`), then rounds of k drafts, one
+    verify step of k + 1 tokens, `choose(logits [k + 1, V], drafts)` -> the emitted tokens (the accepted drafts
+    then the model's token after them; len - 1 = drafts accepted), the rollback to the kept prefix, the drafter's
+    update, until EOS or max_tokens."""
+    _check_call(model, prompt, k, max_tokens)
+    eos = model.args.eos_token_id if eos is None else eos
+    V, dev = model.args.vocab_size, model.device
+    max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
+    state = model.new_state(1, max_len)
+    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
+    out = [first(logits[0])]
+    if hasattr(drafter, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
+        drafter.begin(list(prompt), H, out[0], max_len)
+    accepted: list[int] = []
+    while out[-1] != eos and len(out) < max_tokens:
+        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
+        logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
+        emitted = choose(logits[0], drafts)
+        a = len(emitted) - 1
+        model.rollback(state, record, [a + 1])  # the last token and the a accepted drafts stay in the state
+        accepted.append(a)
+        if hasattr(drafter, "accepted"):  # the kept positions' streams and the tokens after them
+            drafter.accepted(record.streams[:, :a + 1], emitted)
+        for t in emitted:
+            out.append(t)
+            if t == eos or len(out) >= max_tokens:
+                break
+    return SpeculativeResult(out[:max_tokens], accepted, "eos" if out[-1] == eos else "max_tokens")
+
+
 @torch.no_grad()
 def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, *, k: int, max_tokens: int,
                        eos: int | None = None) -> SpeculativeResult:
@@ -166,34 +199,16 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
     eager (module docstring). Stops at the model's EOS (`eos`, default the model's) or after max_tokens tokens
     (a round's tokens past it are dropped). Raises ValueError for k or max_tokens out of range, an empty prompt, or
     a drafter that returns other than k ints in the vocabulary."""
-    _check_call(model, prompt, k, max_tokens)
-    eos = model.args.eos_token_id if eos is None else eos
-    V, dev = model.args.vocab_size, model.device
-    max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
-    state = model.new_state(1, max_len)
-    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
-    out = [int(logits.argmax(-1))]
-    if hasattr(drafter, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
-        drafter.begin(list(prompt), H, out[0], max_len)
-    accepted: list[int] = []
-    while out[-1] != eos and len(out) < max_tokens:
-        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
-        logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
-        pred = logits[0].argmax(-1).tolist()  # pred[j]: the model's token after out[-1] + drafts[:j]
+    eos_id = model.args.eos_token_id if eos is None else eos
+
+    def choose(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+        pred = logits.argmax(-1).tolist()  # pred[j]: the model's token after the last token + drafts[:j]
         a = 0
         while a < k and drafts[a] == pred[a]:
             a += 1
-        model.rollback(state, record, [a + 1])  # the last token and the a accepted drafts stay in the state
-        accepted.append(a)
-        emitted = drafts[:a] + [pred[a]]
-        if hasattr(drafter, "accepted"):  # the kept positions' streams and the tokens after them
-            drafter.accepted(record.streams[:, :a + 1], emitted)
-        for t in emitted:  # drafts[:a] == pred[:a]: every emitted token is the model's own
-            out.append(t)
-            if t == eos or len(out) >= max_tokens:
-                break
-    stop = "eos" if out[-1] == eos else "max_tokens"
-    return SpeculativeResult(out[:max_tokens], accepted, stop)
+        return drafts[:a] + [pred[a]]  # drafts[:a] == pred[:a]: every emitted token is the model's own
+
+    return _speculate(model, prompt, drafter, k, max_tokens, eos_id, lambda lg: int(lg.argmax(-1)), choose)
 
 
 def accept_or_resample(p: torch.Tensor, draft: int, generator: torch.Generator | None = None) -> tuple[bool, int]:
@@ -221,41 +236,23 @@ def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, 
     stated false-alarm rate); not the same draws as `generate`'s exponential race (another use of the random
     numbers). Seeded by `seed` (a generator on the model's device). Raises ValueError as `speculative_greedy`,
     and for a temperature that is not a finite number > 0."""
-    if not (isinstance(temperature, (int, float)) and 0 < temperature < float("inf")):
+    if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and
+                                             0 < temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: expected a finite number > 0 (0: speculative_greedy)")
-    _check_call(model, prompt, k, max_tokens)
-    eos = model.args.eos_token_id if eos is None else eos
-    V, dev = model.args.vocab_size, model.device
-    gen = torch.Generator(device=dev).manual_seed(seed)
+    eos_id = model.args.eos_token_id if eos is None else eos
+    gen = torch.Generator(device=model.device).manual_seed(seed)
 
     def probs(logits: torch.Tensor) -> torch.Tensor:
         return (logits.float() / temperature).softmax(-1)
 
-    max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
-    state = model.new_state(1, max_len)
-    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
-    out = [int(torch.multinomial(probs(logits[0]), 1, generator=gen))]
-    if hasattr(drafter, "begin"):
-        drafter.begin(list(prompt), H, out[0], max_len)
-    accepted: list[int] = []
-    while out[-1] != eos and len(out) < max_tokens:
-        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
-        logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
+    def choose(logits: torch.Tensor, drafts: list[int]) -> list[int]:
         emitted = []
         for j, d in enumerate(drafts):
-            ok, t = accept_or_resample(probs(logits[0, j]), d, gen)
+            ok, t = accept_or_resample(probs(logits[j]), d, gen)
             emitted.append(t)
-            if not ok or t == eos:
-                break
-        else:  # every draft accepted: the bonus token at the next position
-            emitted.append(int(torch.multinomial(probs(logits[0, k]), 1, generator=gen)))
-        a = len(emitted) - 1
-        model.rollback(state, record, [a + 1])
-        accepted.append(a)
-        if hasattr(drafter, "accepted"):
-            drafter.accepted(record.streams[:, :a + 1], emitted)
-        for t in emitted:
-            out.append(t)
-            if t == eos or len(out) >= max_tokens:
-                break
-    return SpeculativeResult(out[:max_tokens], accepted, "eos" if out[-1] == eos else "max_tokens")
+            if not ok or t == eos_id:
+                return emitted
+        return emitted + [int(torch.multinomial(probs(logits[k]), 1, generator=gen))]  # all accepted: the bonus
+
+    return _speculate(model, prompt, drafter, k, max_tokens, eos_id,
+                      lambda lg: int(torch.multinomial(probs(lg), 1, generator=gen)), choose)

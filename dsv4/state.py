@@ -101,7 +101,6 @@ class DecodeState:
         self._calls = [0]  # calls that changed the state (shared with row views; `Transformer.rollback` checks it)
         self._slice = slice(None)
         self.pos_buf = torch.zeros(b, dtype=torch.int64, device=dev)  # not state bytes
-        self.trails = None  # True while `Transformer.verify` records a rollback trail
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(batch={self.batch}, row_pos={self.row_pos}, max_len={self.max_len}, " \
@@ -174,21 +173,13 @@ class DecodeState:
                 if c is not None:
                     c.kv[i].zero_()
                     c.score[i].fill_(-math.inf)
-        rows = self.row_pos
-        rows[i] = 0
-        self.row_pos = rows
+        self._set_row(i, 0)
 
     def copy_row(self, i: int) -> "DecodeState":
         """Row i as a new, independent batch-1 state (its buffers copied; growable, the same max_len and owner):
         what a finished request of a batch keeps for its conversation's next turn."""
         i = _row_index(i, self.batch)
-        sl = slice(i, i + 1)
-
-        def comp(c):
-            return None if c is None else CompressorState(kv=c.kv[sl].clone(), score=c.score[sl].clone())
-        layers = [LayerState(keys=ls.keys[sl].clone(), window=ls.window, compressor=comp(ls.compressor),
-                             index_keys=None if ls.index_keys is None else ls.index_keys[sl].clone(),
-                             index_compressor=comp(ls.index_compressor)) for ls in self.layers]
+        layers = [_row_layer(ls, slice(i, i + 1), copy=True) for ls in self.layers]
         return DecodeState(layers, pos=self.row_pos[i], max_len=self.max_len, growable=True, owner=self.owner)
 
     def load_row(self, i: int, src: "DecodeState") -> None:
@@ -214,6 +205,9 @@ class DecodeState:
                 if cd is not None:
                     cd.kv[i] = cs.kv[0]
                     cd.score[i] = cs.score[0]
+        self._set_row(i, p)
+
+    def _set_row(self, i: int, p: int) -> None:
         rows = self.row_pos
         rows[i] = p
         self.row_pos = rows
@@ -253,13 +247,15 @@ def _row_index(i, batch: int) -> int:
     return i
 
 
-def _row_layer(ls: LayerState, sl: slice) -> LayerState:
-    """The LayerState of rows `sl` as views of `ls`'s buffers."""
+def _row_layer(ls: LayerState, sl: slice, copy: bool = False) -> LayerState:
+    """The LayerState of rows `sl`: views of `ls`'s buffers, or copies of them (`copy`)."""
+    def take(t):
+        return None if t is None else (t[sl].clone() if copy else t[sl])
+
     def comp(c):
-        return None if c is None else CompressorState(kv=c.kv[sl], score=c.score[sl])
-    return LayerState(keys=ls.keys[sl], window=ls.window, compressor=comp(ls.compressor),
-                      index_keys=None if ls.index_keys is None else ls.index_keys[sl],
-                      index_compressor=comp(ls.index_compressor))
+        return None if c is None else CompressorState(kv=take(c.kv), score=take(c.score))
+    return LayerState(keys=take(ls.keys), window=ls.window, compressor=comp(ls.compressor),
+                      index_keys=take(ls.index_keys), index_compressor=comp(ls.index_compressor))
 
 
 class ResidualObserver(Protocol):

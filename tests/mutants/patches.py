@@ -731,11 +731,12 @@ def append_partial_window_dropped(mp: MP) -> None:
 
 def append_ring_slot_shifted(mp: MP) -> None:
     """A call appended after the prefill reads the window positions before it from the next ring slot
-    ((u + 1) % W instead of u % W): right for the prefill (nothing before it) and the one-token decode step."""
-    from dsv4.model import Attention
+    ((u + 1) % W instead of u % W, in `dsv4.model.window_slots`): right for the prefill (nothing before it) and
+    the one-token decode step."""
+    from dsv4 import model
 
-    _source_mutant(mp, Attention, "extend", "torch.where(u < p, u % W, W + u - p)",
-                   "torch.where(u < p, (u + 1) % W, W + u - p)")  # MUTANT: shifted ring slot
+    _source_mutant(mp, model, "window_slots", "torch.where(u < p0, u % W, W + u - p0)",
+                   "torch.where(u < p0, (u + 1) % W, W + u - p0)")  # MUTANT: shifted ring slot
 
 
 def multi_turn_prefix_unchecked(mp: MP) -> None:
@@ -809,7 +810,7 @@ def draft_eos_accepted_unverified(mp: MP) -> None:
     from dsv4 import speculative
 
     _source_mutant(mp, speculative, "speculative_greedy", "while a < k and drafts[a] == pred[a]:",
-                   "while a < k and (drafts[a] == pred[a] or drafts[a] == eos):  # MUTANT")
+                   "while a < k and (drafts[a] == pred[a] or drafts[a] == eos_id):  # MUTANT")
 
 
 def batch_chat_row_not_loaded(mp: MP) -> None:
