@@ -299,6 +299,38 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "decode logits at 127, 128")
 
 
+def test_ragged_decode_every_path_matches_reference(models, seed):
+    """Issue 24 in bf16: rows at different positions (a reference prefill of 126 and of 127 tokens into the two
+    row views) decode one token and then a verify-sized step of 3 tokens per row through the triton decode step
+    with per-row positions: every fast-path call equals its reference (`Checked`: the per-row compressor pooling
+    and commit, whose ratio-4 and ratio-128 boundaries fall at different steps in each row, RoPE with pos [b, s],
+    the quantization simulations, the GEMVs), and the logits stay within the bf16 noise of the reference run on
+    the same ragged state."""
+    tri, ref, f32 = models
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ARGS["vocab_size"], (BATCH, LATE), generator=g)
+    toks = [torch.randint(0, ARGS["vocab_size"], (BATCH, n), generator=g) for n in (1, 3)]
+    states = []
+    for m in (ref, ref, f32):
+        st = m.new_state(BATCH, 256)
+        m(ids[:1, :LATE - 1], st.row(0))
+        m(ids[1:], st.row(1))
+        states.append(st)
+    st, r_st, f_st = states
+    assert st.row_pos == [LATE - 1, LATE]
+    st.owner, st.checked_by = weakref.ref(tri), None  # the reference prefill's caches: the models share weights
+    chk = Checked(tri)
+    got, want, exact = [], [], []
+    for tok in toks:
+        got.append(tri(tok, st, all_logits=True).flatten(0, 1))
+        want.append(ref(tok, r_st, all_logits=True).flatten(0, 1))
+        exact.append(f32(tok, f_st, all_logits=True).flatten(0, 1))
+    assert st.row_pos == [LATE + 3, LATE + 4]
+    assert {"commit_r4_boundary", "commit_r128_boundary", "compress_pool", "rope_tail"} <= set(chk.paths), \
+        dict(chk.paths)
+    _noise_criterion(torch.cat(got), torch.cat(want), torch.cat(exact), "ragged decode logits")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_reference_twin_equals_eager_decode_bitwise(dtype, seed):
     """The decode step (device position, static ring + entry slots, branch-free compressors, fixed-k indexer) on
