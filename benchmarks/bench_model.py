@@ -1,6 +1,11 @@
 """Model-level benchmark (issue 13): prefill and decode of the first N layers at real DeepSeek-V4 width (H200).
 
-Run: `PYTHONPATH=. python benchmarks/bench_model.py [--quick] [--markdown out.md] [--profile DIR]`
+Run: `PYTHONPATH=. python benchmarks/bench_model.py [--quick] [--flash-layers 4,12] [--markdown out.md] [--profile DIR]`
+
+Per layer (issue 27): with two or more depths (`--flash-layers 4,12`, `--pro-layers 2,6`) the report ends with the
+slope between the shallowest and the deepest run of each geometry (decode and prefill time per layer, the floor
+per layer, the ratio, GPU kernels per layer of an eager triton decode step counted by torch.profiler) and the
+full-depth projection (Flash 43 layers, Pro 61): the head and the embedding cancel in the slope.
 
 What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes + ue8m0 scales resident):
   * models: Flash geometry (first `--flash-layers` layers, default 4: ratios 0/0/4/128 = SWA, SWA, CSA, HCA,
@@ -322,6 +327,35 @@ def profile(model: Transformer, ctx: int, prefill: int, out_dir: Path, tag: str)
             (out_dir / f"profile_{tag}_{what}.txt").write_text(head + table)
 
 
+def decode_launches(model: Transformer, batch: int, ctx: int) -> int:
+    """GPU kernels (and memcpys) one eager decode step launches (torch.profiler CUDA events; the CUDA graph
+    replays the same step, so the same kernels)."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+    graphs, model.decode_graph_max_len = model.decode_graph_max_len, None
+    try:
+        st = synthetic_state(model, batch, ctx)
+        tok = torch.randint(0, model.args.vocab_size, (batch, 1), device="cuda")
+        model(tok, st)
+        torch.cuda.synchronize()
+        with tprof(activities=[ProfilerActivity.CUDA]) as p:
+            model(tok, st)
+            torch.cuda.synchronize()
+        return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    finally:
+        model.decode_graph_max_len = graphs
+
+
+def _depths(spec) -> list[int]:
+    """--flash-layers / --pro-layers: "4" or "4,12" -> [4] / [4, 12] (ValueError on anything else)."""
+    try:
+        ds = [int(x) for x in str(spec).split(",") if x]
+    except ValueError:
+        raise ValueError(f"--*-layers={spec!r}: expected comma-separated positive ints, e.g. 4,12") from None
+    if not ds or any(d < 1 for d in ds) or len(set(ds)) != len(ds):
+        raise ValueError(f"--*-layers={spec!r}: expected distinct positive ints, e.g. 4,12")
+    return sorted(ds)
+
+
 # ----------------------------------------------------------------------------------------------- report
 def markdown(results: dict, meta: dict, geometries: dict) -> str:
     bw, peak = meta["copy_GBps"], meta["gemm_TFLOPs"]
@@ -339,7 +373,7 @@ def markdown(results: dict, meta: dict, geometries: dict) -> str:
             cells = [f"{s / v:,.0f} tok/s ({v * 1e3:.0f} ms)" if v else "n/a" for v in vals]
             ratios = [f"{v / fl:.0f}x" if v else "n/a" for v in vals]
             sp = f"{vals[0] / vals[1]:.1f}x" if vals[0] and vals[1] else "n/a"
-            lines.append(f"| {geo} {info['layers']}L | prefill {s} b=1 | " + " | ".join(cells)
+            lines.append(f"| {info['name']} {info['layers']}L | prefill {s} b=1 | " + " | ".join(cells)
                          + f" | {fl * 1e3:.2f} ms | " + " | ".join(ratios) + f" | {sp} |")
         for b in info["batches"]:
             fl = info["decode_bytes"][b] / (bw * 1e9)
@@ -348,18 +382,62 @@ def markdown(results: dict, meta: dict, geometries: dict) -> str:
             cells = [f"{v * 1e3:.2f} ms ({v * 1e6 / L:.0f} µs/layer)" if v else "n/a" for v in vals]
             ratios = [f"{v / fl:.0f}x" if v else "n/a" for v in vals]
             sp = f"{vals[0] / vals[1]:.1f}x" if vals[0] and vals[1] else "n/a"
-            lines.append(f"| {geo} {L}L | decode b={b} @ {info['ctx']} | " + " | ".join(cells)
+            lines.append(f"| {info['name']} {L}L | decode b={b} @ {info['ctx']} | " + " | ".join(cells)
                          + f" | {fl * 1e6:.0f} µs ({info['decode_bytes'][b] / 1e6:.0f} MB, "
                          f"{sum(info['distinct'][b])} experts) | " + " | ".join(ratios) + f" | {sp} |")
     return "\n".join(lines) + "\n"
+
+
+def slope_markdown(results: dict, meta: dict, geometries: dict) -> str:
+    """Per-layer cost (issue 27): for each geometry run at two or more depths, the slope between the shallowest
+    and the deepest run (time / floor / launches per layer; the head and embedding cancel) and the full-depth
+    projection (time at the shallowest depth + slope x the remaining layers)."""
+    bw, peak = meta["copy_GBps"], meta["gemm_TFLOPs"]
+    cols = ["reference", "triton", "transformers"]
+    by_name: dict[str, list] = {}
+    for geo, info in geometries.items():
+        by_name.setdefault(info["name"], []).append((info["layers"], geo, info))
+    lines = []
+    for name, runs in by_name.items():
+        if len(runs) < 2:
+            continue
+        (la, ga, ia), (lb, gb, ib) = min(runs), max(runs)
+        d, full = lb - la, ia["full_layers"]
+        if not lines:
+            lines += [f"Per layer (slope between {la} and {lb} layers, same run; projection = {la}-layer time + "
+                      f"slope x (full depth - {la})):", "",
+                      "| geometry | row | backend | per layer | floor per layer | / floor | launches per layer "
+                      "| projected full depth |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        for s in ia["prefills"]:
+            fl = (ib["prefill_flops"][s] - ia["prefill_flops"][s]) / d / (peak * 1e12)
+            for c in cols:
+                ta, tb = results.get((f"{ga}:{c}", "prefill", s)), results.get((f"{gb}:{c}", "prefill", s))
+                if ta and tb:
+                    per = (tb - ta) / d
+                    lines.append(f"| {name} | prefill {s} b=1 | {c} | {per * 1e3:.2f} ms | {fl * 1e3:.2f} ms | "
+                                 f"{per / fl:.1f}x | | {(ta + per * (full - la)) * 1e3:.0f} ms ({full}L) |")
+        for b in ia["batches"]:
+            fl = (ib["decode_bytes"][b] - ia["decode_bytes"][b]) / d / (bw * 1e9)
+            for c in cols:
+                ta, tb = results.get((f"{ga}:{c}", "decode", b)), results.get((f"{gb}:{c}", "decode", b))
+                if ta and tb:
+                    per = (tb - ta) / d
+                    la_, lb_ = ia.get("launches", {}).get(b), ib.get("launches", {}).get(b)
+                    launches = f"{(lb_ - la_) / d:.0f}" if c == "triton" and la_ and lb_ else ""
+                    lines.append(f"| {name} | decode b={b} @ {ia['ctx']} | {c} | {per * 1e6:.0f} µs | "
+                                 f"{fl * 1e6:.0f} µs | {per / fl:.1f}x | {launches} | "
+                                 f"{(ta + per * (full - la)) * 1e3:.1f} ms ({full}L) |")
+    return "\n".join(lines) + "\n" if lines else ""
+
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="Flash only, prefill 1k, decode b=1,8, fewer reps")
     ap.add_argument("--geometry", default="flash,pro")
-    ap.add_argument("--flash-layers", type=int, default=4)
-    ap.add_argument("--pro-layers", type=int, default=2)
+    ap.add_argument("--flash-layers", default="4", help="depth(s), comma-separated: two or more give the "
+                    "per-layer slope table (issue 27), e.g. 4,12")
+    ap.add_argument("--pro-layers", default="2", help="depth(s) of the Pro geometry, as --flash-layers")
     ap.add_argument("--backends", default="reference,triton,transformers")
     ap.add_argument("--prefill", default="1024,4096")
     ap.add_argument("--batches", default="1,8,32")
@@ -395,12 +473,15 @@ def main(argv=None) -> int:
     backends = a.backends.split(",")
     results: dict = {}
     geometries: dict = {}
-    for geo in a.geometry.split(","):
-        n = a.flash_layers if geo == "flash" else a.pro_layers
-        args = ModelArgs.from_hf_config(CONFIGS[geo]).with_layers(n)
+    runs = [(geo, n) for geo in a.geometry.split(",")
+             for n in _depths(a.flash_layers if geo == "flash" else a.pro_layers)]
+    for geo_name, n in runs:
+        geo = f"{geo_name}-{n}L"
+        full = ModelArgs.from_hf_config(CONFIGS[geo_name])
+        args = full.with_layers(n)
         print(f"== {geo}: {n} layers, ratios {args.compress_ratios[:n]}", flush=True)
-        info = dict(layers=n, ctx=a.ctx, prefills=prefills, batches=batches,
-                    prefill_flops={s: prefill_flops(args, s) for s in prefills})
+        info = dict(name=geo_name, layers=n, full_layers=full.n_layers, ctx=a.ctx, prefills=prefills,
+                    batches=batches, prefill_flops={s: prefill_flops(args, s) for s in prefills})
         model = None
         for be in ("reference", "triton"):
             if be not in backends:
@@ -415,6 +496,9 @@ def main(argv=None) -> int:
                     info.setdefault("distinct", {})[k[1]] = v
                 else:
                     results[(f"{geo}:{k[0]}",) + k[1:]] = v
+            if be == "triton":
+                for b in batches:
+                    info.setdefault("launches", {})[b] = decode_launches(model, b, a.ctx)
             if a.profile is not None and be in a.profile_backends.split(","):
                 profile(model, a.ctx, prefills[0], a.profile, f"{geo}_{be}")
             if be != "triton" or "transformers" not in backends:
@@ -456,13 +540,14 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         geometries[geo] = info
-    md = markdown(results, meta, geometries)
+    md = markdown(results, meta, geometries) + "\n" + slope_markdown(results, meta, geometries)
     print(md)
     if a.markdown:
         a.markdown.write_text(md)
     if a.json:
-        a.json.write_text(json.dumps({"meta": meta, "results": {"|".join(map(str, k)): v for k, v in
-                                                               results.items()}}, indent=1))
+        a.json.write_text(json.dumps({"meta": meta, "geometries": geometries,
+                                      "results": {"|".join(map(str, k)): v for k, v in results.items()}},
+                                     indent=1, default=str))
     return 0
 
 

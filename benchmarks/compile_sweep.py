@@ -6,9 +6,9 @@ Run: `PYTHONPATH=. python benchmarks/compile_sweep.py [--warmup none|prefill256|
 
   * warm-up: `none`; `prefill256` (the issue's: one 256-token prefill and 4 decode steps); `full` =
     `dsv4.warmup.warmup(model, ...)` (the documented warm-up; its time and compile count are printed).
-  * per prefill length: wall time of the first and second call (synchronized), the compiles during the first
-    call (`kernels.compiles.CompileLog`): kernel and the specialization that differs from the kernel's
-    previous build.
+  * per prefill length: wall time of the first, second and third call (synchronized), the compiles during the
+    first call (`kernels.compiles.CompileLog`): kernel and the specialization that differs from the kernel's
+    previous build; the caching allocator's new segments (cudaMalloc) in the first call and after it.
   * `--decode`: eager decode at many positions (a prefill, then steps), eager decode from synthetic states at
     several batch sizes, and CUDA-graph decode states (capture) at several batch sizes and max_len.
   * `--time4k`: median of 5 prefills of 4096 tokens (after the sweep).
@@ -106,16 +106,24 @@ def main(argv=None) -> int:
         out["warmup_s"], out["warmup_compiles"] = t, log.count
     print("== prefill sweep (length: first call, second call, compiles in the first)", flush=True)
     total = 0
+
+    def segments() -> int:  # cudaMalloc calls of the caching allocator so far (a first call may grow the pool)
+        return torch.cuda.memory_stats().get("segment.all.allocated", 0)
+
     for s in [int(x) for x in a.lengths.split(",") if x]:
         ids = torch.randint(0, V, (1, s), device="cuda")
+        seg0 = segments()
         t1, log = _call(lambda: model(ids, model.new_state(1)))
+        seg1 = segments()
         t2, log2 = _call(lambda: model(ids, model.new_state(1)))
-        total += log.count + log2.count
-        print(f"  {s:6d}: {t1 * 1e3:9.1f} ms {t2 * 1e3:8.1f} ms  compiles {log.count} ({log.seconds:.2f}s)"
-              f"{' + ' + str(log2.count) + ' in the 2nd!' if log2.count else ''}", flush=True)
+        t3, log3 = _call(lambda: model(ids, model.new_state(1)))
+        total += log.count + log2.count + log3.count
+        print(f"  {s:6d}: {t1 * 1e3:9.1f} ms {t2 * 1e3:8.1f} ms {t3 * 1e3:8.1f} ms  compiles {log.count} "
+              f"({log.seconds:.2f}s), new allocator segments {seg1 - seg0} / {segments() - seg1}"
+              f"{' + ' + str(log2.count + log3.count) + ' later!' if log2.count + log3.count else ''}", flush=True)
         _note(log)
-        out["prefill"][s] = dict(first_ms=t1 * 1e3, second_ms=t2 * 1e3, compiles=log.count,
-                                 kernels=log.by_kernel())
+        out["prefill"][s] = dict(first_ms=t1 * 1e3, second_ms=t2 * 1e3, third_ms=t3 * 1e3, compiles=log.count,
+                                 new_segments_first=seg1 - seg0, kernels=log.by_kernel())
     if a.decode:
         print("== eager decode: prefill 200, then 70 steps (positions 200..269)", flush=True)
         st = model.new_state(1)
