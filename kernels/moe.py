@@ -17,8 +17,8 @@ slot j) pair with expert e = indices[t, j] and routing weight g = weights[t, j]:
     h = bf16(silu(u) * v * g)                                                            (fp32)
     y_pair = bf16(act_quant_sim(h) . W2_e^T)
     y_t = sum_j y_pair[t, j]                                                             (fp32, returned)
-exactly what `dsv4.model.Expert` (Linear outputs rounded to bf16) and `MoE.forward` (fp32 index_add) compute;
-the shared expert and the final bf16 cast stay with the caller.
+exactly what `moe_routed_ref` (the model's routed experts: linear outputs rounded to bf16, fp32 index_add)
+computes; the shared expert and the final bf16 cast stay with the caller (`dsv4.model.MoE.forward`).
 
 Reading order (STYLE §1): the references (`swiglu`, `moe_routed_ref`, `moe_grouped_ref`), routing (`moe_route`,
 plain torch, sync-free), the kernels, the launchers, `stack_experts` / `stackable`, the triton backend's entry
@@ -247,7 +247,8 @@ def moe_routed_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 
 def moe_grouped_ref(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
                     limit: float) -> torch.Tensor:
-    """Routed experts as `dsv4.model.MoE` computes them in bf16 mode (spec §8.5-6; module docstring formulas).
+    """Routed experts as `moe_routed_ref` computes them on stacked FP4 experts in bf16 mode (spec §8.5-6; module
+    docstring formulas; tests/unit/test_gemm_moe_kernels.py checks the two bitwise).
 
     Args: x [T, D] bf16; weights [T, k] fp32 (routing weights, already normalised and scaled); indices [T, k]
     int32/int64 expert ids in [0, E); experts: StackedExperts; limit: swiglu_limit (0 = no clamp).
