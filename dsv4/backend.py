@@ -1,14 +1,37 @@
 """Backends: which implementation of the hot paths the model runs (spec §4, §5, §7, §9).
 
-`reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec; the one
-exception, the routed experts' loop over the model's `Expert` modules, is `dsv4/ops_ref.py`).
-`triton` = the Triton launchers of the same modules, and the model-level fast paths of `dsv4/fast.py` (FP8 /
-FP4 GEMMs of `kernels/gemm.py` and `kernels/moe.py`, the bf16-weight fp32 GEMV of `kernels/fp32_linear.py`, bf16
-cuBLAS GEMMs; table there). The choice is explicit and checked: asking for the
-triton backend where it cannot run (no CUDA device and no `TRITON_INTERPRET=1`, or triton not installed) is
-an error, never a silent fallback to the reference.
-"""
+`reference` = the plain-torch `*_ref` functions beside each kernel in `kernels/` (the executable spec).
+`triton` = the Triton launchers of the same modules, and the model-level entries beside their references
+(`kernels.gemm.linear` / `grouped_linear`, `kernels.fp32_linear.fp32_linear_op`, `kernels.norm.rms_norm_op`,
+`kernels.moe.moe_routed`; table below). Both tables are built here from `kernels/` functions only. The choice is
+explicit and checked: asking for the triton backend where it cannot run (no CUDA device and no
+`TRITON_INTERPRET=1`, or triton not installed) is an error, never a silent fallback to the reference.
 
+Which path the triton backend's model-level entries run (issue 13). The references are the executable spec;
+these compute the same maths with kernels, with the same signatures (functions of tensors and plain numbers).
+Which path runs is decided by the weight's dtype (its resident format), the arguments and the activation dtype,
+never by a failure (nothing falls back silently; every row below is deliberate):
+
+| what | bf16 mode (official numerics) | fp32 mode (exact) |
+|---|---|---|
+| FP8 linear (weight float8_e4m3fn, act_block > 0, in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
+| other bf16 linears (weights_proj, dequantized mode) | act quant (if act_block > 0) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
+| fp32 linears (head, compressor wkv/wgate via `linear(fp32=True)`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
+| those, weight held bf16, M > 64 (prefill of router / compressor) | exact fp32 upcast of the weight + fp32 cuBLAS `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
+| those, weight held fp32 (weights="dequantized") | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
+| grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
+| grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
+| RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
+| routed experts (FP4, widths % 128 == 0, all experts on this rank: stacked, `kernels.moe.stackable`) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs, bf16 tensor-core tiles above) | reference loop |
+| routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (`kernels.moe.moe_routed_ref` with the triton `linear`; host sync per expert) | reference loop |
+
+Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 code x power of two) and
+dequantized FP8 / FP4 weights are exact in bf16, and cuBLAS multiplies bf16 with fp32 accumulation, so the
+result equals the reference's fp32 product up to summation order (measured on an H200: 0.0% / 0.05% / 0.12%
+of outputs differ by one bf16 rounding at M = 1 / 8 / 1024, K = 4096; benchmarks/RESULTS.md, issue 13).
+Narrow widths (test-scale models, in % 128 != 0) quantize activations with `kernels.numerics.act_quant_sim` (as
+`linear_ref` does) because the FP8 kernels need 128-channel blocks.
+"""
 from __future__ import annotations
 
 import importlib.util
@@ -18,11 +41,8 @@ from typing import Callable
 
 import torch
 
-from dsv4.ops_ref import moe_routed_ref
-from kernels import attention, compressor, indexer, mhc, numerics, rope
-from kernels.fp32_linear import fp32_linear_ref
-from kernels.gemm import grouped_linear_ref, linear_ref
-from kernels.norm import rms_norm_ref
+from kernels import attention, compressor, gemm, indexer, mhc, moe, norm, numerics, rope
+from kernels import fp32_linear as kfp32
 
 __all__ = ["Backend", "get_backend", "BACKENDS"]
 
@@ -48,8 +68,9 @@ class Backend:
     #   linear(x, weight, scale, act_block, fp32) -> y   `kernels.gemm.linear_ref`  (every Linear.forward; the
     #                                                    weight as held: codes + ue8m0 scale, or a float weight)
     #   grouped_linear(o, weight, scale) -> z            `kernels.gemm.grouped_linear_ref`  (the grouped wo_a)
-    #   moe_routed(moe, x, weights, ids) -> y            `dsv4.ops_ref.moe_routed_ref`  (routed experts, fp32
-    #                                                    sum; the one entry that takes a module, reason there)
+    #   moe_routed(x, weights, ids, experts, limit, act_blocks) -> y   `kernels.moe.moe_routed_ref`  (routed
+    #                                                    experts, fp32 sum; experts: per-expert weights as held
+    #                                                    or one `StackedExperts`)
     linear: Callable | None = None
     grouped_linear: Callable | None = None
     moe_routed: Callable | None = None
@@ -72,9 +93,10 @@ class Backend:
     # hc_pre (`hc_post_pre`) when b*s <= this (triton: `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, where the fused
     # kernel runs; reference: 0, never: its `hc_post_pre_ref` composes hc_post then hc_pre, the same maths)
     hc_post_pre_max_t: int = 0
-    # prepare(moes): called once by `Transformer.__init__` with the model's MoE modules (triton:
-    # `dsv4.fast.prepare` stacks the FP4 routed experts for the grouped kernel; reference: nothing to do)
-    prepare: Callable = lambda moes: None
+    # stack_experts(experts) -> StackedExperts: `Transformer.__init__` stacks each layer's routed experts once
+    # with it where `kernels.moe.stackable` holds and the activations are bf16 (`MoE.stackable`), and hands the
+    # stack to `moe_routed` (triton: `kernels.moe.stack_experts`, for the grouped kernel; reference: None, never)
+    stack_experts: Callable | None = None
 
 
 def get_backend(name: str, device: torch.device) -> Backend:
@@ -88,10 +110,10 @@ def get_backend(name: str, device: torch.device) -> Backend:
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
-                       linear=linear_ref, grouped_linear=grouped_linear_ref,
-                       moe_routed=moe_routed_ref, fp32_linear=fp32_linear_ref,
+                       linear=gemm.linear_ref, grouped_linear=gemm.grouped_linear_ref,
+                       moe_routed=moe.moe_routed_ref, fp32_linear=kfp32.fp32_linear_ref,
                        compress_pool=compressor.compress_pool_ref,
-                       compress_commit=compressor.compress_commit_ref, rms_norm=rms_norm_ref,
+                       compress_commit=compressor.compress_commit_ref, rms_norm=norm.rms_norm_ref,
                        rope_tail=rope.rope_tail_ref, act_quant_sim=numerics.act_quant_sim,
                        fp4_act_quant_sim=numerics.fp4_act_quant_sim)
     if name == "triton":
@@ -102,15 +124,14 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type != "cuda" and not interp:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
-        from dsv4 import fast  # triton is an optional dependency: dsv4.fast and kernels.quant import it
-        from kernels import quant as kquant  # triton is an optional dependency (as above)
+        from kernels import quant as kquant  # triton is an optional dependency: kernels.quant imports it
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
-                       linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
-                       fp32_linear=fast.fp32_linear,
+                       linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
+                       fp32_linear=kfp32.fp32_linear_op,
                        compress_pool=compressor.compress_pool,
-                       compress_commit=compressor.compress_commit, rms_norm=fast.rms_norm,
+                       compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
-                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, prepare=fast.prepare)
+                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

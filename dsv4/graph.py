@@ -28,7 +28,6 @@ __all__ = ["GraphDecodeState", "check_graph_model"]
 
 def check_graph_model(model, max_len: int) -> None:
     """Raise ValueError naming every reason `model` cannot decode through CUDA graphs up to `max_len`."""
-    from dsv4.fast import _stackable  # triton is an optional dependency: dsv4.fast imports the Triton kernels
     problems = []
     if model.backend.name != "triton":
         problems.append(f"backend {model.backend.name!r} (needs 'triton')")
@@ -38,7 +37,7 @@ def check_graph_model(model, max_len: int) -> None:
         problems.append(f"dtype {model.dtype} (needs torch.bfloat16)")
     if model.weights != "quantized":
         problems.append(f"weights={model.weights!r} (needs 'quantized')")
-    elif not all(_stackable(layer.ffn) for layer in model.layers):
+    elif not all(layer.ffn.stackable() for layer in model.layers):  # `MoE.stackable` (kernels.moe.stackable)
         problems.append("routed experts not all FP4 at widths that are multiples of 128 on this rank")
     if not (isinstance(max_len, int) and max_len > 0 and max_len % 128 == 0):
         problems.append(f"max_len={max_len!r} (needs a positive multiple of 128)")

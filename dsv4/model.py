@@ -45,12 +45,13 @@ from dsv4.backend import Backend, get_backend
 from dsv4.config import ModelArgs
 from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
 from dsv4.graph import GraphDecodeState, check_graph_model
-# the reference backend's routed experts (`dsv4.ops_ref`; re-exported here) and the decode state (`dsv4.state`)
-from dsv4.ops_ref import moe_routed_ref  # noqa: F401
+# the decode state (`dsv4.state`)
 from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
 from kernels.indexer import indexer_topk_ref
+# the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
+from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
 
 # The reference op table: the prefill's RoPE and quantization roundings run it on every backend (the decode step
@@ -85,7 +86,10 @@ class _Sim:
 
     @staticmethod
     def _block(x: torch.Tensor, block: int) -> int:
-        n = x.shape[-1]
+        return _Sim._width_block(x.shape[-1], block)
+
+    @staticmethod
+    def _width_block(n: int, block: int) -> int:
         if n % block == 0:
             return block
         if n < block:
@@ -94,9 +98,14 @@ class _Sim:
                          f"the block {block}")
 
     def act_block(self, x: torch.Tensor) -> int:
-        """The block of the FP8 activation quantization before an FP8/FP4 GEMM of x [..., n]: 128 (n < 128: n;
-        `_block`), 0 (none) in fp32 mode; the `act_block` argument of the backend's `linear`."""
-        return self._block(x, 128) if self.enabled else 0
+        """The block of the FP8 activation quantization before an FP8/FP4 GEMM of x [..., n]: `act_block_of(n)`;
+        the `act_block` argument of the backend's `linear`."""
+        return self.act_block_of(x.shape[-1])
+
+    def act_block_of(self, n: int) -> int:
+        """The FP8 activation-quantization block of an FP8/FP4 GEMM input n wide: 128 (n < 128: n; `_block`),
+        0 (none) in fp32 mode. Raises ValueError for a width neither a multiple of nor smaller than 128."""
+        return self._width_block(n, 128) if self.enabled else 0
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         """FP8 activation quantization (128-channel blocks, ue8m0 scales) before an FP8/FP4 GEMM."""
@@ -579,13 +588,7 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU (spec §8.5): x [N, dim] -> w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight)
         [N, dim] in x.dtype; the clamps only when swiglu_limit > 0; weight [N, 1] fp32 routing weights or None."""
-        u, v = self.w1(x).float(), self.w3(x).float()
-        if self.limit > 0:
-            v = v.clamp(-self.limit, self.limit)
-            u = u.clamp(max=self.limit)
-        h = F.silu(u) * v
-        if weight is not None:
-            h = h * weight
+        h = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight)  # `kernels.moe.swiglu`
         return self.w2(h.to(x.dtype))
 
 
@@ -638,7 +641,12 @@ def gate_held(sim: _Sim) -> torch.dtype:
 
 
 class MoE(nn.Module):
-    """Routed experts + shared expert (spec §8): y = sum_e g_e * expert_e(x) + shared(x), fp32 accumulation."""
+    """Routed experts + shared expert (spec §8): y = sum_e g_e * expert_e(x) + shared(x), fp32 accumulation.
+
+    The routed experts run through the backend's `moe_routed` (reference: `kernels.moe.moe_routed_ref`), a
+    function of tensors: this module hands it the experts' weights as held (`expert_weights`, or the stack
+    `stacked` the backend made once, `Transformer.__init__`), the SwiGLU limit and the activation blocks of the
+    two GEMM inputs (`_Sim.act_block_of`: 128 / the width below 128 in bf16 mode, 0 in fp32 mode)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
@@ -648,13 +656,32 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
         self.routed: Callable = sim.ops.moe_routed  # the backend's `moe_routed` (reference: `moe_routed_ref`)
+        self.init_routed(args, sim)
+
+    def init_routed(self, args: ModelArgs, sim: _Sim) -> None:
+        """The plain numbers of the routed call: SwiGLU limit, inter width, the numerics (`_Sim`); no stack yet."""
+        self.sim, self.limit, self.inter_dim = sim, args.swiglu_limit, args.moe_inter_dim
+        self.stacked: StackedExperts | None = None  # set once by `Transformer.__init__` where `stackable`
+
+    def expert_weights(self) -> list[ExpertWeights | None]:
+        """The routed experts' weights as held (`kernels.moe.ExpertWeights` of each expert's `Linear.codes` /
+        `scales`; None for an expert another rank holds)."""
+        return [None if e is None else ExpertWeights(e.w1.codes, e.w1.scales, e.w3.codes, e.w3.scales,
+                                                     e.w2.codes, e.w2.scales) for e in self.experts]
+
+    def stackable(self) -> bool:
+        """The grouped FP4 kernel applies (`kernels.moe.stackable` on the weights: every expert on this rank, held
+        FP4, widths multiples of 128) and the activations are bf16 (its only input dtype)."""
+        return self.sim.enabled and stackable(self.expert_weights())
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [b, s, dim], input_ids [b, s] (hash routing) -> routed + shared experts [b, s, dim] in x.dtype."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x, input_ids.reshape(-1))
-        y = self.routed(self, x, weights, ids)  # the backend's `moe_routed`; reference: `moe_routed_ref`
+        experts = self.stacked if self.stacked is not None else self.expert_weights()
+        act_blocks = (self.sim.act_block_of(shape[-1]), self.sim.act_block_of(self.inter_dim))
+        y = self.routed(x, weights, ids, experts, self.limit, act_blocks)  # the backend's `moe_routed`
         y = self.reduce_routed(y) + self.shared_experts(x).float()
         return y.to(x.dtype).view(shape)
 
@@ -827,9 +854,14 @@ class Transformer(nn.Module):
                                      for k in range(args.n_mtp_layers)) if mtp else None
         if weights == "quantized":
             hold_on_disk(self, args, device)
-        # once, at construction: the triton backend stacks each layer's FP4 routed experts for the grouped kernel
-        # (`dsv4.fast.prepare`; after `hold_on_disk`, which gives the experts their storage)
-        self.backend.prepare([m for m in self.modules() if isinstance(m, MoE)])
+        # once, at construction: a backend with a grouped routed-experts kernel (triton) stacks each layer's FP4
+        # experts for it (`kernels.moe.stack_experts`, rebinding the experts' buffers to views of the stack, so
+        # memory is unchanged and `load_weights` writes through; after `hold_on_disk`, which gives the experts
+        # their storage)
+        if self.backend.stack_experts is not None:
+            for m in self.modules():
+                if isinstance(m, MoE) and m.stackable():
+                    m.stacked = self.backend.stack_experts(m.experts)
         self.decode_graph_max_len: int | None = None  # see `use_decode_graphs`
 
     # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.

@@ -304,6 +304,7 @@ class ParallelMoE(MoE):
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
         self.routed = sim.ops.moe_routed  # the backend's `moe_routed` (as `MoE`)
+        self.init_routed(args, sim)  # as `MoE`: limit, inter width, numerics; never stacked (experts are None)
 
     def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(y)

@@ -34,6 +34,9 @@ reference (no max / min / clamp on the path).
 Differences from `fp32_linear_ref`: only the order of the fp32 sum (per output element |y - y_ref| <=
 2 * K * 2^-24 * sum_k |x_k w_k|, the textbook bound of two fp32 summations of K products; tests use it).
 
+Reading order (STYLE §1): the reference, the kernel, the launcher, the triton backend's entry (`fp32_linear_op`:
+any leading dims, an fp32 weight to the reference).
+
 Dimension legend: M rows (tokens), K = in_features, N = out_features.
 """
 
@@ -51,7 +54,7 @@ except ImportError:  # triton is optional: the references stay importable withou
 from kernels.launch import check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
-__all__ = ["fp32_linear", "fp32_linear_ref", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
+__all__ = ["fp32_linear", "fp32_linear_ref", "fp32_linear_op", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
 
 ROWS_MAX = 1          # CUDA-core rows up to this many rows, bf16x3 tensor-core dots above
 GEMV_MAX_M = 64       # the kernel up to this many rows; upcast + torch.mm above
@@ -211,3 +214,20 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
                                           BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
                                           MMA=0 if interpreting() else 1, num_warps=num_warps)
     return out
+
+
+def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The triton backend's `fp32_linear` entry (the router `Gate`; `kernels.gemm.linear(fp32=True)` for head and
+    compressor wkv / wgate), the signature of `fp32_linear_ref`: x [..., K] any float dtype, weight [N, K] ->
+    [..., N] fp32 (spec §2, §8, §9). A bf16 weight (held as on disk, weights="quantized") goes to `fp32_linear`
+    (the GEMV kernel up to GEMV_MAX_M rows, exact upcast + fp32 torch.mm above); an fp32 weight (the dequantized
+    model) to `fp32_linear_ref`. x in fp32 / bf16 is read as it is (upcast exactly in the kernel), other dtypes
+    upcast first. Raises ValueError from `fp32_linear`'s argument checks."""
+    if weight.dtype != torch.bfloat16:
+        return fp32_linear_ref(x, weight)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    y = fp32_linear(x2.contiguous(), weight)
+    return y.view(*shape[:-1], y.shape[-1])

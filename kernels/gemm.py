@@ -10,7 +10,8 @@ order: that is `fp8_linear_ref` (what `dsv4.model.Linear` computes in bf16 mode 
 Reading order (STYLE §1): the references, the shared in-kernel quantization helpers, the kernels, the launchers.
 The references include the model's: `linear_ref` (every `dsv4.model.Linear`, any resident format) and
 `grouped_linear_ref` (the grouped `wo_a`), the reference backend's `linear` / `grouped_linear` entries; the triton
-backend's entries (`dsv4.fast`) run `fp8_linear` / `fp8_grouped_gemv` / `fp8_dequant` where they apply.
+backend's entries `linear` / `grouped_linear` (last in this module; which path runs when: the table in
+dsv4/backend.py) run `fp8_linear` / `fp8_grouped_gemv` / `fp8_dequant` where they apply.
 
 Paths of `fp8_linear` (chosen by M, never by a silent fallback):
   * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
@@ -53,7 +54,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
-from kernels.fp32_linear import fp32_linear_ref
+from kernels.fp32_linear import fp32_linear_op, fp32_linear_ref
 from kernels.launch import check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
@@ -598,3 +599,61 @@ def _scaled_mm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: t
                     F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
     out.copy_(y)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The triton backend's entries (signatures of `linear_ref` / `grouped_linear_ref`; table in dsv4/backend.py)
+# ---------------------------------------------------------------------------------------------------------
+
+def _bf16_weight(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """[out, in] bf16 weight: a bf16 weight as it is, FP8 codes dequantized by the Triton kernel (`fp8_dequant`,
+    exact; in % 128 == 0), other codes by `dequantize_ref` (exact)."""
+    if weight.dtype == torch.float8_e4m3fn and weight.shape[1] % BLOCK == 0:
+        return fp8_dequant(weight, scale)
+    return dequantize_ref(weight, scale, torch.bfloat16)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, act_block: int = 0,
+           fp32: bool = False) -> torch.Tensor:
+    """The triton backend's `linear` entry (every `dsv4.model.Linear.forward`; spec §2), the signature and dtype
+    contract of `linear_ref`: x [..., in], the weight as held (+ scale), act_block, fp32 -> [..., out] (fp32 for
+    fp32 linears, x.dtype otherwise). Paths (dsv4/backend.py table): fp32 -> `kernels.fp32_linear.fp32_linear_op`;
+    x not bf16 (the exact mode) -> `linear_ref`; FP8 codes with act_block and in % 128 == 0 -> `fp8_linear`;
+    otherwise act quantization (the `act_quant` kernel at in % 128 == 0, `numerics.act_quant_sim` below) and a
+    bf16 GEMM with fp32 accumulation on the exact bf16 weight (`_bf16_weight`). Raises ValueError from the
+    kernels' argument checks."""
+    if fp32:
+        return fp32_linear_op(x, weight)
+    if x.dtype != torch.bfloat16:
+        return linear_ref(x, weight, scale, act_block)
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    k = shape[-1]
+    if weight.dtype == torch.float8_e4m3fn and act_block and k % BLOCK == 0:
+        y = fp8_linear(x2, weight, scale)
+    else:
+        if act_block:
+            if k % BLOCK == 0:
+                x2 = act_quant(x2, sim=True)[0]
+            else:
+                x2 = numerics.act_quant_sim(x2, act_block)
+        y = x2 @ _bf16_weight(weight, scale).T
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The triton backend's `grouped_linear` entry (the grouped `wo_a`, spec §5), the signature of
+    `grouped_linear_ref`: o [b, s, G, i], wo_a as held [G*o, i] (+ scale) -> [b, s, G, o] in o.dtype. FP8 codes at
+    b*s <= GEMV_MAX_M and i, o multiples of 128 -> `fp8_grouped_gemv` (one launch, no act quant); other bf16 ->
+    the exact bf16 weight (`_bf16_weight`) and a bf16 bmm with fp32 accumulation; fp32 (the exact mode) ->
+    `grouped_linear_ref`. Raises ValueError from the kernels' argument checks."""
+    if o.dtype != torch.bfloat16:
+        return grouped_linear_ref(o, weight, scale)
+    b, s, G, i = o.shape
+    n = weight.shape[0] // G
+    if weight.dtype == torch.float8_e4m3fn and b * s <= GEMV_MAX_M and i % BLOCK == 0 and n % BLOCK == 0:
+        y = fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G)
+        return y.view(b, s, G, n)
+    w = _bf16_weight(weight, scale).view(G, -1, i)                       # [G, o, i]
+    z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
+    return z.transpose(0, 1).reshape(b, s, G, -1)

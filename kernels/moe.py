@@ -1,4 +1,14 @@
-"""Grouped routed-expert MoE over FP4 (e2m1 + ue8m0 per 32) experts: one launch per projection for all experts.
+"""The routed experts (spec §8.5-6): the model's reference loop, and a grouped MoE over FP4 (e2m1 + ue8m0 per 32)
+experts with one launch per projection for all experts.
+
+The reference of the model (`moe_routed_ref`, the reference backend's `moe_routed` entry) is a function of tensors
+and plain numbers: the routed experts as a sequence of per-expert `ExpertWeights` (each linear's weight as held:
+FP4 / FP8 codes + ue8m0 scales, or a float weight; None for an expert another rank holds, `dsv4.parallel`) or as
+one `StackedExperts`, the SwiGLU limit, the two activation-quantization blocks, and the `linear` its GEMMs run
+through (`kernels.gemm.linear_ref`, or the triton backend's `kernels.gemm.linear` for its fall-back loop). The
+SwiGLU itself is `swiglu`, which `dsv4.model.Expert.forward` (the shared expert) calls too. The triton backend's
+entry `moe_routed` runs `moe_experts` on stacked FP4 experts and that reference loop otherwise (table in
+`dsv4/backend.py`).
 
 Spec: `dsv4_reference_spec.md` §8 step 5-6 and §2 (FP4 weights, act_quant before every FP4 GEMM). Per (token t,
 slot j) pair with expert e = indices[t, j] and routing weight g = weights[t, j]:
@@ -7,11 +17,12 @@ slot j) pair with expert e = indices[t, j] and routing weight g = weights[t, j]:
     h = bf16(silu(u) * v * g)                                                            (fp32)
     y_pair = bf16(act_quant_sim(h) . W2_e^T)
     y_t = sum_j y_pair[t, j]                                                             (fp32, returned)
-exactly what `dsv4.model.Expert` (Linear outputs rounded to bf16) and `MoE.forward` (fp32 index_add) compute;
-the shared expert and the final bf16 cast stay with the caller.
+exactly what `moe_routed_ref` (the model's routed experts: linear outputs rounded to bf16, fp32 index_add)
+computes; the shared expert and the final bf16 cast stay with the caller (`dsv4.model.MoE.forward`).
 
-Reading order (STYLE §1): `moe_grouped_ref`, routing (`moe_route`, plain torch, sync-free), the kernels, the
-launchers, `stack_experts`.
+Reading order (STYLE §1): the references (`swiglu`, `moe_routed_ref`, `moe_grouped_ref`), routing (`moe_route`,
+plain torch, sync-free), the kernels, the launchers, `stack_experts` / `stackable`, the triton backend's entry
+`moe_routed`.
 
 Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once
 (`kernels.gemm.act_quant(sim=True)`: bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
@@ -58,14 +69,19 @@ w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
-import triton
-import triton.language as tl
 
-from kernels import numerics
-from kernels.gemm import act_quant, e8m0_to_f32, mma_mode, round_bf16
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the references stay importable without it; launching raises
+    triton = None
+    tl = None
+
+from kernels import gemm, numerics
+from kernels.gemm import act_quant, mma_mode
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -76,6 +92,19 @@ class MoeRoute(NamedTuple):
     row_pair: torch.Tensor
     tile_expert: torch.Tensor
     block_m: int
+
+
+class ExpertWeights(NamedTuple):
+    """One routed expert's three linears as held (spec §2, §8.5; `dsv4.model.Expert`, `dsv4.model.Linear.codes` /
+    `scales`): w1 (gate) and w3 (up) [I, D], w2 (down) [D, I], each FP4 codes int8 [out, in/2] + float8_e8m0fnu
+    scale [out, in/32], FP8 codes float8_e4m3fn + float8_e8m0fnu scale [ceil(out/128), ceil(in/128)], or a float
+    weight [out, in] with scale None (`kernels.gemm.dequantize_ref` reads all three)."""
+    w1: torch.Tensor
+    s1: torch.Tensor | None
+    w3: torch.Tensor
+    s3: torch.Tensor | None
+    w2: torch.Tensor
+    s2: torch.Tensor | None
 
 
 class StackedExperts(NamedTuple):
@@ -133,9 +162,93 @@ def _check_routing(op: str, x, weights, indices, D: int) -> tuple[int, int]:
 # Reference (plain torch): the executable spec
 # ---------------------------------------------------------------------------------------------------------
 
+def swiglu(u: torch.Tensor, v: torch.Tensor, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The SwiGLU of an expert (spec §8.5), on its two projections: u = w1 x (gate), v = w3 x (up), fp32 [N, I] ->
+    h = silu(min(u, limit)) * clamp(v, -limit, limit) * weight, fp32 [N, I], the clamps only when limit > 0
+    (swiglu_limit; 0 = none). weight: [N, 1] fp32 routing weights of a routed expert, applied here, before w2 and
+    its activation quantization (spec §8.5; docs/differences.md difference 4), or None (the shared expert).
+    The one definition: `dsv4.model.Expert.forward`, `moe_routed_ref` and `moe_grouped_ref` call it (the kernels'
+    `_swiglu` is its Triton form). Raises ValueError for a limit that is not a number >= 0."""
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+        _fail("swiglu", "limit", repr(limit), "a number >= 0 (swiglu_limit; 0 = no clamp)")
+    if limit > 0:
+        v = v.clamp(-limit, limit)
+        u = u.clamp(max=limit)
+    h = torch.nn.functional.silu(u) * v
+    if weight is not None:
+        h = h * weight
+    return h
+
+
+def _check_act_blocks(op: str, act_blocks) -> tuple[int, int]:
+    ok = isinstance(act_blocks, (tuple, list)) and len(act_blocks) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in act_blocks)
+    if not ok:
+        _fail(op, "act_blocks", repr(act_blocks), "(block before w1 / w3, block before w2): two ints >= 0 "
+              "(128, the width below 128, or 0 = no activation quantization)")
+    return act_blocks[0], act_blocks[1]
+
+
+def moe_routed_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   experts: Sequence[ExpertWeights | None] | StackedExperts, limit: float,
+                   act_blocks: tuple[int, int], *, linear: Callable | None = None) -> torch.Tensor:
+    """The routed experts of one MoE layer (spec §8.5-6; the `moe_routed` entry of the reference backend): the sum
+    over each token's k slots of g * expert(x), expert e = w2(swiglu(w1 x, w3 x, limit, g)).
+
+    Args:
+        x: [N, D] activations (bf16 in the official numerics, fp32 in the exact mode).
+        weights: [N, k] fp32 routing weights (normalised and scaled by the gate); ids: [N, k] integer expert ids.
+        experts: the layer's E routed experts: a sequence of `ExpertWeights` (None for an expert another rank
+            holds, `dsv4.parallel`: its slots are skipped, the other ranks add them), or one `StackedExperts`
+            (expert e = the e-th slice of each tensor: the same views the model's experts hold after
+            `stack_experts`).
+        limit: swiglu_limit (0 = no clamp; `swiglu`).
+        act_blocks: (block before w1 / w3, block before w2) of the FP8 activation quantization each GEMM applies
+            first: 128, the row width below 128, or 0 (none: the exact mode) - `linear`'s `act_block`.
+        linear: the function each of the three GEMMs runs through, with the signature of
+            `kernels.gemm.linear_ref(x, weight, scale, act_block, fp32)` (the weight as held, dequantized in x's
+            dtype); default `kernels.gemm.linear_ref` (looked up at call time). The triton backend's fall-back
+            passes `kernels.gemm.linear`, so the loop computes with that backend's linears exactly what the
+            model's `Expert` modules computed through the backend's `linear` before issue 23.
+    Returns: [N, D] fp32: each expert's output in x.dtype (as `dsv4.model.Expert.forward`: w1 / w3 outputs
+        upcast to fp32 for the SwiGLU, h cast back to x.dtype before w2), summed in fp32 with `index_add_` (a slot
+        that repeats an expert counts once per slot: docs/differences.md M5). Loops over the experts present
+        (one host sync per expert: readable, not fast).
+    Raises: ValueError naming the argument: x not 2-D, weights / ids not [N, k], an id outside [0, E), a bad
+        act_blocks or limit; the ValueError of `linear` for a width that is no multiple of its act_block.
+    """
+    op = "moe_routed_ref"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _fail(op, "x", f"shape {tuple(getattr(x, 'shape', ()))}", "[N, D]")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        _fail(op, "ids", f"shape {tuple(getattr(ids, 'shape', ()))}", f"[{x.shape[0]}, k]")
+    if not isinstance(weights, torch.Tensor) or tuple(weights.shape) != tuple(ids.shape):
+        _fail(op, "weights", f"shape {tuple(getattr(weights, 'shape', ()))}", f"{tuple(ids.shape)} (as ids)")
+    up, down = _check_act_blocks(op, act_blocks)
+    linear = gemm.linear_ref if linear is None else linear
+    stacked = isinstance(experts, StackedExperts)
+    E = experts.w1.shape[0] if stacked else len(experts)
+    present = ids.unique().tolist()  # sorted
+    if present and (present[0] < 0 or present[-1] >= E):
+        _fail(op, "ids", f"range [{present[0]}, {present[-1]}]", f"expert ids in [0, {E})")
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in present:
+        ex = ExpertWeights(*(t[e] for t in experts)) if stacked else experts[e]
+        if ex is None:  # held by another rank (dsv4.parallel)
+            continue
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        u = linear(xe, ex.w1, ex.s1, up, False).float()
+        v = linear(xe, ex.w3, ex.s3, up, False).float()
+        h = swiglu(u, v, limit, weights[tok, slot, None])
+        y.index_add_(0, tok, linear(h.to(x.dtype), ex.w2, ex.s2, down, False).float())
+    return y
+
+
 def moe_grouped_ref(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
                     limit: float) -> torch.Tensor:
-    """Routed experts as `dsv4.model.MoE` computes them in bf16 mode (spec §8.5-6; module docstring formulas).
+    """Routed experts as `moe_routed_ref` computes them on stacked FP4 experts in bf16 mode (spec §8.5-6; module
+    docstring formulas; tests/unit/test_gemm_moe_kernels.py checks the two bitwise).
 
     Args: x [T, D] bf16; weights [T, k] fp32 (routing weights, already normalised and scaled); indices [T, k]
     int32/int64 expert ids in [0, E); experts: StackedExperts; limit: swiglu_limit (0 = no clamp).
@@ -155,10 +268,7 @@ def moe_grouped_ref(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tenso
                       for i in (1, 3, 2))
         u = (xq[tok] @ w1.T).to(torch.bfloat16).float()
         v = (xq[tok] @ w3.T).to(torch.bfloat16).float()
-        if limit > 0:
-            v = v.clamp(-limit, limit)
-            u = u.clamp(max=limit)
-        h = (torch.nn.functional.silu(u) * v * weights[tok, slot, None]).to(torch.bfloat16)
+        h = swiglu(u, v, limit, weights[tok, slot, None]).to(torch.bfloat16)
         out = (numerics.act_quant_sim(h, 128).float() @ w2.T).to(torch.bfloat16)
         y.index_add_(0, tok, out.float())
     return y
@@ -196,190 +306,193 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@triton.jit
-def _e2m1(b, HI: tl.constexpr):
-    """Packed e2m1 bytes b (int32, from int8) -> the low (HI False: even input) or high (HI True: odd input)
-    nibble's value times 2^-14, fp32, exact. The nibble's 3 magnitude bits go to fp16 bits 9-11 (exponent low
-    bits + mantissa MSB) and its sign to bit 15: that fp16 number is e2m1 * 2^-14 for every code (0.5 lands on
-    the fp16 subnormal 2^-15), and the fp16 -> fp32 widening is exact. 4 integer ops, no table, no multiply."""
-    if HI:
-        bits = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
-    else:
-        bits = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+if triton is not None:  # the kernels exist only where triton is installed (it is optional)
+    from kernels.gemm import e8m0_to_f32, round_bf16
+
+    @triton.jit
+    def _e2m1(b, HI: tl.constexpr):
+        """Packed e2m1 bytes b (int32, from int8) -> the low (HI False: even input) or high (HI True: odd input)
+        nibble's value times 2^-14, fp32, exact. The nibble's 3 magnitude bits go to fp16 bits 9-11 (exponent low
+        bits + mantissa MSB) and its sign to bit 15: that fp16 number is e2m1 * 2^-14 for every code (0.5 lands on
+        the fp16 subnormal 2^-15), and the fp16 -> fp32 widening is exact. 4 integer ops, no table, no multiply."""
+        if HI:
+            bits = ((b << 5) & 0x0E00) | ((b << 8) & 0x8000)
+        else:
+            bits = ((b << 9) & 0x0E00) | ((b << 12) & 0x8000)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
-@triton.jit
-def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
-    """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
-    xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
-    bytes are never interleaved). Per 32-input group (16 bytes): fp32 sum of the exact products
-    (e2m1 * 2^-14) * xq, times the group's 2^(s-127) * 2^14 (a power of two: exact)."""
-    offs = kh0 + tl.arange(0, BKH)
-    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
-    p = _e2m1(b, False) * xe[None, :] + _e2m1(b, True) * xo[None, :]
-    grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2)
-    s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
-    return tl.sum(grp * (e8m0_to_f32(s) * 16384.0), axis=1)
+    @triton.jit
+    def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
+        """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
+        xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
+        bytes are never interleaved). Per 32-input group (16 bytes): fp32 sum of the exact products
+        (e2m1 * 2^-14) * xq, times the group's 2^(s-127) * 2^14 (a power of two: exact)."""
+        offs = kh0 + tl.arange(0, BKH)
+        b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+        p = _e2m1(b, False) * xe[None, :] + _e2m1(b, True) * xo[None, :]
+        grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2)
+        s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+        return tl.sum(grp * (e8m0_to_f32(s) * 16384.0), axis=1)
 
 
-@triton.jit
-def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                        E, D, I, K_SLOTS, limit,
-                        HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
-    """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
-    in expert order, so programs reading one expert's rows run side by side and share them through L2).
-    xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
-    reads expert 0 and writes NaN (fail loud, never a plausible row)."""
-    pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    bad = (e < 0) | (e >= E)
-    e = tl.where(bad, 0, e)
-    tok = pair // K_SLOTS
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    rows64 = e * I + offs_n
-    KH = D // 2
-    KS = D // 32
-    offs_j = tl.arange(0, BKH)
-    u = tl.zeros((BN,), dtype=tl.float32)
-    v = tl.zeros((BN,), dtype=tl.float32)
-    for kh0 in range(0, KH, BKH):
-        xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
-        xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
-        u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
-        v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
-    h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
-    h = tl.where(bad, float("nan"), h)
-    tl.store(h_ptr + pair * I + offs_n, round_bf16(h).to(tl.bfloat16))
-
-
-@triton.jit
-def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                          BN: tl.constexpr, BKH: tl.constexpr):
-    """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
-    exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
-    pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    e = tl.load(ids_ptr + pair).to(tl.int64)
-    bad = (e < 0) | (e >= E)
-    e = tl.where(bad, 0, e)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    rows64 = e * D + offs_n
-    KH = I // 2
-    KS = I // 32
-    offs_j = tl.arange(0, BKH)
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    for kh0 in range(0, KH, BKH):
-        he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
-        ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
-        acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
-    acc = tl.where(bad, float("nan"), acc)
-    tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
-
-
-@triton.jit
-def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
-    """h = silu(u) * v * g in fp32 after rounding u and v to bf16 (the Linear outputs) and the clamps: v two-sided,
-    u from above only (spec §8.5). Any shape; g broadcasts. The clamps keep NaN as torch.clamp does (the GPU's
-    plain min / max return the other operand: a NaN activation would leave as a plausible +-limit)."""
-    u = round_bf16(u)
-    v = round_bf16(v)
-    if HAS_LIMIT:
-        v = tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL)
-        v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    return u * tl.sigmoid(u) * v * g
-
-
-@triton.jit
-def _fp4_tile_dot(acc, xe, xo, w_ptr, s_ptr, rows64, kh0, KH, KS, BN: tl.constexpr, BKH: tl.constexpr,
-                  MMA: tl.constexpr):
-    """acc [BN, BM] += W[rows, chunk] . xq[:, chunk]^T for one chunk of 2*BKH inputs (fp32 accumulation): xe / xo
-    [BKH, BM] the even / odd inputs of the tile's gathered rows (bf16 exact values); W's bytes [BN, BKH] decoded
-    to exact e2m1 * 2^(s-127) values (`_e2m1` times the group's scale times 2^14; the [BN, BKH/16] group scales
-    are loaded once and broadcast to their 16 bytes), the even inputs from the low nibbles and the odd ones from
-    the high nibbles, so the product is TWO dots. "Swap AB": the decoded weight tile is the dot's LHS (M = BN
-    weight rows), which Hopper's wgmma takes from registers - no shared-memory round trip of the decoded tile,
-    and an M of 128 instead of the tile's 32 token rows (which compiled to mma.sync; 2.2-2.5x slower at Flash
-    and Pro width, benchmarks/RESULTS.md). MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the
-    scales are screened at load), tensor-core dots; MMA 0 (the interpreter, whose bf16 casts and dots are not
-    faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
-    offs = kh0 + tl.arange(0, BKH)
-    b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
-    sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
-    sg = e8m0_to_f32(sg) * 16384.0
-    s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-    lo = _e2m1(b, False) * s
-    hi = _e2m1(b, True) * s
-    if MMA == 0:
-        acc += tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
-        acc += tl.dot(hi, xo.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
-        acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
-    return acc
-
-
-@triton.jit
-def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
-                        E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BKH: tl.constexpr, MMA: tl.constexpr):
-    """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
-    one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
-    [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
-    of h [n_tiles * BM, I] bf16 is defined."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_e_ptr + tile)
-    offs_r = tile * BM + tl.arange(0, BM)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
-    if e < E:
-        pair = tl.load(row_pair_ptr + offs_r)
-        valid = pair >= 0
-        tok = tl.where(valid, pair // K_SLOTS, 0).to(tl.int64)
-        rows64 = e.to(tl.int64) * I + offs_n
+    @triton.jit
+    def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                            E, D, I, K_SLOTS, limit,
+                            HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+        """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
+        in expert order, so programs reading one expert's rows run side by side and share them through L2).
+        xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
+        reads expert 0 and writes NaN (fail loud, never a plausible row)."""
+        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        bad = (e < 0) | (e >= E)
+        e = tl.where(bad, 0, e)
+        tok = pair // K_SLOTS
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        rows64 = e * I + offs_n
         KH = D // 2
         KS = D // 32
         offs_j = tl.arange(0, BKH)
-        u = tl.zeros((BN, BM), dtype=tl.float32)
-        v = tl.zeros((BN, BM), dtype=tl.float32)
+        u = tl.zeros((BN,), dtype=tl.float32)
+        v = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            xp = xq_ptr + tok[None, :] * D + 2 * (kh0 + offs_j)[:, None]
-            xe = tl.load(xp, mask=valid[None, :], other=0.0)
-            xo = tl.load(xp + 1, mask=valid[None, :], other=0.0)
-            u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
-            v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
-        g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
-        h = _swiglu(u, v, g[None, :], limit, HAS_LIMIT)
-        tl.store(out, round_bf16(h).to(tl.bfloat16))
-    else:
-        tl.store(out, tl.zeros((BN, BM), dtype=tl.bfloat16))
+            xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
+            xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+            v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+        h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
+        h = tl.where(bad, float("nan"), h)
+        tl.store(h_ptr + pair * I + offs_n, round_bf16(h).to(tl.bfloat16))
 
 
-@triton.jit
-def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                          BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
-    """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
-    valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
-    pair order."""
-    tile = tl.program_id(0)
-    e = tl.load(tile_e_ptr + tile)
-    if e < E:
-        offs_r = tile * BM + tl.arange(0, BM)
-        pair = tl.load(row_pair_ptr + offs_r)
-        valid = pair >= 0
+    @triton.jit
+    def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
+                              BN: tl.constexpr, BKH: tl.constexpr):
+        """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
+        exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
+        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        bad = (e < 0) | (e >= E)
+        e = tl.where(bad, 0, e)
         offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        rows64 = e.to(tl.int64) * D + offs_n
+        rows64 = e * D + offs_n
         KH = I // 2
         KS = I // 32
         offs_j = tl.arange(0, BKH)
-        r64 = offs_r.to(tl.int64)
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            hp = hq_ptr + r64[None, :] * I + 2 * (kh0 + offs_j)[:, None]
-            acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN, BKH,
-                                MMA)
-        p64 = tl.where(valid, pair, 0).to(tl.int64)
-        tl.store(y_ptr + p64[None, :] * D + offs_n[:, None], round_bf16(acc).to(tl.bfloat16), mask=valid[None, :])
+            he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
+            ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
+        acc = tl.where(bad, float("nan"), acc)
+        tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
+
+
+    @triton.jit
+    def _swiglu(u, v, g, limit, HAS_LIMIT: tl.constexpr):
+        """h = silu(u) * v * g in fp32 after rounding u and v to bf16 (the Linear outputs) and the clamps: v two-sided,
+        u from above only (spec §8.5). Any shape; g broadcasts. The clamps keep NaN as torch.clamp does (the GPU's
+        plain min / max return the other operand: a NaN activation would leave as a plausible +-limit)."""
+        u = round_bf16(u)
+        v = round_bf16(v)
+        if HAS_LIMIT:
+            v = tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+            u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+        return u * tl.sigmoid(u) * v * g
+
+
+    @triton.jit
+    def _fp4_tile_dot(acc, xe, xo, w_ptr, s_ptr, rows64, kh0, KH, KS, BN: tl.constexpr, BKH: tl.constexpr,
+                      MMA: tl.constexpr):
+        """acc [BN, BM] += W[rows, chunk] . xq[:, chunk]^T for one chunk of 2*BKH inputs (fp32 accumulation): xe / xo
+        [BKH, BM] the even / odd inputs of the tile's gathered rows (bf16 exact values); W's bytes [BN, BKH] decoded
+        to exact e2m1 * 2^(s-127) values (`_e2m1` times the group's scale times 2^14; the [BN, BKH/16] group scales
+        are loaded once and broadcast to their 16 bytes), the even inputs from the low nibbles and the odd ones from
+        the high nibbles, so the product is TWO dots. "Swap AB": the decoded weight tile is the dot's LHS (M = BN
+        weight rows), which Hopper's wgmma takes from registers - no shared-memory round trip of the decoded tile,
+        and an M of 128 instead of the tile's 32 token rows (which compiled to mma.sync; 2.2-2.5x slower at Flash
+        and Pro width, benchmarks/RESULTS.md). MMA 1: both operands bf16 (exact: e2m1 has 2 significant bits, the
+        scales are screened at load), tensor-core dots; MMA 0 (the interpreter, whose bf16 casts and dots are not
+        faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
+        offs = kh0 + tl.arange(0, BKH)
+        b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
+        sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+        sg = e8m0_to_f32(sg) * 16384.0
+        s = tl.reshape(tl.broadcast_to(sg[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+        lo = _e2m1(b, False) * s
+        hi = _e2m1(b, True) * s
+        if MMA == 0:
+            acc += tl.dot(lo, xe.to(tl.float32), input_precision="ieee")
+            acc += tl.dot(hi, xo.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(lo.to(tl.bfloat16), xe, acc)
+            acc = tl.dot(hi.to(tl.bfloat16), xo, acc)
+        return acc
+
+
+    @triton.jit
+    def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+                            E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                            BKH: tl.constexpr, MMA: tl.constexpr):
+        """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
+        one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
+        [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
+        of h [n_tiles * BM, I] bf16 is defined."""
+        tile = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tile)
+        offs_r = tile * BM + tl.arange(0, BM)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
+        if e < E:
+            pair = tl.load(row_pair_ptr + offs_r)
+            valid = pair >= 0
+            tok = tl.where(valid, pair // K_SLOTS, 0).to(tl.int64)
+            rows64 = e.to(tl.int64) * I + offs_n
+            KH = D // 2
+            KS = D // 32
+            offs_j = tl.arange(0, BKH)
+            u = tl.zeros((BN, BM), dtype=tl.float32)
+            v = tl.zeros((BN, BM), dtype=tl.float32)
+            for kh0 in range(0, KH, BKH):
+                xp = xq_ptr + tok[None, :] * D + 2 * (kh0 + offs_j)[:, None]
+                xe = tl.load(xp, mask=valid[None, :], other=0.0)
+                xo = tl.load(xp + 1, mask=valid[None, :], other=0.0)
+                u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
+                v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
+            g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+            h = _swiglu(u, v, g[None, :], limit, HAS_LIMIT)
+            tl.store(out, round_bf16(h).to(tl.bfloat16))
+        else:
+            tl.store(out, tl.zeros((BN, BM), dtype=tl.bfloat16))
+
+
+    @triton.jit
+    def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
+                              BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
+        """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
+        valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
+        pair order."""
+        tile = tl.program_id(0)
+        e = tl.load(tile_e_ptr + tile)
+        if e < E:
+            offs_r = tile * BM + tl.arange(0, BM)
+            pair = tl.load(row_pair_ptr + offs_r)
+            valid = pair >= 0
+            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+            rows64 = e.to(tl.int64) * D + offs_n
+            KH = I // 2
+            KS = I // 32
+            offs_j = tl.arange(0, BKH)
+            r64 = offs_r.to(tl.int64)
+            acc = tl.zeros((BN, BM), dtype=tl.float32)
+            for kh0 in range(0, KH, BKH):
+                hp = hq_ptr + r64[None, :] * I + 2 * (kh0 + offs_j)[:, None]
+                acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN, BKH,
+                                    MMA)
+            p64 = tl.where(valid, pair, 0).to(tl.int64)
+            tl.store(y_ptr + p64[None, :] * D + offs_n[:, None], round_bf16(acc).to(tl.bfloat16), mask=valid[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -579,3 +692,40 @@ def stack_experts(experts, *, rebind: bool = True) -> StackedExperts:
                 m = getattr(ex, lin)
                 m._buffers["weight"], m._buffers["scale"] = out[wn][i], out[sn][i]
     return StackedExperts(out["w1"], out["s1"], out["w3"], out["s3"], out["w2"], out["s2"])
+
+
+def stackable(experts: Sequence[ExpertWeights | None]) -> bool:
+    """Whether `stack_experts` and `moe_experts` apply to one layer's routed experts, from the tensors' dtypes and
+    shapes alone: every expert present (none held by another rank), held FP4 (int8 e2m1 codes; checked on the
+    first expert, `stack_experts` refuses any other loudly), D and I multiples of 128 (the kernels' act_quant
+    blocks). The model stacks where this holds and its activations are bf16 (`dsv4.model.MoE.stackable`)."""
+    ex = list(experts)
+    if not ex or any(e is None for e in ex):
+        return False
+    e0 = ex[0]
+    return e0.w1.dtype == torch.int8 and e0.w1.shape[1] * 2 % 128 == 0 and e0.w2.shape[1] * 2 % 128 == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The triton backend's entry
+# ---------------------------------------------------------------------------------------------------------
+
+def moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               experts: Sequence[ExpertWeights | None] | StackedExperts, limit: float,
+               act_blocks: tuple[int, int]) -> torch.Tensor:
+    """The triton backend's `moe_routed` entry, the signature of `moe_routed_ref` (table in `dsv4/backend.py`):
+    x [N, D], weights / ids [N, k] -> [N, D] fp32.
+
+    `StackedExperts` (the model stacked its FP4 experts: `stackable`, `stack_experts`) with bf16 x ->
+    `moe_experts` (grouped, reads nothing back to the host: CUDA-graph capturable; x and h act-quantized in
+    128-channel blocks, so act_blocks must be (128, 128)). Anything else (per-expert weights: bf16 / dequantized
+    experts, tiny widths, expert parallel; or fp32 x) -> `moe_routed_ref` with `linear=kernels.gemm.linear`, the
+    triton backend's linear: the same loop, each expert's GEMMs on that backend's paths (a host sync per
+    expert). Raises ValueError as `moe_experts` / `moe_routed_ref`, and for act_blocks other than (128, 128) on
+    the grouped path."""
+    if isinstance(experts, StackedExperts) and x.dtype == torch.bfloat16:
+        if tuple(act_blocks) != (128, 128):
+            _fail("moe_routed", "act_blocks", repr(act_blocks), "(128, 128) for stacked FP4 experts and bf16 x (the "
+                  "grouped kernels act-quantize x and h in 128-channel blocks)")
+        return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit)
+    return moe_routed_ref(x, weights, ids, experts, limit, act_blocks, linear=gemm.linear)

@@ -1,9 +1,9 @@
 """Weighted RMSNorm in one launch (spec §2): `y = cast_in(w * x_f32 * rsqrt(mean(x_f32^2) + eps))`.
 
-Reading order (STYLE §1): the reference, the kernel, the launcher. `rms_norm_ref` is the executable spec (the
-reference backend's `rms_norm` entry, what every `dsv4.model.RMSNorm` computes with the reference backend: upcast,
+Reading order (STYLE §1): the reference, the kernel, the launcher, the triton backend's entry (`rms_norm_op`).
+`rms_norm_ref` is the executable spec (the reference backend's `rms_norm` entry, what every `dsv4.model.RMSNorm` computes with the reference backend: upcast,
 `pow`, `mean`, `rsqrt`, two multiplies, downcast: eight launches on a GPU). The triton backend's `RMSNorm` runs
-`rms_norm` instead (through `dsv4.fast.rms_norm`): one program per row, the row in registers, the same
+`rms_norm` instead (through `rms_norm_op`, its backend entry): one program per row, the row in registers, the same
 operations in the same order in fp32 (w * x first, then * rsqrt), the store rounded once to x.dtype (`kernels.gemm.cast_for_store`).
 Only the order of the sum of squares differs, so the fp32 results agree within a few ulps and bf16 outputs are
 bitwise equal in almost every element (tests/unit/test_norm_kernel.py). Used at every norm of the model: the
@@ -78,3 +78,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BD = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows,)](x, weight, y, d, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
     return y
+
+
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The triton backend's `rms_norm` entry (every `dsv4.model.RMSNorm.forward`), the signature of `rms_norm_ref`:
+    `rms_norm` (one launch) on x [..., d] bf16 / fp32 in any layout (made contiguous), weight [d] fp32, eps > 0;
+    the same fp32 maths as the reference up to the order of the sum of squares; x.dtype out. Raises ValueError as
+    `rms_norm`."""
+    return rms_norm(x.contiguous(), weight, eps)

@@ -272,8 +272,10 @@ def hash_routing_ignored(mp: MP) -> None:
 
 def swiglu_clamp_missing(mp: MP) -> None:
     """SwiGLU without the swiglu_limit clamp (up in [-limit, limit], gate <= limit): every expert is built with
-    limit 0, which the product code treats as "no clamp"."""
-    from dsv4.model import Expert
+    limit 0, which the product code treats as "no clamp": the `Expert` modules (the shared expert, direct calls)
+    and the limit each MoE hands its routed experts (`MoE.init_routed`, `kernels.moe.moe_routed_ref` /
+    `moe_experts`)."""
+    from dsv4.model import Expert, MoE
 
     orig = Expert.__init__
 
@@ -281,7 +283,14 @@ def swiglu_clamp_missing(mp: MP) -> None:
         orig(self, *a, **kw)
         self.limit = 0.0  # MUTANT
 
+    orig_routed = MoE.init_routed
+
+    def init_routed(self, *a, **kw):
+        orig_routed(self, *a, **kw)
+        self.limit = 0.0  # MUTANT
+
     mp.setattr(Expert, "__init__", __init__)
+    mp.setattr(MoE, "init_routed", init_routed)
 
 
 # ------------------------------------------------------------------------------------------------ formats
@@ -321,7 +330,8 @@ def act_quant_skipped(mp: MP) -> None:
     ue8m0 blocks) before the GEMM is skipped."""
     from dsv4.model import _Sim
 
-    mp.setattr(_Sim, "act_block", lambda self, x: 0)  # MUTANT: no act_quant (`_Sim.act` and every linear's act_block)
+    mp.setattr(_Sim, "act_block_of", lambda self, n: 0)  # MUTANT: no act_quant (`_Sim.act`, every linear's and
+    # the routed experts' act_block)
 
 
 def kv_fp8_skipped(mp: MP) -> None:
@@ -524,8 +534,11 @@ def rmsnorm_eps_outside_root(mp: MP) -> None:
 
 def routing_weight_after_w2(mp: MP) -> None:
     """Routed experts apply the routing weight g to w2's output (transformers' order) instead of to its input
-    h = silu(u)·v before the bf16 rounding and act-quant: equal in exact arithmetic, so fp32 parity cannot see it."""
+    h = silu(u)·v before the bf16 rounding and act-quant: equal in exact arithmetic, so fp32 parity cannot see it.
+    Patched in `Expert.forward` (an expert called with a weight) and in the routed reference loop
+    (`kernels.moe.moe_routed_ref`, which the model's MoE runs: the experts as tensors)."""
     from dsv4.model import Expert
+    from kernels import moe
 
     orig = Expert.forward
 
@@ -534,6 +547,13 @@ def routing_weight_after_w2(mp: MP) -> None:
         return y if weight is None else (y.float() * weight).to(x.dtype)  # MUTANT: g after w2
 
     mp.setattr(Expert, "forward", forward)
+    _source_mutant(mp, moe, "moe_routed_ref",
+                   "h = swiglu(u, v, limit, weights[tok, slot, None])\n"
+                   "        y.index_add_(0, tok, linear(h.to(x.dtype), ex.w2, ex.s2, down, False).float())",
+                   "h = swiglu(u, v, limit)\n"
+                   "        out = linear(h.to(x.dtype), ex.w2, ex.s2, down, False)\n"
+                   "        y.index_add_(0, tok, (out.float() * weights[tok, slot, None]).to(x.dtype).float())"
+                   "  # MUTANT: g after w2")
 
 
 def compare_logits_rel_dropped(mp: MP) -> None:

