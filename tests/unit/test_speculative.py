@@ -9,6 +9,11 @@ one (rejected: random ids from 512), and an EOS-injecting oracle (drafts EOS whe
 be rejected; rounds accept 0..k drafts, so rollbacks go to every prefix length). The tokens must be equal one for one; a divergence is allowed only at a step
 whose plain-run top two logits lie within fp32 1e-5 of the largest |logit| (the verify step batches k + 1
 positions: fp32 sums in another order), counted and reported (none measured).
+
+A batch (`speculative_greedy_batch`): four ragged rows with different drafters and stopping times each equal plain
+greedy of their prompt alone (the same near-tie rule); a sampled batch's rows equal each row sampled alone.
+Sampling end to end: the whole loop's first three tokens against plain sampling's exact distribution (a
+16-token vocabulary), chi-square at a stated false-alarm rate, with negative controls through the same loop.
 """
 
 from __future__ import annotations
@@ -360,11 +365,12 @@ class _ModelDrafter:
 
 def test_speculative_sample_batch_rows_equal_each_row_alone(run, seed):
     """Speculative sampling of a batch (T = 0.3, k = 3, three prompts of 21 / 9 / 30 tokens, max_tokens 30 / 12
-    / 25, a seed per row; drafters: the model's own greedy chain on row 0, random ids on rows 1 and 2): each row's tokens and acceptance counts equal `speculative_sample` of its prompt
-    alone with its seed (every row draws from its own generator; the batched logits round differently, so a
-    draw within fp32 rounding of a probability boundary could differ: none here, the test is seeded). Rows with
-    one seed for all differ (their prompts differ), and a row does not depend on its neighbours (the controls:
-    the rows' draws and drafts are theirs, not shared)."""
+    / 25, a seed per row; drafters: the model's own greedy chain on row 0, random ids on rows 1 and 2): each
+    row's tokens and acceptance counts equal `speculative_sample` of its prompt alone with its seed (every row
+    draws from its own generator; the batched logits round differently, so a draw within fp32 rounding of a
+    probability boundary could differ: none here, the test is seeded), and some draft is accepted (the rule's
+    accept path ran). Killed by mutant `speculative_batch_reads_another_rows_logits` (a row accepting against
+    another row's logits)."""
     from dsv4.speculative import speculative_sample, speculative_sample_batch
     m, prompt0, plain0, _ = run
     g = torch.Generator().manual_seed(seed)
