@@ -6,7 +6,11 @@ step the eager decode runs; nothing of the block maths is here). On the first de
 side stream (compiles, workspaces, constant tables; its writes to the state are undone), then captured with the
 token ids and each row's position in static device buffers; every later call copies them in and replays. A call
 of s <= `MAX_STEP_TOKENS` tokens per row after the prefill (a speculative verify step) replays its own capture
-of the same step for that s; longer calls run eagerly on the state's buffers. A residual
+of the same step for that s; longer calls run eagerly on the state's buffers. `Transformer.verify` on a graph
+state replays a capture of its own (the same step, recording the compressors' partial windows after each token
+into the graph's static outputs, `LayerState.trail`): the record refers to those outputs, valid until the next
+replay of that capture, i.e. for the one rollback right after the verify call (the record's staleness check
+refuses any later use); the rings before the call are cloned eagerly, on the stream, before the replay. A residual
 observer gets its own capture (the plain layer loop, recording each block's streams); without one the capture runs
 the fused layer boundaries. The final path (hc_head -> norm -> head) runs eagerly after the replay, through the
 modules, so forward hooks (the final-norm check) observe it.
@@ -56,10 +60,12 @@ class GraphDecodeState(DecodeState):
         super().__init__(layers=model.layer_states(batch, max_len), max_len=max_len, growable=False)
         self.model = model
         self.ids_bufs: dict[int, torch.Tensor] = {}  # s -> static token ids [batch, s]
-        self.graphs: dict[tuple[bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
+        # (observer use, s, recording a verify trail) -> (graph, last streams, each block's streams, trails)
+        self.graphs: dict[tuple[bool, int, bool], tuple] = {}
 
-    def _capture(self, observe: bool, s: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
-        """Warm up on a side stream, undo its writes, capture: (graph, last streams, each block's streams)."""
+    def _capture(self, observe: bool, s: int, recording: bool) -> tuple:
+        """Warm up on a side stream, undo its writes, capture: (graph, last streams, each block's streams, the
+        verify trail per layer: `LayerState.trail`'s clones, static outputs of the graph, or None)."""
         m, outs = self.model, []
         ids = self.ids_bufs[s]
         record = (lambda layer_id, H: outs.append(H)) if observe else None
@@ -74,10 +80,13 @@ class GraphDecodeState(DecodeState):
             t.copy_(s)
         del saved
         outs.clear()
+        for ls in self.layers:  # the warm-up's trail entries are not the capture's
+            ls.trail = [] if recording else None
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=stream):
             H = m.decode_step(ids, self.pos_buf, self, record)
-        return g, H, outs
+        trails = [ls.trail for ls in self.layers] if recording else None
+        return g, H, outs, trails
 
     def decode_step(self, model, input_ids: torch.Tensor, observer=None) -> torch.Tensor:
         """`DecodeState.decode_step` by graph replay: input_ids [b, s] (s <= MAX_STEP_TOKENS: one capture per s
@@ -92,11 +101,15 @@ class GraphDecodeState(DecodeState):
             self.ids_bufs[s] = torch.zeros(self.batch, s, dtype=torch.int64, device=model.device)
         self.ids_bufs[s].copy_(input_ids)
         self.load_positions()  # each row's position (rows of a ragged batch differ)
-        key = (observer is not None, s)
+        recording = self.layers[0].trail is not None  # a verify step (`Transformer.verify`)
+        key = (observer is not None, s, recording)
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
-        g, H, outs = self.graphs[key]
+        g, H, outs, trails = self.graphs[key]
         g.replay()
+        if recording:  # the record's windows after each token: the capture's clones, refilled by this replay
+            for ls, trail in zip(self.layers, trails):
+                ls.trail[:] = trail
         if observer is not None:
             for layer, Hl in zip(model.layers, outs):
                 observer(layer.layer_id, Hl)

@@ -1120,12 +1120,15 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def verify(self, input_ids: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, "VerifyRecord"]:
         """A speculative verify step: input_ids [b, s] (each row's last token then its s - 1 drafts, 2 <= s <=
-        MAX_STEP_TOKENS; every row prefilled) through the one decode step, eagerly -> (logits [b, s, V] fp32 at
-        every position, the record `rollback` needs). The record holds each layer's window ring before the call
-        and its compressors' partial windows after each of the s tokens (fp32 [b, c*r, c*d], a few KB a layer per
-        row), so a rollback restores the state of any accepted prefix without recomputing it. Raises ValueError
-        as `forward` does, and for s outside 2..MAX_STEP_TOKENS, a row not prefilled, or a CUDA-graph state
-        (its verify steps replay captures without a record: not supported yet)."""
+        MAX_STEP_TOKENS; every row prefilled) through the one decode step (eager, or a graph replay) -> (logits
+        [b, s, V] fp32 at every position, the record `rollback` needs). The record holds each layer's window ring
+        before the call and its compressors' partial windows after each of the s tokens (fp32 [b, c*r, c*d], a
+        few KB a layer per row), so a rollback restores the state of any accepted prefix without recomputing it.
+        Raises ValueError as `forward` does, and for s outside 2..MAX_STEP_TOKENS or a row not prefilled. On a
+        CUDA-graph state (`dsv4.graph.GraphDecodeState`) the step replays a capture that records the same windows
+        into its static outputs (the record refers to them: valid for the one rollback right after this call,
+        which the record's staleness check enforces); the rings are cloned on the device before the replay, no
+        host sync."""
         if not isinstance(state, DecodeState) or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("verify: expected input_ids [b, s] and a DecodeState")
         s = input_ids.shape[1]
@@ -1133,8 +1136,6 @@ class Transformer(nn.Module):
             raise ValueError(f"verify: {s} tokens per row; expected 2..{MAX_STEP_TOKENS} (the last token + drafts)")
         if min(state.row_pos) < 1:
             raise ValueError(f"verify: rows at {state.row_pos}; every row must be prefilled first")
-        if state.checks_ids_on_device:
-            raise ValueError("verify: a CUDA-graph state's verify step keeps no rollback record (not supported)")
         if s > self.args.window_size:
             raise ValueError(f"verify: {s} tokens per row > window_size {self.args.window_size}: the call would "
                              "overwrite ring slots of its own kept tokens, which a rollback cannot restore")

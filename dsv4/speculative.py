@@ -1,4 +1,4 @@
-"""Speculative decoding, greedy (issue 26 items 1-3): drafts checked by one verify step.
+"""Speculative decoding (issue 26 items 1-3): drafts checked by one verify step.
 
 Each round: the drafter proposes k tokens after the context; the model runs one verify step of k + 1 tokens (the
 last accepted token, then the drafts: `Transformer.verify`, the one decode step with s = k + 1 tokens per row)
@@ -9,6 +9,11 @@ recomputed). Every token emitted is the model's own argmax at its position, so t
 up to fp32 rounding of the verify step's batched positions: `tests/unit/test_speculative.py` checks it token for
 token over 256+ tokens with four drafters, at near-ties (top two within the dtype's tolerance) counted, not
 failed. A draft is never emitted unverified: an EOS draft ends the output only where the model's own token is EOS.
+
+A batch (`speculative_greedy_batch`, `speculative_sample_batch`; the batch-1 functions are batches of one): rows
+with prompts of any lengths (ragged positions), one drafter each, one verify step of k + 1 tokens for all rows
+per round; each row accepts against its own logits and `Transformer.rollback` keeps each row's length. A row
+stops at its EOS or its max_tokens; a stopped row runs on in the step on dummy ids and keeps nothing.
 
 Drafters (`Drafter`: `draft(context, k) -> k token ids`): `ContinuationDrafter` proposes from a given token list
 (the oracle, when the list is the model's own greedy continuation: every draft accepted), `AdversaryDrafter`
@@ -23,10 +28,12 @@ from typing import Callable, Protocol
 
 import torch
 
+from dsv4.memory_plan import LimitError, check_serving
 from dsv4.model import MAX_STEP_TOKENS, STATE_GRAIN, Transformer
 
 __all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "MTPDrafter", "SpeculativeResult",
-           "speculative_greedy", "accept_or_resample", "speculative_sample"]
+           "speculative_greedy", "speculative_greedy_batch", "accept_or_resample", "speculative_sample",
+           "speculative_sample_batch"]
 
 
 class Drafter(Protocol):
@@ -139,7 +146,7 @@ class SpeculativeResult:
         return (sum(self.accepted) + len(self.accepted)) / len(self.accepted)
 
 
-def _check_call(model: Transformer, prompt, k, max_tokens) -> None:
+def _check_call(model: Transformer, prompt, k, max_tokens, name: str = "prompt") -> None:
     """ValueError naming the first bad argument of a speculative decode."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
         raise ValueError(f"k={k!r}: expected an int in 1..{MAX_STEP_TOKENS - 1} (drafts per verify step)")
@@ -148,8 +155,33 @@ def _check_call(model: Transformer, prompt, k, max_tokens) -> None:
     V = model.args.vocab_size
     if not isinstance(prompt, (list, tuple)) or not prompt or any(
             isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in prompt):
-        raise ValueError(f"prompt: expected a non-empty list of token ids in [0, {V}) (ints), got "
+        raise ValueError(f"{name}: expected a non-empty list of token ids in [0, {V}) (ints), got "
                          f"{type(prompt).__name__}")
+
+
+def _check_batch(model: Transformer, prompts, drafters, k, max_tokens) -> list[int]:
+    """ValueError naming the first bad argument of a batch speculative decode -> max_tokens per row."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts: expected a non-empty list of prompts (lists of token ids), got "
+                         f"{type(prompts).__name__}")
+    n = len(prompts)
+    limits = [max_tokens] * n if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else max_tokens
+    if not isinstance(limits, (list, tuple)) or len(limits) != n:
+        raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1 or a list of {n} of them")
+    for i, (p, m) in enumerate(zip(prompts, limits)):
+        try:
+            _check_call(model, p, k, m, f"prompts[{i}]")
+        except ValueError as e:
+            raise ValueError(f"{e} (row {i})" if str(e).startswith("max_tokens") else str(e)) from None
+    if not isinstance(drafters, (list, tuple)) or len(drafters) != n or any(
+            not callable(getattr(d, "draft", None)) for d in drafters):
+        raise ValueError(f"drafters: expected a list of {n} drafters (objects with draft(context, k)), one per "
+                         f"prompt, got {type(drafters).__name__}")
+    stateful = [id(d) for d in drafters if hasattr(d, "begin") or hasattr(d, "accepted")]
+    if len(set(stateful)) != len(stateful):
+        raise ValueError("drafters: one drafter object serves two rows; a drafter with state of its own "
+                         "(MTPDrafter) follows one row: give each row its own")
+    return list(limits)
 
 
 def _check_drafts(drafts, k: int, V: int) -> list[int]:
@@ -159,56 +191,113 @@ def _check_drafts(drafts, k: int, V: int) -> list[int]:
     return list(drafts)
 
 
-def _speculate(model: Transformer, prompt: list[int], drafter: Drafter, k: int, max_tokens: int, eos: int | None,
-               first: Callable[[torch.Tensor], int], choose: Callable[[torch.Tensor, list[int]], list[int]]
-               ) -> SpeculativeResult:
-    """The loop both decoders share: prefill (its first token `first(logits [V])`), then rounds of k drafts, one
-    verify step of k + 1 tokens, `choose(logits [k + 1, V], drafts)` -> the emitted tokens (the accepted drafts
-    then the model's token after them; len - 1 = drafts accepted), the rollback to the kept prefix, the drafter's
-    update, until EOS or max_tokens."""
-    _check_call(model, prompt, k, max_tokens)
+def _speculate(model: Transformer, prompts: list[list[int]], drafters: list[Drafter], k: int, max_tokens,
+               eos: int | None, first: Callable[[int, torch.Tensor], int],
+               choose: Callable[[int, torch.Tensor, list[int]], list[int]]) -> list[SpeculativeResult]:
+    """The loop every speculative decoder shares, for a batch of b rows (one prompt each; ragged: rows at their
+    own positions): the prefill (row i's first token `first(i, logits [V])`), then rounds of k drafts per
+    running row, ONE verify step of k + 1 tokens for all rows, `choose(i, logits [k + 1, V] of row i, drafts of
+    row i)` -> row i's emitted tokens (its accepted drafts then the model's token after them; len - 1 = drafts
+    accepted), one rollback with each row's kept length, each drafter's update, until every row stopped (its EOS
+    or its max_tokens). A finished row still runs in the verify step (the batch is fixed) on a dummy input; it
+    keeps nothing (its position is put back each round) and its outputs are not read, so it changes no other
+    row's tokens."""
+    limits = _check_batch(model, prompts, drafters, k, max_tokens)
     eos = model.args.eos_token_id if eos is None else eos
-    V, dev = model.args.vocab_size, model.device
-    max_len = -(-(len(prompt) + max_tokens + k + 1) // STATE_GRAIN) * STATE_GRAIN
-    state = model.new_state(1, max_len)
-    logits, H = model(torch.tensor([prompt], device=dev), state, streams=True)
-    out = [first(logits[0])]
-    if hasattr(drafter, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
-        drafter.begin(list(prompt), H, out[0], max_len)
-    accepted: list[int] = []
-    while out[-1] != eos and len(out) < max_tokens:
-        drafts = _check_drafts(drafter.draft(list(prompt) + out, k), k, V)
-        logits, record = model.verify(torch.tensor([[out[-1]] + drafts], device=dev), state)
-        emitted = choose(logits[0], drafts)
-        a = len(emitted) - 1
-        model.rollback(state, record, [a + 1])  # the last token and the a accepted drafts stay in the state
-        accepted.append(a)
-        if hasattr(drafter, "accepted"):  # the kept positions' streams and the tokens after them
-            drafter.accepted(record.streams[:, :a + 1], emitted)
-        for t in emitted:
-            out.append(t)
-            if t == eos or len(out) >= max_tokens:
-                break
-    return SpeculativeResult(out[:max_tokens], accepted, "eos" if out[-1] == eos else "max_tokens")
+    V, dev, b = model.args.vocab_size, model.device, len(prompts)
+    prompts = [list(p) for p in prompts]
+    need = max(len(p) + m + k + 1 for p, m in zip(prompts, limits))
+    max_len = -(-need // STATE_GRAIN) * STATE_GRAIN
+    if model.decode_graph_max_len is not None:  # a CUDA-graph state has the captures' max_len
+        if need > model.decode_graph_max_len:
+            raise LimitError(f"a row needs {need} tokens (prompt + max_tokens + k + 1); this model decodes through "
+                             f"CUDA graphs of max_len={model.decode_graph_max_len} (use_decode_graphs)")
+        max_len = model.decode_graph_max_len
+    check_serving(model.args, batch=b, max_len=max_len, device=dev,
+                  dtype_bytes=torch.empty((), dtype=model.dtype).element_size())
+    state = model.new_state(b, None if model.decode_graph_max_len is not None else max_len)
+    if len({len(p) for p in prompts}) == 1:  # one prefill call for rows of one length
+        logits, H = model(torch.tensor(prompts, device=dev), state, streams=True)
+        streams = [H[i:i + 1] for i in range(b)]
+    else:  # ragged: each row's prefill on its row view (`DecodeState.row`)
+        outs = [model(torch.tensor([p], device=dev), state.row(i), streams=True) for i, p in enumerate(prompts)]
+        logits, streams = torch.cat([o[0] for o in outs]), [o[1] for o in outs]
+    out = [[first(i, logits[i])] for i in range(b)]
+    for i, d in enumerate(drafters):
+        if hasattr(d, "begin"):  # a drafter with state of its own (`MTPDrafter`) reads the prompt's streams
+            d.begin(prompts[i], streams[i], out[i][0], max_len)
+    accepted: list[list[int]] = [[] for _ in range(b)]
+    running = [out[i][-1] != eos and len(out[i]) < limits[i] for i in range(b)]
+    while any(running):
+        drafts = [_check_drafts(drafters[i].draft(prompts[i] + out[i], k), k, V) if running[i] else [0] * k
+                  for i in range(b)]
+        ids = torch.tensor([[out[i][-1]] + drafts[i] for i in range(b)], device=dev)
+        logits, record = model.verify(ids, state)
+        keep, emitted = [1] * b, [[] for _ in range(b)]
+        for i in range(b):
+            if running[i]:
+                emitted[i] = choose(i, logits[i], drafts[i])
+                keep[i] = len(emitted[i])  # the last token and the accepted drafts stay in the state
+        model.rollback(state, record, keep)
+        if not all(running):  # finished rows keep nothing
+            state.row_pos = [p if running[i] else record.pos0[i] for i, p in enumerate(state.row_pos)]
+        for i in range(b):
+            if not running[i]:
+                continue
+            accepted[i].append(keep[i] - 1)
+            if hasattr(drafters[i], "accepted"):  # the kept positions' streams and the tokens after them
+                drafters[i].accepted(record.streams[i:i + 1, :keep[i]], emitted[i])
+            for t in emitted[i]:
+                out[i].append(t)
+                if t == eos or len(out[i]) >= limits[i]:
+                    running[i] = False
+                    break
+    return [SpeculativeResult(out[i][:limits[i]], accepted[i], "eos" if out[i][-1] == eos else "max_tokens")
+            for i in range(b)]
 
 
 @torch.no_grad()
 def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, *, k: int, max_tokens: int,
                        eos: int | None = None) -> SpeculativeResult:
-    """Greedy decoding of `prompt` (token ids) with `k` drafts per verify step (1 <= k < MAX_STEP_TOKENS), batch 1,
-    eager (module docstring). Stops at the model's EOS (`eos`, default the model's) or after max_tokens tokens
-    (a round's tokens past it are dropped). Raises ValueError for k or max_tokens out of range, an empty prompt, or
-    a drafter that returns other than k ints in the vocabulary."""
+    """Greedy decoding of `prompt` (token ids) with `k` drafts per verify step (1 <= k < MAX_STEP_TOKENS), batch 1
+    (module docstring; `speculative_greedy_batch` of one row). Stops at the model's EOS (`eos`, default the
+    model's) or after max_tokens tokens (a round's tokens past it are dropped). Raises ValueError for k or
+    max_tokens out of range, an empty prompt, or a drafter that returns other than k ints in the vocabulary."""
+    _check_call(model, prompt, k, max_tokens)
+    return speculative_greedy_batch(model, [prompt], [drafter], k=k, max_tokens=max_tokens, eos=eos)[0]
+
+
+@torch.no_grad()
+def speculative_greedy_batch(model: Transformer, prompts: list[list[int]], drafters: list[Drafter], *, k: int,
+                             max_tokens: int | list[int], eos: int | None = None) -> list[SpeculativeResult]:
+    """Greedy speculative decoding of a batch: `prompts` (b lists of token ids, any lengths: rows sit at their own
+    positions), `drafters` (b drafters, one per row: a drafter with state, `MTPDrafter`, may not serve two rows),
+    `k` drafts per row per verify step (1 <= k < MAX_STEP_TOKENS), `max_tokens` an int or one per row, `eos`
+    (default the model's). Every round runs ONE verify step of k + 1 tokens for all b rows (`Transformer.verify`,
+    logits fp32 [b, k + 1, V]); row i accepts its own drafts against its own logits (rows accept different
+    lengths) and `Transformer.rollback` keeps each row's prefix. A row stops at its EOS or its max_tokens; a
+    finished row keeps running in the step on dummy ids and keeps nothing. Returns one `SpeculativeResult` per
+    prompt, in order.
+
+    The guarantee (tests/unit/test_speculative.py): each row's tokens equal plain greedy decoding of that prompt
+    alone, token for token, except from a step where the alone run's top two logits lie within the dtype's
+    tolerance (fp32 1e-5 of the largest |logit|: the batched verify step sums in another order), counted.
+
+    Raises ValueError naming the argument for an empty prompt list, a bad prompt (its index), k, max_tokens,
+    drafters not one per prompt (or one stateful drafter shared), or a drafter returning other than k ints in the
+    vocabulary; `dsv4.memory_plan.LimitError` for a batch over MAX_BATCH = 64 rows or a row over the model's
+    context (`check_serving`, before any model work), or over the max_len of a model that decodes through CUDA
+    graphs (`Transformer.use_decode_graphs`: the verify steps then replay a capture, `dsv4.graph`)."""
     eos_id = model.args.eos_token_id if eos is None else eos
 
-    def choose(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def choose(i: int, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         pred = logits.argmax(-1).tolist()  # pred[j]: the model's token after the last token + drafts[:j]
         a = 0
         while a < k and drafts[a] == pred[a]:
             a += 1
         return drafts[:a] + [pred[a]]  # drafts[:a] == pred[:a]: every emitted token is the model's own
 
-    return _speculate(model, prompt, drafter, k, max_tokens, eos_id, lambda lg: int(lg.argmax(-1)), choose)
+    return _speculate(model, prompts, drafters, k, max_tokens, eos_id, lambda i, lg: int(lg.argmax(-1)), choose)
 
 
 def accept_or_resample(p: torch.Tensor, draft: int, generator: torch.Generator | None = None) -> tuple[bool, int]:
@@ -226,33 +315,60 @@ def accept_or_resample(p: torch.Tensor, draft: int, generator: torch.Generator |
     return False, int(torch.multinomial(r / r.sum(), 1, generator=generator))
 
 
-@torch.no_grad()
-def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, *, k: int, max_tokens: int,
-                       temperature: float, seed: int = 0, eos: int | None = None) -> SpeculativeResult:
-    """Speculative decoding at temperature T > 0 (batch 1, eager): each verify step's drafts are accepted or
-    replaced by `accept_or_resample` on softmax(logits / T) at their positions, in order, until the first
-    rejection; when every draft is accepted a bonus token is drawn at the next position. The tokens are
-    distributed as plain sampling at T (the rule's test: tests/unit/test_speculative.py, a chi-square test at a
-    stated false-alarm rate); not the same draws as `generate`'s exponential race (another use of the random
-    numbers). Seeded by `seed` (a generator on the model's device). Raises ValueError as `speculative_greedy`,
-    and for a temperature that is not a finite number > 0."""
+def _check_temperature(temperature) -> None:
     if isinstance(temperature, bool) or not (isinstance(temperature, (int, float)) and
                                              0 < temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: expected a finite number > 0 (0: speculative_greedy)")
+
+
+@torch.no_grad()
+def speculative_sample(model: Transformer, prompt: list[int], drafter: Drafter, *, k: int, max_tokens: int,
+                       temperature: float, seed: int = 0, eos: int | None = None) -> SpeculativeResult:
+    """Speculative decoding at temperature T > 0 (batch 1; `speculative_sample_batch` of one row): each verify
+    step's drafts are accepted or replaced by `accept_or_resample` on softmax(logits / T) at their positions, in
+    order, until the first rejection; when every draft is accepted a bonus token is drawn at the next position.
+    The tokens are distributed as plain sampling at T (tests/unit/test_speculative.py: the rule's chi-square
+    test, and the whole loop's first three tokens against the model's exact probabilities, both at a stated
+    false-alarm rate); not the same draws as `generate`'s exponential race (another use of the random numbers).
+    Seeded by `seed` (a generator on the model's device). Raises ValueError as `speculative_greedy`, and for a
+    temperature that is not a finite number > 0."""
+    _check_temperature(temperature)
+    _check_call(model, prompt, k, max_tokens)
+    return speculative_sample_batch(model, [prompt], [drafter], k=k, max_tokens=max_tokens,
+                                    temperature=temperature, seed=seed, eos=eos)[0]
+
+
+@torch.no_grad()
+def speculative_sample_batch(model: Transformer, prompts: list[list[int]], drafters: list[Drafter], *, k: int,
+                             max_tokens: int | list[int], temperature: float, seed: int | list[int] = 0,
+                             eos: int | None = None) -> list[SpeculativeResult]:
+    """Speculative sampling of a batch (arguments and rounds as `speculative_greedy_batch`; the acceptance rule
+    of `speculative_sample` per row). Row i draws every random number from its own generator seeded with
+    `seed` (an int: every row, as `dsv4.generate.generate_batch` does) or seed[i] (a list, one per prompt), so a
+    row's tokens do not depend on its neighbours: row i equals `speculative_sample` of prompts[i] with its seed
+    alone (up to a draw that falls within fp32 rounding of a probability boundary). Raises ValueError as
+    `speculative_greedy_batch`, for a temperature that is not a finite number > 0, and for seeds that are not an
+    int or a list of b ints."""
+    _check_temperature(temperature)
+    n = len(prompts) if isinstance(prompts, (list, tuple)) else 0
+    seeds = [seed] * n if isinstance(seed, int) and not isinstance(seed, bool) else seed
+    if not isinstance(seeds, (list, tuple)) or len(seeds) != n or any(
+            isinstance(s, bool) or not isinstance(s, int) for s in seeds):
+        raise ValueError(f"seed={seed!r}: expected an int or a list of {n} ints (one per prompt)")
     eos_id = model.args.eos_token_id if eos is None else eos
-    gen = torch.Generator(device=model.device).manual_seed(seed)
+    gens = [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
 
     def probs(logits: torch.Tensor) -> torch.Tensor:
         return (logits.float() / temperature).softmax(-1)
 
-    def choose(logits: torch.Tensor, drafts: list[int]) -> list[int]:
+    def choose(i: int, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         emitted = []
         for j, d in enumerate(drafts):
-            ok, t = accept_or_resample(probs(logits[j]), d, gen)
+            ok, t = accept_or_resample(probs(logits[j]), d, gens[i])
             emitted.append(t)
             if not ok or t == eos_id:
                 return emitted
-        return emitted + [int(torch.multinomial(probs(logits[k]), 1, generator=gen))]  # all accepted: the bonus
+        return emitted + [int(torch.multinomial(probs(logits[k]), 1, generator=gens[i]))]  # all accepted: bonus
 
-    return _speculate(model, prompt, drafter, k, max_tokens, eos_id,
-                      lambda lg: int(torch.multinomial(probs(lg), 1, generator=gen)), choose)
+    return _speculate(model, prompts, drafters, k, max_tokens, eos_id,
+                      lambda i, lg: int(torch.multinomial(probs(lg), 1, generator=gens[i])), choose)

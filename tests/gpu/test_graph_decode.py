@@ -18,6 +18,9 @@ Model: Flash geometry, first 4 layers (compress ratios 0/0/4/128: SWA, SWA, CSA,
     takes one between replays equals an eager state bitwise.
   * the final-norm check passes on the triton backend whose decode replays the graph (hard stop), and fails
     when the final norm is removed (negative control).
+  * speculative decoding on graph states (issue 26): verify steps replaying a recording capture and their
+    rollbacks with per-row keeps equal an eager state bitwise (negative control: no rollback differs), and the
+    speculative decoders on a graph model equal the eager ones bitwise and plain greedy token for token.
 """
 
 from __future__ import annotations
@@ -290,3 +293,112 @@ def test_speculative_greedy_equals_plain_greedy_at_flash_width(args, models):
                 top = logits[i].topk(2).values
                 assert float(top[0] - top[1]) <= 1e-4 * float(logits[i].abs().max()), f"token {i}: {g} vs {p}"
                 break
+
+
+def test_graph_verify_and_rollback_equal_eager(args, models):
+    """Issue 26 item 2, CUDA-graph captured: verify steps (`Transformer.verify`) on a `GraphDecodeState` of 3
+    ragged rows (prefilled to 140 / 61 / 7 tokens) replay a recording capture per s, and each rollback with
+    per-row keeps (rows accept different lengths) leaves the state the eager fixed state has after the same
+    calls: every verify's logits (all s positions) and every decode step's logits after it are bitwise equal
+    (bf16 triton, the same kernels; the record's windows are the capture's static outputs). The s = 4 capture is
+    replayed twice (its outputs refilled). Negative control: the graph state whose last verify is not rolled
+    back (positions set by hand, rejected tokens left in ring and windows) differs from the eager state."""
+    tri = models(torch.bfloat16, "triton")
+    prompts = [_ids(args, n, 50 + n) for n in (140, 61, 7)]
+    g_st, e_st = GraphDecodeState(tri, 3, MAX_LEN), tri.new_state(3, MAX_LEN)
+    assert torch.equal(_ragged_prefill(tri, g_st, prompts), _ragged_prefill(tri, e_st, prompts))
+    gen = torch.Generator().manual_seed(51)
+    plan = [(4, [1, 4, 2]), (None, None), (3, [3, 1, 2]), (4, [2, 2, 4]), (None, None), (2, [1, 2, 1])]
+    for step, (s, keep) in enumerate(plan):
+        tok = torch.randint(0, args.vocab_size, (3, s or 1), generator=gen).cuda()
+        if s is None:  # a one-token decode step after a rollback
+            lg, le = tri(tok, g_st), tri(tok, e_st)
+        else:
+            (lg, rg), (le, re) = tri.verify(tok, g_st), tri.verify(tok, e_st)
+            assert torch.equal(lg, le), f"step {step}: verify logits (s = {s}) at {g_st.row_pos} differ"
+            tri.rollback(g_st, rg, keep)
+            tri.rollback(e_st, re, keep)
+        assert torch.equal(lg, le), f"step {step}: graph state differs from eager at {g_st.row_pos}"
+    assert g_st.row_pos == e_st.row_pos == [149, 72, 18]
+    assert {k[1:] for k in g_st.graphs} >= {(4, True), (3, True), (2, True), (1, False)}
+    # negative control: one more verify, rolled back on the eager state only
+    tok = torch.randint(0, args.vocab_size, (3, 4), generator=gen).cuda()
+    (_, rg), (_, re) = tri.verify(tok, g_st), tri.verify(tok, e_st)
+    tri.rollback(e_st, re, [1, 1, 1])
+    g_st.row_pos = [p + 1 for p in rg.pos0]
+    nxt = torch.randint(0, args.vocab_size, (3, 1), generator=gen).cuda()
+    assert not torch.equal(tri(nxt, g_st), tri(nxt, e_st)), "control: a verify left un-rolled-back must differ"
+
+
+def test_graph_speculative_greedy_equals_eager_and_plain(args, models):
+    """Issue 26 items 2 and CUDA graphs end to end (bf16 triton, Flash width): speculative greedy on a model that
+    decodes through CUDA graphs (`use_decode_graphs`: verify steps replay recording captures, rollbacks restore
+    from their static outputs) gives the SAME tokens and acceptance counts as on eager states (bitwise: the same
+    kernels; both states hold MAX_LEN = 512 tokens, max_tokens 96 makes the eager one 512 too), for a ragged
+    batch of two rows (k = 3: the oracle on a 300-token prompt, a random drafter on a 140-token one) and for batch
+    1 with the adversary (k = 2); and each row equals plain greedy decoding of its prompt (one token per step,
+    eager), token for token, except from a step whose top two logits lie within bf16's 1e-2 of the largest
+    |logit| or twice the measured difference between verify-step and one-token logits on the plain tokens
+    (whichever is larger: the verify step's k + 1 positions round differently in bf16); the oracle must accept
+    every draft until then, the adversary none."""
+    from dsv4.speculative import (AdversaryDrafter, ContinuationDrafter, RandomDrafter, speculative_greedy,
+                                  speculative_greedy_batch)
+    tri = models(torch.bfloat16, "triton")
+    n_tok = 96
+    prompts = [_ids(args, PROMPT_LEN, 60)[0].tolist(), _ids(args, 140, 61)[0].tolist()]
+    plains = []
+    for p in prompts:
+        st = tri.new_state(1, MAX_LEN)
+        lg, out, logits = tri(torch.tensor([p], device="cuda"), st), [], []
+        for _ in range(n_tok):
+            logits.append(lg[0].float())
+            out.append(int(lg.argmax(-1)))
+            lg = tri(torch.tensor([[out[-1]]], device="cuda"), st)
+        plains.append((out, logits))
+
+    def verify_noise(p, plain, logits):
+        """max |logit difference| between the verify step (4 tokens per call, teacher-forced on the plain tokens)
+        and the one-token steps at the same positions: what the two paths' bf16 roundings differ by."""
+        st, d = tri.new_state(1, MAX_LEN), 0.0
+        tri(torch.tensor([p], device="cuda"), st)
+        for c in range(0, n_tok - 4, 4):
+            lg, rec = tri.verify(torch.tensor([plain[c:c + 4]], device="cuda"), st)
+            tri.rollback(st, rec, [4])
+            d = max(d, float((lg[0] - torch.stack(logits[c + 1:c + 5])).abs().max()))
+        return d
+
+    tol = max(verify_noise(p, *pl) for p, pl in zip(prompts, plains))
+
+    def check(got, plain, logits, what):
+        for i, (g, p) in enumerate(zip(got, plain)):
+            if g != p:
+                top = logits[i].topk(2).values
+                gap = float(top[0] - top[1])
+                assert gap <= max(2 * tol, 1e-2 * float(logits[i].abs().max())), \
+                    f"{what} token {i}: {g} vs plain {p}, top-2 gap {gap:.3g} > 2 x the verify noise {tol:.3g}"
+                return i
+        assert len(got) == len(plain)
+        return None
+
+    def runs():
+        batch = speculative_greedy_batch(
+            tri, prompts, [ContinuationDrafter(len(prompts[0]), plains[0][0]), RandomDrafter(args.vocab_size, 62)],
+            k=3, max_tokens=n_tok, eos=-1)
+        alone = speculative_greedy(tri, prompts[0], AdversaryDrafter(len(prompts[0]), plains[0][0], args.vocab_size),
+                                   k=2, max_tokens=n_tok, eos=-1)
+        return batch + [alone]
+
+    eager = runs()
+    tri.use_decode_graphs(MAX_LEN)
+    try:
+        graph = runs()
+    finally:
+        tri.use_decode_graphs(None)
+    for i, (g, e) in enumerate(zip(graph, eager)):
+        assert g.ids == e.ids and g.accepted == e.accepted, f"run {i}: graph state differs from eager"
+    for i, (res, (plain, logits)) in enumerate(zip(graph, [plains[0], plains[1], plains[0]])):
+        tie = check(res.ids, plain, logits, f"run {i}")
+        if i == 0 and tie is None:
+            assert all(a == 3 for a in res.accepted[:-1]), f"oracle: {res.accepted}"
+        if i == 2:
+            assert set(res.accepted[:tie]) == {0}, f"adversary: {res.accepted}"

@@ -829,8 +829,17 @@ def draft_eos_accepted_unverified(mp: MP) -> None:
     answer the model would have continued)."""
     from dsv4 import speculative
 
-    _source_mutant(mp, speculative, "speculative_greedy", "while a < k and drafts[a] == pred[a]:",
+    _source_mutant(mp, speculative, "speculative_greedy_batch", "while a < k and drafts[a] == pred[a]:",
                    "while a < k and (drafts[a] == pred[a] or drafts[a] == eos_id):  # MUTANT")
+
+
+def speculative_batch_reads_another_rows_logits(mp: MP) -> None:
+    """The batch speculative loop accepts row i's drafts against row (i + 1) % b's verify logits (the class of a
+    verify logits buffer laid out for (1 + k) x requests rows read across requests); batch 1 is unchanged."""
+    from dsv4 import speculative
+
+    _source_mutant(mp, speculative, "_speculate", "emitted[i] = choose(i, logits[i], drafts[i])",
+                   "emitted[i] = choose(i, logits[(i + 1) % b], drafts[i])  # MUTANT")
 
 
 def batch_chat_row_not_loaded(mp: MP) -> None:

@@ -9,6 +9,11 @@ one (rejected: random ids from 512), and an EOS-injecting oracle (drafts EOS whe
 be rejected; rounds accept 0..k drafts, so rollbacks go to every prefix length). The tokens must be equal one for one; a divergence is allowed only at a step
 whose plain-run top two logits lie within fp32 1e-5 of the largest |logit| (the verify step batches k + 1
 positions: fp32 sums in another order), counted and reported (none measured).
+
+A batch (`speculative_greedy_batch`): four ragged rows with different drafters and stopping times each equal plain
+greedy of their prompt alone (the same near-tie rule); a sampled batch's rows equal each row sampled alone.
+Sampling end to end: the whole loop's first three tokens against plain sampling's exact distribution (a
+16-token vocabulary), chi-square at a stated false-alarm rate, with negative controls through the same loop.
 """
 
 from __future__ import annotations
@@ -30,15 +35,20 @@ def run():
     m = Transformer(args)
     m.load_weights({k: v for k, v in random_state_dict(args, seed=26).items() if not k.startswith("mtp.")})
     prompt = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(26)).tolist()
-    st, logits = m.new_state(1), []
+    out, logits = _plain(m, prompt, N)
+    assert EOS not in out, "the test's EOS id must not be a plain greedy token (the run ends at max_tokens)"
+    return m, prompt, out, logits
+
+
+def _plain(m: Transformer, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Plain greedy decoding of `prompt` alone, one token per call: (n tokens, the logits [V] each came from)."""
+    st, logits, out = m.new_state(1), [], []
     lg = m(torch.tensor([prompt]), st)
-    out = []
-    for _ in range(N):
+    for _ in range(n):
         logits.append(lg[0])
         out.append(int(lg.argmax(-1)))
         lg = m(torch.tensor([[out[-1]]]), st)
-    assert EOS not in out, "the test's EOS id must not be a plain greedy token (the run ends at max_tokens)"
-    return m, prompt, out, logits
+    return out, logits
 
 
 def _check(got: list[int], plain: list[int], logits: list[torch.Tensor], what: str) -> int:
@@ -297,3 +307,209 @@ def test_speculative_sampling_runs_and_is_seeded(run):
     assert all(0 <= x <= 3 for x in a.accepted)
     with pytest.raises(ValueError, match="temperature=0"):
         speculative_sample(m, prompt, dr, k=3, max_tokens=4, temperature=0)
+
+
+# ------------------------------------------------------------------------------------- a batch (issue 26 item 2)
+def test_speculative_greedy_batch_equals_each_row_alone(run, mtp_model, seed):
+    """Four rows of one batch (prompts of 21, 9, 34 and 50 tokens: ragged positions; fresh random prompts but
+    row 0's) decode speculatively with k = 3 and a different drafter each: the oracle, the adversary, the MTP
+    block and an EOS-drafting oracle. Each row's tokens must equal plain greedy decoding of its prompt alone,
+    token for token (near-ties counted as in the batch-1 test, none measured). The rows stop at different times:
+    max_tokens 150 / 40 / 110 / 120 per row, and an EOS id taken from row 2's own greedy continuation (its
+    first occurrence, >= 20 tokens in), so row 2 ends at EOS while the others run on; a row that stopped still
+    runs in the verify step and must change nothing of the others'. The oracle row accepts every draft, the
+    adversary row none (not vacuous). Killed by mutant `speculative_batch_reads_another_rows_logits`."""
+    from dsv4.speculative import MTPDrafter, speculative_greedy_batch
+    m = mtp_model  # `run`'s main weights: row 0's plain run is the fixture's
+    _, prompt0, plain0, logits0 = run
+    g = torch.Generator().manual_seed(seed)
+    prompts = [prompt0] + [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 34, 50)]
+    limits = [150, 40, 110, 120]
+    plains = [(plain0[:limits[0]], logits0[:limits[0]])] + [_plain(m, p, n) for p, n in
+                                                              zip(prompts[1:], limits[1:])]
+    p2 = plains[2][0]
+    eos = next(t for j, t in enumerate(p2) if j >= 20 and t not in p2[:j])
+    want = [p[:p.index(eos) + 1] if eos in p else p for p, _ in plains]
+    assert len(want[2]) < limits[2] and len(want[0]) > len(want[1]), "rows must stop at different times"
+    drafters = [ContinuationDrafter(len(prompts[0]), plains[0][0]),
+                AdversaryDrafter(len(prompts[1]), plains[1][0], VOCAB), MTPDrafter(m),
+                ContinuationDrafter(len(prompts[3]), [eos if j % 5 == 2 else t for j, t in enumerate(plains[3][0])])]
+    res = speculative_greedy_batch(m, prompts, drafters, k=3, max_tokens=limits, eos=eos)
+    ties = [_check(r.ids, w, lg, f"row {i}") for i, (r, w, (_, lg)) in enumerate(zip(res, want, plains))]
+    for i, r in enumerate(res):
+        assert r.stop == ("eos" if want[i][-1] == eos else "max_tokens"), f"row {i}: stop {r.stop}"
+    if not ties[0]:
+        assert all(a == 3 for a in res[0].accepted[:-1]), f"row 0 (oracle): {res[0].accepted}"
+    assert set(res[1].accepted) == {0} and len(res[1].accepted) == limits[1] - 1, "row 1 (adversary)"
+    assert ties[2] or drafters[2].pos == len(prompts[2]) + sum(a + 1 for a in res[2].accepted)
+    assert 0 in res[3].accepted and max(res[3].accepted) > 0, f"row 3 (EOS drafts): {res[3].accepted}"
+    print(f"batch of 4: rounds {[len(r.accepted) for r in res]}, mean accepted lengths "
+          f"{[round(r.mean_accepted_length, 2) for r in res]}, near-tie divergences {sum(ties)}")
+
+
+class _ModelDrafter:
+    """Drafts the model's own greedy chain after the context (a fresh state each call): likely tokens, so that
+    speculative sampling accepts some and rejects others."""
+
+    def __init__(self, m: Transformer):
+        self.m = m
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        st, out = self.m.new_state(1), []
+        lg = self.m(torch.tensor([context]), st)
+        for _ in range(k):
+            out.append(int(lg.argmax(-1)))
+            lg = self.m(torch.tensor([[out[-1]]]), st)
+        return out
+
+
+def test_speculative_sample_batch_rows_equal_each_row_alone(run, seed):
+    """Speculative sampling of a batch (T = 0.3, k = 3, three prompts of 21 / 9 / 30 tokens, max_tokens 30 / 12
+    / 25, a seed per row; drafters: the model's own greedy chain on row 0, random ids on rows 1 and 2): each
+    row's tokens and acceptance counts equal `speculative_sample` of its prompt alone with its seed (every row
+    draws from its own generator; the batched logits round differently, so a draw within fp32 rounding of a
+    probability boundary could differ: none here, the test is seeded), and some draft is accepted (the rule's
+    accept path ran). Killed by mutant `speculative_batch_reads_another_rows_logits` (a row accepting against
+    another row's logits)."""
+    from dsv4.speculative import speculative_sample, speculative_sample_batch
+    m, prompt0, plain0, _ = run
+    g = torch.Generator().manual_seed(seed)
+    prompts = [prompt0] + [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 30)]
+    limits, seeds = [30, 12, 25], [seed % 1000, seed % 1000 + 1, seed % 1000 + 2]
+
+    def drafters():
+        return [_ModelDrafter(m), RandomDrafter(VOCAB, seed=1), RandomDrafter(VOCAB, seed=2)]
+    batch = speculative_sample_batch(m, prompts, drafters(), k=3, max_tokens=limits, temperature=0.3, seed=seeds,
+                                     eos=EOS)
+    for i, (p, d, n, s) in enumerate(zip(prompts, drafters(), limits, seeds)):
+        alone = speculative_sample(m, p, d, k=3, max_tokens=n, temperature=0.3, seed=s, eos=EOS)
+        assert batch[i].ids == alone.ids and batch[i].accepted == alone.accepted, f"row {i}"
+        assert len(alone.ids) == n or alone.ids[-1] == EOS
+    assert any(a for r in batch for a in r.accepted), "some draft accepted somewhere (the rule's accept path ran)"
+
+
+def test_speculative_batch_names_misuse(run, mtp_model):
+    """Bad batch arguments raise ValueError naming the argument (and the row), a batch over MAX_BATCH LimitError,
+    before any model work."""
+    from dsv4.memory_plan import LimitError
+    from dsv4.speculative import MTPDrafter, speculative_greedy_batch, speculative_sample_batch
+    m = run[0]
+    d = RandomDrafter(VOCAB)
+    with pytest.raises(ValueError, match="prompts: expected a non-empty list"):
+        speculative_greedy_batch(m, [], [], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected a non-empty list of token ids in \[0, 512\)"):
+        speculative_greedy_batch(m, [[1, 2], [3, VOCAB]], [d, d], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"max_tokens=\[4\]: expected an int >= 1 or a list of 2"):
+        speculative_greedy_batch(m, [[1, 2], [3]], [d, d], k=2, max_tokens=[4])
+    with pytest.raises(ValueError, match=r"max_tokens=0: expected an int >= 1 \(row 1\)"):
+        speculative_greedy_batch(m, [[1, 2], [3]], [d, d], k=2, max_tokens=[4, 0])
+    with pytest.raises(ValueError, match="drafters: expected a list of 2 drafters"):
+        speculative_greedy_batch(m, [[1, 2], [3]], [d], k=2, max_tokens=4)
+    mtp = MTPDrafter(mtp_model)
+    with pytest.raises(ValueError, match="drafters: one drafter object serves two rows"):
+        speculative_greedy_batch(mtp_model, [[1, 2], [3]], [mtp, mtp], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"seed=\[1\]: expected an int or a list of 2 ints"):
+        speculative_sample_batch(m, [[1, 2], [3]], [d, d], k=2, max_tokens=4, temperature=1.0, seed=[1])
+    with pytest.raises(ValueError, match="temperature=-1"):
+        speculative_sample_batch(m, [[1, 2], [3]], [d, d], k=2, max_tokens=4, temperature=-1)
+    with pytest.raises(LimitError, match="MAX_BATCH"):
+        speculative_greedy_batch(m, [[1]] * 65, [d] * 65, k=2, max_tokens=4)
+
+
+# ------------------------------------------------------- speculative sampling end to end (issue 26 item 3)
+DV, DT, DK, DROWS, DN = 16, 0.5, 2, 64, 2560  # vocab, temperature, drafts, rows per batch, samples per test
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The tiny architecture with a 16-token vocabulary (4 layers), a 5-token prompt, and the exact probabilities
+    of plain sampling's first three tokens at T = 0.5: P[a, b, c] = p(a | prompt) p(b | prompt a) p(c | prompt a b),
+    float64, each factor softmax(logits / T) of the model's own prefill logits (all V^2 contexts in one call)."""
+    args = tiny_args(vocab_size=DV, index_topk=4)
+    m = Transformer(args)
+    m.load_weights({k: v for k, v in random_state_dict(args, seed=2611).items() if not k.startswith("mtp.")})
+    prompt = torch.randint(0, DV, (5,), generator=torch.Generator().manual_seed(2611)).tolist()
+    a, b = torch.arange(DV).repeat_interleave(DV), torch.arange(DV).repeat(DV)
+    with torch.no_grad():
+        p1 = (m(torch.tensor([prompt]), m.new_state(1)) / DT).double().softmax(-1)[0]
+        p2 = (m(torch.tensor([prompt + [t] for t in range(DV)]), m.new_state(DV)) / DT).double().softmax(-1)
+        ids = torch.cat((torch.tensor(prompt).expand(DV * DV, 5), a[:, None], b[:, None]), 1)
+        p3 = (m(ids, m.new_state(DV * DV, 128)) / DT).double().softmax(-1).view(DV, DV, DV)
+    P = p1[:, None, None] * p2[:, :, None] * p3
+    return m, prompt, P, p2, p3
+
+
+class _ModeDrafter:
+    """Drafts the most likely token(s) of the model's exact distribution after the first one or two generated
+    tokens (a point mass, not the model's distribution: accepted with probability p(mode) ~ 0.2-0.6, so both the
+    accept and the resample paths run, and round 2 follows a rollback), token 0 elsewhere."""
+
+    def __init__(self, n: int, p2: torch.Tensor, p3: torch.Tensor):
+        self.n, self.p2, self.p3 = n, p2, p3
+
+    def draft(self, context: list[int], k: int) -> list[int]:
+        s = context[self.n:]
+        if len(s) == 1:
+            d1 = int(self.p2[s[0]].argmax())
+            return ([d1, int(self.p3[s[0], d1].argmax())] + [0] * k)[:k]
+        if len(s) == 2:
+            return ([int(self.p3[s[0], s[1]].argmax())] + [0] * k)[:k]
+        return [0] * k
+
+
+def _first_three(m, prompt, drafters, seeds) -> torch.Tensor:
+    """Counts [V^3] of the first three tokens of `speculative_sample_batch` over the seeds (one row each,
+    batches of DROWS; rows stop at different rounds: 1 or 2 verify steps)."""
+    from dsv4.speculative import speculative_sample_batch
+    counts = torch.zeros(DV ** 3, dtype=torch.float64)
+    for c in range(0, len(seeds), DROWS):
+        ss = seeds[c:c + DROWS]
+        res = speculative_sample_batch(m, [prompt] * len(ss), [drafters(s) for s in ss], k=DK, max_tokens=3,
+                                       temperature=DT, seed=ss, eos=-1)
+        for r in res:
+            counts[(r.ids[0] * DV + r.ids[1]) * DV + r.ids[2]] += 1
+    return counts
+
+
+def _gof(counts: torch.Tensor, P: torch.Tensor) -> tuple[float, float]:
+    """Pearson's chi-square of counts against N * P: every cell expecting >= 5 on its own, the rest pooled ->
+    (statistic, critical value at the false-alarm rate 1e-4: z = 3.719, Wilson-Hilferty)."""
+    n, p = counts.sum(), P.flatten()
+    big = n * p >= 5
+    obs = torch.cat((counts[big], counts[~big].sum().view(1)))
+    exp = torch.cat((p[big], p[~big].sum().view(1))) * n
+    return float(((obs - exp) ** 2 / exp).sum()), _chi2_critical(int(big.sum()), 3.719)
+
+
+@pytest.mark.parametrize("drafter", ["mode", "random"])
+def test_speculative_sampling_end_to_end_draws_plain_samplings_distribution(small, seed, drafter, monkeypatch):
+    """The whole loop (`speculative_sample_batch`: prefill, k = 2 drafts, verify steps, the acceptance rule,
+    rollbacks, rows finishing at different rounds) at T = 0.5 draws its first three tokens from plain
+    sampling's distribution, computed exactly from the model's logits (`small`): Pearson's chi-square over
+    2,560 seeds (fresh per test id), cells expecting >= 5 (the rest pooled), false-alarm rate 1e-4 per
+    assertion (the test fails on correct code once in 10,000 seed sets; two parameters: 2e-4). Drafters: the
+    exact distribution's mode (accepted ~ half the time) and uniform random ids (mostly rejected). Negative
+    controls through the same loop and test (mode drafter, where they have power): a rule that accepts every
+    draft, and a resample from p itself (the rejected draft's mass not removed) must be rejected."""
+    from dsv4 import speculative
+    m, prompt, P, p2, p3 = small
+    seeds = [seed % 100_000 * 10_000 + i for i in range(DN)]
+    make = (lambda s: _ModeDrafter(len(prompt), p2, p3)) if drafter == "mode" else \
+        (lambda s: RandomDrafter(DV, seed=s))
+    stat, crit = _gof(_first_three(m, prompt, make, seeds), P)
+    assert stat < crit, f"{drafter}: speculative sampling's first three tokens rejected, chi2 {stat:.1f} >= {crit:.1f}"
+    if drafter != "mode":
+        return
+
+    def accept_all(p, d, g):
+        return True, d
+
+    def resample_from_p(p, d, g):  # the bug: the rejected draft's mass not removed before the resample
+        if bool(torch.rand((), generator=g, device=p.device) < p[d]):
+            return True, d
+        return False, int(torch.multinomial(p, 1, generator=g))
+    for bad in (accept_all, resample_from_p):
+        monkeypatch.setattr(speculative, "accept_or_resample", bad)
+        bstat, bcrit = _gof(_first_three(m, prompt, make, seeds), P)
+        assert bstat > bcrit, f"control {bad.__name__}: chi2 {bstat:.1f} <= {bcrit:.1f} (the test has no power)"
+    print(f"{drafter}: chi2 {stat:.1f} < {crit:.1f}; controls rejected (last: {bstat:.1f})")
