@@ -11,6 +11,7 @@ an error, never a silent fallback to the reference.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -75,15 +76,26 @@ class Backend:
     # prepare(moes): called once by `Transformer.__init__` with the model's MoE modules (triton:
     # `dsv4.fast.prepare` stacks the FP4 routed experts for the grouped kernel; reference: nothing to do)
     prepare: Callable = lambda moes: None
+    # issue 25: the batch-invariant mode (`dsv4.invariant`): every entry above is its invariant launch, and the
+    # model's decode-path torch reductions take their fixed-order forms (`Attention`, `Indexer`, `Gate`)
+    batch_invariant: bool = False
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """Backend `name` for tensors on `device`.
+def get_backend(name: str, device: torch.device, batch_invariant: bool = False) -> Backend:
+    """Backend `name` for tensors on `device`; `batch_invariant=True` (triton only) builds the batch-invariant
+    table (`dsv4.invariant`: its guarantee and limits; README "Batch-invariant mode").
 
     Raises:
-        ValueError: unknown name, or "triton" on a non-CUDA device without TRITON_INTERPRET=1.
+        ValueError: unknown name, "triton" on a non-CUDA device without TRITON_INTERPRET=1, batch_invariant not a
+            bool, or batch_invariant=True with "reference" (cuBLAS picks its GEMM algorithm by the row count: not
+            batch invariant, and dsv4 does not replace it there).
         ImportError: "triton" requested and the triton package is missing.
     """
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant={batch_invariant!r}: expected a bool")
+    if batch_invariant and name == "reference":
+        raise ValueError("batch_invariant=True needs backend='triton': the reference backend's matmuls are "
+                         "cuBLAS / CPU BLAS, whose algorithm (and so the summation order) follows the row count")
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
@@ -104,6 +116,17 @@ def get_backend(name: str, device: torch.device) -> Backend:
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
         from dsv4 import fast  # triton is an optional dependency: dsv4.fast and kernels.quant import it
         from kernels import quant as kquant  # triton is an optional dependency (as above)
+        if batch_invariant:
+            from dsv4 import invariant as inv
+            return Backend("triton", functools.partial(mhc.hc_pre, invariant=True), mhc.hc_post,
+                           functools.partial(mhc.hc_head, invariant=True), attention.invariant_sparse_attn,
+                           indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
+                           linear=inv.linear, grouped_linear=inv.grouped_linear, moe_routed=inv.moe_routed,
+                           fp32_linear=inv.fp32_linear, compress_pool=compressor.compress_pool,
+                           compress_commit=compressor.compress_commit, rms_norm=fast.rms_norm,
+                           rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
+                           fp4_act_quant_sim=kquant.fp4_act_quant_sim,
+                           hc_post_pre_max_t=0, prepare=inv.prepare, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=fast.linear, grouped_linear=fast.grouped_linear, moe_routed=fast.moe_routed,
