@@ -16,7 +16,8 @@ What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes
   * rows: prefill of 1k and 4k tokens at batch 1 (tokens/s), decode step at 4k context for batch 1 / 8 / 32 (ms
     per step and per layer). Decode states at 4k context are synthetic (random ring, compressed entries and
     indexer keys of the right shapes, position 4096): the reference would need minutes to prefill 32 x 4k.
-  * columns: dsv4 reference, dsv4 triton, transformers' DeepseekV4ForCausalLM (eager attention, bf16 weights
+  * columns: dsv4 reference, dsv4 triton, (with `--batch-invariant`) dsv4 triton in the batch-invariant mode
+    (`triton-bi`, issue 25), transformers' DeepseekV4ForCausalLM (eager attention, bf16 weights
     = the exact dequantization of the same codes; batch 1 only: eager attention over 4k x 4k scores at batch 8+
     needs more memory than the GPU has), the floor and each backend's ratio to it.
   * floor: decode = bytes the step must read (every weight that the step touches in its on-disk format: the
@@ -57,7 +58,11 @@ CONFIGS = {"flash": ROOT / "fixtures/configs/deepseek_v4_flash.config.json",
 
 # ----------------------------------------------------------------------------------------------- weights
 def build(args: ModelArgs, backend: str, seed: int = 0, device: str = "cuda") -> Transformer:
-    model = Transformer(args, dtype=torch.bfloat16, device=device, backend=backend, weights="quantized")
+    """The bf16 quantized model on `backend`: "reference", "triton", or "triton-bi" (the triton backend in the
+    batch-invariant mode, `Transformer(batch_invariant=True)`, issue 25)."""
+    bi = backend == "triton-bi"
+    model = Transformer(args, dtype=torch.bfloat16, device=device, backend="triton" if bi else backend,
+                        weights="quantized", batch_invariant=bi)
     fill_random_quantized_(model, seed)
     return model.eval()
 
@@ -362,7 +367,8 @@ def markdown(results: dict, meta: dict, geometries: dict) -> str:
     lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
              f"{meta['transformers']}, commit {meta['commit']}; copy bandwidth {bw:.0f} GB/s, bf16 GEMM peak "
              f"{peak:.0f} TFLOP/s (both measured in this run).", ""]
-    cols = ["reference", "triton", "transformers"]
+    cols = ["reference", "triton"] + (["triton-bi"] if any(k[0].endswith(":triton-bi") for k in results) else []) \
+        + ["transformers"]
     lines.append("| geometry | row | " + " | ".join(cols) + " | floor | " + " | ".join(f"{c} / floor" for c in cols)
                  + " | triton speedup vs reference |")
     lines.append("|" + "---|" * (4 + 2 * len(cols)))
@@ -447,6 +453,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=Path, default=None, help="write torch.profiler tables here")
     ap.add_argument("--profile-backends", default="reference,triton", help="backends --profile profiles")
     ap.add_argument("--no-graphs", action="store_true", help="triton decode eagerly (no CUDA graph)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also the triton backend in the batch-invariant mode (column triton-bi; issue 25)")
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -470,7 +478,7 @@ def main(argv=None) -> int:
     print(meta, flush=True)
     prefills = [int(x) for x in a.prefill.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
-    backends = a.backends.split(",")
+    backends = a.backends.split(",") + (["triton-bi"] if a.batch_invariant else [])
     results: dict = {}
     geometries: dict = {}
     runs = [(geo, n) for geo in a.geometry.split(",")
@@ -483,11 +491,11 @@ def main(argv=None) -> int:
         info = dict(name=geo_name, layers=n, full_layers=full.n_layers, ctx=a.ctx, prefills=prefills,
                     batches=batches, prefill_flops={s: prefill_flops(args, s) for s in prefills})
         model = None
-        for be in ("reference", "triton"):
+        for be in ("reference", "triton", "triton-bi"):
             if be not in backends:
                 continue
             model = build(args, be)
-            if be == "triton" and not a.no_graphs:
+            if be.startswith("triton") and not a.no_graphs:
                 model.use_decode_graphs(a.ctx + 256)  # CUDA-graph decode (dsv4/graph.py)
             sub: dict = {}
             bench_dsv4(model, prefills, batches, a.ctx, a.warmup, a.reps, sub, be)

@@ -34,6 +34,7 @@ Narrow widths (test-scale models, in % 128 != 0) quantize activations with `kern
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from kernels import attention, compressor, gemm, indexer, mhc, moe, norm, numerics, rope
+from kernels import attention, compressor, gemm, indexer, invariant, mhc, moe, norm, numerics, rope
 from kernels import fp32_linear as kfp32
 
 __all__ = ["Backend", "get_backend", "BACKENDS"]
@@ -97,15 +98,27 @@ class Backend:
     # with it where `kernels.moe.stackable` holds and the activations are bf16 (`MoE.stackable`), and hands the
     # stack to `moe_routed` (triton: `kernels.moe.stack_experts`, for the grouped kernel; reference: None, never)
     stack_experts: Callable | None = None
+    # issue 25: the batch-invariant mode (`kernels.invariant`): every entry above is its invariant launch, the
+    # model's decode-path torch reductions take their fixed-order forms (`Attention`, `Indexer`, `Gate`), and
+    # `Transformer.__init__` refuses a MoE the grouped kernel cannot take
+    batch_invariant: bool = False
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """Backend `name` for tensors on `device`.
+def get_backend(name: str, device: torch.device, batch_invariant: bool = False) -> Backend:
+    """Backend `name` for tensors on `device`; `batch_invariant=True` (triton only) builds the batch-invariant
+    table (`kernels.invariant`: its guarantee and limits; README "Batch-invariant mode").
 
     Raises:
-        ValueError: unknown name, or "triton" on a non-CUDA device without TRITON_INTERPRET=1.
+        ValueError: unknown name, "triton" on a non-CUDA device without TRITON_INTERPRET=1, batch_invariant not a
+            bool, or batch_invariant=True with "reference" (cuBLAS picks its GEMM algorithm by the row count: not
+            batch invariant, and dsv4 does not replace it there).
         ImportError: "triton" requested and the triton package is missing.
     """
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"batch_invariant={batch_invariant!r}: expected a bool")
+    if batch_invariant and name == "reference":
+        raise ValueError("batch_invariant=True needs backend='triton': the reference backend's matmuls are "
+                         "cuBLAS / CPU BLAS, whose algorithm (and so the summation order) follows the row count")
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
@@ -125,6 +138,17 @@ def get_backend(name: str, device: torch.device) -> Backend:
             raise ValueError(f"backend 'triton' needs a CUDA device (got {device}); on CPU it runs only under "
                              "TRITON_INTERPRET=1. Use backend='reference' explicitly instead.")
         from kernels import quant as kquant  # triton is an optional dependency: kernels.quant imports it
+        if batch_invariant:
+            return Backend("triton", functools.partial(mhc.hc_pre, invariant=True), mhc.hc_post,
+                           functools.partial(mhc.hc_head, invariant=True), attention.invariant_sparse_attn,
+                           indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
+                           linear=invariant.linear, grouped_linear=invariant.grouped_linear,
+                           moe_routed=invariant.moe_routed, fp32_linear=invariant.fp32_linear,
+                           compress_pool=compressor.compress_pool,
+                           compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
+                           rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
+                           fp4_act_quant_sim=kquant.fp4_act_quant_sim,
+                           hc_post_pre_max_t=0, stack_experts=moe.stack_experts, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,

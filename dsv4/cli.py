@@ -154,6 +154,10 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("dequantized", "quantized"), default="dequantized",
                    help="dequantized = FP8/FP4 weights held in --dtype (default); quantized = kept as on disk and "
                         "dequantized per use (needed for Pro)")
+    p.add_argument("--batch-invariant", action="store_true", default=False,
+                   help="batch-invariant mode (issue 25): a request's decode logits bitwise independent of its "
+                        "batch and neighbours; needs --backend triton --dtype bf16 --weights quantized, world "
+                        "size 1 (README 'Batch-invariant mode')")
     think = p.add_mutually_exclusive_group()
     think.add_argument("--thinking", dest="thinking", action="store_true", default=True,
                        help="thinking mode (default, as DeepSeek's API): the prompt ends in <think>")
@@ -304,6 +308,11 @@ def _check_runtime(args: argparse.Namespace) -> str | None:
     device, backend = getattr(args, "device", None), getattr(args, "backend", None)
     if device is None:
         return None
+    if getattr(args, "batch_invariant", False) and (backend, args.dtype, args.weights) != ("triton", "bf16",
+                                                                                        "quantized"):
+        return (f"--batch-invariant needs --backend triton --dtype bf16 --weights quantized (got --backend {backend} "
+                f"--dtype {args.dtype} --weights {args.weights}): the reference backend and the fp32 / dequantized "
+                "linears run cuBLAS, whose summation order follows the batch")
     if backend == "triton":
 
         if importlib.util.find_spec("triton") is None:
@@ -476,13 +485,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_diagnose(ckpt=args.ckpt, prompt=args.prompt, decode_steps=args.decode_steps,
                             json_path=args.json, thinking=args.thinking, device=args.device,
                             dtype=args.dtype, backend=args.backend, weights=args.weights,
-                            continue_tokens=args.continue_tokens, expect=args.expect)
+                            continue_tokens=args.continue_tokens, expect=args.expect,
+                            batch_invariant=args.batch_invariant)
     if args.command == "generate":
         from dsv4.generate import run_generate  # the CLI parses before importing torch
         return run_generate(ckpt=args.ckpt, prompt=args.prompt, max_tokens=args.max_tokens,
                             temperature=args.temperature, thinking=args.thinking, seed=args.seed,
                             device=args.device, dtype=args.dtype, backend=args.backend, weights=args.weights,
-                            speculative=args.speculative)
+                            speculative=args.speculative, batch_invariant=args.batch_invariant)
     if args.command == "make-tiny":
         from dsv4.tiny import make_tiny  # the CLI parses before importing torch
         fresh = args.fresh_out_dir = _fresh_dir(args.out_dir)

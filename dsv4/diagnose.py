@@ -732,8 +732,9 @@ class Progress:
 
 def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
                  device: str, dtype: str = "bf16", backend: str = "reference", weights: str = "dequantized",
-                 continue_tokens: int = DEFAULT_CONTINUE_TOKENS, expect: str | None = None) -> int:
-    """See `_run_diagnose`; under torchrun only rank 0 prints and writes the JSON report (every rank computes).
+                 continue_tokens: int = DEFAULT_CONTINUE_TOKENS, expect: str | None = None,
+                 batch_invariant: bool = False) -> int:
+    """See `_run_diagnose` (`batch_invariant`: `Transformer(batch_invariant=True)`, issue 25); under torchrun only rank 0 prints and writes the JSON report (every rank computes).
 
     The launch (RANK / WORLD_SIZE / LOCAL_RANK, `dsv4.launch.launch_from_env`) and the report path (`json_path`:
     `dsv4.report.check_report_path`, never inside or over the checkpoint read) are checked before any work: exit 2
@@ -751,7 +752,8 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
     except (LaunchEnvError, ReportPathError) as e:
         print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    args = (ckpt, prompt, decode_steps, report, thinking, device, dtype, backend, weights, continue_tokens, expect)
+    args = (ckpt, prompt, decode_steps, report, thinking, device, dtype, backend, weights, continue_tokens, expect,
+            batch_invariant)
     if not rank_zero:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             return _run_diagnose(*args[:3], None, *args[4:])
@@ -815,7 +817,7 @@ def _report_failure(report, error: str, exit_status: int | None) -> None:
 
 def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: Path | None, thinking: bool,
                   device: str, dtype: str, backend: str, weights: str, continue_tokens: int,
-                  expect: str | None) -> int:
+                  expect: str | None, batch_invariant: bool = False) -> int:
     """Entry point of `dsv4 diagnose`: both decisive tests on one checkpoint, printed as one labelled report.
 
     Checkpoint: `ckpt`, else `$DSV4_CKPT`, else a tiny random checkpoint built in a temporary directory.
@@ -844,7 +846,8 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
             ident = _checkpoint_identity(path, built)
 
             tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
-            model, n_layers = dsv4.generate.load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights)
+            model, n_layers = dsv4.generate.load_model(path, device=device, dtype=torch_dtype, backend=backend,
+                                                       weights=weights, batch_invariant=batch_invariant)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
             print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
             return EXIT_ERROR

@@ -361,7 +361,7 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
 
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "reference", progress: bool = True, weights: str = "dequantized",
-               mtp: bool = False) -> tuple[Transformer, int]:
+               mtp: bool = False, batch_invariant: bool = False) -> tuple[Transformer, int]:
     """Load the checkpoint directory `ckpt` (or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`, generated on
     load: `dsv4.synth.SynthCheckpoint`) honouring TEST_LAYERS; returns (model, effective layer count).
 
@@ -374,7 +374,9 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     the device of its LOCAL_RANK). Before any weight is read, the memory plan is compared with what the device
     has available: `dsv4.memory_plan.DeviceMemoryError` (a ValueError, with the numbers) when the weights cannot
     fit. Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and `dsv4.parallel.comm_from_env`
-    raise; CheckpointError for weights="quantized" on a bf16 checkpoint.
+    raise; CheckpointError for weights="quantized" on a bf16 checkpoint. `batch_invariant`: the batch-invariant
+    mode (`Transformer(batch_invariant=True)`, `kernels.invariant`; world size 1 only: ValueError under torchrun,
+    where the all-reduce order is outside its guarantee).
     """
 
     if weights not in WEIGHTS:
@@ -384,6 +386,9 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     if launch_from_env().distributed:
         if mtp:
             raise ValueError("load_model(mtp=True): the MTP block is loaded at world size 1 only (not yet sharded)")
+        if batch_invariant:
+            raise ValueError("load_model(batch_invariant=True): world size 1 only (the all-reduce order of a "
+                             "tensor / expert-parallel run is outside the mode's guarantee, kernels.invariant)")
         comm, rank_device = comm_from_env(device)
         full = checkpoint_args(ckpt)
         check_fits(full, layers_from_env(full.n_layers), device=rank_device, dtype_bytes=dtype_bytes,
@@ -400,7 +405,8 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     args, sd = dsv4.checkpoint.load_checkpoint(ckpt, n_layers=n, dtype=dtype, progress=progress,
                                dequantize=weights == "dequantized", device=device,  # dequantized on `device`
                                include_mtp=mtp)
-    model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights, mtp=mtp)
+    model = Transformer(args, dtype=dtype, device=device, backend=backend, weights=weights, mtp=mtp,
+                        batch_invariant=batch_invariant)
     model.load_weights({k: v.to(device) for k, v in sd.items()})
     return model.eval().requires_grad_(False), n
 
@@ -427,7 +433,7 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
 
 def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature: float, thinking: bool,
                  seed: int, device: str, dtype: str = "bf16", backend: str = "reference",
-                 weights: str = "dequantized", speculative: int = 0) -> int:
+                 weights: str = "dequantized", speculative: int = 0, batch_invariant: bool = False) -> int:
     """`dsv4 generate`: stream the completion to stdout, then the parsed message. Exit status 0, 2 on bad input
     (an inconsistent RANK / WORLD_SIZE / LOCAL_RANK is checked first: `dsv4.launch.launch_from_env`)."""
 
@@ -448,7 +454,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
                              "(rejection sampling) is not implemented yet; use --temperature 0")
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights,
-                              mtp=speculative > 0)
+                              mtp=speculative > 0, batch_invariant=batch_invariant)
 
         tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
     except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:

@@ -50,6 +50,7 @@ from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
 from kernels.indexer import indexer_topk_ref
+from kernels.invariant import fixed_mean, hadamard  # the batch-invariant mode's fixed-order reductions (issue 25)
 # the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
 from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
@@ -315,7 +316,7 @@ class Compressor(nn.Module):
         of the nope channels (spec §6.3), RoPE and roundings through `ops` (the prefill passes `REFERENCE`)."""
         k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
-            return self.sim.fp4((k.float() @ self.hadamard.T).to(dtype), ops.fp4_act_quant_sim)
+            return self.sim.fp4(_hadamard(k.float(), self.hadamard, ops).to(dtype), ops.fp4_act_quant_sim)
         k[..., :-self.rd] = self.sim.kv_nope(k[..., :-self.rd], ops.act_quant_sim)
         return k
 
@@ -405,7 +406,7 @@ class Indexer(nn.Module):
         `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
-        q = self.sim.fp4((q.float() @ self.hadamard.T).to(q.dtype), ops.fp4_act_quant_sim)
+        q = self.sim.fp4(_hadamard(q.float(), self.hadamard, ops).to(q.dtype), ops.fp4_act_quant_sim)
         w = self.weights_proj(x).float() * self.weight_scale
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
@@ -413,6 +414,15 @@ class Indexer(nn.Module):
         if k is None:
             return topk(scores, min(self.topk, int(n_valid.max())), n_valid)
         return topk(scores, k, n_valid, check=False)
+
+
+def _hadamard(x: torch.Tensor, h: torch.Tensor, ops: Backend) -> torch.Tensor:
+    """x [..., n] fp32 times the Hadamard matrix h [n, n] (`hadamard_matrix`): `x @ h.T`, or in the batch-invariant
+    mode (`ops.batch_invariant`) the fixed-order butterfly `kernels.invariant.hadamard` (the same value, an order
+    that does not follow the row count)."""
+    if ops.batch_invariant:
+        return hadamard(x)
+    return x @ h.T
 
 
 def window_slots(P: torch.Tensor, p0: int | torch.Tensor, W: int) -> torch.Tensor:
@@ -471,7 +481,10 @@ class Attention(nn.Module):
         channels (spec §5.2) through `ops`."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
-        q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.args.norm_eps)
+        if ops.batch_invariant:  # the mean in a fixed order (kernels.invariant): torch's reduction follows the shape
+            q = q * torch.rsqrt(fixed_mean(q.square()) + self.args.norm_eps)
+        else:
+            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.args.norm_eps)
         q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         kv = self.kv_norm(self.wkv(x))
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
@@ -538,8 +551,11 @@ class Attention(nn.Module):
         qr, q, kv = self._qkv(x, P, backend)
         if s == 1:
             st.ring.scatter_(1, (P % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
-            slots = torch.arange(W, device=dev)
-            idx, off = torch.where(slots <= P, slots, -1).view(b, 1, W), W
+            if backend.batch_invariant:  # the window in position order, as the s > 1 step lists it (issue 25)
+                idx, off = window_slots(P, P.view(b, 1, 1) + 1, W), W
+            else:
+                slots = torch.arange(W, device=dev)
+                idx, off = torch.where(slots <= P, slots, -1).view(b, 1, W), W
         else:  # keys = [ring before the call | this call's KV | entries], as `extend`
             idx, off = window_slots(P, pos.view(b, 1, 1), W), W + s
         if self.compressor is not None:
@@ -611,6 +627,7 @@ class Gate(nn.Module):
         self.hash = layer_id < min(args.n_hash_layers, args.n_layers)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=held))
         self.kernel = kernel  # the backend's `fp32_linear` (`MoE` passes `sim.ops.fp32_linear`)
+        self.fixed_order = False  # the batch-invariant mode's weight normalisation (`MoE` sets it from the backend)
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
         else:
@@ -631,7 +648,13 @@ class Gate(nn.Module):
             ids = (scores + self.bias).topk(self.topk, dim=-1).indices
         w = scores.gather(1, ids)
         if self.score_func != "softmax":
-            w = w / w.sum(-1, keepdim=True)
+            if self.fixed_order:  # left to right, elementwise (kernels.invariant): the same order at every N
+                tot = w[:, :1].clone()
+                for j in range(1, w.shape[1]):
+                    tot += w[:, j:j + 1]
+                w = w / tot
+            else:
+                w = w / w.sum(-1, keepdim=True)
         return w * self.route_scale, ids
 
 
@@ -651,6 +674,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
         self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear)
+        self.gate.fixed_order = sim.ops.batch_invariant
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
@@ -824,19 +848,27 @@ class Transformer(nn.Module):
             is dequantized to `dtype` per use; the BF16 fp32-compute weights - head, router, compressor wkv /
             wgate - stay bf16 and are upcast exactly; see `Linear`, `Gate`). Both compute the same logits bit
             for bit with the reference backend.
+        batch_invariant: the batch-invariant mode (issue 25; `kernels.invariant`: the guarantee and its limits): a
+            row's decode logits bitwise independent of its batch, its neighbours and a verify step's length.
+            Needs backend="triton", dtype=torch.bfloat16, weights="quantized" and FP4 experts the grouped
+            kernel takes.
     Raises:
         ValueError: unsupported dtype, backend or weights mode; weights="quantized" for args whose checkpoint
-            holds no FP8/FP4 weight (a bf16 checkpoint).
+            holds no FP8/FP4 weight (a bf16 checkpoint); batch_invariant=True outside what it covers.
     """
 
     def __init__(self, args: ModelArgs, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 backend: str = "reference", weights: str = "dequantized", mtp: bool = False):
+                 backend: str = "reference", weights: str = "dequantized", mtp: bool = False,
+                 batch_invariant: bool = False):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
         check_weights_mode(weights, args)
+        if batch_invariant is True and (dtype != torch.bfloat16 or weights != "quantized"):
+            raise ValueError(f"batch_invariant=True needs dtype=torch.bfloat16 and weights='quantized' (got {dtype}, "
+                             f"{weights!r}): the fp32 / dequantized linears are cuBLAS GEMMs (kernels.invariant)")
         self.args, self.dtype, self.weights = args, dtype, weights
-        self.backend = get_backend(backend, torch.device(device))
+        self.backend = get_backend(backend, torch.device(device), batch_invariant=batch_invariant)
         sim = _Sim(dtype == torch.bfloat16, self.backend)  # every module takes its backend entries from it
         sim.resident = weights  # "quantized": linears start on meta, `hold_on_disk` gives them their storage
         with torch.device(device):
@@ -862,6 +894,10 @@ class Transformer(nn.Module):
             for m in self.modules():
                 if isinstance(m, MoE) and m.stackable():
                     m.stacked = self.backend.stack_experts(m.experts)
+                elif isinstance(m, MoE) and self.backend.batch_invariant:  # its loop is not batch invariant
+                    raise ValueError("batch_invariant=True: a MoE's routed experts cannot take the grouped FP4 "
+                                     "kernel (needs FP4 experts, widths multiples of 128, every expert on this "
+                                     "rank; kernels.invariant)")
         self.decode_graph_max_len: int | None = None  # see `use_decode_graphs`
 
     # Module factories: `dsv4.parallel.ParallelTransformer` overrides them with the rank's sharded modules.

@@ -357,11 +357,29 @@ def default_path(b: int, s: int, h: int, hd: int) -> str:
     return "heads" if s == 1 and h >= DECODE_BLOCK_H else "blocks"
 
 
+INVARIANT_SPLIT_SIZE = 128
+"""k slots per split of the batch-invariant mode (`invariant_sparse_attn`): 4 tiles of 32 (bf16). Flash CSA (k = 128
+window + 512 top-k): 5 splits per query at every batch (the default: 20 at batch 1, 4 at batch 32)."""
+
+
+def invariant_sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                          softmax_scale: float) -> torch.Tensor:
+    """`sparse_attn` in the batch-invariant mode (the triton backend's `sparse_attn` entry when built with
+    batch_invariant=True): the kernel fixed by the head count alone ("heads" when h >= DECODE_BLOCK_H, else
+    "blocks", for every s: the default switches at s = 1), all output columns per program (dv = hd: the default
+    splits them by b*s) and splits of INVARIANT_SPLIT_SIZE slots (the default derives the split count from b*s and
+    the SM count). Same arguments, result and errors as `sparse_attn`."""
+    h, hd = q.shape[2], q.shape[3]
+    path = "heads" if h >= DECODE_BLOCK_H else "blocks"
+    return sparse_attn(q, kv, attn_sink, idx, softmax_scale, path=path, dv=hd if path == "heads" else None,
+                       split_size=INVARIANT_SPLIT_SIZE)
+
+
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
                 softmax_scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
                 block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                 check_idx: bool = False, path: str | None = None, dv: int | None = None,
-                num_stages: int | None = None, prefetch: bool = True) -> torch.Tensor:
+                num_stages: int | None = None, prefetch: bool = True, split_size: int | None = None) -> torch.Tensor:
     """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
 
     A program owns one query and `block_h` heads (and `dv` output columns), so the gathered KV tile is loaded
@@ -379,6 +397,12 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
         num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
+        split_size: instead of num_splits, the k slots per split (a positive multiple of block_n): the split
+            boundaries then fall at multiples of split_size whatever b, s and k are, the batch-invariant mode's
+            rule (README "Batch-invariant mode"; `invariant_sparse_attn`). A query's result is then bitwise
+            independent of b, s, its neighbours and of trailing -1 slots: the merge is in split order, an
+            all -1 split merges as (m = sink, l = 0, acc = 0), which leaves the sums unchanged, and one split
+            merged equals the unsplit kernel's o = acc / (l + 2^(sink - m)).
         block_h: heads per program (default 16 "blocks" / 64 "heads"; a power of two >= 16 for tensor cores);
         block_n: slots per tile (default 32; 16 for fp32 on the "heads" path: shared memory); num_warps
         (default 4 "blocks", 8 "heads", 4 with the default column split); num_stages: Triton software-pipeline
@@ -437,6 +461,13 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     n_dv = hd // dv
     programs = b * s * n_hblk * n_dv
     n_tiles = max(1, triton.cdiv(k, block_n))
+    if split_size is not None:
+        if num_splits is not None:
+            raise ValueError(f"{where}: give num_splits or split_size, not both (got {num_splits}, {split_size})")
+        if not isinstance(split_size, int) or split_size < block_n or split_size % block_n:
+            raise ValueError(f"{where}: split_size must be a positive multiple of block_n={block_n}, got "
+                             f"{split_size!r}")
+        num_splits = n_tiles  # replaced below by cdiv(k, chunk)
     if num_splits is None:
         if heads_path:  # one wave: one program per SM (shared memory), never more programs than SMs
             num_splits = max(1, min(n_tiles, _num_sms(q.device) // programs))
@@ -444,7 +475,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
             num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{where}: num_splits must be an int >= 1, got {num_splits!r}")
-    chunk = triton.cdiv(n_tiles, num_splits) * block_n
+    chunk = split_size or triton.cdiv(n_tiles, num_splits) * block_n
     num_splits = max(1, triton.cdiv(k, chunk))
     split = num_splits > 1
     sem = pacc = pml = out  # unused placeholders when not splitting

@@ -31,6 +31,12 @@ block (an acq_rel semaphore from `kernels.launch.workspace`) sums the fp32 parti
 (deterministic). Nothing is read back to the host (CUDA-graph capturable). A NaN / inf in x reaches y as in the
 reference (no max / min / clamp on the path).
 
+Batch-invariant mode (`invariant=True`, README "Batch-invariant mode"): every M runs the DOT=True (bf16x3) path
+with BM = GEMV_MAX_M rows, the blocks DEFAULT_BLOCKS[True] and the split of `kernels.launch.split_k` for that grid
+(a function of N, K and the device only), rows above GEMV_MAX_M in chunks of GEMV_MAX_M (no torch.mm): a row's
+y is then bitwise independent of M and of the other rows. The default picks CUDA-core rows at M = 1 and bf16x3
+dots above (another summation order), a BM that follows M, and torch.mm (cuBLAS) above 64 rows.
+
 Differences from `fp32_linear_ref`: only the order of the fp32 sum (per output element |y - y_ref| <=
 2 * K * 2^-24 * sum_k |x_k w_k|, the textbook bound of two fp32 summations of K products; tests use it).
 
@@ -157,7 +163,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
-                block: tuple[int, int] | None = None, num_warps: int = 4, acc2d: bool | None = None) -> torch.Tensor:
+                block: tuple[int, int] | None = None, num_warps: int = 4, acc2d: bool | None = None,
+                invariant: bool = False) -> torch.Tensor:
     """`fp32_linear_ref` with the weight read as bf16 (module docstring): x [M, K] fp32 or bf16, weight [N, K]
     bf16 -> y [M, N] fp32.
 
@@ -166,10 +173,12 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         block: (BN, BK) of the kernel (powers of two, BK >= 16; default `DEFAULT_BLOCKS`; for benchmarks).
         num_warps: warps per program (for benchmarks).
         acc2d: M == 1 only: accumulate elementwise over K, reduce once (default True; False for benchmarks).
-    Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring). Never synchronises
-    with the device (CUDA-graph capturable).
+        invariant: the batch-invariant launch (module docstring), any M; block / acc2d / num_warps must be the
+            defaults.
+    Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring) unless invariant.
+    Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block or
-    num_warps, a block / acc2d / num_warps given where M > GEMV_MAX_M runs torch.mm).
+    num_warps, a block / acc2d / num_warps given where M > GEMV_MAX_M runs torch.mm or with invariant=True).
     """
     op = "fp32_linear"
     for name, t in (("x", x), ("weight", weight)):
@@ -193,8 +202,16 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     if M > GEMV_MAX_M and (block is not None or acc2d is not None or num_warps != 4):
         _fail(op, "block / acc2d / num_warps", repr((block, acc2d, num_warps)),
               f"the defaults for M = {M} > GEMV_MAX_M = {GEMV_MAX_M} (that path is torch.mm: no kernel to tune)")
+    if invariant and (block is not None or acc2d is not None or num_warps != 4):
+        _fail(op, "block / acc2d / num_warps", repr((block, acc2d, num_warps)),
+              "the defaults with invariant=True (the mode fixes the launch)")
     if M == 0 or N == 0 or K == 0:
         return out.zero_()  # an empty sum is 0, as in the reference
+    if invariant:
+        for r0 in range(0, M, GEMV_MAX_M):
+            r1 = min(M, r0 + GEMV_MAX_M)
+            _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, DEFAULT_BLOCKS[True], GEMV_MAX_M, False, 4)
+        return out
     if M > GEMV_MAX_M:
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
     dot = M > ROWS_MAX
@@ -206,6 +223,14 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         acc2d = BM == 1
     elif acc2d and BM != 1:
         _fail(op, "acc2d", repr(acc2d), f"False or None for M = {M} (the [BN, BK] accumulator is for M == 1)")
+    _gemv(x, weight, out, M, N, K, dot, (BN, BK), BM, acc2d, num_warps)
+    return out
+
+
+def _gemv(x, weight, out, M: int, N: int, K: int, dot: bool, block: tuple[int, int], BM: int, acc2d: bool,
+          num_warps: int) -> None:
+    """One `_bf16w_gemv_kernel` launch writing out [M, N]: split-K of `split_k` for the (N, K, block) grid."""
+    BN, BK = block
     n_blocks = triton.cdiv(N, BN)
     split, per = split_k(x.device, n_blocks, triton.cdiv(K, BK))
     k_per = per * BK

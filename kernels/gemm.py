@@ -429,6 +429,30 @@ GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
 }
 
 
+GEMV_INVARIANT = GemvConfig(dot=True, bn=64, unroll=1, per_sm=2, num_warps=4)
+"""The decode launch of the batch-invariant mode (`fp8_linear(..., invariant=True)`, `fp8_grouped_gemv`): one
+launch for every M, with BM = GEMV_MAX_M rows in the tensor-core dot (the MMA shape never follows M) and the
+split-K count of `invariant_split` (a function of N, K, G and the device, never of M)."""
+
+
+def invariant_split(N: int, K: int, G: int, device: torch.device) -> tuple[int, int]:
+    """(SPLIT, K blocks per split) of the batch-invariant GEMV for G weights [N, K]: `kernels.launch.split_k` of
+    the GEMV_INVARIANT grid (cdiv(N, bn) * G output blocks, K/128 blocks), so fixed per weight shape and device;
+    the merge sums the splits in split order (`split_k_total`)."""
+    return split_k(device, triton.cdiv(N, GEMV_INVARIANT.bn) * G, K // BLOCK, GEMV_INVARIANT.per_sm)
+
+
+def _invariant_gemv(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, quant_x: bool) -> None:
+    """The batch-invariant GEMV: rows in chunks of GEMV_MAX_M, each one `_fp8_gemv_kernel` launch of GEMV_INVARIANT
+    with BM = GEMV_MAX_M and the split of `invariant_split`: a row's result depends on its own values only (the
+    same tile shape, the same K order and split for every M; rows never mix in a dot)."""
+    split = invariant_split(N, K, G, x.device)
+    for r0 in range(0, M, GEMV_MAX_M):
+        r1 = min(M, r0 + GEMV_MAX_M)
+        _gemv_launch(x[r0:r1], weight, ws, out[r0:r1], r1 - r0, N, K, G, mma, quant_x, GEMV_INVARIANT,
+                     bm=GEMV_MAX_M, split=split)
+
+
 def gemv_m_bucket(M: int) -> int:
     """The row bucket of `GEMV_TUNED` (1, 8, 32, 64): M rounded up to the next swept size."""
     return next(b for b in (1, 8, 32, GEMV_MAX_M) if M <= b)
@@ -476,16 +500,18 @@ def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
 
 
 def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, quant_x: bool,
-                 cfg: GemvConfig) -> None:
-    """One `_fp8_gemv_kernel` launch (plus, for cfg.prequant, one `act_quant_sim`) writing out [M, G*N]."""
+                 cfg: GemvConfig, bm: int | None = None, split: tuple[int, int] | None = None) -> None:
+    """One `_fp8_gemv_kernel` launch (plus, for cfg.prequant, one `act_quant_sim`) writing out [M, G*N]. bm / split:
+    the dot's row count and (SPLIT, K blocks per split), fixed by the batch-invariant mode (`_invariant_gemv`);
+    None = from M and `split_k` (the default mode)."""
     KB = K // BLOCK
     if quant_x and cfg.prequant:
         x, quant_x = act_quant_sim(x, BLOCK), False
     if not quant_x and mma == 2:
         mma = 1  # x not on the e4m3 grid: the bf16 tensor-core dot (exact)
-    BM = max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M)
+    BM = bm or (max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M))
     n_blocks = triton.cdiv(N, cfg.bn)
-    split, per = split_k(x.device, n_blocks * G, KB, cfg.per_sm)
+    split, per = split or split_k(x.device, n_blocks * G, KB, cfg.per_sm)
     sem, part = workspace(x.device, n_blocks * G, G * split * M * N if split > 1 else 1)
     opts = {"num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
@@ -496,7 +522,8 @@ def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, q
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
-               prefill: str | None = None, mma: str | None = None, gemv: GemvConfig | None = None) -> torch.Tensor:
+               prefill: str | None = None, mma: str | None = None, gemv: GemvConfig | None = None,
+               invariant: bool = False) -> torch.Tensor:
     """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
 
     Args:
@@ -506,11 +533,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
         gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`).
+        invariant: the batch-invariant mode (README "Batch-invariant mode"): every M runs `_invariant_gemv`
+            (GEMV_INVARIANT, BM = GEMV_MAX_M, `invariant_split`; above GEMV_MAX_M rows in chunks of GEMV_MAX_M), so
+            a row's output is bitwise independent of M and of the other rows. gemv and prefill must be None.
     Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
-    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method).
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method, gemv or
+    prefill given with invariant=True).
     """
     op = "fp8_linear"
     M, N, K = check_fp8_linear_args(op, x, weight, scale)
+    if invariant and (gemv is not None or prefill is not None):
+        _fail(op, "gemv / prefill", repr((gemv, prefill)), "None with invariant=True (the mode fixes the launch)")
     method = prefill_method(M, N, K, x.device) if prefill is None else prefill
     if method not in PREFILL_METHODS:
         _fail(op, "prefill", repr(prefill), f"one of {PREFILL_METHODS}")
@@ -530,6 +563,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return out
     KB = K // BLOCK
     ws = scale.view(torch.uint8)
+    if invariant:
+        _invariant_gemv(x, weight, ws, out, M, N, K, 1, mma, True)
+        return out
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)
         _gemv_launch(x, weight, ws, out, M, N, K, 1, mma, True, cfg)
@@ -549,7 +585,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
 
 
 def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, *,
-                     mma: str | None = None, gemv: GemvConfig | None = None) -> torch.Tensor:
+                     mma: str | None = None, gemv: GemvConfig | None = None, invariant: bool = False) -> torch.Tensor:
     """Grouped weight-only FP8 linear for few rows (decode `wo_a`, spec §5: used in bf16 WITHOUT activation
     quantization, pitfall 17): y[m, g, :] = x[m, g, :] . W_g^T, with W_g = weight[g*N:(g+1)*N] dequantized
     (e4m3 code x 2^(s-127) per 128x128 block), fp32 accumulation, bf16 out. The same maths as
@@ -560,8 +596,10 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     float8_e8m0fnu; groups = G; N and K multiples of 128. mma: "fp8" | "bf16" as `mma_mode` (the activation is
     not on the e4m3 grid, so an "fp8" request runs the bf16 tensor-core dot; the interpreter its exact fp32 dot).
     gemv: the launch (default `gemv_config`; `GemvConfig`, prequant not allowed).
+    invariant: the batch-invariant launch (`_invariant_gemv`, as `fp8_linear`); gemv must be None; M up to
+    GEMV_MAX_M still (the grouped wo_a's decode path).
     Returns: [M, G*N] bf16.
-    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, groups, M).
+    Raises: ValueError naming the wrong argument (shape, dtype, layout, device, groups, M, gemv with invariant).
     """
     op = "fp8_grouped_gemv"
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
@@ -582,7 +620,12 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     mode = mma_mode(mma)
     mode = 1 if mode == 2 else mode
     out = torch.empty(M, groups * N, dtype=torch.bfloat16, device=x.device)
+    if invariant and gemv is not None:
+        _fail(op, "gemv", repr(gemv), "None with invariant=True (the mode fixes the launch)")
     if M == 0:
+        return out
+    if invariant:
+        _invariant_gemv(x, weight, scale.view(torch.uint8), out, M, N, K, groups, mode, False)
         return out
     cfg = _check_gemv_config(op, gemv_config(M, N, K, groups, x.device) if gemv is None else gemv, M, groups)
     _gemv_launch(x, weight, scale.view(torch.uint8), out, M, N, K, groups, mode, False, cfg)

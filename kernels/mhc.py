@@ -481,12 +481,16 @@ PREFILL_TILES_SHORT = (16, 64, 2, 4, 3)
 
 
 def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_head, one_launch, *,
-               dot: str = "auto", tiles: tuple | None = None):
+               dot: str = "auto", tiles: tuple | None = None, invariant: bool = False):
     """Launch hc_pre (is_head False) or hc_head: one fused launch, or mix + finish (two launches).
 
     dot: "auto" = "bf16x3" for bf16 H (`_dot_bf16x3`, exact products), "tf32x3" for fp32 H; a name forces it
     (benchmarks compare against the former tf32x3 path; "bf16x3" on fp32 H raises: X would not be exact).
-    tiles: the two-launch path's (BT, BK, waves, num_warps, num_stages) (benchmark sweeps), None = defaults."""
+    tiles: the two-launch path's (BT, BK, waves, num_warps, num_stages) (benchmark sweeps), None = defaults.
+    invariant: the batch-invariant mode: PREFILL_TILES_SHORT (16-row dots, as the one-launch kernel) at every T and
+    the split of one token block (`_split_k(1, ...)`: a function of K and the device, never of T), so a token's
+    x / post / comb are bitwise independent of T and of the other tokens (either path: both sum the same
+    K-slices in the same order)."""
     T, hc, D = H.shape
     K, n_mix = hc * D, (hc if is_head else (2 + hc) * hc)
     if dot == "auto":
@@ -500,12 +504,14 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     comb = x if comb is None else comb
     consts = dict(HC=hc, NP=np_, IS_HEAD=is_head)
     scalars = (iters, float(hc_eps), float(norm_eps), 1.0 / K)
+    if invariant:
+        tiles = PREFILL_TILES_SHORT
     BT, BK, waves, warps, stages = tiles or (PREFILL_TILES_LONG if T >= 1024 else PREFILL_TILES_SHORT)
     # The split count is that of the two-launch path (token blocks of BT) in both paths: every token's partial
     # sums then cover the same K-slices in the same order, so both paths give bitwise the same outputs under
     # the interpreter. (Splits sized for 2-token blocks made each program walk 50 K-tiles serially: 47-93 µs
     # at T = 64, see RESULTS.md.)
-    per_split, S = _split_k(T, K, BT, BK, H.device, waves)
+    per_split, S = _split_k(1 if invariant else T, K, BT, BK, H.device, waves)
     # Issue 29: the split count S follows T, so the partial width SP is the fixed SPLIT_MAX (masked beyond S), not
     # next_power_of_2(S): one build per tile set instead of one per power of two of S (1.5 s each on an H200).
     # Builds per process: `_hc_mix_kernel` one per tile set (PREFILL_TILES_SHORT / _LONG) and site kind,
@@ -538,14 +544,16 @@ def _one_launch(op: str, one_launch, T: int) -> bool:
 
 
 def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-           sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None):
+           sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None,
+           invariant: bool = False):
     """Triton `hc_pre_ref` (spec §4): same arguments, shapes, dtypes and results.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1), hc a power of two; fn, base, scale as
     in `hc_pre_ref`, fp32 contiguous on H's device. `out=(x, post, comb)` optionally supplies the outputs
     (checked like inputs). `one_launch`: None = one fused launch when T <= ONE_LAUNCH_MAX_T (64, decode), else
     split-K mix + finish (two launches); True/False forces a path (tests). No host-device sync; the one-launch
-    path uses the stream's cached workspace (`kernels.launch.workspace`).
+    path uses the stream's cached workspace (`kernels.launch.workspace`). `invariant`: the batch-invariant mode's
+    tiles and split (`_mix_sites`): each token's outputs bitwise independent of T.
     Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value; never falls back to the reference.
     """
@@ -560,7 +568,8 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     comb = _out("hc_pre", "out[2] (comb)", oc, (T, hc, hc), torch.float32, H)
     fused = _one_launch("hc_pre", one_launch, T)
     if T:
-        _mix_sites(H, fn, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, False, fused)
+        _mix_sites(H, fn, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, False, fused,
+                   invariant=invariant)
     return x, post, comb
 
 
@@ -589,19 +598,20 @@ def hc_post(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Te
 
 
 def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-            hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None) -> torch.Tensor:
+            hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None,
+            invariant: bool = False) -> torch.Tensor:
     """Triton `hc_head_ref` (spec §9): same arguments and result.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
     scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (one launch at
-    T <= 64). Returns y. Raises ValueError naming the argument and the bad value.
+    T <= 64), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad value.
     """
     T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
     _check_hc("hc_head", hc)
     y = _out("hc_head", "out", out, (T, D), H.dtype, H)
     fused = _one_launch("hc_head", one_launch, T)
     if T:
-        _mix_sites(H, fn, base, scale, y, None, None, 1, hc_eps, norm_eps, True, fused)
+        _mix_sites(H, fn, base, scale, y, None, None, 1, hc_eps, norm_eps, True, fused, invariant=invariant)
     return y
 
 

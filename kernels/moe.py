@@ -628,14 +628,19 @@ def _check_config(cfg, D: int, I: int) -> None:
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
-                limit: float, *, mma: str | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+                limit: float, *, mma: str | None = None, config: MoeConfig | None = None,
+                invariant: bool = False) -> torch.Tensor:
     """Routed experts of one MoE layer on the device, no host sync: act-quantize x, the up launch (w1, w3, SwiGLU
     with clamps and routing weight), act-quantize h, the down launch (w2), then the fp32 sum over slots.
 
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E); experts: StackedExperts
     (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16", the tile path's dot flavour
     (`_moe_mma`; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
-    `moe_config(T * k)`.
+    `moe_config(T * k)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
+    (`moe_config(1)`) for every T (one program per (pair, output block): a pair's output never depends on which
+    other pairs share its expert, nor on T; the default switches to the tiles above GEMV_MAX_PAIRS, whose tensor-core
+    tile shape and padding follow the routing), and the k slots summed left to right by elementwise adds (no
+    reduction kernel whose configuration follows T); config must be None.
     Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
     An id outside [0, E): the gemv path writes NaN rows; the tile path trips `moe_route`'s device-side assert.
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, mma, config).
@@ -648,7 +653,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         _fail(op, "limit", repr(limit), "a float >= 0 (swiglu_limit; 0 = no clamp)")
     _moe_mma(mma)  # validate before any launch
     P = T * k
-    cfg = moe_config(P) if config is None else config
+    if invariant and config is not None:
+        _fail(op, "config", repr(config), "None with invariant=True (the mode fixes the path)")
+    cfg = moe_config(1 if invariant else P) if config is None else config
     _check_config(cfg, D, I)
     if P == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
@@ -661,6 +668,12 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         route = moe_route(indices, E, cfg.block_m)
         h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
         y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)
+    if invariant:
+        y = y.view(T, k, D).float()
+        tot = y[:, 0].clone()
+        for j in range(1, k):
+            tot += y[:, j]
+        return tot
     return y.view(T, k, D).float().sum(1)
 
 

@@ -241,6 +241,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("batch_chat_row_not_loaded", "a batch row continuing a chat gets its position but not its buffers",
            patches.batch_chat_row_not_loaded,
            ("tests/unit/test_generate_batch.py::test_generate_batch_continues_chats_where_the_ids_extend_them",)),
+    # issue 25: batch-invariant mode
+    Mutant("invariant_split_follows_m", "batch-invariant mode whose split-K count follows the batch size",
+           patches.invariant_split_follows_m,
+           ("tests/unit/test_batch_invariant.py::test_fp32_linear_rows_invariant[invariant]",)),
 ]}
 
 

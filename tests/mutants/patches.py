@@ -849,3 +849,24 @@ def batch_chat_row_not_loaded(mp: MP) -> None:
 
     _source_mutant(mp, DecodeState, "load_row", "for dst, s in zip(self.layers, src.layers):",
                    "for dst, s in []:  # MUTANT: buffers not copied")
+
+
+# ------------------------------------------------------------------------------- batch-invariant mode (issue 25)
+def invariant_split_follows_m(mp: MP) -> None:
+    """The batch-invariant fp32 GEMV (`kernels.fp32_linear.fp32_linear(invariant=True)`, BM = GEMV_MAX_M) takes a
+    split-K count that follows the row count (as a default heuristic sizing the grid by M would): 4x the output
+    blocks counted above 8 rows, so batch 1 and batch 33 sum K in another order."""
+    from kernels import fp32_linear as kf
+    from kernels.launch import interpreting, split_k, workspace
+
+    def _gemv(x, weight, out, M, N, K, dot, block, BM, acc2d, num_warps):
+        BN, BK = block
+        n_blocks = kf.triton.cdiv(N, BN)
+        grid_blocks = n_blocks * (4 if BM == kf.GEMV_MAX_M and M > 8 else 1)  # MUTANT
+        split, per = split_k(x.device, grid_blocks, kf.triton.cdiv(K, BK))
+        sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
+        kf._bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, per * BK, split,
+                                                 BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
+                                                 MMA=0 if interpreting() else 1, num_warps=num_warps)
+
+    mp.setattr(kf, "_gemv", _gemv)

@@ -1,0 +1,178 @@
+"""Batch-invariant mode (issue 25): a request's logits bitwise independent of its batch, its neighbours and a
+verify step's length.
+
+Selected when the model is built: `Transformer(..., backend="triton", batch_invariant=True)` (also
+`load_model(..., batch_invariant=True)`, `dsv4 generate / diagnose --batch-invariant`), which builds the triton
+backend table with `get_backend("triton", device, batch_invariant=True)`: the entries below and the kernels'
+`invariant=True` launches. The backend table is frozen; nothing is switched after construction.
+
+THE GUARANTEE (tested: tests/unit/test_batch_invariant.py under the interpreter, tests/gpu/test_batch_invariant.py
+on the GPU at Flash width): with bf16 activations and weights="quantized", on one GPU (world size 1), the logits
+of a request's decode step are bitwise the same
+  * decoded alone or as any row of a batch of 1..64 rows (b*s <= 64) whose other rows hold any requests at any
+    positions (ragged `DecodeState.row_pos`), eager or inside the CUDA graph of `dsv4/graph.py`;
+  * for a (k+1)-token verify step (`decode_step` with s = k+1 <= MAX_STEP_TOKENS, `Transformer.verify`) and for
+    k+1 single-token steps;
+  * run to run (no atomics in any sum: split-K partials are merged in split order by the last program).
+NOT covered: the prefill (`Transformer.forward` / `Attention.extend`: its q-norm, Hadamard, compressor pooling and
+  RoPE run the reference maths with torch ops and cuBLAS, and the MoE / attention kernels take their default
+  configs there; a prompt prefilled in chunks is therefore not bitwise a prompt prefilled at once - what it would
+  need is written in the README section); other GPU types (a split count follows the SM count, tensor-core
+  instructions differ per architecture); other torch / triton / CUDA versions; tensor / expert parallel world
+  sizes > 1 (the all-reduce order of NCCL); the fp32 exact mode and weights="dequantized" (their linears are
+  cuBLAS: refused with ValueError); the reference backend (cuBLAS picks its algorithm by M: refused).
+
+What the mode fixes (the audit; README "Batch-invariant mode" has the table):
+  * FP8 linears and the grouped wo_a: `kernels.gemm.GEMV_INVARIANT`, BM = 64 rows, split `invariant_split(N, K)`
+    (default: `gemv_config` and `GEMV_TUNED` by the M bucket, BM = next_pow2(M), split from the bn that follows M);
+  * bf16-weight linears (indexer weights_proj): `kernels.fp32_linear` invariant launch + one bf16 rounding (the
+    default runs cuBLAS bf16 GEMMs, not batch invariant);
+  * fp32 linears (head, compressor wkv / wgate, router): `fp32_linear(invariant=True)` (default: CUDA-core rows at
+    M = 1, bf16x3 dots above, cuBLAS above 64 rows);
+  * routed experts: the gemv path for every T and a left-to-right slot sum (default: tiles above 192 pairs);
+  * mHC pre / head: 16-row tiles and a split count fixed per K (default: split count from T); the fused
+    post + pre boundary is off (default: fused up to 4 tokens, unfused above: another split);
+  * sparse attention: one kernel per head count, all columns per program, splits of 128 slots (default: "heads"
+    only at s = 1, column split and split count from b*s); the s = 1 step lists the window's slots in position
+    order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
+  * torch reductions on the decode path: the per-head q RMS (`fixed_mean`), the indexer / compressor Hadamard
+    (`hadamard`), the router's weight normalisation: fixed-order elementwise adds, the same for every batch.
+Already invariant in the default mode: RMSNorm (one program per row), the activation quantizations (per row /
+block), RoPE, the compressor pooling and commit (per row), the indexer scores (a key's score never mixes with
+another key's; chunks are block-aligned) and top-k (exact rule, ties to the lower index), hc_post (per token),
+the MoE gemv path itself, every elementwise torch op on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+
+from kernels import fp32_linear as kfp32
+from kernels import gemm as kgemm
+from kernels import moe as kmoe
+from kernels import numerics
+from kernels.gemm import dequantize_ref
+
+__all__ = ["linear", "fp32_linear", "grouped_linear", "moe_routed", "fixed_sum", "fixed_mean", "hadamard"]
+
+_BLOCK = 128
+
+
+def _refuse(what: str, detail: str) -> None:
+    raise ValueError(f"batch_invariant=True: {what} ({detail}); the mode covers bf16 activations with "
+                     "weights='quantized' on the triton backend (kernels.invariant)")
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32-compute linear, `fp32_linear_ref` signature: x [..., in] (fp32 / bf16 read as is, other float dtypes
+    upcast), weight [out, in] bf16 -> [..., out] fp32 via `kernels.fp32_linear.fp32_linear(invariant=True)`.
+    Raises ValueError for an fp32 weight (weights="dequantized": that path is cuBLAS)."""
+    if weight.dtype != torch.bfloat16:
+        _refuse("fp32 linear with an fp32 weight", f"weight dtype {weight.dtype}")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    y = kfp32.fp32_linear(x2.contiguous(), weight, invariant=True)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, act_block: int = 0,
+           fp32: bool = False) -> torch.Tensor:
+    """`Linear.forward`, `kernels.gemm.linear_ref` signature and result up to the fp32 summation order: x [..., in]
+    bf16, the weight as held -> [..., out] (fp32 when `fp32`, else bf16). FP8 weights with 128-multiple widths:
+    `fp8_linear(invariant=True)`; other weights (bf16 weights_proj, narrow FP8): act quant (if act_block) and the
+    exact dequantized weight through `fp32_linear(invariant=True)` (fp32 products and sum, as `linear_ref`),
+    rounded once to bf16. Raises ValueError for fp32 activations (the exact mode runs cuBLAS)."""
+    if fp32:
+        return fp32_linear(x, weight)
+    if x.dtype != torch.bfloat16:
+        _refuse("activations not bf16", f"x dtype {x.dtype}")
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    k = shape[-1]
+    if weight.dtype == torch.float8_e4m3fn and act_block and k % _BLOCK == 0:
+        y = kgemm.fp8_linear(x2, weight, scale, invariant=True)
+    else:
+        if act_block:
+            x2 = kgemm.act_quant(x2, sim=True)[0] if k % _BLOCK == 0 else numerics.act_quant_sim(x2, act_block)
+        w = dequantize_ref(weight, scale, torch.bfloat16).contiguous()  # exact
+        y = kfp32.fp32_linear(x2, w, invariant=True).to(torch.bfloat16)
+    return y.view(*shape[:-1], y.shape[-1])
+
+
+def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped wo_a, `kernels.gemm.grouped_linear_ref` signature: o [b, s, G, i] bf16, wo_a as held [G*n, i]
+    -> [b, s, G, n] bf16. FP8 with i, n multiples of 128 and b*s <= 64: `fp8_grouped_gemv(invariant=True)`; else
+    per group the exact bf16 weight through `fp32_linear(invariant=True)`, rounded once (fp32 products and sum,
+    no activation quantization: `grouped_linear_ref`). Raises ValueError for fp32 activations."""
+    if o.dtype != torch.bfloat16:
+        _refuse("activations not bf16", f"o dtype {o.dtype}")
+    b, s, G, i = o.shape
+    n = weight.shape[0] // G
+    if weight.dtype == torch.float8_e4m3fn and b * s <= kgemm.GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
+        y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G, invariant=True)
+        return y.view(b, s, G, n)
+    w = dequantize_ref(weight, scale, torch.bfloat16).view(G, n, i)
+    o2 = o.reshape(b * s, G, i)
+    parts = [kfp32.fp32_linear(o2[:, g].contiguous(), w[g].contiguous(), invariant=True) for g in range(G)]
+    return torch.stack(parts, 1).to(torch.bfloat16).view(b, s, G, n)
+
+
+def moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, limit: float,
+               act_blocks: tuple[int, int]) -> torch.Tensor:
+    """Routed experts, `kernels.moe.moe_routed_ref` signature: x [N, dim] bf16, weights / ids [N, k], the layer's
+    experts stacked (`kernels.moe.StackedExperts`: the model stacks every MoE in this mode and refuses one the
+    grouped kernel cannot take, `dsv4.model.Transformer`) -> [N, dim] fp32 via
+    `kernels.moe.moe_experts(invariant=True)` (the gemv path at every N, slots summed left to right). Raises
+    ValueError for non-bf16 x, experts not stacked (the per-expert loop runs one cuBLAS GEMM per expert on however
+    many tokens chose it: not batch invariant) or act_blocks other than (128, 128)."""
+    if x.dtype != torch.bfloat16:
+        _refuse("activations not bf16", f"x dtype {x.dtype}")
+    if not isinstance(experts, kmoe.StackedExperts):
+        _refuse("routed experts not stacked for the grouped FP4 kernel",
+                "FP4 experts, widths multiples of 128, every expert on this rank")
+    if tuple(act_blocks) != (128, 128):
+        _refuse("act_blocks other than (128, 128)", repr(act_blocks))
+    return kmoe.moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit, invariant=True)
+
+
+# ----------------------------------------------------------------------------------------- fixed-order torch
+def fixed_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim [..., n] -> [..., 1] in x.dtype by a pairwise tree of elementwise adds (zero-padded to
+    a power of two): the same order for every leading shape (torch's reduction kernels pick their split and
+    vectorisation from the tensor's sizes). Accumulate in fp32 by passing x.float()."""
+    n = x.shape[-1]
+    p = 1 << max(0, (n - 1).bit_length())
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
+
+
+def fixed_mean(x: torch.Tensor) -> torch.Tensor:
+    """`x.mean(-1, keepdim=True)` for a bf16 / fp32 x: fp32 `fixed_sum` / n, in x.dtype (torch's mean of bf16
+    accumulates in fp32 too: the same value up to the summation order)."""
+    return (fixed_sum(x.float()) / x.shape[-1]).to(x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """`x @ hadamard_matrix(n).T` for fp32 x [..., n], n a power of two, by the fast Walsh-Hadamard butterfly
+    (log2 n stages of elementwise (a + b, a - b), then times n^-0.5; the Sylvester matrix is symmetric): the same
+    order for every leading shape (a cuBLAS fp32 GEMM picks its algorithm by the row count). The same exact value
+    as the matrix product, another fp32 rounding order (the official kernel, fast_hadamard_transform, is a
+    butterfly too). Raises ValueError for n not a power of two."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard: width {n}; expected a power of two")
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, n // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), -2).reshape(*lead, n)
+        h *= 2
+    return x * (1.0 / math.sqrt(n))
