@@ -399,7 +399,7 @@ def slope_markdown(results: dict, meta: dict, geometries: dict) -> str:
     and the deepest run (time / floor / launches per layer; the head and embedding cancel) and the full-depth
     projection (time at the shallowest depth + slope x the remaining layers)."""
     bw, peak = meta["copy_GBps"], meta["gemm_TFLOPs"]
-    cols = ["reference", "triton", "transformers"]
+    cols = ["reference", "triton", "triton-bi", "transformers"]
     by_name: dict[str, list] = {}
     for geo, info in geometries.items():
         by_name.setdefault(info["name"], []).append((info["layers"], geo, info))
