@@ -222,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     g.add_argument("--seed", type=_seed, default=0, help="sampling seed (temperature > 0)")
     g.add_argument("--speculative", type=_speculative, default=0, metavar="K",
-                   help="greedy speculative decoding with K drafts per verify step from the checkpoint's MTP block "
-                        "(1..7; 0 = off, default); reports the accepted drafts per step and the mean accepted "
-                        "length; temperature 0 only")
+                   help="speculative decoding with K drafts per verify step from the checkpoint's MTP block "
+                        "(1..7; 0 = off, default): greedy at temperature 0, lossless speculative sampling above "
+                        "(seeded by --seed); reports the accepted drafts per step and the mean accepted length")
     _model_options(g)
 
     t = _subparser(sub, "make-tiny",

@@ -31,7 +31,7 @@ from dsv4.memory_plan import LimitError, MAX_BATCH, check_fits, check_serving, m
 from dsv4.model import STATE_GRAIN, DecodeState, Transformer
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
-from dsv4.speculative import MTPDrafter, speculative_greedy
+from dsv4.speculative import MTPDrafter, speculative_greedy, speculative_sample
 from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
 from dsv4.tokenizer import load_tokenizer
 
@@ -449,9 +449,6 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         if path is None:
             raise FileNotFoundError(f"no checkpoint: pass --ckpt DIR or set {CKPT_ENV} "
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
-        if speculative and temperature > 0:
-            raise ValueError(f"--speculative {speculative} with --temperature {temperature}: speculative sampling "
-                             "(rejection sampling) is not implemented yet; use --temperature 0")
         torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights,
                               mtp=speculative > 0, batch_invariant=batch_invariant)
@@ -466,7 +463,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
     console.print(f"checkpoint {path} | TEST_LAYERS={n} of {checkpoint_args(path).n_layers} | "
                   f"thinking={thinking} | T={temperature} | {dtype} | {backend} | weights {weights}")
     if speculative:
-        return _run_speculative(model, tok, prompt, thinking, max_tokens, speculative, console)
+        return _run_speculative(model, tok, prompt, thinking, max_tokens, speculative, console, temperature, seed)
     res = generate(model, tok, [{"role": "user", "content": prompt}], max_tokens=max_tokens,
                    temperature=temperature, thinking=thinking, seed=seed,
                    on_token=lambda i, s: (sys.stdout.write(s), sys.stdout.flush()) if is_rank_zero() else None)
@@ -479,11 +476,17 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
 
 
 def _run_speculative(model: Transformer, tok, prompt: str, thinking: bool, max_tokens: int, k: int,
-                     console: Console) -> int:
-    """`dsv4 generate --speculative K`: greedy speculative decoding with the MTP drafter (`dsv4.speculative`); the
-    completion on stdout, the accepted drafts per verify step and their mean on stderr."""
+                     console: Console, temperature: float = 0.0, seed: int = 0) -> int:
+    """`dsv4 generate --speculative K`: speculative decoding with the MTP drafter (`dsv4.speculative`): greedy at
+    temperature 0, else lossless speculative sampling at `temperature` seeded by `seed` (`speculative_sample`: the
+    tokens are distributed as plain sampling, not the same draws as `generate`'s); the completion on stdout, the
+    accepted drafts per verify step and their mean on stderr."""
     ids = dsv4.encoding.prompt_ids(tok, [{"role": "user", "content": prompt}], thinking=thinking)
-    res = speculative_greedy(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens)
+    if temperature > 0:
+        res = speculative_sample(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens,
+                                 temperature=temperature, seed=seed)
+    else:
+        res = speculative_greedy(model, ids, MTPDrafter(model), k=k, max_tokens=max_tokens)
     if is_rank_zero():
         sys.stdout.write(tok.decode(res.ids, skip_special_tokens=False) + "\n")
     mean = res.mean_accepted_length

@@ -239,7 +239,9 @@ def test_mtp_loads_from_a_checkpoint_in_both_weight_modes(tiny_ckpt):
 
 def test_generate_cli_speculative(tiny_ckpt, capsys):
     """`dsv4 generate --speculative 2` prints the plain greedy completion (the same text as without the flag) and
-    the accepted drafts per verify step; a temperature with it, or K outside 0..7, is refused by name."""
+    the accepted drafts per verify step; with --temperature it samples speculatively (`speculative_sample` with
+    --seed: the same seed, the same text; the tokens equal `speculative_sample` called directly); K outside 0..7
+    is refused by name."""
     from dsv4.cli import main
     base = ["generate", "--ckpt", str(tiny_ckpt), "--prompt", "hello", "--max-tokens", "9", "--dtype", "fp32"]
     assert main(base) == 0
@@ -247,8 +249,22 @@ def test_generate_cli_speculative(tiny_ckpt, capsys):
     assert main(base + ["--speculative", "2"]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == plain.strip() and "speculative k=2" in err and "mean accepted length" in err
-    assert main(base + ["--speculative", "2", "--temperature", "0.5"]) == 2
-    assert "speculative sampling" in capsys.readouterr().err
+    assert main(base + ["--speculative", "2", "--temperature", "0.8", "--seed", "3"]) == 0
+    s1, err = capsys.readouterr()
+    assert "speculative k=2" in err
+    assert main(base + ["--speculative", "2", "--temperature", "0.8", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == s1
+    from dsv4 import encoding
+    from dsv4.generate import load_model
+    from dsv4.speculative import MTPDrafter, speculative_sample
+    from dsv4.synth import tokenizer_folder
+    from dsv4.tokenizer import load_tokenizer
+    m, _ = load_model(tiny_ckpt, progress=False, dtype=torch.float32, mtp=True)
+    tok = load_tokenizer(tokenizer_folder(tiny_ckpt))
+    ids = encoding.prompt_ids(tok, [{"role": "user", "content": "hello"}], thinking=True)
+    direct = speculative_sample(m, ids, MTPDrafter(m), k=2, max_tokens=9, temperature=0.8, seed=3)
+    assert s1.strip() == tok.decode(direct.ids, skip_special_tokens=False).strip()
+    assert s1.strip() != plain.strip()  # sampled, not the greedy text (a flag dropped on the way would show here)
     with pytest.raises(SystemExit):
         main(base + ["--speculative", "8"])
 
