@@ -21,6 +21,7 @@ never by a failure (nothing falls back silently; every row below is deliberate):
 | those, weight held fp32 (weights="dequantized") | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
+| router after the logits (every `Gate`: scores, top-k or hash ids, normalisation, route_scale) | `kernels.router.route` (one launch, bitwise equal to `route_ref`) | `kernels.router.route` |
 | RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
 | routed experts (FP4, widths % 128 == 0, all experts on this rank: stacked, `kernels.moe.stackable`) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs, bf16 tensor-core tiles above) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (`kernels.moe.moe_routed_ref` with the triton `linear`; host sync per expert) | reference loop |
@@ -42,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from kernels import attention, compressor, gemm, indexer, invariant, mhc, moe, norm, numerics, rope
+from kernels import attention, compressor, gemm, indexer, invariant, mhc, moe, norm, numerics, rope, router
 from kernels import fp32_linear as kfp32
 
 __all__ = ["Backend", "get_backend", "BACKENDS"]
@@ -79,6 +80,11 @@ class Backend:
     #                                                    `Gate`; `linear(fp32=True)` computes it for the fp32
     #                                                    linears head / compressor)
     fp32_linear: Callable | None = None
+    #   route(logits, bias, hash_ids, topk, score_func, route_scale) -> (weights, ids)   `kernels.router.route_ref`
+    #                                                    (the router after its logits, every `Gate.forward`;
+    #                                                    triton: `kernels.router.route`, one launch, bitwise equal;
+    #                                                    one program per row, so batch invariant as it is)
+    route: Callable | None = None
     # the compressor's decode step (graph decode): `kernels.compressor.compress_pool_ref` / `compress_commit_ref`
     compress_pool: Callable | None = None
     compress_commit: Callable | None = None
@@ -124,7 +130,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
                        indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=gemm.linear_ref, grouped_linear=gemm.grouped_linear_ref,
-                       moe_routed=moe.moe_routed_ref, fp32_linear=kfp32.fp32_linear_ref,
+                       moe_routed=moe.moe_routed_ref, fp32_linear=kfp32.fp32_linear_ref, route=router.route_ref,
                        compress_pool=compressor.compress_pool_ref,
                        compress_commit=compressor.compress_commit_ref, rms_norm=norm.rms_norm_ref,
                        rope_tail=rope.rope_tail_ref, act_quant_sim=numerics.act_quant_sim,
@@ -143,7 +149,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            functools.partial(mhc.hc_head, invariant=True), attention.invariant_sparse_attn,
                            indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                            linear=invariant.linear, grouped_linear=invariant.grouped_linear,
-                           moe_routed=invariant.moe_routed, fp32_linear=invariant.fp32_linear,
+                           moe_routed=invariant.moe_routed, fp32_linear=invariant.fp32_linear, route=router.route,
                            compress_pool=compressor.compress_pool,
                            compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                            rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
@@ -152,7 +158,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
-                       fp32_linear=kfp32.fp32_linear_op,
+                       fp32_linear=kfp32.fp32_linear_op, route=router.route,
                        compress_pool=compressor.compress_pool,
                        compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,

@@ -37,7 +37,6 @@ import weakref
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4 import quant
@@ -54,6 +53,7 @@ from kernels.invariant import fixed_mean, hadamard  # the batch-invariant mode's
 # the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
 from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
+from kernels.router import route_ref  # the router after its logits (spec §8.2-4; `Gate`'s default `route`)
 
 # The reference op table: the prefill's RoPE and quantization roundings run it on every backend (the decode step
 # runs the model's backend; both are the same maths, `kernels.rope` / `kernels.quant` are tested against these).
@@ -614,10 +614,13 @@ class Gate(nn.Module):
 
     `weight` [E, dim] (BF16 on disk) is held in `held`: torch.float32 (the dequantized model, as officially) or
     torch.bfloat16 (`weights="quantized"`: as on disk); either way the logits are the fp32 product of its exact
-    fp32 value (`fp32_linear_ref`; the triton backend's `fp32_linear` reads the bf16 bytes directly)."""
+    fp32 value (`fp32_linear_ref`; the triton backend's `fp32_linear` reads the bf16 bytes directly). Everything
+    after the logits is the backend's `route` (`kernels.router.route_ref`: its rules, the tie rule and the fp64
+    scores; the triton backend's `kernels.router.route` is one launch)."""
 
     def __init__(self, args: ModelArgs, layer_id: int, held: torch.dtype = torch.float32,
-                 kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear_ref):
+                 kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = fp32_linear_ref,
+                 route: Callable[..., tuple[torch.Tensor, torch.Tensor]] = route_ref):
         super().__init__()
         if held not in (torch.float32, torch.bfloat16):
             raise ValueError(f"Gate: held={held}, expected torch.float32 or torch.bfloat16")
@@ -627,7 +630,7 @@ class Gate(nn.Module):
         self.hash = layer_id < min(args.n_hash_layers, args.n_layers)
         self.weight = nn.Parameter(torch.empty(args.n_routed_experts, args.dim, dtype=held))
         self.kernel = kernel  # the backend's `fp32_linear` (`MoE` passes `sim.ops.fp32_linear`)
-        self.fixed_order = False  # the batch-invariant mode's weight normalisation (`MoE` sets it from the backend)
+        self.route = route  # the backend's `route` (`MoE` passes `sim.ops.route`)
         if self.hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, self.topk, dtype=torch.int64))
         else:
@@ -636,26 +639,9 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, dim], input_ids [N] -> (weights [N, k] fp32, expert ids [N, k] int64)."""
         logits = self.kernel(x, self.weight)  # fp32 [N, E]
-        if self.score_func == "softmax":
-            scores = logits.softmax(-1)
-        elif self.score_func == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            scores = F.softplus(logits).sqrt()
         if self.hash:
-            ids = self.tid2eid[input_ids]
-        else:
-            ids = (scores + self.bias).topk(self.topk, dim=-1).indices
-        w = scores.gather(1, ids)
-        if self.score_func != "softmax":
-            if self.fixed_order:  # left to right, elementwise (kernels.invariant): the same order at every N
-                tot = w[:, :1].clone()
-                for j in range(1, w.shape[1]):
-                    tot += w[:, j:j + 1]
-                w = w / tot
-            else:
-                w = w / w.sum(-1, keepdim=True)
-        return w * self.route_scale, ids
+            return self.route(logits, None, self.tid2eid[input_ids], self.topk, self.score_func, self.route_scale)
+        return self.route(logits, self.bias, None, self.topk, self.score_func, self.route_scale)
 
 
 def gate_held(sim: _Sim) -> torch.dtype:
@@ -673,8 +659,7 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype):
         super().__init__()
-        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear)
-        self.gate.fixed_order = sim.ops.batch_invariant
+        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear, sim.ops.route)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      for _ in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,

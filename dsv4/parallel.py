@@ -298,7 +298,7 @@ class ParallelMoE(MoE):
     def __init__(self, args: ModelArgs, layer_id: int, sim: _Sim, dtype: torch.dtype, comm: Comm):
         nn.Module.__init__(self)
         self.comm, self.local = comm, expert_range(args, comm)
-        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear)
+        self.gate = Gate(args, layer_id, gate_held(sim), sim.ops.fp32_linear, sim.ops.route)
         self.experts = nn.ModuleList(Expert(args.dim, args.moe_inter_dim, args.swiglu_limit, sim, dtype)
                                      if e in self.local else None for e in range(args.n_routed_experts))
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,

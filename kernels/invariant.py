@@ -36,8 +36,9 @@ What the mode fixes (the audit; README "Batch-invariant mode" has the table):
     only at s = 1, column split and split count from b*s); the s = 1 step lists the window's slots in position
     order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
   * torch reductions on the decode path: the per-head q RMS (`fixed_mean`), the indexer / compressor Hadamard
-    (`hadamard`), the router's weight normalisation: fixed-order elementwise adds, the same for every batch.
-Already invariant in the default mode: RMSNorm (one program per row), the activation quantizations (per row /
+    (`hadamard`): fixed-order elementwise adds, the same for every batch.
+Already invariant in the default mode: RMSNorm (one program per row), the router after its logits
+(`kernels.router.route`: one program per row, its weight sum left to right in pick order, as `route_ref`), the activation quantizations (per row /
 block), RoPE, the compressor pooling and commit (per row), the indexer scores (a key's score never mixes with
 another key's; chunks are block-aligned) and top-k (exact rule, ties to the lower index), hc_post (per token),
 the MoE gemv path itself, every elementwise torch op on CUDA.

@@ -54,6 +54,7 @@ def _specs():
          ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
     ]
     from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is an optional dependency
+    from kernels import router  # triton is an optional dependency
     u8, f8 = "*u8", "*fp8e4nv"
     specs += [
         ("fp32_linear._bf16w_gemv_kernel", fp32_linear._bf16w_gemv_kernel,
@@ -95,6 +96,11 @@ def _specs():
          dict(BD=4096)),
         ("rope._rope_tail_kernel", rope._rope_tail_kernel, dict(x_ptr=bf, pos_ptr=i64, f_ptr="*fp64"), ["SIGN"],
          dict(BR=32)),
+        ("router._route_kernel", router._route_kernel, dict(l_ptr=f32, b_ptr=f32, h_ptr=f32, w_ptr=f32, ids_ptr=i64),
+         ["route_scale"], dict(K=6, KP=8, BE=256, SCORE=0, HASH=False)),
+        ("router._route_kernel[hash]", router._route_kernel,
+         dict(l_ptr=f32, b_ptr=i64, h_ptr=i64, w_ptr=f32, ids_ptr=i64), ["route_scale"],
+         dict(K=6, KP=8, BE=256, SCORE=0, HASH=True)),
         ("quant._quant_sim_kernel", quant._quant_sim_kernel, dict(x_ptr=bf, y_ptr=bf), [],
          dict(FP4=True, B=32, BR=16)),
         ("moe._moe_up_gemv_kernel", moe._moe_up_gemv_kernel,
