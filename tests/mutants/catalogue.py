@@ -245,6 +245,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("invariant_split_follows_m", "batch-invariant mode whose split-K count follows the batch size",
            patches.invariant_split_follows_m,
            ("tests/unit/test_batch_invariant.py::test_fp32_linear_rows_invariant[invariant]",)),
+    # issue 27: the router after its logits in one launch
+    Mutant("route_kernel_ties_reversed", "router kernel breaks top-k ties unlike the reference (higher index first)",
+           patches.route_kernel_ties_reversed,
+           ("tests/unit/test_router_kernel.py::test_route_tie_rule[sqrtsoftplus]",)),
 ]}
 
 

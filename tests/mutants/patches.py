@@ -719,6 +719,15 @@ def rms_norm_kernel_eps_dropped(mp: MP) -> None:
     _jit_source_mutant(mp, norm, "_rms_norm_kernel", "tl.math.rsqrt(ms + eps)", "tl.math.rsqrt(ms)  # MUTANT")
 
 
+def route_kernel_ties_reversed(mp: MP) -> None:
+    """The router kernel breaks exact ties of the biased score toward the HIGHER expert index; `route_ref` (and
+    CUDA's torch.topk) take the lower one. Random fp32 logits never tie, so only tie rows see it."""
+    from kernels import router
+
+    _jit_source_mutant(mp, router, "_route_kernel", "idx = tl.min(tl.where(cand, offs, BE), 0)",
+                       "idx = tl.max(tl.where(cand, offs, -1), 0)  # MUTANT: ties to the higher index")
+
+
 def compress_pool_kernel_ape_next_slot(mp: MP) -> None:
     """The compressor pooling kernel (graph decode) adds the token's score the positional bias of the NEXT slot
     (ape[(p + 1) % r] instead of ape[p % r]); `compress_pool_ref` and `Compressor.prefill` keep it."""

@@ -117,7 +117,7 @@ def test_route_tie_rule(score_func):
     _assert_bitwise(got, ref, f"ties {score_func}")
 
 
-def test_route_nan_logit_is_never_preferred():
+def test_route_nan_logit_is_never_preferred(seed):
     """A NaN score ranks below every value (the rule of `indexer_topk_ref`); kernel == reference, weights of the
     other picks finite. A row of NaN only: the lowest indices, weights NaN, in both."""
     logits, bias, _ = _inputs(4, 256, 6, False)
@@ -131,7 +131,7 @@ def test_route_nan_logit_is_never_preferred():
     assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
 
 
-def test_route_rows_are_independent():
+def test_route_rows_are_independent(seed):
     """One program per row: a row's result is bitwise the same alone and inside any batch (the batch-invariant
     mode relies on it)."""
     from kernels.router import route
@@ -142,7 +142,7 @@ def test_route_rows_are_independent():
         assert torch.equal(alone[1], full[1][r:r + 1]) and torch.equal(alone[0], full[0][r:r + 1])
 
 
-def test_route_bad_hash_id_poisons_the_row():
+def test_route_bad_hash_id_poisons_the_row(seed):
     """No host sync in the kernel: a hash id outside [0, E) gives NaN weights for that row (never a silent 0);
     the reference raises."""
     from kernels.router import route
@@ -160,7 +160,7 @@ def test_route_bad_hash_id_poisons_the_row():
     ("neither", "bias / hash_ids is neither given"), ("bias", "bias is torch.float64"),
     ("hash", "hash_ids is torch.int64 shape (4, 5)"), ("scale", "route_scale is 0.0"),
     ("layout", "logits is non-contiguous")])
-def test_route_names_bad_arguments(case, needle):
+def test_route_names_bad_arguments(seed, case, needle):
     from kernels.router import route
     logits, bias, hash_ids = _inputs(4, 64, 6, False)[0], torch.zeros(64, device=DEV), None
     kw = dict(logits=logits, bias=bias, hash_ids=hash_ids, topk=6, score_func="sqrtsoftplus", route_scale=1.5)
