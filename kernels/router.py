@@ -12,8 +12,9 @@ The maths, as the reference states it (every rule below is the reference's, and 
      over the row, computed in fp64 from the fp32 logits and rounded once to fp32. The official code computes
      them in fp32, whose exp / log1p differ between CPU, CUDA and Triton by an ulp or so; computed in fp64 and
      rounded, every device and both backends get the correctly rounded fp32 score (except when the fp64 value
-     lies within a few fp64 ulps of an fp32 rounding boundary: about 1e-8 per score), at most an ulp from the
-     official value. docs/differences.md M8.
+     lies within a few fp64 ulps of an fp32 rounding boundary: about 1e-8 per score); against the official fp32
+     value: <= 1 ulp for sqrtsoftplus, <= 2 for sigmoid, softmax within fp32 softmax's own error (~20 ulps).
+     docs/differences.md M8.
   2. ids: hash layers take `hash_ids` (= tid2eid[token], spec §8.3) as given. Other layers take the top-k of
      the fp32 sum s + bias (bias selects only), in the rule of `kernels.indexer.indexer_topk_ref` (which this
      function calls): larger first, equal values toward the LOWER expert index (what CUDA's torch.topk was
