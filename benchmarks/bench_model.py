@@ -414,27 +414,27 @@ def slope_markdown(results: dict, meta: dict, geometries: dict) -> str:
                       f"slope x (full depth - {la})):", "",
                       "| geometry | row | backend | per layer | floor per layer | / floor | launches per layer "
                       "| projected full depth |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        def slopes(kind: str, key: int):
+            """(backend, time at the shallow depth, per-layer slope) for each backend measured at both depths."""
+            for c in cols:
+                ta, tb = results.get((f"{ga}:{c}", kind, key)), results.get((f"{gb}:{c}", kind, key))
+                if ta and tb:
+                    yield c, ta, (tb - ta) / d
+
         for s in ia["prefills"]:
             fl = (ib["prefill_flops"][s] - ia["prefill_flops"][s]) / d / (peak * 1e12)
-            for c in cols:
-                ta, tb = results.get((f"{ga}:{c}", "prefill", s)), results.get((f"{gb}:{c}", "prefill", s))
-                if ta and tb:
-                    per = (tb - ta) / d
-                    lines.append(f"| {name} | prefill {s} b=1 | {c} | {per * 1e3:.2f} ms | {fl * 1e3:.2f} ms | "
+            for c, ta, per in slopes("prefill", s):
+                lines.append(f"| {name} | prefill {s} b=1 | {c} | {per * 1e3:.2f} ms | {fl * 1e3:.2f} ms | "
                                  f"{per / fl:.1f}x | | {(ta + per * (full - la)) * 1e3:.0f} ms ({full}L) |")
         for b in ia["batches"]:
             fl = (ib["decode_bytes"][b] - ia["decode_bytes"][b]) / d / (bw * 1e9)
-            for c in cols:
-                ta, tb = results.get((f"{ga}:{c}", "decode", b)), results.get((f"{gb}:{c}", "decode", b))
-                if ta and tb:
-                    per = (tb - ta) / d
-                    la_, lb_ = ia.get("launches", {}).get(b), ib.get("launches", {}).get(b)
-                    launches = f"{(lb_ - la_) / d:.0f}" if c == "triton" and la_ and lb_ else ""
-                    lines.append(f"| {name} | decode b={b} @ {ia['ctx']} | {c} | {per * 1e6:.0f} µs | "
-                                 f"{fl * 1e6:.0f} µs | {per / fl:.1f}x | {launches} | "
-                                 f"{(ta + per * (full - la)) * 1e3:.1f} ms ({full}L) |")
+            la_, lb_ = ia.get("launches", {}).get(b), ib.get("launches", {}).get(b)
+            for c, ta, per in slopes("decode", b):
+                launches = f"{(lb_ - la_) / d:.0f}" if c == "triton" and la_ and lb_ else ""
+                lines.append(f"| {name} | decode b={b} @ {ia['ctx']} | {c} | {per * 1e6:.0f} µs | "
+                             f"{fl * 1e6:.0f} µs | {per / fl:.1f}x | {launches} | "
+                             f"{(ta + per * (full - la)) * 1e3:.1f} ms ({full}L) |")
     return "\n".join(lines) + "\n" if lines else ""
-
 
 
 def main(argv=None) -> int:
