@@ -12,6 +12,9 @@ Run: `PYTHONPATH=. python benchmarks/compile_sweep.py [--warmup none|prefill256|
   * `--decode`: eager decode at many positions (a prefill, then steps), eager decode from synthetic states at
     several batch sizes, and CUDA-graph decode states (capture) at several batch sizes and max_len.
   * `--time4k`: median of 5 prefills of 4096 tokens (after the sweep).
+  * `--profile-lengths 1500,1700`: after the sweep, for each of these (new) lengths, torch.profiler over the first
+    and the second call; prints the ops whose host or GPU time differs most between the two (what a first call at a
+    new length pays for that is not a compile).
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1000,1001,1003,1500,2048,2049,3000,4096,4097,5000")
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--time4k", action="store_true")
+    ap.add_argument("--profile-lengths", default="", help="profile the first and second call at these lengths")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     import triton
@@ -177,9 +181,43 @@ def main(argv=None) -> int:
         print(f"== prefill 4096: median {statistics.median(ts[1:]) * 1e3:.1f} ms of {[round(x * 1e3, 1) for x in ts]}",
               flush=True)
         out["prefill4k_ms"] = statistics.median(ts[1:]) * 1e3
+    for s in [int(x) for x in a.profile_lengths.split(",") if x]:
+        out.setdefault("profiled", {})[s] = _profile_first(model, s)
     if a.json:
         a.json.write_text(json.dumps(out, indent=1, default=str))
     return 0
+
+
+def _profile_first(model, s: int, rows: int = 12) -> dict:
+    """torch.profiler over the first and the second prefill of length `s`; prints and returns the ops (by key) whose
+    self host time or self GPU time differs most between the two calls (times in ms)."""
+    from torch.profiler import ProfilerActivity, profile as tprof
+    V = model.args.vocab_size
+    with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # the profiler's own first-use cost
+        model(torch.randint(0, V, (1, 8), device="cuda"), model.new_state(1))
+        torch.cuda.synchronize()
+    ids = torch.randint(0, V, (1, s), device="cuda")
+    tabs, walls = [], []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        with tprof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            t0 = time.perf_counter()
+            model(ids, model.new_state(1))
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+        tabs.append({e.key: (e.count, e.self_cpu_time_total / 1e3, e.self_device_time_total / 1e3)
+                     for e in p.key_averages()})
+    a, b = tabs
+    z = (0, 0.0, 0.0)
+    keys = set(a) | set(b)
+    res = {"wall_ms": walls, "host": [], "gpu": []}
+    print(f"== profiled length {s}: first {walls[0]:.1f} ms, second {walls[1]:.1f} ms (under the profiler)", flush=True)
+    for col, name in ((1, "host"), (2, "gpu")):
+        for k in sorted(keys, key=lambda k: -abs(a.get(k, z)[col] - b.get(k, z)[col]))[:rows]:
+            x, y = a.get(k, z), b.get(k, z)
+            res[name].append((k, x, y))
+            print(f"  {name:4s} {x[col]:9.2f} -> {y[col]:9.2f} ms  (n {x[0]} -> {y[0]})  {k[:100]}", flush=True)
+    return res
 
 
 if __name__ == "__main__":

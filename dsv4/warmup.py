@@ -13,6 +13,9 @@ finite; `warmup(model)` runs the model once through each of them:
   2. eager decode (4 steps, every position mod 4) after the prefill probes of `decode_probes`: the top-k
      buckets of the decode positions, up to `max_len`; and at every batch size 2..`max_batch` (default 32)
      after a prefill of 8 tokens;
+  2b. the torch GEMMs (cuBLAS / CUTLASS; prefill-sized linears of more than 64 rows): they run at a bucketed
+     row count (`kernels.launch.gemm_rows`: 8 sizes per doubling), and the warm-up runs every shape class at every
+     bucket up to `max_len` (80 up to 65536), so cuBLAS's per-shape first-call cost is never a request's;
   3. CUDA-graph decode (`Transformer.use_decode_graphs`), when the model supports it: the static decode step
      (`Transformer.decode_step` run eagerly on a `new_state(b, max_len)`: the launches a capture records) at every batch size
      1..`max_batch` with max_len 1024 (1 and, for the verify steps, 2..`MAX_STEP_TOKENS` tokens per row), and
@@ -38,6 +41,7 @@ import torch
 from dsv4.graph import check_graph_model
 from dsv4.model import MAX_STEP_TOKENS
 from kernels.compiles import CompileLog
+from kernels.launch import GEMM_MIN_ROWS, gemm_buckets, record_gemms
 
 __all__ = ["warmup", "prefill_probes", "decode_probes", "WarmupReport", "DEFAULT_MAX_LEN", "DEFAULT_MAX_BATCH"]
 
@@ -77,12 +81,15 @@ class WarmupReport:
     decode_batches: list[int] = field(default_factory=list)
     graph: str = ""
     compiles: int | None = None  # Triton builds during the warm-up (CUDA only; None under the interpreter)
+    gemm_keys: list = field(default_factory=list)  # torch GEMM shape classes run at every row bucket (`_gemm_warmup`)
+    gemm_buckets: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         c = "" if self.compiles is None else f", {self.compiles} Triton builds"
         return (f"warm-up {self.seconds:.1f} s{c}: prefill at {len(self.prefill_lengths)} lengths "
                 f"(1..{max(self.prefill_lengths, default=0)}), eager decode after {len(self.decode_after)} of them "
-                f"and at batch sizes {_span(self.decode_batches)}; graph decode: {self.graph}")
+                f"and at batch sizes {_span(self.decode_batches)}; torch GEMMs: {len(self.gemm_keys)} shapes at "
+                f"{len(self.gemm_buckets)} row counts ({_span(self.gemm_buckets)}); graph decode: {self.graph}")
 
 
 def _span(xs: list[int]) -> str:
@@ -128,6 +135,8 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
                 rep.decode_after.append(s)
             del st
         say(f"warm-up: prefill probes done ({time.perf_counter() - t0:.1f} s)")
+        rep.gemm_keys, rep.gemm_buckets = _gemm_warmup(model, max_len, ids)
+        say(f"warm-up: {len(rep.gemm_keys)} torch GEMMs at {len(rep.gemm_buckets)} row counts done ({time.perf_counter() - t0:.1f} s)")
         for b in range(1, max_batch + 1):
             st = model.new_state(b)
             model(ids(b, 8), st)
@@ -147,6 +156,21 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
     rep.seconds = time.perf_counter() - t0
     rep.compiles = clog.count if counting else None
     return rep
+
+
+def _gemm_warmup(model, max_len: int, ids) -> tuple[list, list[int]]:
+    """The torch GEMMs (cuBLAS / CUTLASS) of a prefill at every row count they can run at up to max_len
+    (`kernels.launch.gemm_buckets`, 80 up to 65536): a prefill of GEMM_MIN_ROWS tokens records each shape class
+    once (`record_gemms`), then each runs on zero rows at every bucket. cuBLAS's first call at a new shape (kernel
+    selection, lazy kernel load) is paid here, never by a request (issue 29). Returns (the shape classes' keys,
+    the buckets)."""
+    with record_gemms() as rec:
+        model(ids(1, GEMM_MIN_ROWS), model.new_state(1))
+    buckets = gemm_buckets(max_len)
+    for gemm, row_shape, dtype, device in rec.seen.values():
+        for m in buckets:
+            gemm(torch.zeros((m,) + row_shape, dtype=dtype, device=device))
+    return list(rec.seen), buckets
 
 
 def _graph_warmup(model, max_len: int, max_batch: int, ids) -> str:

@@ -55,7 +55,7 @@ except ImportError:  # triton is optional: the references stay importable withou
 
 from kernels import numerics
 from kernels.fp32_linear import fp32_linear_op, fp32_linear_ref
-from kernels.launch import check_layout, interpreting, split_k, workspace
+from kernels.launch import bucketed_gemm, check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
@@ -663,8 +663,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     fp32 linears, x.dtype otherwise). Paths (dsv4/backend.py table): fp32 -> `kernels.fp32_linear.fp32_linear_op`;
     x not bf16 (the exact mode) -> `linear_ref`; FP8 codes with act_block and in % 128 == 0 -> `fp8_linear`;
     otherwise act quantization (the `act_quant` kernel at in % 128 == 0, `numerics.act_quant_sim` below) and a
-    bf16 GEMM with fp32 accumulation on the exact bf16 weight (`_bf16_weight`). Raises ValueError from the
-    kernels' argument checks."""
+    bf16 GEMM with fp32 accumulation on the exact bf16 weight (`_bf16_weight`). Above 64 rows both run at the
+    bucketed row count of `kernels.launch.bucketed_gemm` (issue 29: a bounded set of cuBLAS shapes, all met by
+    `dsv4.warmup`). Raises ValueError from the kernels' argument checks."""
     if fp32:
         return fp32_linear_op(x, weight)
     if x.dtype != torch.bfloat16:
@@ -673,14 +674,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
     if weight.dtype == torch.float8_e4m3fn and act_block and k % BLOCK == 0:
-        y = fp8_linear(x2, weight, scale)
+        y = bucketed_gemm(lambda xp: fp8_linear(xp, weight, scale), x2, ("fp8_linear", tuple(weight.shape)))
     else:
         if act_block:
             if k % BLOCK == 0:
                 x2 = act_quant(x2, sim=True)[0]
             else:
                 x2 = numerics.act_quant_sim(x2, act_block)
-        y = x2 @ _bf16_weight(weight, scale).T
+        w = _bf16_weight(weight, scale)
+        y = bucketed_gemm(lambda xp: xp @ w.T, x2, ("bf16_mm", tuple(w.shape)))
     return y.view(*shape[:-1], y.shape[-1])
 
 
@@ -688,7 +690,8 @@ def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     """The triton backend's `grouped_linear` entry (the grouped `wo_a`, spec §5), the signature of
     `grouped_linear_ref`: o [b, s, G, i], wo_a as held [G*o, i] (+ scale) -> [b, s, G, o] in o.dtype. FP8 codes at
     b*s <= GEMV_MAX_M and i, o multiples of 128 -> `fp8_grouped_gemv` (one launch, no act quant); other bf16 ->
-    the exact bf16 weight (`_bf16_weight`) and a bf16 bmm with fp32 accumulation; fp32 (the exact mode) ->
+    the exact bf16 weight (`_bf16_weight`) and a bf16 bmm with fp32 accumulation (at the bucketed row count of
+    `kernels.launch.bucketed_gemm`); fp32 (the exact mode) ->
     `grouped_linear_ref`. Raises ValueError from the kernels' argument checks."""
     if o.dtype != torch.bfloat16:
         return grouped_linear_ref(o, weight, scale)
@@ -698,5 +701,9 @@ def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
         y = fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G)
         return y.view(b, s, G, n)
     w = _bf16_weight(weight, scale).view(G, -1, i)                       # [G, o, i]
-    z = torch.bmm(o.reshape(b * s, G, i).transpose(0, 1), w.transpose(1, 2))  # [G, b*s, o]
-    return z.transpose(0, 1).reshape(b, s, G, -1)
+
+    def gemm(o2: torch.Tensor) -> torch.Tensor:                          # [M, G, i] -> [M, G, o]
+        return torch.bmm(o2.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+    z = bucketed_gemm(gemm, o.reshape(b * s, G, i), ("grouped_bmm", tuple(w.shape)))
+    return z.reshape(b, s, G, -1)

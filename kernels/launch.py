@@ -18,7 +18,13 @@ their split-K workspaces and, for one-launch kernels, would need a zeroed semaph
   Inside CUDA-graph capture a missing or too small pair is allocated for that call only (never cached), so a
   capture without a warm-up on its stream still records correct (zero-initialised) buffers.
 
-This cache is the one piece of module state of the kernels; it holds device buffers only (no dtype, backend or
+* `bucketed_gemm(gemm, x2, key)`: the triton backend's torch GEMMs (cuBLAS / CUTLASS, prefill-sized inputs of
+  more than 64 rows) run at `gemm_rows(M)` rows, 8 sizes per doubling (issue 29): cuBLAS pays a per-shape cost
+  on the first call at a new row count (kernel selection and the lazy load of the kernel it picks: measured on an
+  H200 as 2-16 ms of host time per 4-layer Flash prefill at a new length, all of it in `aten::mm`), so a bounded
+  set of shapes lets `dsv4.warmup` meet every one of them once (`record_gemms`, `gemm_buckets`).
+
+These caches are the module state of the kernels; it holds device buffers only (no dtype, backend or
 rank), so the reference and the Triton backend still live side by side in one process (STYLE §4).
 """
 
@@ -78,6 +84,72 @@ def workspace(device: torch.device, n_sem: int, n_scratch: int) -> tuple[torch.T
         return fresh  # recorded in the graph (its zero fill included); not cached for later eager calls
     _WORKSPACES[key] = fresh
     return fresh
+
+
+GEMM_MIN_ROWS = 65   # `bucketed_gemm` pads from here (the GEMV kernels take M <= 64 rows; kernels.gemm.GEMV_MAX_M)
+_GEMMS_SEEN: dict | None = None  # `record_gemms`: {key: (gemm, row shape, dtype, device)} while recording
+_GEMMS_ROWS: set = set()         # `record_gemms`: {(key, rows run at)} while recording
+
+
+def gemm_rows(M: int) -> int:
+    """Rows a torch GEMM of M rows runs at in the triton backend (`bucketed_gemm`): M itself up to 64, above that
+    M rounded up to a multiple of 2^(p-4), where 2^(p-1) < M <= 2^p: 8 sizes per doubling (72, 80, ..., 128,
+    144, ..., 256, ...), at most 1/8 more rows, and every size a multiple of 8 (FP8 `scaled_mm` needs M % 4 == 0).
+    Raises ValueError for M < 0."""
+    if not isinstance(M, int) or M < 0:
+        raise ValueError(f"gemm_rows: M is {M!r}; expected an int >= 0")
+    if M < GEMM_MIN_ROWS:
+        return M
+    step = 1 << ((M - 1).bit_length() - 4)
+    return -(-M // step) * step
+
+
+def gemm_buckets(max_rows: int) -> list[int]:
+    """Every `gemm_rows` value of M in GEMM_MIN_ROWS..max_rows, ascending (80 of them up to 65536): the row counts
+    `dsv4.warmup` runs each recorded GEMM at."""
+    out, m = [], GEMM_MIN_ROWS
+    while m <= max_rows:
+        r = gemm_rows(m)
+        out.append(r)
+        m = r + 1
+    return out
+
+
+def bucketed_gemm(gemm, x2: torch.Tensor, key) -> torch.Tensor:
+    """`gemm(x2)` for x2 [M, ...] (any trailing shape) whose result's row i depends on x2[i] only, run at
+    `gemm_rows(M)` rows: x2 copied into zero-padded rows when M is not a bucket, the extra result rows dropped
+    (a view of the first M rows). `key` names the GEMM's shape class (weight shape and dtypes, the path) for
+    `record_gemms`. Same maths as `gemm(x2)`; at another row count cuBLAS may pick another kernel, so the fp32
+    summation order may differ (the default mode is not batch-invariant; `kernels.invariant` never comes here)."""
+    M = x2.shape[0]
+    Mp = gemm_rows(M)
+    if _GEMMS_SEEN is not None:
+        if key not in _GEMMS_SEEN:
+            _GEMMS_SEEN[key] = (gemm, tuple(x2.shape[1:]), x2.dtype, x2.device)
+        _GEMMS_ROWS.add((key, Mp))
+    if Mp == M:
+        return gemm(x2)
+    xp = x2.new_zeros((Mp,) + tuple(x2.shape[1:]))
+    xp[:M] = x2
+    return gemm(xp)[:M]
+
+
+class record_gemms:
+    """Context manager: inside it, every `bucketed_gemm` call records its GEMM once per key (`.seen`: key ->
+    (gemm, row shape, dtype, device), so `dsv4.warmup` can run each at every `gemm_buckets` size) and the
+    (key, row count) it ran at (`.rows`: the torch GEMM shapes met; tests/gpu/test_compile_count.py checks them
+    against the warm-up's). Not reentrant (ValueError)."""
+
+    def __enter__(self) -> "record_gemms":
+        global _GEMMS_SEEN, _GEMMS_ROWS
+        if _GEMMS_SEEN is not None:
+            raise ValueError("record_gemms: already recording (not reentrant)")
+        _GEMMS_SEEN, _GEMMS_ROWS = self.seen, self.rows = {}, set()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _GEMMS_SEEN, _GEMMS_ROWS
+        _GEMMS_SEEN, _GEMMS_ROWS = None, set()
 
 
 def fail(op: str, name: str, value, expected: str) -> None:

@@ -241,6 +241,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("batch_chat_row_not_loaded", "a batch row continuing a chat gets its position but not its buffers",
            patches.batch_chat_row_not_loaded,
            ("tests/unit/test_generate_batch.py::test_generate_batch_continues_chats_where_the_ids_extend_them",)),
+    # issue 29: the triton backend's torch GEMMs at bucketed row counts
+    Mutant("bucketed_gemm_rows_after_the_padding", "a padded GEMM returns the padding's rows for its first ones",
+           patches.bucketed_gemm_rows_after_the_padding,
+           ("tests/unit/test_gemm_buckets.py::test_triton_entries_above_64_rows_match_their_references[100]",)),
     # issue 25: batch-invariant mode
     Mutant("invariant_split_follows_m", "batch-invariant mode whose split-K count follows the batch size",
            patches.invariant_split_follows_m,

@@ -850,6 +850,18 @@ def batch_chat_row_not_loaded(mp: MP) -> None:
                    "for dst, s in []:  # MUTANT: buffers not copied")
 
 
+# ------------------------------------------------------------------------------- torch GEMM row buckets (issue 29)
+def bucketed_gemm_rows_after_the_padding(mp: MP) -> None:
+    """`kernels.launch.bucketed_gemm` copies the M input rows after the zero padding instead of before it, and
+    still returns the first M result rows: above 64 rows every torch GEMM of the triton backend (FP8 prefill
+    linear, bf16 mm, grouped bmm, fp32 mm) returns zero-padding rows for its first ones."""
+    from kernels import fp32_linear, gemm, launch
+
+    _source_mutant(mp, launch, "bucketed_gemm", "xp[:M] = x2", "xp[Mp - M:] = x2  # MUTANT: rows after the padding")
+    for mod in (gemm, fp32_linear):
+        mp.setattr(mod, "bucketed_gemm", launch.bucketed_gemm)
+
+
 # ------------------------------------------------------------------------------- batch-invariant mode (issue 25)
 def invariant_split_follows_m(mp: MP) -> None:
     """The batch-invariant fp32 GEMV (`kernels.fp32_linear.fp32_linear(invariant=True)`, BM = GEMV_MAX_M) takes a
