@@ -136,7 +136,8 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
             del st
         say(f"warm-up: prefill probes done ({time.perf_counter() - t0:.1f} s)")
         rep.gemm_keys, rep.gemm_buckets = _gemm_warmup(model, max_len, ids)
-        say(f"warm-up: {len(rep.gemm_keys)} torch GEMMs at {len(rep.gemm_buckets)} row counts done ({time.perf_counter() - t0:.1f} s)")
+        say(f"warm-up: {len(rep.gemm_keys)} torch GEMMs at {len(rep.gemm_buckets)} row counts done "
+            f"({time.perf_counter() - t0:.1f} s)")
         for b in range(1, max_batch + 1):
             st = model.new_state(b)
             model(ids(b, 8), st)

@@ -57,7 +57,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     triton = None
     tl = None
 
-from kernels.launch import bucketed_gemm, check_layout, interpreting, split_k, workspace
+from kernels.launch import GEMM_MIN_ROWS, bucketed_gemm, check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
 __all__ = ["fp32_linear", "fp32_linear_ref", "fp32_linear_op", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
@@ -247,12 +247,17 @@ def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     [..., N] fp32 (spec §2, §8, §9). A bf16 weight (held as on disk, weights="quantized") goes to `fp32_linear`
     (the GEMV kernel up to GEMV_MAX_M rows, exact upcast + fp32 torch.mm above); an fp32 weight (the dequantized
     model) to `fp32_linear_ref`. x in fp32 / bf16 is read as it is (upcast exactly in the kernel), other dtypes
-    upcast first. Above 64 rows torch.mm runs at the bucketed row count of `kernels.launch.bucketed_gemm` (issue 29). Raises ValueError from `fp32_linear`'s argument checks."""
+    upcast first. Above 64 rows torch.mm runs at the bucketed row count of `kernels.launch.bucketed_gemm`
+    (issue 29). Raises ValueError from `fp32_linear`'s argument checks."""
     if weight.dtype != torch.bfloat16:
         return fp32_linear_ref(x, weight)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype not in (torch.float32, torch.bfloat16):
         x2 = x2.float()
-    y = bucketed_gemm(lambda xp: fp32_linear(xp, weight), x2.contiguous(), ("fp32_linear", tuple(weight.shape)))
+    x2 = x2.contiguous()
+    if x2.shape[0] < GEMM_MIN_ROWS:  # the GEMV kernel (no cuBLAS, nothing to bucket)
+        y = fp32_linear(x2, weight)
+    else:
+        y = bucketed_gemm(lambda xp: fp32_linear(xp, weight), x2, ("fp32_linear", tuple(weight.shape)))
     return y.view(*shape[:-1], y.shape[-1])

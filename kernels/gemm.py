@@ -55,7 +55,7 @@ except ImportError:  # triton is optional: the references stay importable withou
 
 from kernels import numerics
 from kernels.fp32_linear import fp32_linear_op, fp32_linear_ref
-from kernels.launch import bucketed_gemm, check_layout, interpreting, split_k, workspace
+from kernels.launch import GEMM_MIN_ROWS, bucketed_gemm, check_layout, interpreting, split_k, workspace
 from kernels.launch import fail as _fail
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
@@ -674,7 +674,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
     if weight.dtype == torch.float8_e4m3fn and act_block and k % BLOCK == 0:
-        y = bucketed_gemm(lambda xp: fp8_linear(xp, weight, scale), x2, ("fp8_linear", tuple(weight.shape)))
+        if x2.shape[0] < GEMM_MIN_ROWS:  # the decode GEMV (no cuBLAS, nothing to bucket)
+            y = fp8_linear(x2, weight, scale)
+        else:
+            y = bucketed_gemm(lambda xp: fp8_linear(xp, weight, scale), x2, ("fp8_linear", tuple(weight.shape)))
     else:
         if act_block:
             if k % BLOCK == 0:

@@ -24,8 +24,9 @@ their split-K workspaces and, for one-launch kernels, would need a zeroed semaph
   H200 as 2-16 ms of host time per 4-layer Flash prefill at a new length, all of it in `aten::mm`), so a bounded
   set of shapes lets `dsv4.warmup` meet every one of them once (`record_gemms`, `gemm_buckets`).
 
-These caches are the module state of the kernels; it holds device buffers only (no dtype, backend or
-rank), so the reference and the Triton backend still live side by side in one process (STYLE §4).
+The workspace cache is the one lasting piece of module state of the kernels; it holds device buffers only (no
+dtype, backend or rank), so the reference and the Triton backend still live side by side in one process (STYLE §4).
+`record_gemms` holds what it records only while its `with` block runs (the warm-up's).
 """
 
 from __future__ import annotations

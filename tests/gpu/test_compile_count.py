@@ -67,35 +67,39 @@ def _lengths(max_len: int) -> list[int]:
     return sorted({x for x in fixed if x <= max_len} | {rng.randint(1, max_len) for _ in range(12)})
 
 
-def test_prefill_lengths_meet_only_warmed_torch_gemms(warm):
+@pytest.fixture(scope="module")
+def prefill_sweep(warm):
+    """(kind, model, warm-up report, CompileLog, record_gemms) of one batch-1 prefill sweep after the warm-up: the
+    Triton builds and the torch GEMM shapes it met, recorded together."""
+    from kernels.compiles import CompileLog
+    from kernels.launch import record_gemms
+    kind, m, rep = warm
+    g = torch.Generator().manual_seed(1)
+    with CompileLog() as log, record_gemms() as rec:
+        for s in _lengths(MAX_LEN[kind]):
+            m(_ids(m, 1, s, g), m.new_state(1))
+        torch.cuda.synchronize()
+    return kind, m, rep, log, rec
+
+
+def test_prefill_lengths_compile_nothing(prefill_sweep):
+    kind, _, _, log, _ = prefill_sweep
+    _assert_none(log, f"[{kind}] prefill sweep")
+
+
+def test_prefill_lengths_meet_only_warmed_torch_gemms(prefill_sweep):
     """The torch GEMMs (cuBLAS / CUTLASS) of the prefill sweep run only at (shape class, row count) pairs the
     warm-up ran (`kernels.launch.bucketed_gemm`; cuBLAS's first call at a new shape costs 2-16 ms of host time per
     prefill, issue 29). Negative control: against the buckets of a warm-up to 1024 tokens only, the same sweep
     meets new shapes (the check can fail)."""
-    from kernels.launch import GEMM_MIN_ROWS, gemm_buckets, record_gemms
-    kind, m, rep = warm
-    g = torch.Generator().manual_seed(2)
-    with record_gemms() as rec:
-        for s in _lengths(MAX_LEN[kind]):
-            m(_ids(m, 1, s, g), m.new_state(1))
-        torch.cuda.synchronize()
+    from kernels.launch import GEMM_MIN_ROWS, gemm_buckets
+    kind, _, rep, _, rec = prefill_sweep
     met = {(k, r) for k, r in rec.rows if r >= GEMM_MIN_ROWS}
     assert met, f"[{kind}] the prefill sweep ran no torch GEMM above {GEMM_MIN_ROWS - 1} rows (the check is blind)"
     new = met - {(k, r) for k in rep.gemm_keys for r in rep.gemm_buckets}
     assert not new, f"[{kind}] torch GEMM shapes the warm-up did not run: {sorted(new, key=str)[:8]}"
     short = {(k, r) for k in rep.gemm_keys for r in gemm_buckets(1024)}
     assert met - short, f"[{kind}] negative control: a 1024-token GEMM warm-up covered the whole sweep"
-
-
-def test_prefill_lengths_compile_nothing(warm):
-    from kernels.compiles import CompileLog
-    kind, m, _ = warm
-    g = torch.Generator().manual_seed(1)
-    with CompileLog() as log:
-        for s in _lengths(MAX_LEN[kind]):
-            m(_ids(m, 1, s, g), m.new_state(1))
-        torch.cuda.synchronize()
-    _assert_none(log, f"[{kind}] prefill sweep")
 
 
 def test_decode_positions_and_batches_compile_nothing(warm):
