@@ -395,14 +395,14 @@ class Indexer(nn.Module):
         return scores
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               backend: Backend, ops: Backend, k: int | None = None) -> torch.Tensor:
+               backend: Backend, ops: Backend, k: int) -> torch.Tensor:
         """Top-k entry indices `[b, s, k]` int64 (-1 = empty) of the queries at positions pos int64 (spec §7):
         [s] (every row at the same positions) or [b, s] (each row its own: the decode step).
 
         x [b, s, dim], qr [b, s, q_lora]; keys [b, n, d_I]: slot w holds entry w where it exists; query t sees
-        the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k None (prefill):
-        min(index_topk, entries visible to the last query), one host read of the count; k given (the decode step:
-        index_topk): that many slots, -1 where fewer entries exist, no host read. Scores and top-k through
+        the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k slots per query,
+        -1 where fewer entries exist: `extend` passes min(index_topk, entries visible to its last query), known on
+        the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k through
         `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
@@ -411,9 +411,7 @@ class Indexer(nn.Module):
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
-        if k is None:
-            return topk(scores, min(self.topk, int(n_valid.max())), n_valid)
-        return topk(scores, k, n_valid, check=False)
+        return topk(scores, k, n_valid, check=False)  # n_valid in [0, n] by construction: no checking sync
 
 
 def _hadamard(x: torch.Tensor, h: torch.Tensor, ops: Backend) -> torch.Tensor:
@@ -519,7 +517,8 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 n_i = (p + s) // 4
                 self.indexer.compressor.extend(x, p, st.index_compressor, st.index_keys)
-                comp = self.indexer.select(x, qr, pos, st.index_keys[:, :n_i], backend, REFERENCE)
+                comp = self.indexer.select(x, qr, pos, st.index_keys[:, :n_i], backend, REFERENCE,
+                                           k=min(self.indexer.topk, n_i))  # the last query sees n_i entries
             else:  # HCA: every completed entry visible to the query, w < (t+1) // r
                 w = torch.arange(n_e, device=dev)
                 comp = torch.where(w[None, :] < ((pos[:, None] + 1) // self.ratio), w[None, :], -1)
@@ -990,9 +989,10 @@ class Transformer(nn.Module):
         new_len = -(-max(need, 2 * state.max_len) // STATE_GRAIN) * STATE_GRAIN
         grown = self.layer_states(state.batch, new_len)
         for old, new in zip(state.layers, grown):
-            new.keys[:, :old.keys.shape[1]] = old.keys
-            if old.index_keys is not None:
-                new.index_keys[:, :old.index_keys.shape[1]] = old.index_keys
+            if p:  # at position 0 the old buffers hold nothing yet (the fresh zeros of the new ones)
+                new.keys[:, :old.keys.shape[1]] = old.keys
+                if old.index_keys is not None:
+                    new.index_keys[:, :old.index_keys.shape[1]] = old.index_keys
             new.compressor, new.index_compressor = old.compressor, old.index_compressor
         state.layers, state.max_len = grown, new_len
 
@@ -1118,9 +1118,9 @@ class Transformer(nn.Module):
                              f"{state.layers[0].ring.shape[0]} (make it with new_state({input_ids.shape[0]}))")
         self._reserve(state, input_ids.shape[1])
         if not (max(state.row_pos) > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
-            if int(input_ids.min()) < 0 or int(input_ids.max()) >= self.args.vocab_size:
-                raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {int(input_ids.min())}, "
-                                 f"max {int(input_ids.max())}")
+            lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync
+            if lo < 0 or hi >= self.args.vocab_size:
+                raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {lo}, max {hi}")
         rows, s = state.row_pos, input_ids.shape[1]
         stepped = (s == 1 and max(rows) > 0) or (1 < s <= MAX_STEP_TOKENS and min(rows) > 0 and (
             len(set(rows)) > 1 or state.checks_ids_on_device or state.layers[0].trail is not None))

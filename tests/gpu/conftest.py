@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,6 +36,30 @@ def real_ckpt(tmp_path_factory):
         yield build_real_ckpt(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_flash_width_module_at_a_time(request):
+    """Modules marked `flash_width` hold Flash-width models (4 layers: ~15 GiB each in bf16, a module up to ~65 GiB)
+    for their whole run. Under pytest-xdist (`pytest -n 4 tests/gpu`) several at once exceed one GPU's memory, so
+    each takes an exclusive file lock (per visible-device set) for its duration and returns its cached memory to
+    the driver before releasing it; other modules run alongside. Serial runs take the lock uncontended."""
+    if request.node.get_closest_marker("flash_width") is None:
+        yield
+        return
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES", "all").replace(",", "-") or "none"
+    path = Path(tempfile.gettempdir()) / f"dsv4-gpu-flash-width-{devices}.lock"
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            gc.collect()
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ import torch
 from dsv4.final_norm import final_norm_check
 from dsv4.generate import load_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,
+pytestmark = [pytest.mark.gpu, pytest.mark.flash_width, pytest.mark.hardstop,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]  # gold ids of the seed prompt

@@ -14,6 +14,7 @@ Model: Flash geometry, first 4 layers (compress ratios 0/0/4/128: SWA, SWA, CSA,
     positions different from the capture (the kernels are deterministic: fixed split orders, no atomics in value
     sums).
   * a decode step (eager and graph replay) under `torch.cuda.set_sync_debug_mode("error")`.
+  * a prefill and an appended call each read the device exactly once (the token-id check; issue 23).
   * appended multi-token calls (issue 24): equal to one prefill (fp32, 1e-4 relative), and a graph state that
     takes one between replays equals an eager state bitwise.
   * the final-norm check passes on the triton backend whose decode replays the graph (hard stop), and fails
@@ -26,6 +27,7 @@ Model: Flash geometry, first 4 layers (compress ratios 0/0/4/128: SWA, SWA, CSA,
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,7 @@ from dsv4.model import Transformer
 from dsv4.testing import fill_random_quantized_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # kernel / backend vs reference on CUDA (issue 22 item 4)
+              pytest.mark.flash_width,  # one such module at a time under xdist (tests/gpu/conftest.py)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 FLASH = Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json"
@@ -163,6 +166,34 @@ def test_decode_step_is_sync_free(args, models, ragged):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert torch.isfinite(out).all()
+
+
+def _host_reads(fn) -> int:
+    """The synchronizing CUDA operations `fn()` makes: torch's sync-debug "warn" mode, one warning each."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prefill_and_append_read_the_device_once(args, models, dtype):
+    """A prefill (1024 tokens, past the indexer's top-k) and an appended 200-token call each read the device
+    exactly once: `Transformer.forward`'s check of the token ids (one aminmax read). The count of 1 is also the
+    check's own control: a counter blind to syncs would see 0. The 4 Flash layers hold a CSA layer (indexer
+    top-k: k from the host-known positions, no read of the visible-entry count) and an HCA layer. To locate an
+    extra read: run the call under torch.cuda.set_sync_debug_mode("error")."""
+    tri = models(dtype, "triton")
+    st = tri.new_state(1)
+    ids, more = _ids(args, 1024, 6), _ids(args, 200, 7)
+    assert _host_reads(lambda: tri(ids, st)) == 1, "prefill: expected one host read (the ids check)"
+    assert _host_reads(lambda: tri(more, st)) == 1, "appended call: expected one host read (the ids check)"
+    assert st.row_pos == [1224]
 
 
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]

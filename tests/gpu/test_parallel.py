@@ -25,7 +25,7 @@ import torch
 
 from dsv4.testing import assert_close, assert_equal, require_gpus, save_rank_result
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.flash_width]
 
 ATOL, RTOL = 2e-5, 1e-5
 ROOT = Path(__file__).resolve().parents[2]

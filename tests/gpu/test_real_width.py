@@ -20,7 +20,7 @@ import torch
 
 from dsv4.testing import require_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+pytestmark = [pytest.mark.gpu, pytest.mark.flash_width, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:  # the torchrun worker runs this file as a script
 from dsv4.testing import assert_close, assert_equal, require_gpus, save_rank_result  # noqa: E402
 from tests.unit.test_resident_quant import _ids, _run, aligned_ckpt  # noqa: E402,F401  (fixture re-used)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.flash_width]
 
 ATOL, RTOL = 2e-5, 1e-5
 MODES = ("dequantized", "quantized")
