@@ -41,7 +41,8 @@ def check_graph_model(model, max_len: int) -> None:
         problems.append(f"dtype {model.dtype} (needs torch.bfloat16)")
     if model.weights != "quantized":
         problems.append(f"weights={model.weights!r} (needs 'quantized')")
-    elif not all(layer.ffn.stackable() for layer in model.layers):  # `MoE.stackable` (kernels.moe.stackable)
+    elif any(layer.ffn.stacked is None for layer in model.layers):  # stacked at construction where `MoE.stackable`
+        # (reading the flag, not re-checking the 256 experts: this runs at every new_state, a prefill's first step)
         problems.append("routed experts not all FP4 at widths that are multiples of 128 on this rank")
     if not (isinstance(max_len, int) and max_len > 0 and max_len % 128 == 0):
         problems.append(f"max_len={max_len!r} (needs a positive multiple of 128)")

@@ -25,7 +25,7 @@ from dsv4.model import Transformer
 from dsv4.testing import fill_random_quantized_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # the batch-invariant guarantee at Flash width (issue 25)
-              pytest.mark.flash_width,  # one such module at a time under xdist (tests/gpu/conftest.py)
+              pytest.mark.flash_width,  # shares the GPU with at most one other (tests/gpu/conftest.py)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 FLASH = Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json"

@@ -20,7 +20,7 @@ import torch
 from dsv4.testing import assert_close, assert_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # kernel / backend vs reference on CUDA (issue 22 item 4)
-              pytest.mark.flash_width,  # one such module at a time under xdist (tests/gpu/conftest.py)
+              pytest.mark.flash_width,  # shares the GPU with at most one other (tests/gpu/conftest.py)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 HC, ITERS, EPS, D = 4, 20, 1e-6, 7168

@@ -27,7 +27,7 @@ from dsv4.speculative import AdversaryDrafter, ContinuationDrafter, MTPDrafter, 
 from dsv4.testing import fill_random_quantized_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # speculative greedy == plain greedy bitwise (issue 26)
-              pytest.mark.flash_width,  # one such module at a time under xdist (tests/gpu/conftest.py)
+              pytest.mark.flash_width,  # shares the GPU with at most one other (tests/gpu/conftest.py)
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 FLASH = Path(__file__).resolve().parents[2] / "fixtures/configs/deepseek_v4_flash.config.json"

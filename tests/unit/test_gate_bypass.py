@@ -70,7 +70,8 @@ def test_end_to_end_red_then_green_then_stale(repo: Path, tmp_path: Path, capsys
                          "tests/unit/test_hs.py": TRIVIAL_TEST + "\n\ndef test_more():\n    pass\n",
                          "tests/unit/conftest.py": "# nothing yet\n"}, "fix the kernel, add a test")
     assert run_gate("base", None) == 0
-    assert f"green hard-stop run for HEAD {head[:12]} (2 test(s) passed, including all 2" in capsys.readouterr().out
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps at the terminal's (or COLUMNS') width
+    assert f"green hard-stop run for HEAD {head[:12]} (2 test(s) passed, including all 2" in said
 
     rep = tmp_path / "hs.json"
     assert pytest_report(repo, rep)["git_commit"] == head

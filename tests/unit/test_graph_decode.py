@@ -165,6 +165,27 @@ def test_graph_decode_needs_triton_bf16_quantized():
         m.use_decode_graphs(256)
 
 
+
+def test_graph_state_check_reads_the_stacked_flag_not_the_experts(monkeypatch):
+    """`check_graph_model` runs at every `new_state` of a graph model (each prefill's state): it reads the MoE's
+    `stacked` flag, set once at construction, instead of rebuilding each layer's 256 `ExpertWeights` (1-3 ms of
+    host time per layer at Flash width, before the prefill's first kernel; issue 23). Negative case: a layer
+    whose experts are not stacked is refused, by name."""
+    from dsv4.graph import check_graph_model
+    from dsv4.model import MoE
+
+    m = Transformer(tiny_args(dim=128, moe_inter_dim=128, n_layers=2, compress_ratios=(4, 128, 0), vocab_size=256),
+                    dtype=torch.bfloat16, backend="triton", weights="quantized")
+    assert all(layer.ffn.stacked is not None for layer in m.layers)
+    calls = []
+    monkeypatch.setattr(MoE, "expert_weights", lambda self: calls.append(1) or [])
+    with pytest.raises(ValueError, match="device cpu") as e:  # only the device is wrong on this CPU model
+        check_graph_model(m, 256)
+    assert "routed experts" not in str(e.value) and calls == [], "the check walked the experts"
+    m.layers[1].ffn.stacked = None
+    with pytest.raises(ValueError, match="routed experts not all FP4"):
+        check_graph_model(m, 256)
+
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys) simulations run the

@@ -108,7 +108,7 @@ def test_ci_runs_the_readme_set_up_commands_as_written():
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     written = [ln.strip() for ln in block.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     assert written == ['python3 -m venv .venv && .venv/bin/pip install -e ".[test,triton]" && .venv/bin/dsv4 diagnose',
-                       "TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/unit -q"]
+                       "TRITON_INTERPRET=1 .venv/bin/python -m pytest tests/unit -q -n auto"]
     assert _ci_readme_commands() == written
     script = (REPO / ".ci" / "run").read_text()
     assert 'mapfile -t commands < <(readme_commands)' in script and 'bash -o pipefail -c "$cmd"' in script
