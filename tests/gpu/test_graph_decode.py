@@ -191,20 +191,22 @@ def _host_reads(fn) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_prefill_and_append_read_the_device_once(args, models, dtype):
-    """A prefill (1024 tokens, past the indexer's top-k) and an appended 200-token call each read the device
-    exactly once: `Transformer.forward`'s check of the token ids (one aminmax read). The count of 1 is also the
-    check's own control: a counter blind to syncs would see 0. The 4 Flash layers hold a CSA layer (indexer
-    top-k: k from the host-known positions, no read of the visible-entry count) and an HCA layer. Steady state:
-    the same calls run once first (a first call at a shape also compiles, autotunes and makes constant tables)."""
-    tri = models(dtype, "triton")
+def test_prefill_and_append_read_the_device_once(args, models):
+    """bf16 (the production mode): a prefill (1024 tokens, past the indexer's top-k) and an appended 200-token
+    call each read the device exactly once from dsv4's code: `Transformer.forward`'s check of the token ids (one
+    aminmax read). The count of 1 is also the check's own control: a counter blind to syncs would see 0. The 4
+    Flash layers hold a CSA layer (indexer top-k: k from the host-known positions, no read of the visible-entry
+    count) and an HCA layer. Steady state: the same calls run once first (a first call at a shape also compiles,
+    autotunes and makes constant tables). Counted: reads made under a dsv4 / kernels frame (a read with none, seen
+    once in a fresh process on an H200, is not this call's code). Not covered: the fp32 mode, whose MoE is the
+    per-expert reference loop (`kernels.moe.moe_routed_ref`: a host read per expert; measured 1033 per prefill)."""
+    tri = models(torch.bfloat16, "triton")
     ids, more = _ids(args, 1024, 6), _ids(args, 200, 7)
     warm = tri.new_state(1)
     tri(ids, warm), tri(more, warm)
     st = tri.new_state(1)
     for what, call in (("prefill", lambda: tri(ids, st)), ("appended call", lambda: tri(more, st))):
-        reads = _host_reads(call)
+        reads = [r for r in _host_reads(call) if r]
         assert len(reads) == 1 and "model.py" in reads[0], f"{what}: expected one host read (ids check): {reads}"
     assert st.row_pos == [1224]
 
