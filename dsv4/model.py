@@ -402,8 +402,8 @@ class Indexer(nn.Module):
         x [b, s, dim], qr [b, s, q_lora]; keys [b, n, d_I]: slot w holds entry w where it exists; query t sees
         the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k slots per query,
         -1 where fewer entries exist: `extend` passes min(index_topk, entries visible to its last query), known on
-        the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k through
-        `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
+        the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k
+        through `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
         q = self.sim.fp4(_hadamard(q.float(), self.hadamard, ops).to(q.dtype), ops.fp4_act_quant_sim)
