@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fcntl
-import gc
 import os
 import shutil
 import tempfile
@@ -70,11 +69,9 @@ def _flash_width_modules_share_the_gpu(request):
                 time.sleep(0.5)
         yield
     finally:
-        gc.collect()
-        import torch
+        from tests.gpu.real_width import release_gpu_memory
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_gpu_memory()  # the module's models are gone (module fixtures tear down first): give their memory back
         for lock in locks:  # closing a file releases its lock
             lock.close()
 

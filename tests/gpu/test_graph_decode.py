@@ -34,6 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import dsv4
+import kernels
 from dsv4.config import ModelArgs
 from dsv4.final_norm import final_norm_check
 from dsv4.graph import GraphDecodeState
@@ -175,9 +177,11 @@ def _host_reads(fn) -> list[str]:
     torch.cuda.synchronize()
     seen: list[str] = []
 
+    ours = tuple(str(Path(m.__file__).parent) + "/" for m in (dsv4, kernels))  # the two packages' directories
+
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "/dsv4/" in f.filename or "/kernels/" in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ours)]
             seen.append(" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-3:])))
 
     with warnings.catch_warnings():
@@ -191,7 +195,7 @@ def _host_reads(fn) -> list[str]:
     return seen
 
 
-def test_prefill_and_append_read_the_device_once(args, models):
+def test_prefill_and_append_read_the_device_once(args, models, monkeypatch):
     """bf16 (the production mode): a prefill (1024 tokens, past the indexer's top-k) and an appended 200-token
     call each read the device exactly once from dsv4's code: `Transformer.forward`'s check of the token ids (one
     aminmax read). The count of 1 is also the check's own control: a counter blind to syncs would see 0. The 4
@@ -199,7 +203,9 @@ def test_prefill_and_append_read_the_device_once(args, models):
     count) and an HCA layer. Steady state: the same calls run once first (a first call at a shape also compiles,
     autotunes and makes constant tables). Counted: reads made under a dsv4 / kernels frame (a read with none, seen
     once in a fresh process on an H200, is not this call's code). Not covered: the fp32 mode, whose MoE is the
-    per-expert reference loop (`kernels.moe.moe_routed_ref`: a host read per expert; measured 1033 per prefill)."""
+    per-expert reference loop (`kernels.moe.moe_routed_ref`: a host read per expert; measured 1033 per prefill).
+    Negative case: the indexer's old read of the visible-entry count, put back, is counted (2 reads, the second
+    under `Attention.extend`)."""
     tri = models(torch.bfloat16, "triton")
     ids, more = _ids(args, 1024, 6), _ids(args, 200, 7)
     warm = tri.new_state(1)
@@ -209,6 +215,17 @@ def test_prefill_and_append_read_the_device_once(args, models):
         reads = [r for r in _host_reads(call) if r]
         assert len(reads) == 1 and "model.py" in reads[0], f"{what}: expected one host read (ids check): {reads}"
     assert st.row_pos == [1224]
+
+    from dsv4.model import Indexer
+    select = Indexer.select
+
+    def reads_the_count(self, x, qr, pos, keys, backend, ops, k):  # the pre-fix `int(n_valid.max())`
+        int(((pos + 1) // 4).clamp(max=keys.shape[1]).max())
+        return select(self, x, qr, pos, keys, backend, ops, k)
+
+    monkeypatch.setattr(Indexer, "select", reads_the_count)
+    reads = [r for r in _host_reads(lambda: tri(ids, tri.new_state(1))) if r]
+    assert len(reads) == 2 and "extend" in reads[1], f"negative case: the extra read not seen: {reads}"
 
 
 PROMPT = [0, 128803, 3085, 344, 270, 6102, 294, 8760, 33, 128804, 128821]

@@ -165,7 +165,6 @@ def test_graph_decode_needs_triton_bf16_quantized():
         m.use_decode_graphs(256)
 
 
-
 def test_graph_state_check_reads_the_stacked_flag_not_the_experts(monkeypatch):
     """`check_graph_model` runs at every `new_state` of a graph model (each prefill's state): it reads the MoE's
     `stacked` flag, set once at construction, instead of rebuilding each layer's 256 `ExpertWeights` (1-3 ms of
@@ -185,6 +184,7 @@ def test_graph_state_check_reads_the_stacked_flag_not_the_experts(monkeypatch):
     m.layers[1].ffn.stacked = None
     with pytest.raises(ValueError, match="routed experts not all FP4"):
         check_graph_model(m, 256)
+
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_quantization_sims_use_the_backend(monkeypatch):
