@@ -313,14 +313,14 @@ class Compressor(nn.Module):
     def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype, ops: Backend) -> torch.Tensor:
         """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE of the tail at each window's
         first position first_pos [n] int64 (w*r; [b, 1] in the decode step: each row's window), then the indexer's Hadamard + FP4 rounding or the FP8 rounding
-        of the nope channels (spec §6.3), RoPE and roundings through `ops` (the prefill passes `REFERENCE`)."""
+        of the nope channels (spec §6.3), RoPE and roundings through `ops` (the model's backend)."""
         k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
             return self.sim.fp4(_hadamard(k.float(), self.hadamard, ops).to(dtype), ops.fp4_act_quant_sim)
         k[..., :-self.rd] = self.sim.kv_nope(k[..., :-self.rd], ops.act_quant_sim)
         return k
 
-    def extend(self, x: torch.Tensor, p: int, st: CompressorState, out: torch.Tensor) -> torch.Tensor:
+    def extend(self, x: torch.Tensor, p: int, st: CompressorState, out: torch.Tensor, backend: Backend) -> torch.Tensor:
         """Tokens x [b, s, dim] at positions p..p+s-1 (spec §6.1-6.3; the prefill is p = 0): every window completed
         by them is pooled and stored in out[:, w] (out [b, n_e, d], the state's entry slots; w = its index), the
         partial window (and, for CSA, the last full one) stays in `st`. Returns the new entries [b, n, d].
@@ -328,7 +328,7 @@ class Compressor(nn.Module):
         The window's tokens before p come from `st` (their wkv rows and wgate + ape scores), so any split of a
         sequence into calls pools the same values as one call: entry w pools positions w*r .. w*r + r - 1 (CSA:
         the [d:] halves of window w and the [:d] halves of window w - 1, none for w = 0: the fresh state's zero
-        rows with score -inf, weight 0)."""
+        rows with score -inf, weight 0). The entries' RoPE and roundings through `backend` (`_finish`)."""
         b, s, _ = x.shape
         r, d, off = self.ratio, self.d, (self.ratio if self.overlap else 0)
         a, z = self.wkv(x), self.wgate(x)  # fp32 [b, s, c*d]
@@ -353,7 +353,7 @@ class Compressor(nn.Module):
         rem = have + s - n * r
         if rem:
             st.kv[:, off:off + rem], st.score[:, off:off + rem] = a[:, n * r:], z[:, n * r:]
-        new = self._finish(pooled, (w0 + torch.arange(n, device=x.device)) * r, x.dtype, REFERENCE)
+        new = self._finish(pooled, (w0 + torch.arange(n, device=x.device)) * r, x.dtype, backend)
         out[:, w0:w0 + n] = new
         return new
 
@@ -403,7 +403,7 @@ class Indexer(nn.Module):
         the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k slots per query,
         -1 where fewer entries exist: `extend` passes min(index_topk, entries visible to its last query), known on
         the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k
-        through `backend`, the query's RoPE and FP4 rounding through `ops` (the prefill passes `REFERENCE`)."""
+        through `backend`, the query's RoPE and FP4 rounding through `ops` (the model's backend)."""
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
         q = self.sim.fp4(_hadamard(q.float(), self.hadamard, ops).to(q.dtype), ops.fp4_act_quant_sim)
@@ -502,22 +502,23 @@ class Attention(nn.Module):
         t-W+1..t (those before p from the window ring, the others from this call's KV) and the entries
         w < (t+1) // r (HCA: all of them; CSA: the indexer's top-k of them), including the ones this call
         completes. Writes the ring, the new entries and the compressors' partial windows into `st` (room checked
-        by the caller). RoPE and the roundings of q / KV run the reference maths (`REFERENCE`) on every backend;
-        the decode step (`step`) runs the backend's."""
+        by the caller). RoPE, the roundings of q / KV / entries, the q norm and the Hadamard run through
+        `backend`, as in the decode step (`step`): the triton backend's one-launch kernels, the same maths as the
+        reference's torch ops (kernels.rope, kernels.quant; the launch count per prefill layer, issue 27)."""
         b, s, _ = x.shape
         dev, W = x.device, self.window
         pos = torch.arange(p, p + s, device=dev)
-        qr, q, kv = self._qkv(x, pos, REFERENCE)
+        qr, q, kv = self._qkv(x, pos, backend)
         # keys = [ring (positions p-W..p-1 at slot u % W) | this call's KV | entries]
         idx = window_slots(pos, p, W)[None].expand(b, s, W)
         keys = [st.ring, kv]
         if self.compressor is not None:
-            self.compressor.extend(x, p, st.compressor, st.entries)
+            self.compressor.extend(x, p, st.compressor, st.entries, backend)
             n_e = (p + s) // self.ratio  # the entries that exist after this call
             if self.indexer is not None:
                 n_i = (p + s) // 4
-                self.indexer.compressor.extend(x, p, st.index_compressor, st.index_keys)
-                comp = self.indexer.select(x, qr, pos, st.index_keys[:, :n_i], backend, REFERENCE,
+                self.indexer.compressor.extend(x, p, st.index_compressor, st.index_keys, backend)
+                comp = self.indexer.select(x, qr, pos, st.index_keys[:, :n_i], backend, backend,
                                            k=min(self.indexer.topk, n_i))  # the last query sees n_i entries
             else:  # HCA: every completed entry visible to the query, w < (t+1) // r
                 w = torch.arange(n_e, device=dev)
@@ -529,7 +530,7 @@ class Attention(nn.Module):
         keep = min(s, W)
         st.ring[:, pos[-keep:] % W] = kv[:, -keep:]  # after the keys are gathered: the ring's old slots are read
         o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
-        return self._out(o, pos, REFERENCE, backend)
+        return self._out(o, pos, backend, backend)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """The decode step: s new tokens per row x [b, s, dim] (attn_norm output; s = 1 for one decode token,

@@ -38,7 +38,7 @@ def rope_tail_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     from kernels.gemm import cast_for_store
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # issue 29: S is the token count of a call (prefill length)
     def _rope_tail_kernel(x_ptr, pos_ptr, f_ptr, D, S, H, RD2, SIGN, BR: tl.constexpr, PER_ROW: tl.constexpr):
         """One program per row of x viewed [rows, D] (row = ((b*S + t)*H + h)); rotates columns D-2*RD2 .. D-1.
         The position of token t of batch row b: pos[t] (pos [S]) or pos[b, t] (PER_ROW: pos [B, S])."""

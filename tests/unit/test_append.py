@@ -91,11 +91,11 @@ def test_negative_control_a_lost_partial_window_is_seen(model_and_full, monkeypa
     m, ids, full = model_and_full
     orig = Compressor.extend
 
-    def forgetful(self, x, p, st, out):
+    def forgetful(self, x, p, st, out, backend):
         if p % self.ratio:
             st.kv[:, (self.ratio if self.overlap else 0):] = 0
             st.score[:, (self.ratio if self.overlap else 0):] = -math.inf
-        return orig(self, x, p, st, out)
+        return orig(self, x, p, st, out, backend)
 
     monkeypatch.setattr(Compressor, "extend", forgetful)
     got = _split_run(m, ids, CHUNKINGS["inside-window"])
