@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gemm.py [--quick]
     python benchmarks/bench_gemm.py --sections gemv_sweep [--smoke]   # decode GEMV launch variants (GemvConfig)
+    python benchmarks/bench_gemm.py --quick --sections invariant_sweep   # batch-invariant GEMV launches (issue 25)
 
 Measured in the same run: copy bandwidth (a 2 GiB device-to-device copy, read + write bytes / time) and the bf16
 GEMM peak (cuBLAS torch.mm 8192^3). Kernel times are GPU times of a CUDA graph of 20 calls, replayed (no Python
@@ -187,6 +188,8 @@ def main() -> int:
         bench_head(args, bw)
     if "gemv_sweep" in sections:
         bench_gemv_sweep(args, bw)
+    if "invariant_sweep" in sections:
+        bench_invariant_sweep(args)
     return 0
 
 
@@ -594,6 +597,83 @@ def bench_gemv_sweep(args, bw: float | None) -> None:
     print("\n`kernels.gemm.GEMV_TUNED` entries (winners >= 3 % faster than the default; keys (M, N, K, G)):\n")
     print("```python\nGEMV_TUNED = {\n" + "\n".join(paste) + "\n}\n```")
     print(f"\ngemv_sweep: {time.time() - t0:.0f} s")
+
+
+def invariant_variants() -> dict:
+    """{label: GemvConfig} for the batch-invariant GEMV (tensor-core dot on 16-row tiles, `kernels.gemm.
+    INVARIANT_BM`): any of them is invariant (tile and split fixed per weight shape); the sweep picks the fastest."""
+    from kernels.gemm import GemvConfig as C
+    return {"bn64": C(bn=64), "bn64 u2": C(bn=64, unroll=2), "bn64 u2 x4": C(bn=64, unroll=2, per_sm=4),
+            "bn64 u4 x4": C(bn=64, unroll=4, per_sm=4), "bn64 u2 x8": C(bn=64, unroll=2, per_sm=8),
+            "bn128 u2 w8": C(bn=128, unroll=2, num_warps=8), "bn128 u2 w8 x4": C(bn=128, unroll=2, num_warps=8,
+                                                                                per_sm=4),
+            "bn32 u2 x4": C(bn=32, unroll=2, per_sm=4), "bn32 u4 x4": C(bn=32, unroll=4, per_sm=4),
+            "bn64 u2 x4 pq": C(bn=64, unroll=2, per_sm=4, prequant=True)}
+
+
+def bench_invariant_sweep(args) -> None:
+    """The batch-invariant GEMV (`fp8_linear` / `fp8_grouped_gemv` with invariant=True) per Flash decode shape:
+    each `invariant_variants` launch timed at M = 1, 8 and 32 in a CUDA graph (weights from HBM) against the default
+    mode's launch at the same M (`gemv_config`), and checked on the GPU: row 0 of the M = 8 and 32 calls bitwise
+    equal to the M = 1 call (the mode's guarantee; "NOT INVARIANT" otherwise, never picked). Ends with the
+    `kernels.gemm.GEMV_INVARIANT_TUNED` entries: per shape the variant with the smallest worst ratio to the default
+    over the three M."""
+    from kernels import gemm as kgemm
+    t0 = time.time()
+    print("\n### Batch-invariant GEMV launches (µs per call in a CUDA graph; ratio to the default mode at that M)\n")
+    print("| linear | K->N (G) | variant | M=1 µs | M=8 µs | M=32 µs | worst / default | invariant |")
+    print("|---|---|---|---|---|---|---|---|")
+    paste = []
+    shapes = GEMV_SHAPES[:8] if args.quick else GEMV_SHAPES
+    for name, K, N, G in shapes:
+        nbytes = G * N * K + G * (N // 128 + (N % 128 > 0)) * (K // 128)
+        ws = weights8_on(G * N, K, max(1, -(-(256 << 20) // nbytes)), "cuda")
+        xs = {M: (torch.randn(M, G * K, device="cuda") * torch.logspace(-2, 2, G * K // 128, device="cuda")
+                  .repeat_interleave(128)).to(torch.bfloat16) for M in (1, 8, 32)}
+        for M in (8, 32):
+            xs[M][0] = xs[1][0]
+
+        def call(i, M, invariant):
+            w, s = ws[i % len(ws)]
+            if G == 1:
+                return fp8_linear(xs[M], w, s, invariant=invariant)
+            return kgemm.fp8_grouped_gemv(xs[M], w, s, G, invariant=invariant)
+
+        t_def = {M: safe(gpu_time, lambda i, M=M: call(i, M, False)) for M in (1, 8, 32)}
+        print(f"| {name} | {K}->{N} ({G}) | default mode | {t_def[1]:.1f} | {t_def[8]:.1f} | {t_def[32]:.1f} | "
+              f"1.00 | |", flush=True)
+        rows = []
+        saved = kgemm.GEMV_INVARIANT_TUNED.get((N, K, G))
+        for label, cfg in invariant_variants().items():
+            if cfg.prequant and G > 1:
+                continue
+            kgemm.GEMV_INVARIANT_TUNED[(N, K, G)] = cfg
+            try:
+                one = call(0, 1, True).clone()
+                inv = all(torch.equal(call(0, M, True)[0].view(torch.int16), one[0].view(torch.int16))
+                          for M in (8, 32))
+                t = {M: safe(gpu_time, lambda i, M=M: call(i, M, True)) for M in (1, 8, 32)}
+            except Exception as e:  # noqa: BLE001 - a variant that does not build is reported, not fatal
+                print(f"| {name} | {K}->{N} ({G}) | {label} | {type(e).__name__} | | | | |", flush=True)
+                continue
+            worst = max(t[M] / t_def[M] for M in (1, 8, 32))
+            print(f"| {name} | {K}->{N} ({G}) | {label} | {t[1]:.1f} | {t[8]:.1f} | {t[32]:.1f} | {worst:.2f} | "
+                  f"{'yes' if inv else 'NOT INVARIANT'} |", flush=True)
+            if inv:
+                rows.append((worst, label, cfg, t))
+        if saved is None:
+            kgemm.GEMV_INVARIANT_TUNED.pop((N, K, G), None)
+        else:
+            kgemm.GEMV_INVARIANT_TUNED[(N, K, G)] = saved
+        if rows:
+            worst, label, cfg, t = min(rows, key=lambda r: r[0])
+            paste.append(f"    ({N}, {K}, {G}): {cfg},  # {name}: {label}, M=1/8/32 {t[1]:.1f}/{t[8]:.1f}/"
+                         f"{t[32]:.1f} µs = {worst:.2f}x the default at worst")
+        del ws
+        torch.cuda.empty_cache()
+    print("\n`kernels.gemm.GEMV_INVARIANT_TUNED` (keys (N, K, G)):\n")
+    print("```python\nGEMV_INVARIANT_TUNED = {\n" + "\n".join(paste) + "\n}\n```")
+    print(f"\ninvariant_sweep: {time.time() - t0:.0f} s")
 
 
 def weights8_on(N: int, K: int, copies: int, device: str):

@@ -104,8 +104,18 @@ class Backend:
     # with it where `kernels.moe.stackable` holds and the activations are bf16 (`MoE.stackable`), and hands the
     # stack to `moe_routed` (triton: `kernels.moe.stack_experts`, for the grouped kernel; reference: None, never)
     stack_experts: Callable | None = None
+    # head_rms(q bf16 [..., d], eps) -> bf16: the attention's unweighted per-head RMS of q; hadamard(x fp32
+    # [..., n]) -> fp32: the indexer's rotation `x @ hadamard_matrix(n).T`. None: the model's torch forms (the
+    # official ops: a torch mean, an fp32 matmul); the batch-invariant mode's per-row kernels
+    # (`kernels.invariant.head_rms` / `hadamard`: their reductions in an order fixed for every row count)
+    head_rms: Callable | None = None
+    hadamard: Callable | None = None
+    # pool_windows(Z, A [b, n, w, d] fp32) -> [b, n, d] fp32: the compressor's prefill pooling (`Compressor.extend`).
+    # None: `(Z.softmax(2) * A).sum(2)` (torch); the batch-invariant mode's fixed-order form
+    # (`kernels.invariant.pool_windows`: the same windows pooled in the same order whatever the call's length)
+    pool_windows: Callable | None = None
     # issue 25: the batch-invariant mode (`kernels.invariant`): every entry above is its invariant launch, the
-    # model's decode-path torch reductions take their fixed-order forms (`Attention`, `Indexer`, `Gate`), and
+    # model's torch reductions take their fixed-order forms (head_rms, hadamard above; `Gate`), and
     # `Transformer.__init__` refuses a MoE the grouped kernel cannot take
     batch_invariant: bool = False
 
@@ -154,7 +164,9 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                            rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                            fp4_act_quant_sim=kquant.fp4_act_quant_sim,
-                           hc_post_pre_max_t=0, stack_experts=moe.stack_experts, batch_invariant=True)
+                           hc_post_pre_max_t=0, stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
+                           hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
+                           batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,

@@ -49,7 +49,6 @@ from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
 from kernels.indexer import indexer_topk_ref
-from kernels.invariant import fixed_mean, hadamard  # the batch-invariant mode's fixed-order reductions (issue 25)
 # the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
 from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
 from kernels.numerics import apply_rope  # the RoPE reference (spec §5), beside the number formats
@@ -345,7 +344,10 @@ class Compressor(nn.Module):
             prevZ = torch.cat((st.score[:, None, :r, :d], Z[:, :-1, :, :d]), 1)[:, :n]
             A = torch.cat((prevA, A[..., d:]), 2)
             Z = torch.cat((prevZ, Z[..., d:]), 2)
-        pooled = (Z.softmax(2) * A).sum(2)  # [b, n, d]
+        if backend.pool_windows is not None:  # the batch-invariant mode's fixed order (kernels.invariant)
+            pooled = backend.pool_windows(Z, A)
+        else:
+            pooled = (Z.softmax(2) * A).sum(2)  # [b, n, d]
         if n >= 1:
             if self.overlap:
                 st.kv[:, :r], st.score[:, :r] = a[:, (n - 1) * r:n * r], z[:, (n - 1) * r:n * r]
@@ -415,11 +417,11 @@ class Indexer(nn.Module):
 
 
 def _hadamard(x: torch.Tensor, h: torch.Tensor, ops: Backend) -> torch.Tensor:
-    """x [..., n] fp32 times the Hadamard matrix h [n, n] (`hadamard_matrix`): `x @ h.T`, or in the batch-invariant
-    mode (`ops.batch_invariant`) the fixed-order butterfly `kernels.invariant.hadamard` (the same value, an order
-    that does not follow the row count)."""
-    if ops.batch_invariant:
-        return hadamard(x)
+    """x [..., n] fp32 times the Hadamard matrix h [n, n] (`hadamard_matrix`): `x @ h.T`, or the backend's
+    `hadamard` entry where it has one (the batch-invariant mode's per-row kernel: the same value, an fp32 order that
+    does not follow the row count)."""
+    if ops.hadamard is not None:
+        return ops.hadamard(x)
     return x @ h.T
 
 
@@ -479,8 +481,8 @@ class Attention(nn.Module):
         channels (spec §5.2) through `ops`."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
-        if ops.batch_invariant:  # the mean in a fixed order (kernels.invariant): torch's reduction follows the shape
-            q = q * torch.rsqrt(fixed_mean(q.square()) + self.args.norm_eps)
+        if ops.head_rms is not None:  # the backend's per-row kernel (batch-invariant mode: a fixed-order mean)
+            q = ops.head_rms(q, self.args.norm_eps)
         else:
             q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.args.norm_eps)
         q = ops.rope_tail(q, pos, self.inv_freq, self.rd)

@@ -32,9 +32,11 @@ block (an acq_rel semaphore from `kernels.launch.workspace`) sums the fp32 parti
 reference (no max / min / clamp on the path).
 
 Batch-invariant mode (`invariant=True`, README "Batch-invariant mode"): every M runs the DOT=True (bf16x3) path
-with BM = GEMV_MAX_M rows, the blocks DEFAULT_BLOCKS[True] and the split of `kernels.launch.split_k` for that grid
-(a function of N, K and the device only), rows above GEMV_MAX_M in chunks of GEMV_MAX_M (no torch.mm): a row's
-y is then bitwise independent of M and of the other rows. The default picks CUDA-core rows at M = 1 and bf16x3
+on row tiles of INVARIANT_BM = 16 rows up to GEMV_MAX_M rows (a decode step), INVARIANT_PREFILL_BM = 64 above (a
+prefill; the tile fixed for every M on each side), cdiv(M, BM) tiles in one launch, up to INVARIANT_LAUNCH_ROWS
+rows per launch (no torch.mm), the blocks DEFAULT_BLOCKS[True] and the split of `kernels.launch.split_k` for the grid without
+its row tiles (a function of N, K and the device only): a row's y is then bitwise independent of M and of the other
+rows (the same tile, instruction and K order for every M on each side of GEMV_MAX_M; rows never mix in a dot). The default picks CUDA-core rows at M = 1 and bf16x3
 dots above (another summation order), a BM that follows M, and torch.mm (cuBLAS) above 64 rows.
 
 Differences from `fp32_linear_ref`: only the order of the fp32 sum (per output element |y - y_ref| <=
@@ -64,6 +66,9 @@ __all__ = ["fp32_linear", "fp32_linear_ref", "fp32_linear_op", "ROWS_MAX", "GEMV
 
 ROWS_MAX = 1          # CUDA-core rows up to this many rows, bf16x3 tensor-core dots above
 GEMV_MAX_M = 64       # the kernel up to this many rows; upcast + torch.mm above
+INVARIANT_BM = 16     # the batch-invariant mode's row tile (kernels.gemm.INVARIANT_BM: an mma.sync tile on sm_90)
+INVARIANT_PREFILL_BM = 64  # its row tile above GEMV_MAX_M rows (a prefill: wgmma-sized, fixed for every M > 64)
+INVARIANT_LAUNCH_ROWS = 1024  # rows per launch in the batch-invariant mode (bounds the split-K scratch)
 DEFAULT_BLOCKS = {False: (16, 256), True: (128, 64)}  # DOT -> (BN, BK); benchmarks/bench_gemm.py --sections head
 
 
@@ -84,10 +89,10 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
-    def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT,
+    def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT, MCH,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                            EVEN_K: tl.constexpr, ACC2D: tl.constexpr, MMA: tl.constexpr):
-        """Grid (cdiv(N, BN), SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
+        """Grid (cdiv(N, BN) * MCH, SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
         bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
         products summed over each BK tile (CUDA cores); DOT=True: x split into three bf16 pieces, three dots per K
         tile (module docstring), MMA 1 bf16 tensor cores, MMA 0 fp32 "ieee" dots on the same pieces (interpreter).
@@ -95,10 +100,14 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         products accumulate elementwise in a [BN, BK] fp32 tile, summed over BK once at the end (no cross-lane
         reduction per K tile); otherwise each tile's products are summed at once. SPLIT > 1: partials
         [SPLIT, M, N] in part_ptr; the last program of an N block (acq_rel semaphore) sums them in split order,
-        writes y and resets its semaphore to 0."""
-        pid_n = tl.program_id(0)
+        writes y and resets its semaphore to 0. MCH: row tiles of BM rows (program 0-axis id = N block * MCH +
+        tile; the tiles of one weight block run side by side): the batch-invariant mode's fixed BM over any M;
+        the default runs MCH = 1 (BM covers M)."""
+        pid0 = tl.program_id(0)
+        pid_n = pid0 // MCH
+        m0 = (pid0 % MCH) * BM
         pid_s = tl.program_id(1)
-        offs_m = tl.arange(0, BM)
+        offs_m = m0 + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, BK)
         mask_m = offs_m < M
@@ -120,7 +129,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             wb = w.to(tl.bfloat16)
             w = w.to(tl.float32)
             if DOT:
-                x = tl.load(x_ptr + offs_m[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
                 fin = tl.abs(x) < float("inf")
                 hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
                 r = tl.where(fin, x - hi32, 0.0)
@@ -137,18 +146,19 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 acc += t
             elif ACC2D:
                 if EVEN_K:
-                    x0 = tl.load(x_ptr + kk)
+                    x0 = tl.load(x_ptr + m0 * K + kk)
                 else:
-                    x0 = tl.load(x_ptr + kk, mask=kk < k1, other=0.0)
+                    x0 = tl.load(x_ptr + m0 * K + kk, mask=kk < k1, other=0.0)
                 acc2 += w * x0.to(tl.float32)[None, :]
             else:
                 for m in tl.static_range(BM):
                     if EVEN_K:
-                        xm = tl.load(x_ptr + m * K + kk, mask=(offs_k * 0 + m) < M, other=0.0)
+                        xm = tl.load(x_ptr + (m0 + m) * K + kk, mask=(offs_k * 0 + m0 + m) < M, other=0.0)
                     else:
-                        xm = tl.load(x_ptr + m * K + kk, mask=(kk < k1) & ((offs_k * 0 + m) < M), other=0.0)
+                        xm = tl.load(x_ptr + (m0 + m) * K + kk, mask=(kk < k1) & ((offs_k * 0 + m0 + m) < M),
+                                     other=0.0)
                     part = tl.sum(w * xm.to(tl.float32)[None, :], axis=1)  # [BN] fp32
-                    acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+                    acc += tl.where(offs_m[:, None] == m0 + m, part[None, :], 0.0)
         if ACC2D:
             acc = tl.sum(acc2, axis=1)[None, :]
         out_mask = mask_m[:, None] & mask_n[None, :]
@@ -156,7 +166,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         if SPLIT == 1:
             tl.store(y_ptr + yoffs, acc, mask=out_mask)
         else:
-            tot, last = split_k_total(acc, part_ptr, sem_ptr + pid_n, offs_m[:, None] * N + offs_n[None, :], M * N,
+            tot, last = split_k_total(acc, part_ptr, sem_ptr + pid0, offs_m[:, None] * N + offs_n[None, :], M * N,
                                       pid_s, SPLIT, out_mask)
             if last:
                 tl.store(y_ptr + yoffs, tot, mask=out_mask)
@@ -208,9 +218,10 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
     if M == 0 or N == 0 or K == 0:
         return out.zero_()  # an empty sum is 0, as in the reference
     if invariant:
-        for r0 in range(0, M, GEMV_MAX_M):
-            r1 = min(M, r0 + GEMV_MAX_M)
-            _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, DEFAULT_BLOCKS[True], GEMV_MAX_M, False, 4)
+        bm = INVARIANT_BM if M <= GEMV_MAX_M else INVARIANT_PREFILL_BM  # by the whole call's M
+        for r0 in range(0, M, INVARIANT_LAUNCH_ROWS):  # bounds the split-K scratch; rows are independent
+            r1 = min(M, r0 + INVARIANT_LAUNCH_ROWS)
+            _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, DEFAULT_BLOCKS[True], bm, False, 4)
         return out
     if M > GEMV_MAX_M:
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
@@ -229,13 +240,15 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
 
 def _gemv(x, weight, out, M: int, N: int, K: int, dot: bool, block: tuple[int, int], BM: int, acc2d: bool,
           num_warps: int) -> None:
-    """One `_bf16w_gemv_kernel` launch writing out [M, N]: split-K of `split_k` for the (N, K, block) grid."""
+    """One `_bf16w_gemv_kernel` launch writing out [M, N] in cdiv(M, BM) row tiles (one unless BM < M: the
+    batch-invariant mode): split-K of `split_k` for the (N, K, block) grid without its row tiles."""
     BN, BK = block
     n_blocks = triton.cdiv(N, BN)
+    chunks = triton.cdiv(M, BM)
     split, per = split_k(x.device, n_blocks, triton.cdiv(K, BK))
     k_per = per * BK
-    sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
-    _bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, k_per, split,
+    sem, part = workspace(x.device, n_blocks * chunks if split > 1 else 1, split * M * N if split > 1 else 1)
+    _bf16w_gemv_kernel[(n_blocks * chunks, split)](x, weight, out, part, sem, M, N, K, k_per, split, chunks,
                                           BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
                                           MMA=0 if interpreting() else 1, num_warps=num_warps)
     return out

@@ -189,7 +189,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
-    def _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
+    def _gemv_block(x_ptr, w, sw, acc, M, m0, offs_m, mask_m, live, kbu, kb1, xcol, GK, QUANT_X: tl.constexpr,
                     MMA: tl.constexpr, DOT: tl.constexpr):
         """acc [BM, BN] + one 128-wide K block: x[:, xcol:xcol+128] (rows offs_m) against the weight tile w [BN, 128]
         (e4m3 codes) of block scale sw. DOT: `dot_q_w` on the [BM, 128] tile (tensor cores). Else CUDA cores, row by
@@ -211,7 +211,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             else:
                 wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
             live1 = (kbu + tl.zeros((128,), tl.int32)) < kb1
-            for m in range(0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
+            for m in range(m0, M):  # a runtime loop: one copy of the row code (a static unroll compiles for minutes)
                 # x as one [128] vector (not [1, 128]): the products and the sum then stay in the weight tile's
                 # layout (a [1, 128] row made Triton move the whole tile into the row's layout through shared memory)
                 xm = tl.load(x_ptr + m * GK + xcol + offs_k, mask=live1, other=0.0).to(tl.float32)
@@ -224,11 +224,11 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         return acc
 
 
-    @triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT"])  # one build per GemvConfig and M range
-    def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT,
+    @triton.jit(do_not_specialize=["M", "G", "KB", "KB_PER_SPLIT", "SPLIT", "MCH"])  # one build per GemvConfig, BM
+    def _fp8_gemv_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, G, KB, KB_PER_SPLIT, SPLIT, MCH,
                          BM: tl.constexpr, BN: tl.constexpr, MMA: tl.constexpr, QUANT_X: tl.constexpr,
                          DOT: tl.constexpr, UNROLL: tl.constexpr):
-        """Decode GEMV/skinny GEMM, grid (cdiv(N, BN), SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
+        """Decode GEMV/skinny GEMM, grid (cdiv(N, BN) * MCH, SPLIT, G): for group g, y[:, g*N:(g+1)*N] =
         x[:, g*K:(g+1)*K] . W[g*N:(g+1)*N]^T, x [M, G*K] bf16, W [G*N, K] e4m3 codes with one ue8m0 scale per
         128x128 block, y [M, G*N] bf16, fp32 accumulation. G = 1 is `fp8_linear`'s decode path; G > 1 the grouped
         `wo_a` (`fp8_grouped_gemv`). BN divides 128, so one weight scale per K block (G > 1 needs N % 128 == 0).
@@ -239,18 +239,23 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         iteration (more bytes in flight), accumulated in the same kb order as UNROLL = 1 (bitwise the same result).
         SPLIT > 1: partials [G, SPLIT, M, N] in part_ptr, the last program of a (group, N block) (acq_rel
         semaphore) sums them in split order, writes bf16 and resets its semaphore.
+        MCH: row chunks of BM rows (program 0-axis id = N block * MCH + chunk; the chunks of one weight tile run side
+        by side, so the tile is read from HBM about once): the batch-invariant mode's fixed BM = 16 tile over any M
+        (`_invariant_gemv`); the default runs MCH = 1 (BM covers M).
         Not specialized on M, G and the split sizes (loop bounds and masks only; K, whose divisibility by 16 the
         vector loads of W need, is): Triton would otherwise build one kernel per value class (== 1, % 16 == 0) of
         each, several per launch config across the model's shapes."""
-        pid_n = tl.program_id(0)
+        pid0 = tl.program_id(0)
+        pid_n = pid0 // MCH
+        m0 = (pid0 % MCH) * BM
         pid_s = tl.program_id(1)
         g = tl.program_id(2)
-        offs_m = tl.arange(0, BM)
+        offs_m = m0 + tl.arange(0, BM)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_k = tl.arange(0, 128)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        GK = G * K
+        GK = G.to(tl.int64) * K  # int64 row offsets: a prefill's rows x G*K can pass 2^31 in the invariant mode
         GN = G * N
         rows64 = (g * N + offs_n).to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -263,15 +268,15 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 w = tl.load(w_ptr + rows64[:, None] * K + (kb + u) * 128 + offs_k[None, :],
                             mask=mask_n[:, None] & live, other=0.0)
                 sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + tl.minimum(kb + u, kb1 - 1)).to(tl.int32))
-                acc = _gemv_block(x_ptr, w, sw, acc, M, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
+                acc = _gemv_block(x_ptr, w, sw, acc, tl.minimum(M, m0 + BM), m0, offs_m, mask_m, live, kb + u, kb1, g * K + (kb + u) * 128, GK,
                                   QUANT_X, MMA, DOT)
         out_mask = mask_m[:, None] & mask_n[None, :]
-        yoffs = offs_m[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
+        yoffs = offs_m.to(tl.int64)[:, None] * GN + (g * N + offs_n).to(tl.int64)[None, :]
         if SPLIT == 1:
             tl.store(y_ptr + yoffs, round_bf16(acc).to(tl.bfloat16), mask=out_mask)
         else:
             base = (g * SPLIT * M).to(tl.int64) * N
-            tot, last = split_k_total(acc, part_ptr + base, sem_ptr + g * tl.num_programs(0) + pid_n,
+            tot, last = split_k_total(acc, part_ptr + base, sem_ptr + g * tl.num_programs(0) + pid0,
                                       offs_m[:, None] * N + offs_n[None, :], M * N, pid_s, SPLIT, out_mask)
             if last:
                 tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
@@ -430,27 +435,72 @@ GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
 
 
 GEMV_INVARIANT = GemvConfig(dot=True, bn=64, unroll=1, per_sm=2, num_warps=4)
-"""The decode launch of the batch-invariant mode (`fp8_linear(..., invariant=True)`, `fp8_grouped_gemv`): one
-launch for every M, with BM = GEMV_MAX_M rows in the tensor-core dot (the MMA shape never follows M) and the
-split-K count of `invariant_split` (a function of N, K, G and the device, never of M)."""
+"""The launch of the batch-invariant mode (`fp8_linear(..., invariant=True)`, `fp8_grouped_gemv`) for a weight
+shape without a `GEMV_INVARIANT_TUNED` entry: tensor-core dot on row tiles of INVARIANT_BM rows, one launch for
+every M, the split-K count of `invariant_split` (a function of N, K, G and the device, never of M)."""
+
+INVARIANT_BM = 16
+"""Rows per tensor-core tile in the batch-invariant GEMVs (this module and `kernels.fp32_linear`): M rows run as
+cdiv(M, 16) row tiles of one launch. 16 is the smallest dot Triton takes; on sm_90 it is an mma.sync tile (the
+wgmma path needs 64 rows), the same instruction for every M, and at M = 1 it costs what the default's 16-row dot
+costs (the previous fixed tile, 64 rows, cost 3.4x at M = 1: benchmarks/RESULTS.md)."""
+
+INVARIANT_PREFILL_BM = 64
+"""Row tile of the batch-invariant GEMV above GEMV_MAX_M rows (the grouped wo_a of a prefill; a wgmma tile on
+sm_90): fixed for every M > GEMV_MAX_M, so a chunked prefill whose chunks all have > GEMV_MAX_M rows sums each
+row as the whole prompt's call does."""
+
+INVARIANT_LAUNCH_ROWS = 1024
+"""Rows per launch of the batch-invariant GEMV at prefill (a launch's split-K scratch is SPLIT * rows * N fp32;
+rows are independent, so the cut changes no value)."""
+
+# The batch-invariant launch per weight shape {(N, K, G): GemvConfig with dot=True} on sm_90: the fastest of a
+# sweep over bn / unroll / per_sm / num_warps / prequant at M = 1, 8 and 32 (`benchmarks/bench_gemm.py --sections
+# invariant_sweep`; benchmarks/RESULTS.md). Any entry is invariant (its tile and split never follow M); only the
+# speed differs.
+GEMV_INVARIANT_TUNED: dict[tuple[int, int, int], GemvConfig] = {
+    # one H200, `bench_gemm.py --quick --sections invariant_sweep` (tree of a27792f + this change): the launch with
+    # the smallest worst ratio to the default mode over M = 1 / 8 / 32; comment: µs at M = 1 / 8 / 32, that ratio
+    (1024, 4096, 1): GemvConfig(bn=128, unroll=2, per_sm=4, num_warps=8),  # wq_a 8.3/8.8/10.9, 1.01x
+    (32768, 1024, 1): GemvConfig(unroll=2, per_sm=4, prequant=True),  # wq_b 21.8/22.1/34.4, 1.16x
+    (512, 4096, 1): GemvConfig(bn=128, unroll=2, per_sm=4, num_warps=8),  # wkv 7.3/7.6/8.7, 0.98x
+    (1024, 4096, 8): GemvConfig(),  # wo_a 18.2/18.4/28.4, 1.18x
+    (4096, 8192, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # wo_b 19.6/20.0/32.5, 1.03x
+    (2048, 4096, 1): GemvConfig(),  # shared w1/w3 10.8/10.9/14.8, 1.00x
+    (4096, 2048, 1): GemvConfig(bn=128, unroll=2, per_sm=4, num_warps=8),  # shared w2 9.8/10.0/15.3, 1.00x
+    (8192, 1024, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # indexer wq_b 9.5/9.5/15.1, 0.99x
+}
 
 
-def invariant_split(N: int, K: int, G: int, device: torch.device) -> tuple[int, int]:
+def invariant_config(N: int, K: int, G: int, device: torch.device) -> GemvConfig:
+    """The batch-invariant GEMV launch for G weights [N, K]: `GEMV_INVARIANT_TUNED` on sm_90 where swept, else
+    GEMV_INVARIANT. A function of the weight shape and the device only (never of M)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
+        return GEMV_INVARIANT_TUNED.get((N, K, G), GEMV_INVARIANT)
+    return GEMV_INVARIANT
+
+
+def invariant_split(N: int, K: int, G: int, device: torch.device,
+                    cfg: GemvConfig | None = None) -> tuple[int, int]:
     """(SPLIT, K blocks per split) of the batch-invariant GEMV for G weights [N, K]: `kernels.launch.split_k` of
-    the GEMV_INVARIANT grid (cdiv(N, bn) * G output blocks, K/128 blocks), so fixed per weight shape and device;
-    the merge sums the splits in split order (`split_k_total`)."""
-    return split_k(device, triton.cdiv(N, GEMV_INVARIANT.bn) * G, K // BLOCK, GEMV_INVARIANT.per_sm)
+    the launch's grid without its row tiles (cdiv(N, bn) * G output blocks, K/128 blocks), so fixed per weight
+    shape and device; the merge sums the splits in split order (`split_k_total`)."""
+    cfg = cfg or invariant_config(N, K, G, device)
+    return split_k(device, triton.cdiv(N, cfg.bn) * G, K // BLOCK, cfg.per_sm)
 
 
 def _invariant_gemv(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, quant_x: bool) -> None:
-    """The batch-invariant GEMV: rows in chunks of GEMV_MAX_M, each one `_fp8_gemv_kernel` launch of GEMV_INVARIANT
-    with BM = GEMV_MAX_M and the split of `invariant_split`: a row's result depends on its own values only (the
-    same tile shape, the same K order and split for every M; rows never mix in a dot)."""
-    split = invariant_split(N, K, G, x.device)
-    for r0 in range(0, M, GEMV_MAX_M):
-        r1 = min(M, r0 + GEMV_MAX_M)
-        _gemv_launch(x[r0:r1], weight, ws, out[r0:r1], r1 - r0, N, K, G, mma, quant_x, GEMV_INVARIANT,
-                     bm=GEMV_MAX_M, split=split)
+    """The batch-invariant GEMV: `_fp8_gemv_kernel` launches of `invariant_config` over row tiles of INVARIANT_BM
+    rows (M <= GEMV_MAX_M: a decode step, one launch) or INVARIANT_PREFILL_BM rows (M > GEMV_MAX_M: the grouped
+    wo_a of a prefill), with the split of `invariant_split`: a row's result depends on its own values only (the
+    same tile shape, instruction, K order and split for every M on each side of GEMV_MAX_M; rows never mix in a
+    dot)."""
+    cfg = invariant_config(N, K, G, x.device)
+    split = invariant_split(N, K, G, x.device, cfg)
+    bm = INVARIANT_BM if M <= GEMV_MAX_M else INVARIANT_PREFILL_BM  # by the whole call's M: one tile per call
+    for r0 in range(0, M, INVARIANT_LAUNCH_ROWS):  # bounds the split-K scratch (SPLIT * rows * N fp32) at prefill
+        r1 = min(M, r0 + INVARIANT_LAUNCH_ROWS)
+        _gemv_launch(x[r0:r1], weight, ws, out[r0:r1], r1 - r0, N, K, G, mma, quant_x, cfg, bm=bm, split=split)
 
 
 def gemv_m_bucket(M: int) -> int:
@@ -510,15 +560,16 @@ def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, q
     if not quant_x and mma == 2:
         mma = 1  # x not on the e4m3 grid: the bf16 tensor-core dot (exact)
     BM = bm or (max(16, triton.next_power_of_2(M)) if cfg.dot else triton.next_power_of_2(M))
+    chunks = triton.cdiv(M, BM)  # 1 unless bm fixes the tile below M (the batch-invariant mode)
     n_blocks = triton.cdiv(N, cfg.bn)
     split, per = split or split_k(x.device, n_blocks * G, KB, cfg.per_sm)
-    sem, part = workspace(x.device, n_blocks * G, G * split * M * N if split > 1 else 1)
+    sem, part = workspace(x.device, n_blocks * chunks * G, G * split * M * N if split > 1 else 1)
     opts = {"num_warps": cfg.num_warps}
     if cfg.num_stages is not None:
         opts["num_stages"] = cfg.num_stages
-    _fp8_gemv_kernel[(n_blocks, split, G)](x, weight, ws, out, part, sem, M, N, K, G, KB, per, split, BM=BM,
-                                           BN=cfg.bn, MMA=mma, QUANT_X=quant_x, DOT=cfg.dot, UNROLL=cfg.unroll,
-                                           **opts)
+    _fp8_gemv_kernel[(n_blocks * chunks, split, G)](x, weight, ws, out, part, sem, M, N, K, G, KB, per, split,
+                                                    chunks, BM=BM, BN=cfg.bn, MMA=mma, QUANT_X=quant_x,
+                                                    DOT=cfg.dot, UNROLL=cfg.unroll, **opts)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -533,9 +584,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
         gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`).
-        invariant: the batch-invariant mode (README "Batch-invariant mode"): every M runs `_invariant_gemv`
-            (GEMV_INVARIANT, BM = GEMV_MAX_M, `invariant_split`; above GEMV_MAX_M rows in chunks of GEMV_MAX_M), so
-            a row's output is bitwise independent of M and of the other rows. gemv and prefill must be None.
+        invariant: the batch-invariant mode (README "Batch-invariant mode"): M <= GEMV_MAX_M runs
+            `_invariant_gemv` (`invariant_config`, 16-row tiles, `invariant_split`), so a decode row's output is
+            bitwise independent of M and of the other rows; M > GEMV_MAX_M (a prefill) the "triton" tiles, whose
+            tile shape (128 x 128, no split-K) is the same for every M, so a prefill row's output is bitwise
+            independent of how many rows (> GEMV_MAX_M) share the call. gemv and prefill must be None.
     Returns: [M, N] bf16. Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, unknown prefill method, gemv or
     prefill given with invariant=True).
@@ -563,9 +616,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return out
     KB = K // BLOCK
     ws = scale.view(torch.uint8)
-    if invariant:
+    if invariant and M <= GEMV_MAX_M:
         _invariant_gemv(x, weight, ws, out, M, N, K, 1, mma, True)
         return out
+    if invariant:
+        method = "triton"  # the prefill tiles: one fixed tile shape, no split-K (below)
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)
         _gemv_launch(x, weight, ws, out, M, N, K, 1, mma, True, cfg)
@@ -596,8 +651,8 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     float8_e8m0fnu; groups = G; N and K multiples of 128. mma: "fp8" | "bf16" as `mma_mode` (the activation is
     not on the e4m3 grid, so an "fp8" request runs the bf16 tensor-core dot; the interpreter its exact fp32 dot).
     gemv: the launch (default `gemv_config`; `GemvConfig`, prequant not allowed).
-    invariant: the batch-invariant launch (`_invariant_gemv`, as `fp8_linear`); gemv must be None; M up to
-    GEMV_MAX_M still (the grouped wo_a's decode path).
+    invariant: the batch-invariant launch (`_invariant_gemv`, as `fp8_linear`), any M (the prefill's wo_a in
+    the mode too); gemv must be None.
     Returns: [M, G*N] bf16.
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, groups, M, gemv with invariant).
     """
@@ -611,8 +666,8 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != groups * K:
         _fail(op, "x", f"shape {tuple(getattr(x, 'shape', ()))}", f"[M, {groups * K}] (G*K)")
     M = x.shape[0]
-    if M > GEMV_MAX_M:
-        _fail(op, "x", f"{M} rows", f"at most GEMV_MAX_M = {GEMV_MAX_M} (decode)")
+    if M > GEMV_MAX_M and not invariant:
+        _fail(op, "x", f"{M} rows", f"at most GEMV_MAX_M = {GEMV_MAX_M} (decode; any M with invariant=True)")
     if N == 0 or N % BLOCK:
         _fail(op, "weight", f"N = {N} rows per group", "a positive multiple of 128 (one scale row per 128 rows)")
     check_layout(op, {"x": x, "weight": weight, "scale": scale})

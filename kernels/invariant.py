@@ -46,7 +46,6 @@ the MoE gemv path itself, every elementwise torch op on CUDA.
 
 from __future__ import annotations
 
-import math
 import torch
 
 from kernels import fp32_linear as kfp32
@@ -55,7 +54,7 @@ from kernels import moe as kmoe
 from kernels import numerics
 from kernels.gemm import dequantize_ref
 
-__all__ = ["linear", "fp32_linear", "grouped_linear", "moe_routed", "fixed_sum", "fixed_mean", "hadamard"]
+__all__ = ["linear", "fp32_linear", "grouped_linear", "moe_routed", "head_rms", "hadamard", "pool_windows"]
 
 _BLOCK = 128
 
@@ -105,14 +104,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
 
 def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The grouped wo_a, `kernels.gemm.grouped_linear_ref` signature: o [b, s, G, i] bf16, wo_a as held [G*n, i]
-    -> [b, s, G, n] bf16. FP8 with i, n multiples of 128 and b*s <= 64: `fp8_grouped_gemv(invariant=True)`; else
+    -> [b, s, G, n] bf16. FP8 with i, n multiples of 128: `fp8_grouped_gemv(invariant=True)` (any b*s); else
     per group the exact bf16 weight through `fp32_linear(invariant=True)`, rounded once (fp32 products and sum,
     no activation quantization: `grouped_linear_ref`). Raises ValueError for fp32 activations."""
     if o.dtype != torch.bfloat16:
         _refuse("activations not bf16", f"o dtype {o.dtype}")
     b, s, G, i = o.shape
     n = weight.shape[0] // G
-    if weight.dtype == torch.float8_e4m3fn and b * s <= kgemm.GEMV_MAX_M and i % _BLOCK == 0 and n % _BLOCK == 0:
+    if weight.dtype == torch.float8_e4m3fn and i % _BLOCK == 0 and n % _BLOCK == 0:
         y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G, invariant=True)
         return y.view(b, s, G, n)
     w = dequantize_ref(weight, scale, torch.bfloat16).view(G, n, i)
@@ -139,41 +138,139 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, expert
     return kmoe.moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit, invariant=True)
 
 
-# ----------------------------------------------------------------------------------------- fixed-order torch
-def fixed_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim [..., n] -> [..., 1] in x.dtype by a pairwise tree of elementwise adds (zero-padded to
-    a power of two): the same order for every leading shape (torch's reduction kernels pick their split and
-    vectorisation from the tensor's sizes). Accumulate in fp32 by passing x.float()."""
-    n = x.shape[-1]
+def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` (kept, size 1) by a pairwise tree of elementwise adds, zero-padded to a power of two: the same
+    order for every other size (torch's reduction kernels pick their split from the tensor's sizes)."""
+    n = x.shape[dim]
     p = 1 << max(0, (n - 1).bit_length())
     if p != n:
-        x = torch.nn.functional.pad(x, (0, p - n))
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
+        pad = list(x.shape)
+        pad[dim] = p - n
+        x = torch.cat((x, x.new_zeros(pad)), dim)
+    while x.shape[dim] > 1:
+        h = x.shape[dim] // 2
+        x = x.narrow(dim, 0, h) + x.narrow(dim, h, h)
     return x
 
 
-def fixed_mean(x: torch.Tensor) -> torch.Tensor:
-    """`x.mean(-1, keepdim=True)` for a bf16 / fp32 x: fp32 `fixed_sum` / n, in x.dtype (torch's mean of bf16
-    accumulates in fp32 too: the same value up to the summation order)."""
-    return (fixed_sum(x.float()) / x.shape[-1]).to(x.dtype)
+def pool_windows(Z: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """The compressor's prefill pooling (`dsv4.model.Compressor.extend`, spec §6.2: `(Z.softmax(2) * A).sum(2)`)
+    in a fixed order: Z scores / A rows [b, n, w, d] fp32 (w rows per window) -> [b, n, d] fp32, the softmax's max
+    exact, its denominator and the weighted sum by `_tree_sum` (elementwise adds: every window is summed in the
+    same order whatever n, so a prompt prefilled in chunks pools each window as the whole prompt's call does). A
+    window whose scores are all -inf gives NaN, as torch's softmax."""
+    m = Z.amax(2, keepdim=True)
+    e = torch.exp(Z - m)
+    w = e / _tree_sum(e, 2)
+    return _tree_sum(w * A, 2).squeeze(2)
+
+
+# ------------------------------------------------------------------------- per-row kernels of the decode path
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional (the backend that uses these entries requires it)
+    triton = None
+    tl = None
+
+if triton is not None:
+    from kernels.fp32_linear import _bf16_trunc
+    from kernels.jit_formats import round_bf16
+    from kernels.launch import interpreting
+
+    @triton.jit
+    def _head_rms_kernel(x_ptr, y_ptr, d, eps, BD: tl.constexpr):
+        """One row of d bf16 values per program: `x * rsqrt(mean(x^2) + eps)` with a bf16 rounding after each
+        torch op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BD)
+        mask = offs < d
+        x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
+        sq = round_bf16(x * x)
+        mean = round_bf16(tl.sum(sq, axis=0) / d)
+        r = round_bf16(tl.math.rsqrt(round_bf16(mean + eps)))
+        tl.store(y_ptr + row * d + offs, round_bf16(x * r).to(tl.bfloat16), mask=mask)
+
+    @triton.jit
+    def _hadamard_kernel(x_ptr, y_ptr, R, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
+        """Rows [BR, N] fp32 per program times the +-1 Sylvester matrix S_ij = (-1)^popcount(i & j) (built in
+        registers), then times N^-0.5 (`hadamard`). MMA 1: x split exactly into three bf16 pieces (hi + mid + lo
+        == x, `kernels.fp32_linear`'s bf16x3), three bf16 tensor-core dots against S (every product exact); MMA 0
+        (the interpreter): fp32 "ieee" dots on the same pieces. (An fp32 "ieee" dot on the GPU holds S per thread:
+        73 us per call, measured.)"""
+        r0 = tl.program_id(0).to(tl.int64) * BR
+        rows = r0 + tl.arange(0, BR)
+        cols = tl.arange(0, N)
+        mask = (rows < R)[:, None]
+        x = tl.load(x_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        b = cols[:, None] & cols[None, :]
+        par = b ^ (b >> 1)
+        par = par ^ (par >> 2)
+        par = par ^ (par >> 4)
+        par = par ^ (par >> 8)
+        sgn = tl.where((par & 1) == 1, -1.0, 1.0)  # S[k, j] (symmetric)
+        fin = tl.abs(x) < float("inf")
+        hi = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi
+        r = tl.where(fin, x - hi, 0.0)
+        mid = _bf16_trunc(r)
+        lo = r - mid
+        if MMA == 1:
+            sb = sgn.to(tl.bfloat16)
+            t = tl.dot(lo.to(tl.bfloat16), sb)
+            t = tl.dot(mid.to(tl.bfloat16), sb, t)
+            t = tl.dot(hi.to(tl.bfloat16), sb, t)
+        else:
+            t = tl.dot(lo, sgn, input_precision="ieee")
+            t += tl.dot(mid, sgn, input_precision="ieee")
+            t += tl.dot(hi, sgn, input_precision="ieee")
+        y = t * (1.0 / tl.sqrt(N * 1.0))
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
+
+
+_HEAD_RMS_MAX = 16384
+_HADAMARD_BR = 16
+
+
+def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The attention's unweighted per-head RMS norm of q in bf16 (spec §5.3; official `q *= torch.rsqrt(
+    q.square().mean(-1, keepdim=True) + eps)` in the activation dtype): x [..., d] bf16 -> [..., d] bf16, one
+    program per row, the sum of squares in a fixed order (the same for every row count: torch's mean picks its
+    reduction split from the tensor's sizes), a bf16 rounding after each op as the torch chain. Equal to the torch
+    chain up to the fp32 order of the sum of squares (and rsqrt's last fp32 bit) before its bf16 rounding
+    (tests/unit/test_batch_invariant.py::test_fixed_order_helpers).
+    Raises ValueError for x not bf16, d outside 1..16384, eps not a finite float > 0."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() < 1:
+        _refuse("head_rms of a non-bf16 q", f"{getattr(x, 'dtype', type(x))}")
+    d = x.shape[-1]
+    if not 0 < d <= _HEAD_RMS_MAX:
+        raise ValueError(f"head_rms: width {d}; expected 1..{_HEAD_RMS_MAX}")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        raise ValueError(f"head_rms: eps={eps!r}; expected a finite float > 0")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        BD = triton.next_power_of_2(d)
+        _head_rms_kernel[(rows,)](x, y, d, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
+    return y
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """`x @ hadamard_matrix(n).T` for fp32 x [..., n], n a power of two, by the fast Walsh-Hadamard butterfly
-    (log2 n stages of elementwise (a + b, a - b), then times n^-0.5; the Sylvester matrix is symmetric): the same
-    order for every leading shape (a cuBLAS fp32 GEMM picks its algorithm by the row count). The same exact value
-    as the matrix product, another fp32 rounding order (the official kernel, fast_hadamard_transform, is a
-    butterfly too). Raises ValueError for n not a power of two."""
+    """`x @ hadamard_matrix(n).T` for fp32 x [..., n], n a power of two in 16..256 (the +-1 matrix is held in registers; V4's indexer rotates 128): rows of 16 per program, an fp32
+    dot with the +-1 Sylvester matrix (each product exact, summed in the dot's fixed K order, the same for every
+    row count: a cuBLAS fp32 GEMM picks its algorithm by the row count), then times n^-0.5. The same exact value
+    as the matrix product, another fp32 rounding order (the official fast_hadamard_transform is a butterfly); on
+    the GPU the products are summed by bf16x3 tensor-core dots (exact products, the MMA's own accumulation).
+    Raises ValueError for x not fp32 or n not a power of two in 16..256."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or x.dim() < 1:
+        raise ValueError(f"hadamard: x {getattr(x, 'dtype', type(x))}; expected a float32 tensor [..., n]")
     n = x.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"hadamard: width {n}; expected a power of two")
-    lead = x.shape[:-1]
-    h = 1
-    while h < n:
-        y = x.reshape(*lead, n // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = torch.stack((a + b, a - b), -2).reshape(*lead, n)
-        h *= 2
-    return x * (1.0 / math.sqrt(n))
+    if n & (n - 1) or not 16 <= n <= 256:
+        raise ValueError(f"hadamard: width {n}; expected a power of two in 16..256")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // n
+    if rows:
+        _hadamard_kernel[(triton.cdiv(rows, _HADAMARD_BR),)](x, y, rows, N=n, BR=_HADAMARD_BR,
+                                                             MMA=0 if interpreting() else 1, num_warps=4)
+    return y

@@ -524,6 +524,16 @@ TILES_SMALL_MAX_PAIRS = 768
 pairs not measured."""
 
 
+INVARIANT_GEMV_MAX_T = 64
+INVARIANT_TILES = MoeConfig("tiles", 32, 128, 64, 4, 3)
+"""The batch-invariant mode's routed experts (`moe_experts(invariant=True)`): the "gemv" path (one program per
+(pair, output block)) up to INVARIANT_GEMV_MAX_T tokens (a decode step of up to 64 rows), these tiles above (a
+prefill: the default's large-T tiles, the same tile shape for every T > 64). A pair's output depends on its own
+token and expert only on either side: a gemv program never mixes pairs; in a tile a token is one column of the
+swapped dot (M = weight rows), whose sum over K is that column's alone in the same order wherever the column sits
+and whatever the padding."""
+
+
 def moe_config(n_pairs: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
     16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64
@@ -637,10 +647,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16", the tile path's dot flavour
     (`_moe_mma`; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
     `moe_config(T * k)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
-    (`moe_config(1)`) for every T (one program per (pair, output block): a pair's output never depends on which
-    other pairs share its expert, nor on T; the default switches to the tiles above GEMV_MAX_PAIRS, whose tensor-core
-    tile shape and padding follow the routing), and the k slots summed left to right by elementwise adds (no
-    reduction kernel whose configuration follows T); config must be None.
+    (`moe_config(1)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
+    which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
+    the pair count), and the k slots summed left to right by elementwise adds (no reduction kernel whose
+    configuration follows T); config must be None.
     Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
     An id outside [0, E): the gemv path writes NaN rows; the tile path trips `moe_route`'s device-side assert.
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, mma, config).
@@ -655,7 +665,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     P = T * k
     if invariant and config is not None:
         _fail(op, "config", repr(config), "None with invariant=True (the mode fixes the path)")
-    cfg = moe_config(1 if invariant else P) if config is None else config
+    if invariant:
+        cfg = moe_config(1) if T <= INVARIANT_GEMV_MAX_T else INVARIANT_TILES
+    else:
+        cfg = moe_config(P) if config is None else config
     _check_config(cfg, D, I)
     if P == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)

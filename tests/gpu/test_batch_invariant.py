@@ -8,8 +8,11 @@ batch_invariant=True; the same codes in a default-mode twin. Checks (logits comp
     whose other rows hold random prompts of 20..400 tokens (other positions, other entry counts), fed other
     tokens, in eager and CUDA-graph decode (`use_decode_graphs`) alike, every one against the eager batch-1 run;
   * a 4-token verify-sized step (`decode_step` with s = 4) == 4 single-token steps, at each position;
-  * negative control: the default mode's row 0 of the batch of 32 differs from its batch-1 run (issue 25's table:
-    0-3 of 1.16 M logits equal), so the comparison can see what the mode removes.
+  * a 640-token prompt prefilled in chunks of > 64 tokens (boundaries inside compression windows) == prefilled at
+    once: the last position's logits and 2 decode steps after;
+  * negative controls: the default mode's row 0 of the batch of 32 differs from its batch-1 run (issue 25's table:
+    0-3 of 1.16 M logits equal), and its chunked prefill differs from its whole prefill, so the comparisons can see
+    what the mode removes.
 """
 
 from __future__ import annotations
@@ -94,6 +97,54 @@ def test_verify_step_equals_single_steps(models):
     for j in range(4):
         assert torch.equal(step[j], singles[j]), (f"batch_invariant: verify position {j}: "
                                                   f"{int((step[j] != singles[j]).sum())} logits differ")
+
+
+CHUNKINGS = ((640,), (100, 300, 240), (128, 512), (65, 575))  # every chunk > 64 tokens (the stated unit)
+
+
+def _chunked(model, prompt: torch.Tensor, chunks: tuple[int, ...], feed: torch.Tensor) -> list[torch.Tensor]:
+    """Logits of the prompt's last position after prefilling it in `chunks` (appended calls into one state),
+    then of each decode step feeding `feed` (the state the chunks left behind)."""
+    st = model.new_state(1, 768)
+    p = 0
+    for c in chunks:
+        last = model(prompt[None, p:p + c], st)[0]
+        p += c
+    out = [last]
+    for j in range(feed.numel()):
+        out.append(model(feed[j].view(1, 1), st)[0])
+    return out
+
+
+@torch.no_grad()
+def test_chunked_prefill_equals_whole_prompt(models):
+    """A 640-token prompt prefilled at once == prefilled in chunks of > 64 tokens whose boundaries fall anywhere
+    (not on a window or compression boundary: 100 / 400 / 65 sit inside CSA windows of 4 and HCA windows of 128),
+    bitwise: the last position's logits and 2 decode steps after it (the state the chunks wrote)."""
+    bi, _ = models
+    g = torch.Generator().manual_seed(11)
+    prompt, feed = _ids(g, sum(CHUNKINGS[0])), _ids(g, 2)
+    whole = _chunked(bi, prompt, CHUNKINGS[0], feed)
+    for chunks in CHUNKINGS[1:]:
+        got = _chunked(bi, prompt, chunks, feed)
+        for j, (x, y) in enumerate(zip(got, whole)):
+            assert torch.equal(x, y), (f"batch_invariant: prefill in chunks {chunks}, "
+                                       f"{'prompt end' if j == 0 else f'decode step {j}'}: "
+                                       f"{int((x != y).sum())} of {x.numel()} logits differ from the whole prompt, "
+                                       f"max |d| {float((x - y).abs().max()):.3g}")
+
+
+@torch.no_grad()
+def test_chunked_prefill_default_mode_differs_negative_control(models):
+    """The same chunked-vs-whole comparison in the default mode finds a difference (cuBLAS / tile paths by M),
+    so the check above can see what the mode removes."""
+    _, default = models
+    g = torch.Generator().manual_seed(11)
+    prompt, feed = _ids(g, sum(CHUNKINGS[0])), _ids(g, 2)
+    whole = _chunked(default, prompt, CHUNKINGS[0], feed)
+    diffs = [not torch.equal(x, y) for chunks in CHUNKINGS[1:]
+             for x, y in zip(_chunked(default, prompt, chunks, feed), whole)]
+    assert any(diffs), "negative control: the default mode's chunked prefill gave the whole prompt's logits bitwise"
 
 
 @torch.no_grad()

@@ -864,7 +864,7 @@ def bucketed_gemm_rows_after_the_padding(mp: MP) -> None:
 
 # ------------------------------------------------------------------------------- batch-invariant mode (issue 25)
 def invariant_split_follows_m(mp: MP) -> None:
-    """The batch-invariant fp32 GEMV (`kernels.fp32_linear.fp32_linear(invariant=True)`, BM = GEMV_MAX_M) takes a
+    """The batch-invariant fp32 GEMV (`kernels.fp32_linear.fp32_linear(invariant=True)`, BM = INVARIANT_BM) takes a
     split-K count that follows the row count (as a default heuristic sizing the grid by M would): 4x the output
     blocks counted above 8 rows, so batch 1 and batch 33 sum K in another order."""
     from kernels import fp32_linear as kf
@@ -873,10 +873,11 @@ def invariant_split_follows_m(mp: MP) -> None:
     def _gemv(x, weight, out, M, N, K, dot, block, BM, acc2d, num_warps):
         BN, BK = block
         n_blocks = kf.triton.cdiv(N, BN)
-        grid_blocks = n_blocks * (4 if BM == kf.GEMV_MAX_M and M > 8 else 1)  # MUTANT
+        chunks = kf.triton.cdiv(M, BM)
+        grid_blocks = n_blocks * (4 if BM == kf.INVARIANT_BM and M > 8 else 1)  # MUTANT
         split, per = split_k(x.device, grid_blocks, kf.triton.cdiv(K, BK))
-        sem, part = workspace(x.device, n_blocks if split > 1 else 1, split * M * N if split > 1 else 1)
-        kf._bf16w_gemv_kernel[(n_blocks, split)](x, weight, out, part, sem, M, N, K, per * BK, split,
+        sem, part = workspace(x.device, n_blocks * chunks if split > 1 else 1, split * M * N if split > 1 else 1)
+        kf._bf16w_gemv_kernel[(n_blocks * chunks, split)](x, weight, out, part, sem, M, N, K, per * BK, split, chunks,
                                                  BM=BM, BN=BN, BK=BK, DOT=dot, EVEN_K=K % BK == 0, ACC2D=acc2d,
                                                  MMA=0 if interpreting() else 1, num_warps=num_warps)
 
