@@ -34,7 +34,7 @@ reference (no max / min / clamp on the path).
 Batch-invariant mode (`invariant=True`, README "Batch-invariant mode"): every M runs the DOT=True (bf16x3) path
 on row tiles of INVARIANT_BM = 16 rows up to GEMV_MAX_M rows (a decode step), INVARIANT_PREFILL_BM = 64 above (a
 prefill; the tile fixed for every M on each side), cdiv(M, BM) tiles in one launch, up to INVARIANT_LAUNCH_ROWS
-rows per launch (no torch.mm), the blocks DEFAULT_BLOCKS[True] and the split of `kernels.launch.split_k` for the grid without
+rows per launch (no torch.mm), the blocks `invariant_blocks(N)` and the split of `kernels.launch.split_k` for the grid without
 its row tiles (a function of N, K and the device only): a row's y is then bitwise independent of M and of the other
 rows (the same tile, instruction and K order for every M on each side of GEMV_MAX_M; rows never mix in a dot). The default picks CUDA-core rows at M = 1 and bf16x3
 dots above (another summation order), a BM that follows M, and torch.mm (cuBLAS) above 64 rows.
@@ -70,6 +70,15 @@ INVARIANT_BM = 16     # the batch-invariant mode's row tile (kernels.gemm.INVARI
 INVARIANT_PREFILL_BM = 64  # its row tile above GEMV_MAX_M rows (a prefill: wgmma-sized, fixed for every M > 64)
 INVARIANT_LAUNCH_ROWS = 1024  # rows per launch in the batch-invariant mode (bounds the split-K scratch)
 DEFAULT_BLOCKS = {False: (16, 256), True: (128, 64)}  # DOT -> (BN, BK); benchmarks/bench_gemm.py --sections head
+
+
+def invariant_blocks(N: int) -> tuple[int, int]:
+    """(BN, BK) of the batch-invariant launch for an [N, K] weight: (64, 64) up to N = 4096 (compressor wkv /
+    wgate, router), (128, 64) above (the head). A function of the weight shape only. One H200, 4 warps, M = 1 / 8 /
+    32, µs (benchmarks/RESULTS.md, fifth session): CSA wkv/wgate [1024, 4096] 9.1 / 9.6 / 13.1 for (64, 64) against
+    9.9 / 15.7 / 20.8 for (128, 64); router [256, 4096] 7.1 / 7.4 / 8.4 against 7.7 / 13.3 / 14.2; head [129280,
+    4096] 271 / 296 / 518 for (128, 64), the fastest of eight blocks (the default mode: 238 / 291 / 469)."""
+    return (64, 64) if N <= 4096 else (128, 64)
 
 
 def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -221,7 +230,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         bm = INVARIANT_BM if M <= GEMV_MAX_M else INVARIANT_PREFILL_BM  # by the whole call's M
         for r0 in range(0, M, INVARIANT_LAUNCH_ROWS):  # bounds the split-K scratch; rows are independent
             r1 = min(M, r0 + INVARIANT_LAUNCH_ROWS)
-            _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, DEFAULT_BLOCKS[True], bm, False, 4)
+            _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, invariant_blocks(N), bm, False, 4)
         return out
     if M > GEMV_MAX_M:
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)

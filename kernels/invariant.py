@@ -1,5 +1,5 @@
-"""Batch-invariant mode (issue 25): a request's logits bitwise independent of its batch, its neighbours and a
-verify step's length.
+"""Batch-invariant mode (issue 25): a request's logits bitwise independent of its batch, its neighbours, a
+verify step's length and how its prompt is chunked.
 
 Selected when the model is built: `Transformer(..., backend="triton", batch_invariant=True)` (also
 `load_model(..., batch_invariant=True)`, `dsv4 generate / diagnose --batch-invariant`), which builds the triton
@@ -7,39 +7,47 @@ backend table with `get_backend("triton", device, batch_invariant=True)`: the en
 `invariant=True` launches. The backend table is frozen; nothing is switched after construction.
 
 THE GUARANTEE (tested: tests/unit/test_batch_invariant.py under the interpreter, tests/gpu/test_batch_invariant.py
-on the GPU at Flash width): with bf16 activations and weights="quantized", on one GPU (world size 1), the logits
-of a request's decode step are bitwise the same
-  * decoded alone or as any row of a batch of 1..64 rows (b*s <= 64) whose other rows hold any requests at any
-    positions (ragged `DecodeState.row_pos`), eager or inside the CUDA graph of `dsv4/graph.py`;
-  * for a (k+1)-token verify step (`decode_step` with s = k+1 <= MAX_STEP_TOKENS, `Transformer.verify`) and for
-    k+1 single-token steps;
+on the GPU at Flash width): with bf16 activations and weights="quantized", on one GPU (world size 1),
+  * DECODE: the logits of a request's decode step are bitwise the same decoded alone or as any row of a batch of
+    1..64 rows (b*s <= 64) whose other rows hold any requests at any positions (ragged `DecodeState.row_pos`),
+    eager or inside the CUDA graph of `dsv4/graph.py`; a (k+1)-token verify step (`decode_step` with s = k+1 <=
+    MAX_STEP_TOKENS, `Transformer.verify`) equals k+1 single-token steps;
+  * CHUNKED PREFILL: a prompt prefilled in appended calls (`Transformer.forward` on a state) whose every call has
+    more than 64 rows (b*s > 64; the unit: a chunk of >= 65 tokens at batch 1, its boundaries anywhere, inside a
+    compression window too) leaves the same state and gives the same logits, bitwise, as the prompt prefilled at
+    once; so does every decode step after it;
   * run to run (no atomics in any sum: split-K partials are merged in split order by the last program).
-NOT covered: the prefill (`Transformer.forward` / `Attention.extend`: its q-norm, Hadamard, compressor pooling and
-  RoPE run the reference maths with torch ops and cuBLAS, and the MoE / attention kernels take their default
-  configs there; a prompt prefilled in chunks is therefore not bitwise a prompt prefilled at once - what it would
-  need is written in the README section); other GPU types (a split count follows the SM count, tensor-core
-  instructions differ per architecture); other torch / triton / CUDA versions; tensor / expert parallel world
-  sizes > 1 (the all-reduce order of NCCL); the fp32 exact mode and weights="dequantized" (their linears are
-  cuBLAS: refused with ValueError); the reference backend (cuBLAS picks its algorithm by M: refused).
+The two sides differ on purpose: a call of <= 64 rows runs the decode launches (16-row tensor-core tiles, the
+MoE's gemv path), a call of > 64 rows the prefill launches (the FP8 128 x 128 tiles, 64-row GEMV tiles, the MoE's
+fixed tiles); each side is fixed, so a row's value depends on its own inputs only, but a prompt chunk of 9..64
+tokens (decode launches) is not bitwise a slice of the whole prompt's call, nor is a token's prefill bitwise its
+decode step (the default mode's prefill == decode holds within the bf16 tolerance, tests/unit/test_model.py).
+NOT covered: other GPU types (a split count follows the SM count, tensor-core instructions differ per
+  architecture); other torch / triton / CUDA versions; tensor / expert parallel world sizes > 1 (the all-reduce
+  order of NCCL); the fp32 exact mode and weights="dequantized" (their linears are cuBLAS: refused with
+  ValueError); the reference backend (cuBLAS picks its algorithm by M: refused); decode batches of > 64 rows.
 
 What the mode fixes (the audit; README "Batch-invariant mode" has the table):
-  * FP8 linears and the grouped wo_a: `kernels.gemm.GEMV_INVARIANT`, BM = 64 rows, split `invariant_split(N, K)`
-    (default: `gemv_config` and `GEMV_TUNED` by the M bucket, BM = next_pow2(M), split from the bn that follows M);
+  * FP8 linears and the grouped wo_a: `kernels.gemm.invariant_config` per weight shape (tuned on sm_90), 16-row
+    tiles in one launch, split `invariant_split(N, K)` (default: `gemv_config` and `GEMV_TUNED` by the M bucket,
+    BM = next_pow2(M), split from the bn that follows M); above 64 rows the 128 x 128 prefill tiles (FP8 linear;
+    default: cuBLAS scaled_mm or dequant + cuBLAS by shape) and 64-row GEMV tiles (wo_a; default: cuBLAS bmm);
   * bf16-weight linears (indexer weights_proj): `kernels.fp32_linear` invariant launch + one bf16 rounding (the
     default runs cuBLAS bf16 GEMMs, not batch invariant);
-  * fp32 linears (head, compressor wkv / wgate, router): `fp32_linear(invariant=True)` (default: CUDA-core rows at
-    M = 1, bf16x3 dots above, cuBLAS above 64 rows);
-  * routed experts: the gemv path for every T and a left-to-right slot sum (default: tiles above 192 pairs);
+  * fp32 linears (head, compressor wkv / wgate, router): `fp32_linear(invariant=True)`: bf16x3 dots on 16-row
+    tiles (64 above 64 rows), blocks per N (default: CUDA-core rows at M = 1, bf16x3 dots above, cuBLAS above 64);
+  * routed experts: the gemv path up to 64 tokens, fixed 32 x 128 tiles above, a left-to-right slot sum (default:
+    path and tiles by pair count);
   * mHC pre / head: 16-row tiles and a split count fixed per K (default: split count from T); the fused
     post + pre boundary is off (default: fused up to 4 tokens, unfused above: another split);
   * sparse attention: one kernel per head count, all columns per program, splits of 128 slots (default: "heads"
     only at s = 1, column split and split count from b*s); the s = 1 step lists the window's slots in position
     order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
-  * torch reductions on the decode path: the per-head q RMS (`fixed_mean`), the indexer / compressor Hadamard
-    (`hadamard`): fixed-order elementwise adds, the same for every batch.
+  * torch reductions: the per-head q RMS (`head_rms`) and the indexer / compressor Hadamard (`hadamard`) as
+    per-row kernels, the compressor's prefill pooling (`pool_windows`) as a tree of elementwise adds.
 Already invariant in the default mode: RMSNorm (one program per row), the router after its logits
 (`kernels.router.route`: one program per row, its weight sum left to right in pick order, as `route_ref`), the activation quantizations (per row /
-block), RoPE, the compressor pooling and commit (per row), the indexer scores (a key's score never mixes with
+block), RoPE, the compressor's decode pooling and commit (per row), the indexer scores (a key's score never mixes with
 another key's; chunks are block-aligned) and top-k (exact rule, ties to the lower index), hc_post (per token),
 the MoE gemv path itself, every elementwise torch op on CUDA.
 """

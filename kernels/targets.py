@@ -54,7 +54,7 @@ def _specs():
          ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
     ]
     from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is an optional dependency
-    from kernels import router  # triton is an optional dependency
+    from kernels import invariant, router  # triton is an optional dependency
     u8, f8 = "*u8", "*fp8e4nv"
     specs += [
         ("fp32_linear._bf16w_gemv_kernel", fp32_linear._bf16w_gemv_kernel,
@@ -114,6 +114,9 @@ def _specs():
         ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
          dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BM=32, BN=128, BKH=64, MMA=1)),
+        ("invariant._head_rms_kernel", invariant._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"], dict(BD=512)),
+        ("invariant._hadamard_kernel", invariant._hadamard_kernel, dict(x_ptr=f32, y_ptr=f32), [],
+         dict(N=128, BR=16, MMA=1)),
     ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)

@@ -306,6 +306,28 @@ def test_fixed_order_helpers():
         head_rms(q, 0.0)
 
 
+def test_pool_windows_is_the_softmax_pooling_in_a_fixed_order():
+    """`kernels.invariant.pool_windows` (the mode's compressor prefill pooling) equals `(Z.softmax(2) * A).sum(2)`
+    within fp32 summation error (w = 8 and 128 rows per window: the CSA and HCA widths; -inf scores of a fresh
+    state's rows get weight 0), and a window's result is bitwise the same pooled with 1 or 6 windows in the call
+    (the chunked prefill's property). Negative control: a window's own scores move its result."""
+    from kernels.invariant import pool_windows
+    g = torch.Generator().manual_seed(9)
+    for w in (8, 128):
+        Z = (torch.randn(2, 6, w, 32, generator=g) * 3).to(DEV)
+        A = (torch.randn(2, 6, w, 32, generator=g) * 2.0 ** torch.randint(-4, 5, (2, 6, 1, 32), generator=g)).to(DEV)
+        Z[:, 0, : w // 2] = -float("inf")  # the first window's previous-window half: a fresh state's rows
+        want = (Z.softmax(2) * A).sum(2)
+        got = pool_windows(Z, A)
+        bound = 2 * w * 2.0 ** -24 * A.abs().amax(2) + 1e-30
+        assert got.shape == (2, 6, 32) and ((got - want).abs() <= bound).all()
+        assert torch.equal(pool_windows(Z[:, :1], A[:, :1])[:, 0], got[:, 0])
+        Z2 = Z.clone()
+        Z2[:, 3, 1] += 1.0
+        moved = (pool_windows(Z2, A) != got).any(-1).any(0)
+        assert moved.tolist() == [i == 3 for i in range(6)]
+
+
 def test_modes_name_bad_input():
     from dsv4.backend import get_backend
     from kernels.fp32_linear import fp32_linear
