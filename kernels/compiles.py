@@ -29,6 +29,8 @@ fixed set and model constants only, and the threshold choices `dsv4.warmup` prob
                  config, and `_bf16w_gemv_kernel` by M's class (== 1, % 16) within a bucket (M <= 64: a finite
                  set, all of it warmed); the MoE paths by pair count (GEMV / 16x64 / 32x128 tiles);
   norm, quant, rope, compressor   one per model width (and call site).
+  invariant      (the batch-invariant mode) `_head_rms_kernel` / `_hadamard_kernel` one per width; its GEMVs
+                 one per launch config and side (16-row tiles <= 64 rows, 64-row tiles above), M's class as above.
   router         `_route_kernel` one per (E, k, score function) x score / hash layer: no argument follows the
                  batch (the row count is only the grid).
 """

@@ -199,7 +199,7 @@ if triton is not None:
         r = round_bf16(tl.math.rsqrt(round_bf16(mean + eps)))
         tl.store(y_ptr + row * d + offs, round_bf16(x * r).to(tl.bfloat16), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])  # the row count is a loop bound / mask only: one build per width
     def _hadamard_kernel(x_ptr, y_ptr, R, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
         """Rows [BR, N] fp32 per program times the +-1 Sylvester matrix S_ij = (-1)^popcount(i & j) (built in
         registers), then times N^-0.5 (`hadamard`). MMA 1: x split exactly into three bf16 pieces (hi + mid + lo
