@@ -4,7 +4,7 @@ control (hard stop).
 Model: Flash geometry, first 4 layers (SWA, SWA, CSA, HCA; `index_topk` 64 so a 300-token prompt selects),
 bf16, weights="quantized" with random codes (`fill_random_quantized_`), triton backend built with
 batch_invariant=True; the same codes in a default-mode twin. Checks (logits compared with torch.equal):
-  * a request (300-token prompt, then 3 decode steps) alone in a batch-1 state == row 0 of batches of 2, 8 and 32
+  * a request (300-token prompt, then 3 decode steps) alone in a batch-1 state == row 0 of batches of 2, 8, 32, 64
     whose other rows hold random prompts of 20..400 tokens (other positions, other entry counts), fed other
     tokens, in eager and CUDA-graph decode (`use_decode_graphs`) alike, every one against the eager batch-1 run;
   * a 4-token verify-sized step (`decode_step` with s = 4) == 4 single-token steps, at each position;
@@ -75,7 +75,7 @@ def test_row_logits_independent_of_batch_eager_and_graph(models):
     bi, _ = models
     alone = _run(bi, 1, graph=False)
     for graph in (False, True):
-        for b in ((1, 2, 8, 32) if graph else (2, 8, 32)):
+        for b in ((1, 2, 8, 32, 64) if graph else (2, 8, 32, 64)):
             got = _run(bi, b, graph)
             for j, (x, y) in enumerate(zip(got[1:], alone[1:])):
                 assert torch.equal(x, y), (f"batch_invariant: row 0 of batch {b} ({'graph' if graph else 'eager'}) "
