@@ -34,9 +34,10 @@ reference (no max / min / clamp on the path).
 Batch-invariant mode (`invariant=True`, README "Batch-invariant mode"): every M runs the DOT=True (bf16x3) path
 on row tiles of INVARIANT_BM = 16 rows up to GEMV_MAX_M rows (a decode step), INVARIANT_PREFILL_BM = 64 above (a
 prefill; the tile fixed for every M on each side), cdiv(M, BM) tiles in one launch, up to INVARIANT_LAUNCH_ROWS
-rows per launch (no torch.mm), the blocks `invariant_blocks(N)` and the split of `kernels.launch.split_k` for the grid without
-its row tiles (a function of N, K and the device only): a row's y is then bitwise independent of M and of the other
-rows (the same tile, instruction and K order for every M on each side of GEMV_MAX_M; rows never mix in a dot). The default picks CUDA-core rows at M = 1 and bf16x3
+rows per launch (no torch.mm), the blocks `invariant_blocks(N)` and the split of `kernels.launch.split_k` for the
+grid without its row tiles (a function of N, K and the device only): a row's y is then bitwise independent of M and
+of the other rows (the same tile, instruction and K order for every M on each side of GEMV_MAX_M; rows never mix in
+a dot). The default picks CUDA-core rows at M = 1 and bf16x3
 dots above (another summation order), a BM that follows M, and torch.mm (cuBLAS) above 64 rows.
 
 Differences from `fp32_linear_ref`: only the order of the fp32 sum (per output element |y - y_ref| <=
@@ -98,11 +99,35 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
+    def dot_x3(x, wb, wf, MMA: tl.constexpr):
+        """The fp32 dot `x @ w` of the exact products, from zero: x [M, K] fp32 split exactly into three bf16
+        pieces (hi + mid + lo == x, module docstring; a non-finite x all in hi), w [K, N] bf16-exact given as wb
+        (bf16) and wf (the same values in fp32). MMA 1: three bf16 tensor-core dots (lo, mid, hi); MMA 0 (the
+        interpreter, whose bf16 casts are not faithful): fp32 "ieee" dots on the same values. Callers add the
+        result to their running fp32 sum in registers (the tensor core's in-MMA adds are not round-to-nearest).
+        Used by `_bf16w_gemv_kernel` and `kernels.invariant`'s Hadamard."""
+        fin = tl.abs(x) < float("inf")
+        hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
+        r = tl.where(fin, x - hi32, 0.0)
+        mid32 = _bf16_trunc(r)
+        lo32 = r - mid32  # <= 8 significant bits: bf16-exact
+        if MMA == 1:
+            t = tl.dot(lo32.to(tl.bfloat16), wb)
+            t = tl.dot(mid32.to(tl.bfloat16), wb, t)
+            t = tl.dot(hi32.to(tl.bfloat16), wb, t)
+        else:
+            t = tl.dot(lo32, wf, input_precision="ieee")
+            t += tl.dot(mid32, wf, input_precision="ieee")
+            t += tl.dot(hi32, wf, input_precision="ieee")
+        return t
+
+
+    @triton.jit
     def _bf16w_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, SPLIT, MCH,
                            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                            EVEN_K: tl.constexpr, ACC2D: tl.constexpr, MMA: tl.constexpr):
-        """Grid (cdiv(N, BN) * MCH, SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K] fp32 or
-        bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
+        """Grid (cdiv(N, BN) * MCH, SPLIT): y[:, n block] = x[:, K split] . W[n block, K split]^T in fp32, x [M, K]
+        fp32 or bf16 (upcast exactly), W [N, K] bf16 (upcast exactly), y [M, N] fp32. DOT=False: per row m < BM, fp32
         products summed over each BK tile (CUDA cores); DOT=True: x split into three bf16 pieces, three dots per K
         tile (module docstring), MMA 1 bf16 tensor cores, MMA 0 fp32 "ieee" dots on the same pieces (interpreter).
         EVEN_K: K_PER_SPLIT and K are multiples of BK (no K mask: full-width vector loads). ACC2D (BM == 1 only): the
@@ -138,21 +163,9 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             wb = w.to(tl.bfloat16)
             w = w.to(tl.float32)
             if DOT:
-                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-                fin = tl.abs(x) < float("inf")
-                hi32 = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi (the mask would make a NaN inf)
-                r = tl.where(fin, x - hi32, 0.0)
-                mid32 = _bf16_trunc(r)
-                lo32 = r - mid32  # <= 8 significant bits: bf16-exact
-                if MMA == 1:
-                    t = tl.dot(lo32.to(tl.bfloat16), tl.trans(wb))
-                    t = tl.dot(mid32.to(tl.bfloat16), tl.trans(wb), t)
-                    t = tl.dot(hi32.to(tl.bfloat16), tl.trans(wb), t)
-                else:  # the interpreter: the same bf16-exact values, kept in fp32 (its bf16 casts are not faithful)
-                    t = tl.dot(lo32, tl.trans(w), input_precision="ieee")
-                    t += tl.dot(mid32, tl.trans(w), input_precision="ieee")
-                    t += tl.dot(hi32, tl.trans(w), input_precision="ieee")
-                acc += t
+                x = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * K + kk[None, :], mask=xmask,
+                            other=0.0).to(tl.float32)
+                acc += dot_x3(x, tl.trans(wb), tl.trans(w), MMA)
             elif ACC2D:
                 if EVEN_K:
                     x0 = tl.load(x_ptr + m0 * K + kk)

@@ -182,7 +182,7 @@ except ImportError:  # triton is optional (the backend that uses these entries r
     tl = None
 
 if triton is not None:
-    from kernels.fp32_linear import _bf16_trunc
+    from kernels.fp32_linear import dot_x3
     from kernels.jit_formats import round_bf16
     from kernels.launch import interpreting
 
@@ -202,10 +202,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["R"])  # the row count is a loop bound / mask only: one build per width
     def _hadamard_kernel(x_ptr, y_ptr, R, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
         """Rows [BR, N] fp32 per program times the +-1 Sylvester matrix S_ij = (-1)^popcount(i & j) (built in
-        registers), then times N^-0.5 (`hadamard`). MMA 1: x split exactly into three bf16 pieces (hi + mid + lo
-        == x, `kernels.fp32_linear`'s bf16x3), three bf16 tensor-core dots against S (every product exact); MMA 0
-        (the interpreter): fp32 "ieee" dots on the same pieces. (An fp32 "ieee" dot on the GPU holds S per thread:
-        73 us per call, measured.)"""
+        registers), then times N^-0.5 (`hadamard`): `kernels.fp32_linear.dot_x3` (x split exactly into three bf16
+        pieces, three bf16 tensor-core dots against S, every product exact; fp32 "ieee" dots under the
+        interpreter). (An fp32 "ieee" dot on the GPU holds S per thread: 73 us per call, measured.)"""
         r0 = tl.program_id(0).to(tl.int64) * BR
         rows = r0 + tl.arange(0, BR)
         cols = tl.arange(0, N)
@@ -217,21 +216,7 @@ if triton is not None:
         par = par ^ (par >> 4)
         par = par ^ (par >> 8)
         sgn = tl.where((par & 1) == 1, -1.0, 1.0)  # S[k, j] (symmetric)
-        fin = tl.abs(x) < float("inf")
-        hi = tl.where(fin, _bf16_trunc(x), x)  # NaN / inf: all in hi
-        r = tl.where(fin, x - hi, 0.0)
-        mid = _bf16_trunc(r)
-        lo = r - mid
-        if MMA == 1:
-            sb = sgn.to(tl.bfloat16)
-            t = tl.dot(lo.to(tl.bfloat16), sb)
-            t = tl.dot(mid.to(tl.bfloat16), sb, t)
-            t = tl.dot(hi.to(tl.bfloat16), sb, t)
-        else:
-            t = tl.dot(lo, sgn, input_precision="ieee")
-            t += tl.dot(mid, sgn, input_precision="ieee")
-            t += tl.dot(hi, sgn, input_precision="ieee")
-        y = t * (1.0 / tl.sqrt(N * 1.0))
+        y = dot_x3(x, sgn.to(tl.bfloat16), sgn, MMA) * (1.0 / tl.sqrt(N * 1.0))
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
 
 
@@ -264,7 +249,8 @@ def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
-    """`x @ hadamard_matrix(n).T` for fp32 x [..., n], n a power of two in 16..256 (the +-1 matrix is held in registers; V4's indexer rotates 128): rows of 16 per program, an fp32
+    """`x @ hadamard_matrix(n).T` for fp32 x [..., n], n a power of two in 16..256 (the +-1 matrix is held in
+    registers; V4's indexer rotates 128): rows of 16 per program, an fp32
     dot with the +-1 Sylvester matrix (each product exact, summed in the dot's fixed K order, the same for every
     row count: a cuBLAS fp32 GEMM picks its algorithm by the row count), then times n^-0.5. The same exact value
     as the matrix product, another fp32 rounding order (the official fast_hadamard_transform is a butterfly); on
