@@ -104,16 +104,20 @@ class Backend:
     # with it where `kernels.moe.stackable` holds and the activations are bf16 (`MoE.stackable`), and hands the
     # stack to `moe_routed` (triton: `kernels.moe.stack_experts`, for the grouped kernel; reference: None, never)
     stack_experts: Callable | None = None
-    # head_rms(q bf16 [..., d], eps) -> bf16: the attention's unweighted per-head RMS of q; hadamard(x fp32
-    # [..., n]) -> fp32: the indexer's rotation `x @ hadamard_matrix(n).T`. None: the model's torch forms (the
-    # official ops: a torch mean, an fp32 matmul); the batch-invariant mode's per-row kernels
-    # (`kernels.invariant.head_rms` / `hadamard`: their reductions in an order fixed for every row count)
-    head_rms: Callable | None = None
+    # head_rms(q [..., d], eps) -> q.dtype: the attention's unweighted per-head RMS of q (`kernels.norm.head_rms_ref`,
+    # the official torch chain; triton: `kernels.norm.head_rms`, one launch, in both modes); hadamard(x fp32
+    # [..., n]) -> fp32: the indexer's rotation `x @ hadamard_matrix(n).T`. None: the model's fp32 matmul; the
+    # batch-invariant mode's per-row kernel (`kernels.invariant.hadamard`: an order fixed for every row count)
+    head_rms: Callable = norm.head_rms_ref
     hadamard: Callable | None = None
     # pool_windows(Z, A [b, n, w, d] fp32) -> [b, n, d] fp32: the compressor's prefill pooling (`Compressor.extend`).
     # None: `(Z.softmax(2) * A).sum(2)` (torch); the batch-invariant mode's fixed-order form
     # (`kernels.invariant.pool_windows`: the same windows pooled in the same order whatever the call's length)
     pool_windows: Callable | None = None
+    # step_index(P [b, s] int64, W, comp [b, s, k] | None, ratio, n_entries) -> idx [b, s, W + k] int64: the key
+    # slots of a decode step's queries (window in position order, then the entries; `kernels.attention.step_index_ref`;
+    # triton: `kernels.attention.step_index`, one launch, the same integers)
+    step_index: Callable = attention.step_index_ref
     # issue 25: the batch-invariant mode (`kernels.invariant`): every entry above is its invariant launch, the
     # model's torch reductions take their fixed-order forms (head_rms, hadamard above; `Gate`), and
     # `Transformer.__init__` refuses a MoE the grouped kernel cannot take
@@ -166,7 +170,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            fp4_act_quant_sim=kquant.fp4_act_quant_sim,
                            hc_post_pre_max_t=0, stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
                            hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
-                           batch_invariant=True)
+                           step_index=attention.step_index, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
@@ -175,5 +179,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
-                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts)
+                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
+                       head_rms=norm.head_rms, step_index=attention.step_index)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -48,6 +48,7 @@ from dsv4.graph import GraphDecodeState, check_graph_model
 from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
+from kernels.attention import window_slots  # the sliding window's key slots (spec §5.5), re-exported
 from kernels.indexer import indexer_topk_ref
 # the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
 from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
@@ -425,15 +426,6 @@ def _hadamard(x: torch.Tensor, h: torch.Tensor, ops: Backend) -> torch.Tensor:
     return x @ h.T
 
 
-def window_slots(P: torch.Tensor, p0: int | torch.Tensor, W: int) -> torch.Tensor:
-    """The sliding window of queries at positions P [..., s] int64 of a call that starts at p0 (an int, or per row
-    [..., 1, 1]), as slots of the keys [ring before the call (W slots, position u at u % W) | the call's KV]:
-    query t sees u = t-W+1..t (spec §5.5) -> [..., s, W] int64: -1 where u < 0, ring slot u % W where u < p0,
-    W + u - p0 (the call's own KV) otherwise. `Attention.extend` and the decode step with s > 1 tokens."""
-    u = P[..., None] - (W - 1) + torch.arange(W, device=P.device)
-    return torch.where(u < 0, -1, torch.where(u < p0, u % W, W + u - p0))
-
-
 class Attention(nn.Module):
     """DeepSeek-V4 attention (spec §5): low-rank q, shared K=V head, partial interleaved RoPE, per-head sink,
     sliding window + compressed entries (all for HCA, indexer top-k for CSA), grouped wo_a / wo_b."""
@@ -481,10 +473,7 @@ class Attention(nn.Module):
         channels (spec §5.2) through `ops`."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
-        if ops.head_rms is not None:  # the backend's per-row kernel (batch-invariant mode: a fixed-order mean)
-            q = ops.head_rms(q, self.args.norm_eps)
-        else:
-            q = q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.args.norm_eps)
+        q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official torch chain
         q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         kv = self.kv_norm(self.wkv(x))
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
@@ -549,17 +538,11 @@ class Attention(nn.Module):
         (`Compressor.step`), so every window boundary inside the call is committed before the attention."""
         b, s = x.shape[:2]
         dev, W = x.device, self.window
-        P = pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
+        P = pos.view(b, 1) if s == 1 else pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
         qr, q, kv = self._qkv(x, P, backend)
         if s == 1:
             st.ring.scatter_(1, (P % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
-            if backend.batch_invariant:  # the window in position order, as the s > 1 step lists it (issue 25)
-                idx, off = window_slots(P, P.view(b, 1, 1) + 1, W), W
-            else:
-                slots = torch.arange(W, device=dev)
-                idx, off = torch.where(slots <= P, slots, -1).view(b, 1, W), W
-        else:  # keys = [ring before the call | this call's KV | entries], as `extend`
-            idx, off = window_slots(P, pos.view(b, 1, 1), W), W + s
+        comp = None  # the indexer's picks (CSA)
         if self.compressor is not None:
             for j in range(s):  # one token at a time: each window boundary in the call committed in order
                 self.compressor.step(x[:, j:j + 1], pos + j, st.compressor, st.entries, backend)
@@ -570,10 +553,9 @@ class Attention(nn.Module):
                     st.trail.append([t.clone() for t in st.window_tensors()])
             if self.indexer is not None:
                 comp = self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk)
-            else:
-                w = torch.arange(st.entries.shape[1], device=dev)
-                comp = torch.where(w < ((P + 1) // self.ratio)[..., None], w, -1)  # [b, s, n_e]
-            idx = torch.cat((idx, torch.where(comp >= 0, comp + off, -1)), -1)
+        # the window in position order, then the entries (HCA: all completed ones; CSA: the picks), as key slots
+        hca = self.compressor is not None and self.indexer is None
+        idx = backend.step_index(P, W, comp, self.ratio if hca else 0, st.entries.shape[1] if hca else 0)
         if s == 1:
             keys = st.keys
         else:

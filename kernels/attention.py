@@ -306,6 +306,28 @@ if triton is not None:
                      mask=hmask[:, None])
 
 
+    @triton.jit
+    def _step_index_kernel(P, COMP, IDX, S, W, K, KC, ratio, off, INPLACE: tl.constexpr, MODE: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """One (row, query) per program (`step_index`): the W window slots then the K entry columns of idx."""
+        r = tl.program_id(0).to(tl.int64)
+        b = r // S
+        p = tl.load(P + r)
+        p0 = tl.load(P + b * S)
+        if INPLACE:
+            p0 = p + 1
+        j = tl.arange(0, BLOCK)
+        u = p - (W - 1) + j
+        win = tl.where(u < 0, -1, tl.where(u < p0, u % W, W + u - p0))
+        w = j - W
+        if MODE == 1:  # the indexer's picks
+            c = tl.load(COMP + r * KC + w, mask=(j >= W) & (w < KC), other=-1)
+        else:  # HCA: every entry completed up to this query, w < (p + 1) // ratio
+            c = tl.where(w < (p + 1) // ratio, w, -1)
+        ent = tl.where(c >= 0, c + off, -1)
+        tl.store(IDX + r * (W + K) + j, tl.where(j < W, win, ent), mask=j < W + K)
+
+
 # `kernels.targets.compile_all` builds these too (name, jit function, pointer dtypes, float args, constexprs).
 TARGET_SPECS = () if triton is None else (
     ("attention._sparse_decode_kernel", _sparse_decode_kernel,
@@ -501,3 +523,78 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
         num_warps=num_warps, **extra)
     return out
+
+
+# ------------------------------------------------------------------------------ the decode step's index set
+def window_slots(P: torch.Tensor, p0: int | torch.Tensor, W: int) -> torch.Tensor:
+    """The sliding window of queries at positions P [..., s] int64 of a call that starts at p0 (an int, or per row
+    [..., 1, 1]), as slots of the keys [ring before the call (W slots, position u at u % W) | the call's KV]:
+    query t sees u = t-W+1..t (spec §5.5) -> [..., s, W] int64: -1 where u < 0, ring slot u % W where u < p0,
+    W + u - p0 (the call's own KV) otherwise. `dsv4.model.Attention.extend` and `step_index_ref`."""
+    u = P[..., None] - (W - 1) + torch.arange(W, device=P.device)
+    return torch.where(u < 0, -1, torch.where(u < p0, u % W, W + u - p0))
+
+
+def _check_step_index(P, W, comp, ratio, n_entries) -> None:
+    where = "step_index"
+    if not isinstance(P, torch.Tensor) or P.dim() != 2 or P.dtype != torch.int64 or P.shape[1] < 1:
+        raise ValueError(f"{where}: P must be int64 [b, s >= 1], got {getattr(P, 'dtype', type(P))} "
+                         f"{tuple(getattr(P, 'shape', ()))}")
+    for name, v in (("W", W), ("ratio", ratio), ("n_entries", n_entries)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "W" else 0):
+            raise ValueError(f"{where}: {name}={v!r}, expected an int >= {1 if name == 'W' else 0}")
+    if comp is not None:
+        if (not isinstance(comp, torch.Tensor) or comp.dtype != torch.int64 or comp.dim() != 3
+                or tuple(comp.shape[:2]) != tuple(P.shape) or comp.device != P.device):
+            raise ValueError(f"{where}: comp must be int64 [b, s, k] = [{P.shape[0]}, {P.shape[1]}, k] on {P.device}, "
+                             f"got {getattr(comp, 'dtype', type(comp))} {tuple(getattr(comp, 'shape', ()))}")
+        if ratio or n_entries:
+            raise ValueError(f"{where}: give the indexer's picks (comp) or an HCA ratio / n_entries, not both "
+                             f"(ratio={ratio}, n_entries={n_entries})")
+    elif n_entries and not ratio:
+        raise ValueError(f"{where}: n_entries={n_entries} with ratio=0: an HCA layer's entries need its ratio > 0")
+
+
+def step_index_ref(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio: int = 0,
+                   n_entries: int = 0) -> torch.Tensor:
+    """The key slots each query of a decode step reads (spec §5.5, §6, §7; `dsv4.model.Attention.step`).
+
+    P [b, s] int64: each query's position (row i's s tokens at P[i, 0] .. P[i, 0] + s - 1). The keys the attention
+    reads: s == 1, [ring (position u at slot u % W, this token already written) | entry slots]; s > 1, [ring
+    before the call | the call's s KV rows | entry slots] (the call's tokens would overwrite ring slots its earlier
+    queries still see). Columns: the W window slots of positions t-W+1..t in position order (`window_slots`),
+    then the entries: comp [b, s, k] int64, the indexer's picks (CSA; -1 = none), or with ratio r > 0 and
+    n_entries >= 0 slots (HCA) every entry w < (t + 1) // r, -1 after; entry w at key row off + w, off = W (s == 1)
+    or W + s. A window-only layer: comp None, ratio = n_entries = 0.
+    Returns: idx [b, s, W + k] int64 (-1 = empty slot), for `sparse_attn`.
+    Raises: ValueError naming a bad argument (`_check_step_index`)."""
+    _check_step_index(P, W, comp, ratio, n_entries)
+    b, s = P.shape
+    inplace = s == 1
+    idx = window_slots(P, P.view(b, s, 1) + 1 if inplace else P[:, :1, None], W)
+    off = W if inplace else W + s
+    if comp is None and ratio:
+        w = torch.arange(n_entries, device=P.device)
+        comp = torch.where(w < ((P + 1) // ratio)[..., None], w, -1)
+    if comp is None:
+        return idx
+    return torch.cat((idx, torch.where(comp >= 0, comp + off, -1)), -1)
+
+
+def step_index(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio: int = 0,
+               n_entries: int = 0) -> torch.Tensor:
+    """`step_index_ref` in one launch (issue 27: the decode step's index set was ~8-13 torch launches per layer):
+    one program per query, the same integers (bitwise equal, tests/unit/test_attention_kernels.py). No host sync.
+    Args, returns, raises: as `step_index_ref`; P and comp on CUDA (or CPU under TRITON_INTERPRET=1)."""
+    _check_step_index(P, W, comp, ratio, n_entries)
+    tensors = {"P": P} if comp is None else {"P": P, "comp": comp}
+    _check_launch_device(tensors, "step_index")
+    b, s = P.shape
+    K = comp.shape[2] if comp is not None else n_entries
+    idx = torch.empty(b, s, W + K, dtype=torch.int64, device=P.device)
+    P = P.contiguous()
+    comp_c = comp.contiguous() if comp is not None else P
+    _step_index_kernel[(b * s,)](P, comp_c, idx, s, W, K, K if comp is not None else 0, max(ratio, 1),
+                                 W if s == 1 else W + s, INPLACE=s == 1, MODE=1 if comp is not None else 0,
+                                 BLOCK=triton.next_power_of_2(W + K))
+    return idx

@@ -2,9 +2,10 @@
 
 Reading order (STYLE §1): `indexer_scores_ref`, `indexer_topk_ref` (plain torch, the executable spec), the
 `@triton.jit` scoring kernel and its launcher `indexer_scores`, then (issue 14) the Triton top-k
-`indexer_topk` and the one-launch selection `indexer_select`. `indexer_topk_ref` is THE tie rule: the Triton
-top-k returns its picks bitwise, order included (hard-stop tests with exact ties, tests/unit and tests/gpu), so
-the reference model and the Triton backend select the same entries.
+`indexer_topk` and the one-launch selection `indexer_select`; last, the Hadamard rotation + FP4 rounding of the
+indexer's q and keys (spec §7.1-7.3): `rotate_fp4_ref` and its one-launch kernel `rotate_fp4`.
+`indexer_topk_ref` is THE tie rule: the Triton top-k returns its picks bitwise, order included (hard-stop tests
+with exact ties, tests/unit and tests/gpu), so the reference model and the Triton backend select the same entries.
 
 Dimension legend: b batch, s queries, H indexer heads (64), d indexer head dim (128), n compressed keys.
     scores[b, t, n] = sum_h weights[b, t, h] * ReLU(q[b, t, h] . k[b, n])      (fp32 maths, fp32 out)
@@ -13,10 +14,13 @@ The official model computes the score in bf16 (spec §7 step 3); this contract i
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels.attention import _check_launch_device, _num_sms, dot_mode, triton, tl
-from kernels.launch import workspace
+from kernels.launch import interpreting, workspace
+from kernels.numerics import FP4_BLOCK, fp4_act_quant_sim
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -498,3 +502,117 @@ def indexer_select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, k
                                  DOT=dot_mode(q.dtype), HAS_NV=n_valid is not None, BLOCK=block, KP=kp,
                                  IN_REGISTERS=in_regs, SORTED=bool(sorted_picks), num_warps=num_warps)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hadamard rotation + FP4 rounding of the indexer's q and keys in ONE launch (spec §7.1-7.3)
+# ---------------------------------------------------------------------------------------------------------
+
+_ROTATE_BR = 16  # rows per program of `_rotate_fp4_kernel` (the tl.dot's M; >= 16)
+
+
+def _sylvester(n: int, device=None) -> torch.Tensor:
+    """Normalized Sylvester matrix fp32 [n, n], built exactly as `dsv4.model.hadamard_matrix` (kernels/ never
+    imports dsv4): h = [[1]]; while len < n: h = [[h, h], [h, -h]]; h / sqrt(n) (same fp32 division, same values;
+    tests/unit/test_indexer_kernels.py::test_rotate_fp4_ref_is_the_model_chain)."""
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (h / math.sqrt(n)).to(device)
+
+
+def _check_rotate_input(x, where: str) -> None:
+    """x: a bf16 tensor [..., n], n a power of two in 16..256 and a multiple of the FP4 block 32 (so 32..256)."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() < 1:
+        raise ValueError(f"{where}: x must be a bfloat16 tensor [..., n], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    n = x.shape[-1]
+    if n & (n - 1) or not 16 <= n <= 256:
+        raise ValueError(f"{where}: x's last dim n must be a power of two in 16..256, got n={n}")
+    if n % FP4_BLOCK:
+        raise ValueError(f"{where}: x's last dim n must be a multiple of the FP4 block {FP4_BLOCK}, got n={n}")
+
+
+def rotate_fp4_ref(x: torch.Tensor) -> torch.Tensor:
+    """Reference rotation + FP4 rounding (spec §7.1-7.3: the indexer's Hadamard rotation and FP4 rounding of q and
+    of the indexer keys): `fp4_act_quant_sim((x.float() @ H.T).to(bfloat16), 32)` with H the normalized Sylvester
+    matrix (`dsv4.model.hadamard_matrix(n)`), i.e. the chain of `Indexer.select` / the indexer `Compressor`.
+
+    Args:
+        x: [..., n] bfloat16, any leading shape (CPU or CUDA); n a power of two in 16..256 and a multiple of 32
+            (V4: n = index_head_dim = 128).
+    Returns:
+        [..., n] bfloat16: each 32-channel block on the e2m1 grid times its power-of-two scale; a NaN anywhere in
+        a row of x makes that whole row NaN (every output channel sums every input).
+    Raises:
+        ValueError: x not a bfloat16 tensor, or n not a power of two in 16..256, or n not a multiple of 32.
+    """
+    _check_rotate_input(x, "rotate_fp4_ref")
+    h = _sylvester(x.shape[-1], x.device)
+    return fp4_act_quant_sim((x.float() @ h.T).to(torch.bfloat16), FP4_BLOCK)
+
+
+if triton is not None:
+    from kernels.jit_formats import cast_for_store, round_bf16
+    from kernels.quant import _fp4_sim_tile
+
+    @triton.jit(do_not_specialize=["R"])  # issue 29: the row count (tokens x heads) varies per step
+    def _rotate_fp4_kernel(x_ptr, y_ptr, R, scale, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
+        """BR rows of x [R, N] bf16 per program: y = fp4_sim(bf16(x @ S * scale)), S_kj = (-1)^popcount(k & j)
+        built in registers (symmetric, so S = S^T), scale = the reference's fp32 1/sqrt(N). The products with +-1
+        are exact; MMA 1: one bf16 tensor-core dot (x is bf16 already), MMA 0 (interpreter, whose bf16 dots and
+        casts are not faithful): an fp32 "ieee" dot. The bf16 rounding is `round_bf16` (ties to even, also
+        under the interpreter), the FP4 simulation `kernels.quant._fp4_sim_tile` on [BR * N / 32, 32] blocks."""
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+        cols = tl.arange(0, N)
+        mask = (rows < R)[:, None]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        b = cols[:, None] & cols[None, :]
+        par = b ^ (b >> 1)
+        par = par ^ (par >> 2)
+        par = par ^ (par >> 4)
+        par = par ^ (par >> 8)
+        sgn = tl.where((par & 1) == 1, -1.0, 1.0)
+        if MMA == 1:
+            acc = tl.dot(x, sgn.to(tl.bfloat16))
+        else:
+            acc = tl.dot(x.to(tl.float32), sgn, input_precision="ieee")
+        z = round_bf16(acc * scale)
+        y = tl.reshape(_fp4_sim_tile(tl.reshape(z, (BR * N // 32, 32))), (BR, N))
+        # The sign bit as the reference's: negative iff z < 0, so a negative z rounded to 0 is -0.0. The GPU
+        # build of `_fp4_sim_tile` returns +0.0 there (its `where(v < 0, -q, q)` loses the sign of a zero q;
+        # the interpreter keeps it); integer bit ops, which no float optimisation rewrites.
+        yb = y.to(tl.int32, bitcast=True)
+        y = tl.where(z < 0, yb | -2147483648, yb).to(tl.float32, bitcast=True)
+        tl.store(y_ptr + offs, cast_for_store(y, y_ptr), mask=mask)
+
+
+def rotate_fp4(x: torch.Tensor) -> torch.Tensor:
+    """Triton `rotate_fp4_ref` in ONE launch (replaces matmul, bf16 cast and the FP4 simulation's launches).
+
+    Rows of 16 per program; the +-1 Sylvester matrix is built in registers, the fp32 dot of exact products is
+    scaled by the reference's fp32 1/sqrt(n), rounded to bf16 (ties to even) and FP4-rounded per 32 channels by
+    the same jit helper as `kernels.quant.fp4_act_quant_sim`. Equal to the reference up to the fp32 summation
+    order before the bf16 rounding (and, for n = 32 / 128, one rounding of the scale: the reference multiplies
+    every product by the inexact 1/sqrt(n), the kernel the sum): rarely a bf16 rounding boundary, then at most
+    one e2m1 code (tests/unit/test_indexer_kernels.py::test_rotate_fp4_matches_ref).
+
+    Args: x [..., n] bfloat16, any leading shape (made contiguous if it is not), CUDA (CPU under
+        TRITON_INTERPRET=1); n a power of two in 16..256 and a multiple of 32.
+    Returns: [..., n] bfloat16 (a new tensor; empty for an empty x).
+    Raises: ValueError naming x and the bad dtype / width / device; RuntimeError without triton.
+    """
+    where = "kernels.indexer.rotate_fp4"
+    _check_rotate_input(x, where)
+    x = x.contiguous()
+    _check_launch_device({"x": x}, where)
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // n
+    if rows:
+        scale = float(torch.ones((), dtype=torch.float32) / math.sqrt(n))  # = every entry of the reference's H
+        _rotate_fp4_kernel[(triton.cdiv(rows, _ROTATE_BR),)](x, y, rows, scale, N=n, BR=_ROTATE_BR,
+                                                             MMA=0 if interpreting() else 1,
+                                                             num_warps=4 if n <= 128 else 8)
+    return y

@@ -59,6 +59,7 @@ import torch
 from kernels import fp32_linear as kfp32
 from kernels import gemm as kgemm
 from kernels import moe as kmoe
+from kernels import norm as knorm
 from kernels import numerics
 from kernels.gemm import dequantize_ref
 
@@ -186,19 +187,6 @@ if triton is not None:
     from kernels.jit_formats import round_bf16
     from kernels.launch import interpreting
 
-    @triton.jit
-    def _head_rms_kernel(x_ptr, y_ptr, d, eps, BD: tl.constexpr):
-        """One row of d bf16 values per program: `x * rsqrt(mean(x^2) + eps)` with a bf16 rounding after each
-        torch op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product)."""
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BD)
-        mask = offs < d
-        x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
-        sq = round_bf16(x * x)
-        mean = round_bf16(tl.sum(sq, axis=0) / d)
-        r = round_bf16(tl.math.rsqrt(round_bf16(mean + eps)))
-        tl.store(y_ptr + row * d + offs, round_bf16(x * r).to(tl.bfloat16), mask=mask)
-
     @triton.jit(do_not_specialize=["R"])  # the row count is a loop bound / mask only: one build per width
     def _hadamard_kernel(x_ptr, y_ptr, R, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
         """Rows [BR, N] fp32 per program times the +-1 Sylvester matrix S_ij = (-1)^popcount(i & j) (built in
@@ -220,32 +208,16 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
 
 
-_HEAD_RMS_MAX = 16384
 _HADAMARD_BR = 16
 
 
 def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """The attention's unweighted per-head RMS norm of q in bf16 (spec §5.3; official `q *= torch.rsqrt(
-    q.square().mean(-1, keepdim=True) + eps)` in the activation dtype): x [..., d] bf16 -> [..., d] bf16, one
-    program per row, the sum of squares in a fixed order (the same for every row count: torch's mean picks its
-    reduction split from the tensor's sizes), a bf16 rounding after each op as the torch chain. Equal to the torch
-    chain up to the fp32 order of the sum of squares (and rsqrt's last fp32 bit) before its bf16 rounding
-    (tests/unit/test_batch_invariant.py::test_fixed_order_helpers).
-    Raises ValueError for x not bf16, d outside 1..16384, eps not a finite float > 0."""
+    """The mode's q head-RMS: `kernels.norm.head_rms` (one program per row, the sum of squares in one order for
+    every row count; the default mode runs the same kernel), refusing what the mode does not cover.
+    Raises ValueError for x not bf16, and as `kernels.norm.head_rms`."""
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() < 1:
         _refuse("head_rms of a non-bf16 q", f"{getattr(x, 'dtype', type(x))}")
-    d = x.shape[-1]
-    if not 0 < d <= _HEAD_RMS_MAX:
-        raise ValueError(f"head_rms: width {d}; expected 1..{_HEAD_RMS_MAX}")
-    if not isinstance(eps, float) or not 0 < eps < float("inf"):
-        raise ValueError(f"head_rms: eps={eps!r}; expected a finite float > 0")
-    x = x.contiguous()
-    y = torch.empty_like(x)
-    rows = x.numel() // d
-    if rows:
-        BD = triton.next_power_of_2(d)
-        _head_rms_kernel[(rows,)](x, y, d, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
-    return y
+    return knorm.head_rms(x, eps)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,10 @@ operations in the same order in fp32 (w * x first, then * rsqrt), the store roun
 Only the order of the sum of squares differs, so the fp32 results agree within a few ulps and bf16 outputs are
 bitwise equal in almost every element (tests/unit/test_norm_kernel.py). Used at every norm of the model: the
 block's attn_norm / ffn_norm, the attention's q_norm / kv_norm, the compressors' norms and the final norm.
+
+`head_rms` (issue 27) is the attention's unweighted per-head RMS of q (spec §5.3) in one launch instead of torch's
+five (square, mean, add, rsqrt, mul): the triton backend's `head_rms` entry in both modes (the batch-invariant
+mode's `kernels.invariant.head_rms` is this kernel: its sum of squares has one order for every row count).
 """
 
 from __future__ import annotations
@@ -52,6 +56,25 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         y = (w * x) * tl.math.rsqrt(ms + eps)
         tl.store(y_ptr + row * d + offs, cast_for_store(y, y_ptr), mask=mask)
 
+    from kernels.jit_formats import round_bf16
+
+    @triton.jit
+    def _head_rms_kernel(x_ptr, y_ptr, d, eps, BD: tl.constexpr, BF16: tl.constexpr):
+        """One row of d values per program: `x * rsqrt(mean(x^2) + eps)`; BF16: a bf16 rounding after each torch
+        op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product), else all in fp32."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BD)
+        mask = offs < d
+        x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
+        if BF16:
+            sq = round_bf16(x * x)
+            mean = round_bf16(tl.sum(sq, axis=0) / d)
+            r = round_bf16(tl.math.rsqrt(round_bf16(mean + eps)))
+            tl.store(y_ptr + row * d + offs, round_bf16(x * r).to(tl.bfloat16), mask=mask)
+        else:
+            r = tl.math.rsqrt(tl.sum(x * x, axis=0) / d + eps)
+            tl.store(y_ptr + row * d + offs, x * r, mask=mask)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_ref` in one Triton launch (module docstring); no host sync (CUDA-graph capturable).
@@ -86,3 +109,39 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     the same fp32 maths as the reference up to the order of the sum of squares; x.dtype out. Raises ValueError as
     `rms_norm`."""
     return rms_norm(x.contiguous(), weight, eps)
+
+
+def head_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The attention's unweighted per-head RMS norm of q (spec §5.3; official `q *= torch.rsqrt(q.square().mean(-1,
+    keepdim=True) + eps)`, in the activation dtype: bf16 roundings after each op in bf16 mode): x [..., d] ->
+    [..., d], x.dtype. The reference backend's `head_rms` entry (what `dsv4.model.Attention` computes)."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+
+
+def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`head_rms_ref` in one Triton launch: one program per row, the sum of squares in one fixed order (the same
+    for every row count), a bf16 rounding after each op of the torch chain for bf16 x (fp32 x: fp32 throughout).
+    Equal to the torch chain up to the fp32 order of the sum of squares (and rsqrt's last fp32 bit) before its
+    rounding: bf16 outputs within 2 bf16 ulps, equal in most elements (tests/unit/test_norm_kernel.py,
+    tests/unit/test_batch_invariant.py::test_fixed_order_helpers). No host sync.
+
+    Args: x [..., d] bf16 or float32 (any layout: made contiguous); eps a finite float > 0 (norm_eps).
+    Returns: [..., d] in x.dtype.
+    Raises: ValueError naming x (dtype, width outside 1..MAX_DIM) or eps.
+    """
+    op = "head_rms"
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() < 1:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))}", "a bf16 or float32 tensor [..., d]")
+    d = x.shape[-1]
+    if not 0 < d <= MAX_DIM:
+        _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "eps", repr(eps), "a finite float > 0")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        BD = triton.next_power_of_2(d)
+        _head_rms_kernel[(rows,)](x, y, d, eps, BD=BD, BF16=x.dtype == torch.bfloat16,
+                                  num_warps=4 if BD <= 4096 else 8)
+    return y

@@ -114,7 +114,7 @@ def _specs():
         ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
          dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BM=32, BN=128, BKH=64, MMA=1)),
-        ("invariant._head_rms_kernel", invariant._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"], dict(BD=512)),
+        ("norm._head_rms_kernel", norm._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"], dict(BD=512, BF16=True)),
         ("invariant._hadamard_kernel", invariant._hadamard_kernel, dict(x_ptr=f32, y_ptr=f32), [],
          dict(N=128, BR=16, MMA=1)),
     ]

@@ -750,12 +750,23 @@ def append_partial_window_dropped(mp: MP) -> None:
 
 def append_ring_slot_shifted(mp: MP) -> None:
     """A call appended after the prefill reads the window positions before it from the next ring slot
-    ((u + 1) % W instead of u % W, in `dsv4.model.window_slots`): right for the prefill (nothing before it) and
-    the one-token decode step."""
+    ((u + 1) % W instead of u % W, in `kernels.attention.window_slots`, which `dsv4.model` re-exports): right for
+    the prefill (nothing before it)."""
     from dsv4 import model
+    from kernels import attention
 
-    _source_mutant(mp, model, "window_slots", "torch.where(u < p0, u % W, W + u - p0)",
+    _source_mutant(mp, attention, "window_slots", "torch.where(u < p0, u % W, W + u - p0)",
                    "torch.where(u < p0, (u + 1) % W, W + u - p0)")  # MUTANT: shifted ring slot
+    mp.setattr(model, "window_slots", attention.window_slots)
+
+
+def step_index_kernel_ring_slot_shifted(mp: MP) -> None:
+    """The decode step's index kernel (`_step_index_kernel`, issue 27) maps a window position to ring slot
+    (u + 1) % W; `step_index_ref` keeps u % W."""
+    from kernels import attention
+
+    _jit_source_mutant(mp, attention, "_step_index_kernel", "tl.where(u < p0, u % W, W + u - p0)",
+                       "tl.where(u < p0, (u + 1) % W, W + u - p0)")
 
 
 def multi_turn_prefix_unchecked(mp: MP) -> None:

@@ -266,3 +266,91 @@ def test_all_heads_kernel_default_column_split(seed):
                                 out=torch.full_like(q, float("nan")))
     assert_close(got, sparse_attn_ref(q, kv, sink, idx, 256 ** -0.5), "sparse_attn heads default dv",
                  dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------ the decode step's index set (issue 27)
+def _step_index_oracle(P, W, comp, ratio, n_entries):
+    """Python loops over each query, from the key layout alone (`dsv4.model.Attention.step`): s == 1, keys
+    [ring: position u at slot u % W | entries], s > 1, [ring before the call | the call's s rows | entries]."""
+    b, s = P.shape
+    rows = []
+    for i in range(b):
+        p0 = int(P[i, 0])
+        for t in range(s):
+            p = int(P[i, t])
+            win = []
+            for u in range(p - W + 1, p + 1):
+                if u < 0:
+                    win.append(-1)
+                elif s == 1 or u < p0:
+                    win.append(u % W)
+                else:
+                    win.append(W + u - p0)
+            off = W if s == 1 else W + s
+            if comp is not None:
+                ent = [int(c) + off if c >= 0 else -1 for c in comp[i, t].tolist()]
+            else:
+                ent = [w + off if w < (p + 1) // ratio else -1 for w in range(n_entries)] if ratio else []
+            rows.append(win + ent)
+    return torch.tensor(rows, dtype=torch.int64).view(b, s, -1)
+
+
+_STEP_CASES = [  # (positions of each row's first token, s, W, kind): ragged rows, positions below W, ring wraps
+    ([0, 3, 17, 64], 1, 8, "sliding"),
+    ([5, 12, 131], 1, 8, "hca"),
+    ([2, 9, 40], 3, 8, "hca"),
+    ([1, 30, 7], 1, 16, "csa"),
+    ([6, 21], 4, 8, "csa"),
+]
+
+
+@pytest.mark.parametrize("first,s,W,kind", _STEP_CASES, ids=[f"{c[3]}-s{c[1]}-{i}" for i, c in enumerate(_STEP_CASES)])
+def test_step_index_ref_matches_the_key_layout(first, s, W, kind):
+    """`step_index_ref` equals the per-query loop over the key layout (an oracle with no tensor maths in common)."""
+    from kernels.attention import step_index_ref
+    P = torch.tensor(first)[:, None] + torch.arange(s)
+    comp, ratio, n_e = None, 0, 0
+    if kind == "hca":
+        ratio, n_e = 4, 40
+    if kind == "csa":
+        g = torch.Generator().manual_seed(sum(first) + s)
+        comp = torch.randint(0, 9, (len(first), s, 5), generator=g)
+        comp[..., -2:] = -1
+    want = _step_index_oracle(P, W, comp, ratio, n_e)
+    assert torch.equal(step_index_ref(P, W, comp, ratio, n_e), want)
+    # negative control: the cases see the position (every query one position later gives other slots)
+    bad = step_index_ref(P + 1, W, comp, ratio, n_e)
+    assert not torch.equal(bad, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("first,s,W,kind", _STEP_CASES, ids=[f"{c[3]}-s{c[1]}-{i}" for i, c in enumerate(_STEP_CASES)])
+def test_step_index_kernel_matches_reference(first, s, W, kind):
+    """`step_index` (one launch) is bitwise `step_index_ref`: the same integers, -1 for every empty slot."""
+    from kernels.attention import step_index, step_index_ref
+    dev = "cpu" if INTERPRET else "cuda"
+    P = (torch.tensor(first)[:, None] + torch.arange(s)).to(dev)
+    comp, ratio, n_e = None, 0, 0
+    if kind == "hca":
+        ratio, n_e = 4, 40
+    if kind == "csa":
+        comp = torch.randint(0, 9, (len(first), s, 5), device=dev)
+        comp[..., -2:] = -1
+    got, want = step_index(P, W, comp, ratio, n_e), step_index_ref(P, W, comp, ratio, n_e)
+    assert got.dtype == torch.int64 and torch.equal(got, want), f"{got}\n!=\n{want}"
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(P=torch.zeros(2, dtype=torch.int64)), "P must be int64"),
+    (dict(P=torch.zeros(2, 1, dtype=torch.int32)), "P must be int64"),
+    (dict(W=0), "W=0"),
+    (dict(n_entries=4), "ratio=0"),
+    (dict(comp=torch.zeros(2, 1, 3, dtype=torch.int32)), "comp must be int64"),
+    (dict(comp=torch.zeros(2, 1, 3, dtype=torch.int64), ratio=4, n_entries=2), "not both"),
+])
+def test_step_index_names_bad_input(kw, match):
+    from kernels.attention import step_index_ref
+    args = dict(P=torch.zeros(2, 1, dtype=torch.int64), W=8, comp=None, ratio=0, n_entries=0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        step_index_ref(**args)

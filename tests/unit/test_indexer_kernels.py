@@ -243,3 +243,162 @@ def test_triton_select_exact_with_ties(seed):
     ref_scores = indexer_scores_ref(q, w, k)
     assert_equal(scores.cpu() + 0.0, ref_scores + 0.0, "indexer_select scores (exact)")
     assert_equal(got, indexer_topk_ref(ref_scores, 8, n_valid), "indexer_select picks")
+
+
+# ---- Hadamard rotation + FP4 rounding in one launch (spec §7.1-7.3) ------------------------------------------
+
+def _rotate_input(shape, gen, nan_row: bool = True):
+    """bf16 x whose rows span many binades (row scale 2^-24..2^23: the FP4 block scale differs row to row) and
+    whose elements span 2^-3..2^3 within a row; one all-zero row (the amax floor) and, if asked, one row holding a
+    NaN (the whole output row must be NaN: every output channel sums every input)."""
+    x = torch.randn(shape, generator=gen) * 2.0 ** torch.randint(-3, 4, shape, generator=gen)
+    x = x * 2.0 ** torch.randint(-24, 24, (*shape[:-1], 1), generator=gen)
+    flat = x.view(-1, shape[-1])
+    if flat.shape[0] > 2:
+        flat[1] = 0.0
+    if nan_row:
+        flat[-1, 3] = float("nan")
+    return x.to(torch.bfloat16)
+
+
+def _fp4_levels(v: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Signed e2m1 level index (-7..7, -6 -> -7, 0 -> 0, 6 -> 7) of v / s; v, s fp32; NaN where v / s is not on the
+    e2m1 grid (a value of another block scale)."""
+    grid = torch.tensor([-6.0, -4, -3, -2, -1.5, -1, -0.5, 0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    q = v / s
+    lvl = torch.searchsorted(grid, q.clamp(-6, 6).contiguous()).float() - 7
+    return torch.where(torch.isin(q, grid), lvl, float("nan"))
+
+
+def assert_fp4_within_one_code(got: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """`got` vs `ref = rotate_fp4_ref(x)`. Tolerance: the kernel sums the n products of the rotation in another fp32
+    order than the reference's matmul (and, at n = 32 / 128, scales the sum once by the inexact fp32 1/sqrt(n)
+    instead of every product), so the fp32 value can differ by a few ulps; that changes its bf16 rounding only near a
+    bf16 rounding boundary (one bf16 ulp), and a bf16 ulp moves the FP4 rounding only near an e2m1 midpoint: at most
+    ONE e2m1 code of the block, in a small fraction of elements. So: NaN exactly where the reference has NaN,
+    >= 99% of the other elements bitwise equal, every differing one at most one e2m1 level from the reference's at
+    the block scale of the reference's bf16 intermediate (a value of another scale fails)."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype == torch.bfloat16, f"{name}: {got.shape} {got.dtype}"
+    got, ref, x = got.cpu(), ref.cpu(), x.cpu()
+    nan = torch.isnan(ref)
+    assert torch.equal(torch.isnan(got), nan), f"{name}: NaN positions differ from the reference"
+    n = x.shape[-1]
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    z = (x.float() @ (h / n ** 0.5).T).to(torch.bfloat16).float()            # the reference's bf16 intermediate
+    from kernels.numerics import FP4_AMAX_FLOOR, ceil_log2
+    k = ceil_log2(z.unflatten(-1, (-1, 32)).abs().amax(-1).nan_to_num(0.0).clamp_min(FP4_AMAX_FLOOR) / 6.0)
+    s = torch.ldexp(torch.ones(()), k.float()).repeat_interleave(32, -1)
+    same = (got.view(torch.int16) == ref.view(torch.int16))[~nan]
+    frac = float(same.float().mean()) if same.numel() else 1.0
+    assert frac >= 0.99, f"{name}: only {frac:.4f} of the finite elements bitwise equal (>= 0.99 expected)"
+    steps = (_fp4_levels(got.float(), s) - _fp4_levels(ref.float(), s)).abs()[~nan]
+    assert not bool(torch.isnan(steps).any()), f"{name}: a value off the reference block's e2m1 grid"
+    worst = float(steps.max()) if steps.numel() else 0.0
+    assert worst <= 1, f"{name}: an element {worst:g} e2m1 codes away"
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [32, 64, 128])
+def test_rotate_fp4_matches_ref(seed, n):
+    """One launch vs the torch chain on fresh inputs (several binades, a zero row, a NaN row), shapes [1, 1, n] and
+    [3, 5, 4, n] (60 rows: 4 programs, the last one partly masked); poisoning is moot (a fresh output)."""
+    from kernels.indexer import rotate_fp4, rotate_fp4_ref
+    gen = torch.Generator().manual_seed(seed)
+    for shape in ((1, 1, n), (3, 5, 4, n)):
+        x = _rotate_input(shape, gen, nan_row=len(shape) > 3)
+        got = rotate_fp4(x.to(DEV))
+        ref = rotate_fp4_ref(x)
+        assert_fp4_within_one_code(got, ref, x, f"rotate_fp4 {shape}")
+        if len(shape) > 3:
+            assert bool(torch.isnan(got.cpu().view(-1, n)[-1]).all()), "the NaN row must be NaN in every channel"
+            assert bool((got.cpu().view(-1, n)[1] == 0).all()), "the zero row must stay zero"
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [64, 256])
+def test_rotate_fp4_exact_sums_bitwise(seed, n):
+    """Inputs whose rotation is exact in fp32 in any order (bf16 values m * 2^e, |m| <= 255, e in 0..3: the sums
+    stay below 2^24; 1/sqrt(n) a power of two for n = 64, 256): no summation-order freedom is left, so the kernel
+    must equal the reference BITWISE; this is the check that sees a wrong bf16 rounding (the tolerant comparison
+    allows one code, test_rotate_fp4_check_rejects_mutants)."""
+    from kernels.indexer import rotate_fp4, rotate_fp4_ref
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-255, 256, (7, 3, n), generator=gen) * 2 ** torch.randint(0, 4, (7, 3, n), generator=gen))
+    x = x.float().to(torch.bfloat16)
+    assert_equal(rotate_fp4(x.to(DEV)).cpu().view(torch.int16), rotate_fp4_ref(x).view(torch.int16),
+                 f"rotate_fp4 exact sums n={n} (bits: the sign of zero too)")
+
+
+def test_rotate_fp4_ref_is_the_model_chain(seed):
+    """`rotate_fp4_ref` is bitwise the model's chain with `dsv4.model.hadamard_matrix` and `dsv4.quant`'s FP4
+    simulation (Indexer.select, the indexer Compressor._finish), and its private Sylvester matrix is the model's."""
+    from dsv4.model import hadamard_matrix
+    from dsv4.quant import fp4_act_quant_sim
+    from kernels.indexer import _sylvester, rotate_fp4_ref
+    gen = torch.Generator().manual_seed(seed)
+    for n in (32, 64, 128, 256):
+        assert_equal(_sylvester(n), hadamard_matrix(n), f"Sylvester matrix n={n}")
+        x = _rotate_input((2, 3, n), gen)
+        chain = fp4_act_quant_sim((x.float() @ hadamard_matrix(n).T).to(torch.bfloat16), 32)
+        got = rotate_fp4_ref(x)
+        assert torch.equal(got.view(torch.int16), chain.view(torch.int16)), f"rotate_fp4_ref n={n} (bitwise)"
+
+
+def test_rotate_fp4_check_rejects_mutants(seed):
+    """Negative cases: the tolerant comparison rejects a rotation missing its 1/sqrt(n) (a plausible kernel bug);
+    the exact-sum bitwise comparison rejects one that skips the bf16 rounding before the FP4 step (fp32 straight
+    into the FP4 simulation) and one that truncates instead of rounding to bf16 (the triton interpreter's own
+    cast: why the kernel uses `round_bf16`)."""
+    from dsv4.model import hadamard_matrix
+    from kernels.indexer import rotate_fp4_ref
+    from kernels.numerics import fp4_act_quant_sim
+    gen = torch.Generator().manual_seed(seed)
+    n = 64
+    h = hadamard_matrix(n)
+    x = _rotate_input((3, 5, 4, n), gen)
+    unscaled = fp4_act_quant_sim((x.float() @ (h * n ** 0.5).T).to(torch.bfloat16), 32)
+    assert_fp4_within_one_code(rotate_fp4_ref(x), rotate_fp4_ref(x), x, "control: ref vs itself")
+    with pytest.raises(AssertionError):
+        assert_fp4_within_one_code(unscaled, rotate_fp4_ref(x), x, "mutant: no 1/sqrt(n)")
+    x = (torch.randint(-255, 256, (7, 3, n), generator=gen) * 2 ** torch.randint(0, 4, (7, 3, n), generator=gen))
+    x = x.float().to(torch.bfloat16)
+    z = x.float() @ h.T
+    no_bf16 = fp4_act_quant_sim(z, 32).to(torch.bfloat16)
+    truncated = fp4_act_quant_sim((z.view(torch.int32) & ~0xFFFF).view(torch.float32), 32).to(torch.bfloat16)
+    for name, wrong in (("no bf16 rounding", no_bf16), ("truncated bf16", truncated)):
+        with pytest.raises(AssertionError):
+            assert_equal(wrong, rotate_fp4_ref(x), f"mutant: {name}")
+
+
+@needs_triton
+@pytest.mark.parametrize("x, match", [
+    (torch.zeros(2, 64), r"x must be a bfloat16 tensor.*float32"),
+    (torch.zeros(2, 48, dtype=torch.bfloat16), r"power of two in 16\.\.256, got n=48"),
+    (torch.zeros(2, 512, dtype=torch.bfloat16), r"power of two in 16\.\.256, got n=512"),
+    (torch.zeros(2, 16, dtype=torch.bfloat16), r"multiple of the FP4 block 32, got n=16"),
+], ids=["fp32", "n48", "n512", "n16"])
+def test_rotate_fp4_rejects_bad_input(x, match):
+    from kernels.indexer import rotate_fp4, rotate_fp4_ref
+    for fn in (rotate_fp4, rotate_fp4_ref):
+        with pytest.raises(ValueError, match=match):
+            fn(x.to(DEV))
+
+
+@needs_triton
+def test_rotate_fp4_layouts_and_empty(seed):
+    """A non-contiguous x (copied), an empty x (empty result, no launch), one build for any row count."""
+    from kernels.indexer import rotate_fp4, rotate_fp4_ref
+    gen = torch.Generator().manual_seed(seed)
+    x = _rotate_input((4, 6, 32), gen, nan_row=False).transpose(0, 1)
+    assert_fp4_within_one_code(rotate_fp4(x.to(DEV)), rotate_fp4_ref(x), x, "rotate_fp4 non-contiguous")
+    empty = rotate_fp4(torch.zeros(0, 3, 64, dtype=torch.bfloat16, device=DEV))
+    assert empty.shape == (0, 3, 64) and empty.dtype == torch.bfloat16
+    if INTERPRET:
+        from kernels.compiles import LaunchLog
+        with LaunchLog() as log:
+            for rows in (1, 16, 17, 33):
+                rotate_fp4(torch.ones(rows, 64, dtype=torch.bfloat16))
+        keys = {k: v for k, v in log.keys.items() if k.endswith("_rotate_fp4_kernel")}
+        assert len(keys) == 1 and len(next(iter(keys.values()))) == 1, keys

@@ -101,3 +101,47 @@ def test_triton_backend_norms_run_the_kernel():
         m = Transformer(args, dtype=torch.bfloat16, backend=backend)
         norms = [n for n in m.modules() if isinstance(n, RMSNorm)]
         assert len(norms) >= 7 and all(n.kernel is entry for n in norms), backend
+
+
+@pytest.mark.parametrize("d", [64, 512])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_rms_matches_reference(seed, d, dtype):
+    """`kernels.norm.head_rms` (the triton backend's q head-RMS, one launch) against `head_rms_ref` (the official
+    torch chain in the activation dtype). Tolerance: the sum of squares in another fp32 order -> fp32 within
+    4 ulps (rtol 2^-21); bf16 within 2 bf16 ulps (one ulp of the rounded mean, one of the product: rtol 2^-6) and
+    >= 90 % bitwise. Rows with mean square far below / near eps make eps matter; negative controls: the chain
+    without eps, and without the bf16 rounding of the mean (bf16 only), are rejected by the same check."""
+    from kernels.norm import head_rms, head_rms_ref
+    x = _rows(60, d).view(4, 15, d)  # 60 rows: a row whose mean rounds the other way differs in most elements
+    x = (x * 2.0 ** torch.randint(-4, 5, (4, 15, 1), device=DEV)).to(dtype)
+    eps = 1e-6
+    got, want = head_rms(x, eps), head_rms_ref(x, eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    rtol = 2.0 ** -21 if dtype == torch.float32 else 2.0 ** -6
+
+    def close(a):
+        return bool(((a.float() - want.float()).abs() <= rtol * want.float().abs() + 1e-30).all())
+    assert close(got), f"max rel {((got.float() - want.float()).abs() / want.float().abs()).max():.2e}"
+    xf = x.float()
+    if dtype == torch.bfloat16:
+        # bitwise against the chain with each op in fp32 and rounded to bf16 (what CUDA's torch computes; the CPU's
+        # bf16 rsqrt is not correctly rounded: measured 17.375 for rsqrt(0.0032806) = 17.459, bf16 17.5)
+        def r(t):
+            return t.to(torch.bfloat16).float()
+        chain = r(xf * r(torch.rsqrt(r(r(r(xf * xf).sum(-1, keepdim=True) / d) + eps))))
+        assert_mostly_bitwise(got, chain.to(torch.bfloat16), f"head_rms bf16 d={d}")
+    no_eps = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True))).to(dtype)
+    assert not close(no_eps), "negative control: a missing eps must fail the check"
+    if dtype == torch.bfloat16:  # the mean kept in fp32: off by up to 2^-8 relative, above 2 bf16 ulps somewhere
+        unrounded = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(dtype)
+        assert not torch.equal(unrounded, want)
+
+
+def test_head_rms_names_bad_input():
+    from kernels.norm import head_rms
+    with pytest.raises(ValueError, match="x"):
+        head_rms(torch.ones(2, 8, device=DEV, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        head_rms(torch.ones(2, 8, device=DEV), 0.0)
+    with pytest.raises(ValueError, match="width"):
+        head_rms(torch.ones(2, 0, device=DEV), 1e-6)
