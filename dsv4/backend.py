@@ -114,6 +114,10 @@ class Backend:
     # None: `(Z.softmax(2) * A).sum(2)` (torch); the batch-invariant mode's fixed-order form
     # (`kernels.invariant.pool_windows`: the same windows pooled in the same order whatever the call's length)
     pool_windows: Callable | None = None
+    # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
+    # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
+    # `fp4_act_quant_sim`; triton default mode: `kernels.indexer.rotate_fp4`, one launch)
+    rotate_fp4: Callable | None = None
     # step_index(P [b, s] int64, W, comp [b, s, k] | None, ratio, n_entries) -> idx [b, s, W + k] int64: the key
     # slots of a decode step's queries (window in position order, then the entries; `kernels.attention.step_index_ref`;
     # triton: `kernels.attention.step_index`, one launch, the same integers)
@@ -180,5 +184,5 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
-                       head_rms=norm.head_rms, step_index=attention.step_index)
+                       head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

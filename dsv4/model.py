@@ -316,7 +316,7 @@ class Compressor(nn.Module):
         of the nope channels (spec §6.3), RoPE and roundings through `ops` (the model's backend)."""
         k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
-            return self.sim.fp4(_hadamard(k.float(), self.hadamard, ops).to(dtype), ops.fp4_act_quant_sim)
+            return _rotate_fp4(k, self.hadamard, self.sim, ops)
         k[..., :-self.rd] = self.sim.kv_nope(k[..., :-self.rd], ops.act_quant_sim)
         return k
 
@@ -409,12 +409,21 @@ class Indexer(nn.Module):
         through `backend`, the query's RoPE and FP4 rounding through `ops` (the model's backend)."""
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
-        q = self.sim.fp4(_hadamard(q.float(), self.hadamard, ops).to(q.dtype), ops.fp4_act_quant_sim)
+        q = _rotate_fp4(q, self.hadamard, self.sim, ops)
         w = self.weights_proj(x).float() * self.weight_scale
         scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
         return topk(scores, k, n_valid, check=False)  # n_valid in [0, n] by construction: no checking sync
+
+
+def _rotate_fp4(x: torch.Tensor, h: torch.Tensor, sim: _Sim, ops: Backend) -> torch.Tensor:
+    """The indexer's rotation of q / its keys (spec §7.1-7.3): x [..., n] -> FP4-rounded `x @ h.T` in x.dtype:
+    `ops.rotate_fp4` (the triton backend's one launch, `kernels.indexer.rotate_fp4`) where the FP4 simulation runs
+    (bf16 mode) and the backend has one, else the chain fp32 rotation (`_hadamard`) -> x.dtype -> FP4 rounding."""
+    if sim.enabled and ops.rotate_fp4 is not None:
+        return ops.rotate_fp4(x)
+    return sim.fp4(_hadamard(x.float(), h, ops).to(x.dtype), ops.fp4_act_quant_sim)
 
 
 def _hadamard(x: torch.Tensor, h: torch.Tensor, ops: Backend) -> torch.Tensor:

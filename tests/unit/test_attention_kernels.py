@@ -325,7 +325,7 @@ def test_step_index_ref_matches_the_key_layout(first, s, W, kind):
 
 @needs_triton
 @pytest.mark.parametrize("first,s,W,kind", _STEP_CASES, ids=[f"{c[3]}-s{c[1]}-{i}" for i, c in enumerate(_STEP_CASES)])
-def test_step_index_kernel_matches_reference(first, s, W, kind):
+def test_step_index_kernel_matches_reference(seed, first, s, W, kind):
     """`step_index` (one launch) is bitwise `step_index_ref`: the same integers, -1 for every empty slot."""
     from kernels.attention import step_index, step_index_ref
     dev = "cpu" if INTERPRET else "cuda"

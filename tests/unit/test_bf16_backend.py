@@ -92,7 +92,8 @@ class Checked:
         self.k = {"linear": b.linear, "fp32_linear": b.fp32_linear, "rms_norm": b.rms_norm,
                   "moe_routed": b.moe_routed, "grouped_linear": b.grouped_linear, "rope_tail": b.rope_tail,
                   "act_quant_sim": b.act_quant_sim, "fp4_act_quant_sim": b.fp4_act_quant_sim,
-                  "compress_pool": b.compress_pool, "compress_commit": b.compress_commit}
+                  "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
+                  "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -199,6 +200,39 @@ class Checked:
     def fp4_act_quant_sim(self, x, block):
         return self._sim("fp4_act_quant_sim", quant.fp4_act_quant_sim, x, block)
 
+    def head_rms(self, x, eps):
+        """Within 2 bf16 ulps of the torch chain (the sum of squares in another order moves the rounded mean by
+        one ulp at most, the product by one more) and mostly bitwise against the same chain with each op in fp32
+        and rounded to bf16 (CUDA torch's; the CPU's bf16 rsqrt is not correctly rounded: test_norm_kernel.py)."""
+        from kernels.norm import head_rms_ref
+        got, want = self.k["head_rms"](x, eps), head_rms_ref(x, eps)
+        assert got.dtype == x.dtype == torch.bfloat16 and got.shape == x.shape, "head_rms"
+        w = want.float()
+        assert bool(((got.float() - w).abs() <= 2.0 ** -6 * w.abs()).all()), f"head_rms {tuple(x.shape)}"
+        xf, d = x.float(), x.shape[-1]
+
+        def r(t):
+            return t.to(torch.bfloat16).float()
+        chain = r(xf * r(torch.rsqrt(r(r(r(xf * xf).sum(-1, keepdim=True) / d) + eps))))
+        assert_mostly_bitwise(got, chain.to(torch.bfloat16), f"head_rms {tuple(x.shape)}")
+        self.paths["head_rms"] += 1
+        return got
+
+    def step_index(self, P, W, comp, ratio, n_entries):
+        from kernels.attention import step_index_ref
+        got, want = self.k["step_index"](P, W, comp, ratio, n_entries), step_index_ref(P, W, comp, ratio, n_entries)
+        assert torch.equal(got, want), f"step_index P={P.tolist()} W={W} ratio={ratio}"
+        self.paths["step_index"] += 1
+        return got
+
+    def rotate_fp4(self, x):
+        from kernels.indexer import rotate_fp4_ref
+        from tests.unit.test_indexer_kernels import assert_fp4_within_one_code
+        got, want = self.k["rotate_fp4"](x), rotate_fp4_ref(x)
+        assert_fp4_within_one_code(got, want, x, f"rotate_fp4 {tuple(x.shape)}")
+        self.paths["rotate_fp4"] += 1
+        return got
+
     def compress_pool(self, a, z, ape, pos, kv, score, r, overlap):
         from kernels.compressor import compress_pool_ref
         kv2, sc2 = kv.clone(), score.clone()
@@ -267,8 +301,9 @@ def test_prefill_and_first_twin_step_every_path_matches_reference(models, monkey
     b = tri(tok, st)
     want = {"fp8_mm", "fp32_mm", "wo_a_bmm", "moe_tiles", "router", "rms_norm"}
     assert want <= set(prefill_paths), f"prefill paths {prefill_paths}"
-    assert {"fp8_gemv", "fp32_gemv", "wo_a_gemv", "moe_gemv", "rope_tail", "act_quant_sim", "fp4_act_quant_sim",
-            "compress_pool", "commit_r4", "commit_r128"} <= set(chk.paths), f"paths {dict(chk.paths)}"
+    assert {"fp8_gemv", "fp32_gemv", "wo_a_gemv", "moe_gemv", "rope_tail", "act_quant_sim", "rotate_fp4",
+            "head_rms", "step_index", "compress_pool", "commit_r4", "commit_r128"} <= set(chk.paths), \
+        f"paths {dict(chk.paths)}"
     r_st, f_st = ref.new_state(BATCH), f32.new_state(BATCH)
     ra, fa = ref(ids, r_st, all_logits=True), f32(ids, f_st, all_logits=True)
     rb, fb = ref(tok, r_st), f32(tok, f_st)
@@ -300,7 +335,8 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
         exact.append(f32(tok, f_st))
     assert st.pos == LATE + 2
     assert {"commit_r4_boundary", "commit_r128_boundary", "fp8_gemv", "wo_a_gemv", "moe_gemv", "rope_tail",
-            "act_quant_sim", "fp4_act_quant_sim", "compress_pool", "fp32_gemv"} <= set(chk.paths), dict(chk.paths)
+            "act_quant_sim", "rotate_fp4", "head_rms", "step_index", "compress_pool", "fp32_gemv"} <= set(chk.paths), \
+        dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "decode logits at 127, 128")
 
 

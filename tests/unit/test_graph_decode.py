@@ -188,8 +188,8 @@ def test_graph_state_check_reads_the_stacked_flag_not_the_experts(monkeypatch):
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_quantization_sims_use_the_backend(monkeypatch):
-    """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys) simulations run the
-    backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant.
+    """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys, fused with their rotation:
+    `rotate_fp4`) simulations run the backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant.
     (Each of those calls against its reference on the same input, inside the bf16 model run:
     tests/unit/test_bf16_backend.py; whole-model bf16 logits of two backends differ by the bf16 noise.)"""
     import dataclasses
@@ -200,7 +200,7 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     m = Transformer(args, backend="triton", dtype=torch.bfloat16)
     m.load_weights(sd)
     assert m.backend.act_quant_sim is kernels.quant.act_quant_sim
-    calls = {"q8": 0, "q4": 0, "ref": 0}
+    calls = {"q8": 0, "q4": 0, "r4": 0, "ref": 0}
 
     def count(name, fn):
         def wrapped(*a, **kw):
@@ -209,7 +209,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
         return wrapped
 
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
-                                    fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim))
+                                    fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim),
+                                    rotate_fp4=count("r4", m.backend.rotate_fp4))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
     st = m.new_state(1, 256)
     m(ids, st)
@@ -229,7 +230,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
     n_plain = sum(layer.attn.compressor is not None for layer in m.layers)
     assert calls["q8"] - before["q8"] == len(m.layers) + n_plain, calls   # KV nope per layer + each entry
-    assert calls["q4"] - before["q4"] == 2 * n_csa, calls                 # indexer q + indexer entry
+    # indexer q + indexer entry: the rotation and its e2m1 rounding in one launch (`kernels.indexer.rotate_fp4`)
+    assert calls["r4"] - before["r4"] == 2 * n_csa and calls["q4"] == before["q4"], calls
     assert calls["ref"] == before["ref"], calls
     assert bool(torch.isfinite(b).all())
 

@@ -300,6 +300,7 @@ def assert_fp4_within_one_code(got: torch.Tensor, ref: torch.Tensor, x: torch.Te
 
 
 @needs_triton
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # the interpreter's max of a NaN row
 @pytest.mark.parametrize("n", [32, 64, 128])
 def test_rotate_fp4_matches_ref(seed, n):
     """One launch vs the torch chain on fresh inputs (several binades, a zero row, a NaN row), shapes [1, 1, n] and
