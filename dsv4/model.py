@@ -593,10 +593,42 @@ class Expert(nn.Module):
         self.w1 = Linear(dim, inter, sim, quantized=True, dtype=dtype)
         self.w2 = Linear(inter, dim, sim, quantized=True, dtype=dtype)
         self.w3 = Linear(dim, inter, sim, quantized=True, dtype=dtype)
+        # w1 and w3 held as one weight (`join_w13`): a plain attribute, not a submodule, so the state dict keeps
+        # the official names w1 / w3 (whose buffers become views of it)
+        self.__dict__["w13"] = None
+        self.swiglu_joint: Callable = sim.ops.swiglu_joint  # the backend's (reference: `swiglu_joint_ref`)
+
+    def join_w13(self) -> None:
+        """Hold w1 and w3 as ONE FP8 weight [2*inter, dim] with scales [2*inter/128, dim/128] (`self.w13`, a
+        `Linear`) and rebind w1's and w3's buffers to its two halves (views: no second copy; `load_weights` writes
+        through them), so `forward` runs the two projections of x as one GEMM/GEMV launch and the SwiGLU as one
+        more (issue 27: "projections that read the same input in one launch"). The same values: row n of the
+        joint output is row n of w1 x (n < inter) or of w3 x. Called once by `Transformer.__init__` where the
+        backend has a `swiglu_joint` kernel (triton), before loading.
+        Raises ValueError unless both are held FP8 with equal shapes and inter % 128 == 0 (a scale block
+        never straddles the join)."""
+        a, b = self.w1, self.w3
+        if (a.fmt != "fp8" or b.fmt != "fp8" or a.codes.shape != b.codes.shape
+                or a.codes.shape[0] % quant.FP8_BLOCK or self.w13 is not None):
+            raise ValueError(f"Expert.join_w13: needs w1 and w3 held FP8 with equal shapes, out % "
+                             f"{quant.FP8_BLOCK} == 0, not yet joined (got fmt {a.fmt} / {b.fmt}, shapes "
+                             f"{tuple(a.codes.shape)} / {tuple(b.codes.shape)})")
+        n, d = a.codes.shape
+        joint = Linear(d, 2 * n, a.sim, quantized=True, dtype=a.compute_dtype)
+        joint.hold("fp8", a.codes.device)
+        nb = n // quant.FP8_BLOCK
+        joint.codes.copy_(torch.cat((a.codes, b.codes)))
+        joint.scales.copy_(torch.cat((a.scales, b.scales)))
+        a._buffers["weight"], a._buffers["scale"] = joint.codes[:n], joint.scales[:nb]
+        b._buffers["weight"], b._buffers["scale"] = joint.codes[n:], joint.scales[nb:]
+        self.__dict__["w13"] = joint
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU (spec §8.5): x [N, dim] -> w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight)
-        [N, dim] in x.dtype; the clamps only when swiglu_limit > 0; weight [N, 1] fp32 routing weights or None."""
+        [N, dim] in x.dtype; the clamps only when swiglu_limit > 0; weight [N, 1] fp32 routing weights or None.
+        Joined (`join_w13`, no weight): [w1 x | w3 x] as one linear, then the backend's `swiglu_joint`."""
+        if self.w13 is not None and weight is None:
+            return self.w2(self.swiglu_joint(self.w13(x), self.limit))
         h = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight)  # `kernels.moe.swiglu`
         return self.w2(h.to(x.dtype))
 
@@ -658,6 +690,7 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
         self.routed: Callable = sim.ops.moe_routed  # the backend's `moe_routed` (reference: `moe_routed_ref`)
+        self.combine: Callable = sim.ops.moe_combine  # the backend's `moe_combine` (reference: `moe_combine_ref`)
         self.init_routed(args, sim)
 
     def init_routed(self, args: ModelArgs, sim: _Sim) -> None:
@@ -684,8 +717,8 @@ class MoE(nn.Module):
         experts = self.stacked if self.stacked is not None else self.expert_weights()
         act_blocks = (self.sim.act_block_of(shape[-1]), self.sim.act_block_of(self.inter_dim))
         y = self.routed(x, weights, ids, experts, self.limit, act_blocks)  # the backend's `moe_routed`
-        y = self.reduce_routed(y) + self.shared_experts(x).float()
-        return y.to(x.dtype).view(shape)
+        # routed + shared in fp32, rounded to x.dtype (the backend's `moe_combine`; reference `moe_combine_ref`)
+        return self.combine(self.reduce_routed(y), self.shared_experts(x)).view(shape)
 
     def reduce_routed(self, y: torch.Tensor) -> torch.Tensor:
         """Identity at world size 1; `dsv4.parallel` sums the expert-parallel partial outputs over ranks."""
@@ -868,6 +901,14 @@ class Transformer(nn.Module):
         # experts for it (`kernels.moe.stack_experts`, rebinding the experts' buffers to views of the stack, so
         # memory is unchanged and `load_weights` writes through; after `hold_on_disk`, which gives the experts
         # their storage)
+        # the shared experts' w1 / w3 as one weight where the backend runs the joint SwiGLU (triton; FP8 held,
+        # widths multiples of 128): one launch for the two projections (`Expert.join_w13`, issue 27)
+        if self.backend.join_w13:
+            for m in self.modules():
+                e = m.shared_experts if isinstance(m, MoE) else None
+                if (e is not None and e.w1.fmt == "fp8" and e.w3.fmt == "fp8"
+                        and e.w1.codes.shape[0] % quant.FP8_BLOCK == 0):
+                    e.join_w13()
         if self.backend.stack_experts is not None:
             for m in self.modules():
                 if isinstance(m, MoE) and m.stackable():

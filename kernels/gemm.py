@@ -425,6 +425,10 @@ GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
     (32, 4096, 8192, 1): GemvConfig(unroll=2, num_warps=8),  # flash wo_b 64.2 -> 50.0 µs
     (1, 2048, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),  # flash shared w1/w3 10.8 -> 9.8 µs
     (32, 2048, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w1/w3 21.8 -> 16.1 µs
+    # the shared expert's joint w1 | w3 (`dsv4.model.Expert.join_w13`, issue 27): the w1 / w3 launches carried over
+    # (not swept at this shape)
+    (1, 4096, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),
+    (32, 4096, 4096, 1): GemvConfig(unroll=2, num_warps=8),
     (1, 4096, 2048, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash shared w2 10.5 -> 9.3 µs
     (8, 4096, 2048, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash shared w2 10.5 -> 10.0 µs
     (32, 4096, 2048, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w2 19.8 -> 15.4 µs

@@ -14,6 +14,7 @@ The official model computes the score in bf16 (spec §7 step 3); this contract i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -588,6 +589,13 @@ if triton is not None:
         tl.store(y_ptr + offs, cast_for_store(y, y_ptr), mask=mask)
 
 
+@functools.lru_cache(maxsize=None)
+def _rotate_scale(n: int) -> float:
+    """fp32(1 / sqrt(n)) as the reference's `h / math.sqrt(n)` computes it (= every entry of its H), once per n
+    (a host computation: no launch, no per-call tensor)."""
+    return float(torch.ones((), dtype=torch.float32) / math.sqrt(n))
+
+
 def rotate_fp4(x: torch.Tensor) -> torch.Tensor:
     """Triton `rotate_fp4_ref` in ONE launch (replaces matmul, bf16 cast and the FP4 simulation's launches).
 
@@ -611,7 +619,7 @@ def rotate_fp4(x: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     rows = x.numel() // n
     if rows:
-        scale = float(torch.ones((), dtype=torch.float32) / math.sqrt(n))  # = every entry of the reference's H
+        scale = _rotate_scale(n)
         _rotate_fp4_kernel[(triton.cdiv(rows, _ROTATE_BR),)](x, y, rows, scale, N=n, BR=_ROTATE_BR,
                                                              MMA=0 if interpreting() else 1,
                                                              num_warps=4 if n <= 128 else 8)

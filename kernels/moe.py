@@ -307,7 +307,7 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 # ---------------------------------------------------------------------------------------------------------
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
-    from kernels.gemm import e8m0_to_f32, round_bf16
+    from kernels.gemm import cast_for_store, e8m0_to_f32, round_bf16
 
     @triton.jit
     def _e2m1(b, HI: tl.constexpr):
@@ -401,6 +401,38 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
             u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
         return u * tl.sigmoid(u) * v * g
+
+
+    @triton.jit(do_not_specialize=["M"])
+    def _swiglu_joint_kernel(uv_ptr, h_ptr, M, I, limit, HAS_LIMIT: tl.constexpr, BI: tl.constexpr):
+        """Grid (M, cdiv(I, BI)): h[m, i] = silu(min(u, limit)) * clamp(v, -limit, limit) rounded to h's dtype,
+        u = uv[m, i], v = uv[m, I + i] (`swiglu_joint`)."""
+        m = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BI + tl.arange(0, BI)
+        mask = offs < I
+        u = tl.load(uv_ptr + m * 2 * I + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(uv_ptr + m * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            v = tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+            u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+        h = u / (1.0 + tl.exp(-u)) * v
+        tl.store(h_ptr + m * I + offs, cast_for_store(h, h_ptr), mask=mask)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _sum_slots_kernel(y_ptr, s_ptr, out_ptr, T, D, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                          BD: tl.constexpr):
+        """Grid (T, cdiv(D, BD)): out[t] = sum_j y[t, j] (fp32, j = 0 .. K-1 left to right) [+ shared[t]], stored
+        in out's dtype (`sum_slots`, `moe_combine`)."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BD + tl.arange(0, BD)
+        mask = offs < D
+        acc = tl.load(y_ptr + t * K * D + offs, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(1, K):
+            acc += tl.load(y_ptr + (t * K + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SHARED:
+            acc += tl.load(s_ptr + t * D + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + offs, cast_for_store(acc, out_ptr), mask=mask)
 
 
     @triton.jit
@@ -681,13 +713,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         route = moe_route(indices, E, cfg.block_m)
         h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
         y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)
-    if invariant:
-        y = y.view(T, k, D).float()
-        tot = y[:, 0].clone()
-        for j in range(1, k):
-            tot += y[:, j]
-        return tot
-    return y.view(T, k, D).float().sum(1)
+    return sum_slots(y.view(T, k, D))  # the k slots left to right in fp32, one launch (both modes)
 
 
 def stack_experts(experts, *, rebind: bool = True) -> StackedExperts:
@@ -755,3 +781,86 @@ def moe_routed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   "grouped kernels act-quantize x and h in 128-channel blocks)")
         return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit)
     return moe_routed_ref(x, weights, ids, experts, limit, act_blocks, linear=gemm.linear)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small fused epilogues of the MoE layer (issue 27: one launch each instead of torch's two to five)
+# ---------------------------------------------------------------------------------------------------------
+def _rows_check(op: str, name: str, t: torch.Tensor, dtypes, dim: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes or t.dim() != dim:
+        _fail(op, name, f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}",
+              f"a {dim}-d tensor of dtype in {[str(d) for d in dtypes]}")
+
+
+def sum_slots(y: torch.Tensor) -> torch.Tensor:
+    """y [T, k, D] (the routed experts' per-slot outputs, bf16 or fp32) -> [T, D] fp32: sum over the k slots in
+    fp32, left to right (slot 0 first; one order for every T, so batch invariant). One launch; torch's
+    `y.float().sum(1)` (two launches) sums the same terms in an order of its choosing (spec §8: the routed experts'
+    outputs summed in fp32). Raises ValueError for a bad y."""
+    op = "sum_slots"
+    _rows_check(op, "y", y, (torch.bfloat16, torch.float32), 3)
+    check_layout(op, {"y": y})
+    T, k, D = y.shape
+    out = torch.empty(T, D, dtype=torch.float32, device=y.device)
+    if T and D and k:
+        _sum_slots_kernel[(T, triton.cdiv(D, 1024))](y, y, out, T, D, K=k, HAS_SHARED=False, BD=1024)
+    elif T and D:
+        out.zero_()
+    return out
+
+
+def moe_combine_ref(y: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's output (spec §8; `dsv4.model.MoE.forward`): routed sum y [..., D] fp32 plus the shared
+    expert's output shared [..., D] (activation dtype), in fp32, rounded to shared.dtype."""
+    return (y + shared.float()).to(shared.dtype)
+
+
+def moe_combine(y: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """`moe_combine_ref` in one launch (torch: three): the same fp32 sum and one rounding, bitwise equal.
+    Args: y [..., D] fp32, shared [..., D] bf16 / fp32 of the same shape, contiguous, on one device.
+    Returns: [..., D] in shared.dtype. Raises ValueError naming a bad argument."""
+    op = "moe_combine"
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.float32:
+        _fail(op, "y", f"{getattr(y, 'dtype', type(y))}", "float32 (the routed sum)")
+    if (not isinstance(shared, torch.Tensor) or shared.dtype not in (torch.bfloat16, torch.float32)
+            or tuple(shared.shape) != tuple(y.shape) or y.dim() < 1):
+        _fail(op, "shared", f"{getattr(shared, 'dtype', type(shared))} {tuple(getattr(shared, 'shape', ()))}",
+              f"bf16 / float32 of y's shape {tuple(y.shape)}")
+    check_layout(op, {"y": y, "shared": shared})
+    D = y.shape[-1]
+    T = y.numel() // max(D, 1)
+    out = torch.empty_like(shared)
+    if T and D:
+        _sum_slots_kernel[(T, triton.cdiv(D, 1024))](y, shared, out, T, D, K=1, HAS_SHARED=True, BD=1024)
+    return out
+
+
+def swiglu_joint_ref(uv: torch.Tensor, limit: float) -> torch.Tensor:
+    """The shared expert's SwiGLU on its joint projection uv [..., 2I] = [w1 x | w3 x] (the two GEMMs as one,
+    `dsv4.model.Expert.w13`; activation dtype): `swiglu(u.float(), v.float(), limit)` (spec §8.5) rounded to
+    uv.dtype, [..., I]."""
+    u, v = uv.chunk(2, -1)
+    return swiglu(u.float(), v.float(), limit).to(uv.dtype)
+
+
+def swiglu_joint(uv: torch.Tensor, limit: float) -> torch.Tensor:
+    """`swiglu_joint_ref` in one launch (torch: seven - two casts, two clamps, silu, product, cast): the same fp32
+    maths (silu as u / (1 + e^-u); torch's own fp32 silu may differ in the last fp32 bit, so bf16 outputs are
+    bitwise equal except at a rounding boundary: tests/unit/test_gemm_moe_kernels.py).
+    Args: uv [..., 2I] bf16 / fp32 contiguous; limit a number >= 0 (swiglu_limit; 0 = no clamp).
+    Returns: [..., I] in uv.dtype. Raises ValueError naming a bad argument."""
+    op = "swiglu_joint"
+    if (not isinstance(uv, torch.Tensor) or uv.dtype not in (torch.bfloat16, torch.float32) or uv.dim() < 1
+            or uv.shape[-1] % 2):
+        _fail(op, "uv", f"{getattr(uv, 'dtype', type(uv))} {tuple(getattr(uv, 'shape', ()))}",
+              "a bf16 / float32 tensor [..., 2I]")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+        _fail(op, "limit", repr(limit), "a number >= 0 (swiglu_limit; 0 = no clamp)")
+    check_layout(op, {"uv": uv})
+    I = uv.shape[-1] // 2
+    M = uv.numel() // max(2 * I, 1)
+    h = torch.empty(*uv.shape[:-1], I, dtype=uv.dtype, device=uv.device)
+    if M and I:
+        BI = min(1024, triton.next_power_of_2(I))
+        _swiglu_joint_kernel[(M, triton.cdiv(I, BI))](uv, h, M, I, float(limit), HAS_LIMIT=limit > 0, BI=BI)
+    return h

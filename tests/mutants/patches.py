@@ -769,6 +769,19 @@ def step_index_kernel_ring_slot_shifted(mp: MP) -> None:
                        "tl.where(u < p0, (u + 1) % W, W + u - p0)")
 
 
+def shared_expert_join_swapped(mp: MP) -> None:
+    """`Expert.join_w13` rebinds w1 to the joint weight's second half and w3 to its first (issue 27): a load
+    fills them crosswise, so the joint projection computes [w3 x | w1 x] and the SwiGLU gates the wrong half;
+    the reference backend never joins."""
+    from dsv4.model import Expert
+
+    _source_mutant(mp, Expert, "join_w13",
+                   """a._buffers["weight"], a._buffers["scale"] = joint.codes[:n], joint.scales[:nb]
+    b._buffers["weight"], b._buffers["scale"] = joint.codes[n:], joint.scales[nb:]""",
+                   """a._buffers["weight"], a._buffers["scale"] = joint.codes[n:], joint.scales[nb:]  # MUTANT
+    b._buffers["weight"], b._buffers["scale"] = joint.codes[:n], joint.scales[:nb]""")
+
+
 def multi_turn_prefix_unchecked(mp: MP) -> None:
     """A new turn continues the previous turn's state whenever it belongs to the model, without checking that
     the new prompt's ids extend the state's ids (the format's rewrite of earlier turns, e.g. the reasoning dropped

@@ -93,7 +93,8 @@ class Checked:
                   "moe_routed": b.moe_routed, "grouped_linear": b.grouped_linear, "rope_tail": b.rope_tail,
                   "act_quant_sim": b.act_quant_sim, "fp4_act_quant_sim": b.fp4_act_quant_sim,
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
-                  "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4}
+                  "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
+                  "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -106,6 +107,11 @@ class Checked:
             elif isinstance(m, MoE):
                 assert getattr(m, "stacked", None) is not None, "the grouped FP4 experts must apply"
                 m.routed = self.moe_routed
+                m.combine = self.moe_combine
+                e = m.shared_experts
+                assert e.w13 is not None, "the shared expert's joint w1 | w3 must apply (issue 27)"
+                e.w13.kernel, e.swiglu_joint = self.linear, self.swiglu_joint
+
 
     # ---------------------------------------------------------------------------------------- criteria
     @staticmethod
@@ -199,6 +205,20 @@ class Checked:
 
     def fp4_act_quant_sim(self, x, block):
         return self._sim("fp4_act_quant_sim", quant.fp4_act_quant_sim, x, block)
+
+    def swiglu_joint(self, uv, limit):
+        from kernels.moe import swiglu_joint_ref
+        got, want = self.k["swiglu_joint"](uv, limit), swiglu_joint_ref(uv, limit)
+        self._bf16_once(got, want, f"swiglu_joint {tuple(uv.shape)}")
+        self.paths["swiglu_joint"] += 1
+        return got
+
+    def moe_combine(self, y, shared):
+        from kernels.moe import moe_combine_ref
+        got, want = self.k["moe_combine"](y, shared), moe_combine_ref(y, shared)
+        assert torch.equal(got, want), f"moe_combine {tuple(y.shape)}: one fp32 sum, one rounding"
+        self.paths["moe_combine"] += 1
+        return got
 
     def head_rms(self, x, eps):
         """Within 2 bf16 ulps of the torch chain (the sum of squares in another order moves the rounded mean by
@@ -302,7 +322,8 @@ def test_prefill_and_first_twin_step_every_path_matches_reference(models, monkey
     want = {"fp8_mm", "fp32_mm", "wo_a_bmm", "moe_tiles", "router", "rms_norm"}
     assert want <= set(prefill_paths), f"prefill paths {prefill_paths}"
     assert {"fp8_gemv", "fp32_gemv", "wo_a_gemv", "moe_gemv", "rope_tail", "act_quant_sim", "rotate_fp4",
-            "head_rms", "step_index", "compress_pool", "commit_r4", "commit_r128"} <= set(chk.paths), \
+            "head_rms", "step_index", "swiglu_joint", "moe_combine", "compress_pool", "commit_r4",
+            "commit_r128"} <= set(chk.paths), \
         f"paths {dict(chk.paths)}"
     r_st, f_st = ref.new_state(BATCH), f32.new_state(BATCH)
     ra, fa = ref(ids, r_st, all_logits=True), f32(ids, f_st, all_logits=True)
@@ -335,7 +356,8 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
         exact.append(f32(tok, f_st))
     assert st.pos == LATE + 2
     assert {"commit_r4_boundary", "commit_r128_boundary", "fp8_gemv", "wo_a_gemv", "moe_gemv", "rope_tail",
-            "act_quant_sim", "rotate_fp4", "head_rms", "step_index", "compress_pool", "fp32_gemv"} <= set(chk.paths), \
+            "act_quant_sim", "rotate_fp4", "head_rms", "step_index", "swiglu_joint", "moe_combine", "compress_pool",
+            "fp32_gemv"} <= set(chk.paths), \
         dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "decode logits at 127, 128")
 

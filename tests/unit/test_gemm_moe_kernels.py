@@ -632,3 +632,103 @@ def test_moe_grouped_ref_equals_the_model_experts_bitwise(seed):
     got = moe_grouped_ref(x, g, idx, stacked, 10.0)
     assert want.abs().max() > 10 * 10.0  # outputs of the clamped regime, not a near-zero output
     assert torch.equal(got, want), f"max |diff| {float((got - want).abs().max())}"
+
+
+# ------------------------------------------------------------------ MoE epilogues in one launch (issue 27)
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("limit", [7.0, 0.0], ids=["clamped", "no-limit"])
+def test_swiglu_joint_matches_reference(seed, dtype, limit):
+    """`swiglu_joint` (one launch) vs `swiglu_joint_ref` (the torch chain on the two halves). Inputs span
+    +-3*limit so both clamps engage (and |u| large enough that silu saturates), one NaN in u and one in v (kept,
+    as torch.clamp does). Tolerance: the same fp32 maths except the last fp32 bit of exp (Triton's exp vs torch's):
+    fp32 outputs rtol 2^-20; bf16 within one bf16 rounding (rtol 2^-7) and >= 90 % bitwise. Negative controls: the
+    halves swapped (u <-> v) and the clamp dropped both fail the same check."""
+    from kernels.moe import swiglu, swiglu_joint, swiglu_joint_ref
+    g = torch.Generator().manual_seed(seed)
+    uv = (torch.randn(5, 2 * 96, generator=g) * 8).to(dtype)
+    uv[1, 3] = float("nan")
+    uv[2, 96 + 7] = float("nan")
+    got, want = swiglu_joint(uv.to(DEV), limit).cpu(), swiglu_joint_ref(uv, limit)
+    assert got.dtype == dtype and got.shape == (5, 96)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and int(torch.isnan(want).sum()) == 2
+    rtol = 2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7
+    fin = ~torch.isnan(want)
+
+    def ok(a):
+        return bool(((a.float() - want.float()).abs()[fin] <= rtol * want.float().abs()[fin] + 1e-30).all())
+    assert ok(got)
+    if dtype == torch.bfloat16:
+        assert_mostly_bitwise(got[fin], want[fin], "swiglu_joint bf16")
+    u, v = uv.float().chunk(2, -1)
+    assert not ok(swiglu(v, u, limit).to(dtype)), "negative control: swapped halves must fail"
+    if limit:
+        assert not ok(swiglu(u, v, 0.0).to(dtype)), "negative control: a dropped clamp must fail"
+
+
+@needs_triton
+def test_moe_combine_and_sum_slots(seed):
+    """`moe_combine` is bitwise `moe_combine_ref` (one fp32 add, one rounding); `sum_slots` is the k slots summed
+    left to right in fp32 (bitwise that loop; within the fp32 sum bound of torch's `sum(1)`), and a row's sum does
+    not depend on the other rows (T = 1 vs T = 9). Edge values: slots spanning 2^-10..2^10 so the order matters."""
+    from kernels.moe import moe_combine, moe_combine_ref, sum_slots
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(9, 6, 200, generator=g) * 2.0 ** torch.randint(-10, 11, (9, 6, 1), generator=g)
+    yb = y.to(torch.bfloat16)
+    loop = yb[:, 0].float().clone()
+    for j in range(1, 6):
+        loop += yb[:, j].float()
+    got = sum_slots(yb.to(DEV)).cpu()
+    assert got.dtype == torch.float32 and torch.equal(got, loop)
+    assert torch.equal(sum_slots(yb[4:5].to(DEV)).cpu()[0], got[4])
+    bound = 6 * 2.0 ** -24 * yb.float().abs().sum(1)
+    assert bool(((got - yb.float().sum(1)).abs() <= bound).all())
+    shared = (torch.randn(9, 200, generator=g) * 4).to(torch.bfloat16)
+    c = moe_combine(got.to(DEV), shared.to(DEV)).cpu()
+    assert c.dtype == torch.bfloat16 and torch.equal(c, moe_combine_ref(got, shared))
+    assert not torch.equal(c, got.to(torch.bfloat16)), "negative control: the shared term must matter"
+
+
+@needs_triton
+def test_joined_shared_expert_equals_the_two_linears(seed):
+    """`Expert.join_w13` (w1 | w3 as one FP8 weight, w1 / w3 rebound to its halves): the state dict keeps the
+    official names, shapes and dtypes, a load after the join writes through the views, and the joined expert's
+    output is within one bf16 rounding of the unjoined reference expert on the same weights (>= 90 % bitwise).
+    Negative control: the halves rebound the wrong way round (w1's rows read as w3's) fail the same check."""
+    from dsv4.backend import get_backend
+    from dsv4.model import Expert, _Sim
+    g = torch.Generator().manual_seed(seed)
+
+    def expert(backend):
+        sim = _Sim(True, get_backend(backend, torch.device(DEV)))
+        sim.resident = "quantized"
+        e = Expert(256, 256, 6.0, sim, torch.bfloat16)
+        for lin in (e.w1, e.w2, e.w3):
+            lin.hold("fp8", DEV)
+        return e
+    ref, tri = expert("reference"), expert("triton")
+    sd = {k: (torch.randn(v.shape, generator=g) * 0.5).to(v.dtype) if v.dtype == torch.float8_e4m3fn
+          else torch.randint(122, 130, v.shape, generator=g, dtype=torch.uint8).view(v.dtype)
+          for k, v in ref.state_dict().items()}
+    ref.load_state_dict(sd)
+    names = {k: (v.shape, v.dtype) for k, v in tri.state_dict().items()}
+    tri.join_w13()
+    assert {k: (v.shape, v.dtype) for k, v in tri.state_dict().items()} == names, "the official names stay"
+    tri.load_state_dict(sd)  # through the views
+    assert tri.w1.codes.data_ptr() == tri.w13.codes.data_ptr()
+    assert torch.equal(tri.w13.codes[256:].view(torch.uint8), sd["w3.weight"].view(torch.uint8))
+    x = (torch.randn(3, 256, generator=g) * 2).to(torch.bfloat16)
+    with torch.no_grad():
+        want = ref(x)
+        got = tri(x.to(DEV)).cpu()
+    close_bf16(got, want, "joined shared expert")
+    if INTERP:
+        rounded_once(got, want, "joined shared expert")
+    with torch.no_grad():  # negative control: u and v exchanged
+        t = tri.w13.codes.clone()
+        tri.w13.codes[:256], tri.w13.codes[256:] = t[256:], t[:256]
+        bad = tri(x.to(DEV)).cpu()
+    with pytest.raises(AssertionError):
+        close_bf16(bad, want, "swapped halves")
+    with pytest.raises(ValueError, match="join_w13"):
+        tri.join_w13()
