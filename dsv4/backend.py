@@ -114,6 +114,11 @@ class Backend:
     # None: `(Z.softmax(2) * A).sum(2)` (torch); the batch-invariant mode's fixed-order form
     # (`kernels.invariant.pool_windows`: the same windows pooled in the same order whatever the call's length)
     pool_windows: Callable | None = None
+    # kv_finish(x [b, s, D], weight, eps, pos, inv_freq, rd, nope_block, window, dtype) -> [b, s, D] dtype: a KV row's
+    # norm, RoPE of the tail and e4m3 rounding of the nope channels (the attention's kv, a compressor's entries).
+    # None: the model's chain of modules and entries (kv_norm / norm, rope_tail, act_quant_sim: the spec, and what
+    # hooks observe); triton: `kernels.rope.kv_finish`, one launch (equal to that chain: `kv_finish_ref`)
+    kv_finish: Callable | None = None
     # moe_combine(y fp32 [..., D], shared [..., D]) -> shared.dtype: the MoE layer's routed + shared output
     # (`kernels.moe.moe_combine_ref`; triton: `moe_combine`, one launch, bitwise equal); swiglu_joint(uv [..., 2I],
     # limit) -> [..., I]: the shared expert's SwiGLU on its joint projection [w1 x | w3 x] (`swiglu_joint_ref`;
@@ -183,7 +188,8 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            hc_post_pre_max_t=0, stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
                            hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
                            step_index=attention.step_index, moe_combine=moe.moe_combine,
-                           swiglu_joint=moe.swiglu_joint, join_w13=True, batch_invariant=True)
+                           swiglu_joint=moe.swiglu_joint, join_w13=True, kv_finish=rope.kv_finish,
+                           batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
@@ -194,5 +200,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
-                       moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_w13=True)
+                       moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_w13=True,
+                       kv_finish=rope.kv_finish)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

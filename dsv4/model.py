@@ -113,6 +113,11 @@ class _Sim:
         block = self.act_block(x)
         return self._quant.act_quant_sim(x, block) if block else x
 
+    def kv_nope_block(self, n: int) -> int:
+        """The e4m3 block of the KV nope channels n wide ([F1] QAT): 64 (n < 64: n; `_width_block`), 0 (none) in
+        fp32 mode; the `nope_block` of the backend's `kv_finish`."""
+        return self._width_block(n, 64) if self.enabled else 0
+
     def kv_nope(self, x: torch.Tensor, op: Callable | None = None) -> torch.Tensor:
         """[F1] QAT: e4m3 rounding of KV nope channels in 64-channel blocks (`op`: a backend's `act_quant_sim`,
         same maths; default `dsv4.quant.act_quant_sim`)."""
@@ -310,10 +315,20 @@ class Compressor(nn.Module):
         return CompressorState(kv=torch.zeros(b, n, c * self.d, device=device),
                                score=torch.full((b, n, c * self.d), -math.inf, device=device))
 
-    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype, ops: Backend) -> torch.Tensor:
+    def _finish(self, pooled: torch.Tensor, first_pos: torch.Tensor, dtype: torch.dtype, ops: Backend,
+                window: int = 1) -> torch.Tensor:
         """pooled [b, n, d] fp32 -> stored entries [b, n, d] in `dtype`: norm, RoPE of the tail at each window's
-        first position first_pos [n] int64 (w*r; [b, 1] in the decode step: each row's window), then the indexer's Hadamard + FP4 rounding or the FP8 rounding
-        of the nope channels (spec §6.3), RoPE and roundings through `ops` (the model's backend)."""
+        first position (first_pos [n] int64, w*r; in the decode step each row's token position [b, 1] with
+        window = r: floored to its window's first position), then the indexer's Hadamard + FP4 rounding or the
+        FP8 rounding of the nope channels (spec §6.3); norm, RoPE and the roundings through `ops` (the model's
+        backend: `kv_finish`, `rotate_fp4`)."""
+        if ops.kv_finish is not None:  # cast, norm, RoPE and the nope rounding in one launch (triton)
+            nope_block = 0 if self.is_indexer else self.sim.kv_nope_block(self.d - self.rd)
+            k = ops.kv_finish(pooled, self.norm.weight, self.norm.eps, first_pos, self.inv_freq, self.rd,
+                              nope_block, window, dtype)
+            return _rotate_fp4(k, self.hadamard, self.sim, ops) if self.is_indexer else k
+        if window > 1:
+            first_pos = (first_pos // window) * window
         k = ops.rope_tail(self.norm(pooled.to(dtype)), first_pos, self.inv_freq, self.rd)
         if self.is_indexer:
             return _rotate_fp4(k, self.hadamard, self.sim, ops)
@@ -372,7 +387,7 @@ class Compressor(nn.Module):
         r = self.ratio
         a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0]
         pooled = backend.compress_pool(a.contiguous(), z.contiguous(), self.ape, pos, st.kv, st.score, r, self.overlap)
-        new = self._finish(pooled, ((pos // r) * r).view(-1, 1), x.dtype, backend)
+        new = self._finish(pooled, pos.view(-1, 1), x.dtype, backend, window=r)
         backend.compress_commit(new.contiguous(), pos, st.kv, st.score, out, r, self.overlap)
 
 
@@ -484,6 +499,10 @@ class Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official torch chain
         q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
+        if ops.kv_finish is not None:  # the three steps below in one launch (triton: `kernels.rope.kv_finish`)
+            kv = ops.kv_finish(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
+                               self.sim.kv_nope_block(self.hd - self.rd))
+            return qr, q, kv
         kv = self.kv_norm(self.wkv(x))
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
         kv = ops.rope_tail(kv, pos, self.inv_freq, self.rd)
@@ -690,12 +709,13 @@ class MoE(nn.Module):
         self.shared_experts = Expert(args.dim, args.n_shared_experts * args.moe_inter_dim, args.swiglu_limit,
                                      sim, dtype)
         self.routed: Callable = sim.ops.moe_routed  # the backend's `moe_routed` (reference: `moe_routed_ref`)
-        self.combine: Callable = sim.ops.moe_combine  # the backend's `moe_combine` (reference: `moe_combine_ref`)
         self.init_routed(args, sim)
 
     def init_routed(self, args: ModelArgs, sim: _Sim) -> None:
-        """The plain numbers of the routed call: SwiGLU limit, inter width, the numerics (`_Sim`); no stack yet."""
+        """The plain numbers of the routed call: SwiGLU limit, inter width, the numerics (`_Sim`), the backend's
+        `moe_combine`; no stack yet."""
         self.sim, self.limit, self.inter_dim = sim, args.swiglu_limit, args.moe_inter_dim
+        self.combine: Callable = sim.ops.moe_combine  # the backend's `moe_combine` (reference: `moe_combine_ref`)
         self.stacked: StackedExperts | None = None  # set once by `Transformer.__init__` where `stackable`
 
     def expert_weights(self) -> list[ExpertWeights | None]:

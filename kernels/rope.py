@@ -24,6 +24,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
+from kernels.norm import rms_norm_ref
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -56,6 +57,64 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         x1 = tl.load(base + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
         tl.store(base + 2 * offs, cast_for_store(x0 * c - x1 * s, x_ptr), mask=mask)
         tl.store(base + 2 * offs + 1, cast_for_store(x0 * s + x1 * c, x_ptr), mask=mask)
+
+
+    from kernels.jit_formats import act_apply, act_scale, round_bf16
+
+    @triton.jit(do_not_specialize=["S"])
+    def _kv_finish_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, D, S, eps, window, RD2, NB, block,
+                          BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
+                          ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
+                          QUANT: tl.constexpr):
+        """One row of x [rows, D] per program (`kv_finish`): the RMSNorm scale of the whole row, then the nope
+        columns (normed, rounded, e4m3-simulated per `block` in a [NBP, BB] tile) and the rope tail (normed,
+        rounded, rotated at the row's position floored to `window`), each read from x and stored once."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BD)
+        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        if ROUND_IN:
+            x = round_bf16(x)
+        r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        # nope columns 0 .. D - 2*RD2 - 1, as [NB blocks, block] (padded to [NBP, BB])
+        nope = D - 2 * RD2
+        bi = tl.arange(0, NBP)[:, None]
+        bj = tl.arange(0, BB)[None, :]
+        c2 = bi * block + bj
+        m2 = (bi < NB) & (bj < block) & (c2 < nope)
+        xn = tl.load(x_ptr + row * D + c2, mask=m2, other=0.0).to(tl.float32)
+        if ROUND_IN:
+            xn = round_bf16(xn)
+        yn = (tl.load(w_ptr + c2, mask=m2, other=0.0) * xn) * r
+        if OUT_BF16:
+            yn = round_bf16(yn)
+        if QUANT:
+            inv, sc = act_scale(yn)
+            yn = act_apply(yn, inv) * sc[:, None]
+        tl.store(y_ptr + row * D + c2, cast_for_store(yn, y_ptr), mask=m2)
+        # the rope tail: pairs (2i, 2i+1) of columns nope ..
+        t = row % S
+        if PER_ROW:
+            t = row
+        p = tl.load(pos_ptr + t)
+        p = (p // window) * window
+        i = tl.arange(0, BRD)
+        mi = i < RD2
+        ang = p.to(tl.float64) * tl.load(f_ptr + i, mask=mi, other=0.0)
+        c = tl.cos(ang).to(tl.float32)
+        sn = tl.sin(ang).to(tl.float32)
+        ce = nope + 2 * i
+        x0 = tl.load(x_ptr + row * D + ce, mask=mi, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + row * D + ce + 1, mask=mi, other=0.0).to(tl.float32)
+        if ROUND_IN:
+            x0 = round_bf16(x0)
+            x1 = round_bf16(x1)
+        y0 = (tl.load(w_ptr + ce, mask=mi, other=0.0) * x0) * r
+        y1 = (tl.load(w_ptr + ce + 1, mask=mi, other=0.0) * x1) * r
+        if OUT_BF16:
+            y0 = round_bf16(y0)
+            y1 = round_bf16(y1)
+        tl.store(y_ptr + row * D + ce, cast_for_store(y0 * c - y1 * sn, y_ptr), mask=mi)
+        tl.store(y_ptr + row * D + ce + 1, cast_for_store(y0 * sn + y1 * c, y_ptr), mask=mi)
 
 
 def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
@@ -92,3 +151,75 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
                                    BR=max(16, triton.next_power_of_2(rd // 2)), PER_ROW=pos.dim() == 2,
                                    num_warps=1)
     return x
+
+
+# ------------------------------------------------------------------------- a KV row's last steps (issue 27)
+def kv_finish_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
+                  rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The last steps of a KV row (spec §5.2, §5.3 kv_norm; §6.3 a compressed entry's norm and RoPE), as the model
+    composes them: x [b, s, D] (the wkv output, or a compressor's pooled fp32 rows) rounded to `dtype` (default
+    x.dtype), RMSNorm (`kernels.norm.rms_norm_ref`, weight [D] fp32, eps), RoPE of the last rd columns at
+    (pos // window) * window (pos int64 [s] or [b, s]; window > 1: a compressed entry's first position,
+    `dsv4.model.Compressor`), and with nope_block > 0 the e4m3 simulation of the other D - rd columns in blocks of
+    nope_block (`numerics.act_quant_sim`; the official KV QAT, 0 = none: fp32 mode, the indexer's keys).
+    Returns: [b, s, D] in dtype, a new tensor."""
+    y = rms_norm_ref(x.to(dtype or x.dtype), weight, eps)
+    p = pos if window == 1 else (pos // window) * window
+    y = rope_tail_ref(y, p, inv_freq, rd)
+    if nope_block:
+        y = torch.cat((numerics.act_quant_sim(y[..., :-rd].contiguous(), nope_block), y[..., -rd:]), -1)
+    return y
+
+
+def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
+              rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`kv_finish_ref` in ONE launch (torch + the triton entries: 4 launches for the attention's KV row - norm,
+    e4m3 simulation, the copy back, RoPE - and 7 for a compressed entry - the cast, the window floor's two, norm,
+    RoPE, e4m3, copy): one program per row, the same fp32 operations in the same order as `rms_norm`, `rope_tail_`
+    and `act_quant_sim` (each rounded to dtype where the chain stores), so the result equals the chain of the
+    triton entries bitwise except for the order of the norm's sum of squares (tests/unit/test_rope_kernel.py).
+
+    Args: as `kv_finish_ref`; x [b, s, D] bf16 / fp32 contiguous (fp32 with dtype bf16: rounded first), weight
+        [D] fp32, pos int64 [s] or [b, s] contiguous on x's device, inv_freq [rd/2] fp64, rd even <= D,
+        nope_block 0 or a block dividing D - rd (<= 1024), window >= 1; dtype bf16 / fp32, at most as wide as x.
+    Returns: [b, s, D] in dtype. Raises: ValueError naming a bad argument."""
+    op = "kv_finish"
+    dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else None)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              "bf16 / float32 [b, s, D]")
+    if dtype not in (torch.bfloat16, torch.float32) or (x.dtype == torch.bfloat16 and dtype == torch.float32):
+        _fail(op, "dtype", str(dtype), "bf16 or float32, no wider than x")
+    b, S, D = x.shape
+    if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
+        _fail(op, "rd", repr(rd), f"an even int in 2..{D}")
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != (D,):
+        _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}",
+              f"float32 [{D}]")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "eps", repr(eps), "a finite float > 0")
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S)):
+        _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
+              f"int64 [{S}] or [{b}, {S}]")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or tuple(inv_freq.shape) != (rd // 2,):
+        _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))}", f"float64 [{rd // 2}]")
+    nope = D - rd
+    if (isinstance(nope_block, bool) or not isinstance(nope_block, int) or nope_block < 0 or nope_block > 1024
+            or (nope_block and nope % nope_block)):
+        _fail(op, "nope_block", repr(nope_block), f"0 or an int <= 1024 dividing D - rd = {nope}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _fail(op, "window", repr(window), "an int >= 1")
+    check_layout(op, {"x": x, "weight": weight, "pos": pos, "inv_freq": inv_freq})
+    y = torch.empty(b, S, D, dtype=dtype, device=x.device)
+    rows = b * S
+    if rows:
+        block = nope_block or max(nope, 1)
+        NB = -(-nope // block) if nope else 0
+        BD = triton.next_power_of_2(D)
+        _kv_finish_kernel[(rows,)](x, weight, pos, inv_freq, y, D, S, eps, window, rd // 2, NB, block,
+                                   BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
+                                   NBP=max(1, triton.next_power_of_2(max(NB, 1))),
+                                   BB=max(16, triton.next_power_of_2(block)),
+                                   ROUND_IN=x.dtype != dtype, OUT_BF16=dtype == torch.bfloat16,
+                                   PER_ROW=pos.dim() == 2, QUANT=nope_block > 0, num_warps=4)
+    return y

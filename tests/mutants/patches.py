@@ -782,6 +782,15 @@ def shared_expert_join_swapped(mp: MP) -> None:
     b._buffers["weight"], b._buffers["scale"] = joint.codes[:n], joint.scales[:nb]""")
 
 
+def kv_finish_window_not_floored(mp: MP) -> None:
+    """The fused KV finish kernel (`_kv_finish_kernel`, issue 27) rotates a compressed entry at the decode token's
+    position instead of its window's first position ((p // window) * window dropped); the attention's own kv
+    (window 1) is unaffected, and so is the prefill's entry (its positions are first positions already)."""
+    from kernels import rope
+
+    _jit_source_mutant(mp, rope, "_kv_finish_kernel", "p = (p // window) * window", "p = p  # MUTANT")
+
+
 def multi_turn_prefix_unchecked(mp: MP) -> None:
     """A new turn continues the previous turn's state whenever it belongs to the model, without checking that
     the new prompt's ids extend the state's ids (the format's rewrite of earlier turns, e.g. the reasoning dropped

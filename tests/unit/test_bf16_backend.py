@@ -94,7 +94,7 @@ class Checked:
                   "act_quant_sim": b.act_quant_sim, "fp4_act_quant_sim": b.fp4_act_quant_sim,
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
-                  "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint}
+                  "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -205,6 +205,28 @@ class Checked:
 
     def fp4_act_quant_sim(self, x, block):
         return self._sim("fp4_act_quant_sim", quant.fp4_act_quant_sim, x, block)
+
+    def kv_finish(self, x, weight, eps, pos, inv_freq, rd, nope_block=0, window=1, dtype=None):
+        """Bitwise the chain of the triton entries it fuses (cast, `rms_norm`, `rope_tail_`, `act_quant_sim` on the
+        nope channels: the same fp32 operations, the norm's sum of squares in the same order) and, against the
+        torch chain (`kv_finish_ref`), mostly bitwise with every element within one e4m3 step (2^-3 relative:
+        a norm output one bf16 ulp apart can round to the neighbouring e4m3 code) or one bf16 ulp (RoPE)."""
+        from kernels import norm as kn
+        from kernels import quant as kq
+        from kernels import rope as kr
+        args = (x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype)
+        got, want = self.k["kv_finish"](*args), kr.kv_finish_ref(*args)
+        dt = dtype or x.dtype
+        chain = kn.rms_norm(x.to(dt).contiguous(), weight, eps)
+        chain = kr.rope_tail_(chain, pos if window == 1 else (pos // window) * window, inv_freq, rd)
+        if nope_block:
+            chain[..., :-rd] = kq.act_quant_sim(chain[..., :-rd].contiguous(), nope_block)
+        assert got.dtype == dt and torch.equal(got, chain), f"kv_finish {tuple(x.shape)} vs the entries' chain"
+        w = want.float()
+        assert bool(((got.float() - w).abs() <= 2.0 ** -3 * w.abs() + 1e-30).all()), f"kv_finish {tuple(x.shape)}"
+        assert_mostly_bitwise(got, want, f"kv_finish {tuple(x.shape)}")
+        self.paths["kv_finish"] += 1
+        return got
 
     def swiglu_joint(self, uv, limit):
         from kernels.moe import swiglu_joint_ref
@@ -321,7 +343,7 @@ def test_prefill_and_first_twin_step_every_path_matches_reference(models, monkey
     b = tri(tok, st)
     want = {"fp8_mm", "fp32_mm", "wo_a_bmm", "moe_tiles", "router", "rms_norm"}
     assert want <= set(prefill_paths), f"prefill paths {prefill_paths}"
-    assert {"fp8_gemv", "fp32_gemv", "wo_a_gemv", "moe_gemv", "rope_tail", "act_quant_sim", "rotate_fp4",
+    assert {"fp8_gemv", "fp32_gemv", "wo_a_gemv", "moe_gemv", "rope_tail", "kv_finish", "rotate_fp4",
             "head_rms", "step_index", "swiglu_joint", "moe_combine", "compress_pool", "commit_r4",
             "commit_r128"} <= set(chk.paths), \
         f"paths {dict(chk.paths)}"
@@ -356,7 +378,7 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
         exact.append(f32(tok, f_st))
     assert st.pos == LATE + 2
     assert {"commit_r4_boundary", "commit_r128_boundary", "fp8_gemv", "wo_a_gemv", "moe_gemv", "rope_tail",
-            "act_quant_sim", "rotate_fp4", "head_rms", "step_index", "swiglu_joint", "moe_combine", "compress_pool",
+            "kv_finish", "rotate_fp4", "head_rms", "step_index", "swiglu_joint", "moe_combine", "compress_pool",
             "fp32_gemv"} <= set(chk.paths), \
         dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "decode logits at 127, 128")

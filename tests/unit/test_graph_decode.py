@@ -129,10 +129,12 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     import kernels.compressor
     import kernels.rope
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
-    calls.update(pool=0, rope=0)
+    assert m.backend.kv_finish is kernels.rope.kv_finish
+    calls.update(pool=0, rope=0, kv=0)
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
-                                                          rope_tail=count("rope", m.backend.rope_tail)))
+                                                          rope_tail=count("rope", m.backend.rope_tail),
+                                                          kv_finish=count("kv", m.backend.kv_finish)))
     monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
     st = _fork(m, prefilled)
     assert st.pos == 11
@@ -142,10 +144,11 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
-    # every compressor pools through the kernel each step; RoPE: q, kv, o per layer, the indexer's q, and the
-    # entry of every compressor
+    # every compressor pools through the kernel each step; RoPE: q, o per layer and the indexer's q through
+    # `rope_tail`, the kv of every layer and the entry of every compressor inside `kv_finish` (issue 27)
     assert calls["pool"] - before["pool"] == n_comp, calls
-    assert calls["rope"] - before["rope"] == 3 * len(m.layers) + n_csa + n_comp, calls
+    assert calls["rope"] - before["rope"] == 2 * len(m.layers) + n_csa, calls
+    assert calls["kv"] - before["kv"] == len(m.layers) + n_comp, calls
 
 
 def test_static_state_refuses_past_max_len():
@@ -188,7 +191,7 @@ def test_graph_state_check_reads_the_stacked_flag_not_the_experts(monkeypatch):
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")
 def test_static_step_quantization_sims_use_the_backend(monkeypatch):
-    """bf16 numerics: the static step's e4m3 (KV nope) and e2m1 (indexer q and keys, fused with their rotation:
+    """bf16 numerics: the static step's e4m3 (KV nope, inside `kv_finish`) and e2m1 (indexer q and keys, fused with their rotation:
     `rotate_fp4`) simulations run the backend's one-launch kernels (bitwise equal to dsv4.quant, tests/unit/test_quant_kernels.py), not dsv4.quant.
     (Each of those calls against its reference on the same input, inside the bf16 model run:
     tests/unit/test_bf16_backend.py; whole-model bf16 logits of two backends differ by the bf16 noise.)"""
@@ -200,7 +203,7 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     m = Transformer(args, backend="triton", dtype=torch.bfloat16)
     m.load_weights(sd)
     assert m.backend.act_quant_sim is kernels.quant.act_quant_sim
-    calls = {"q8": 0, "q4": 0, "r4": 0, "ref": 0}
+    calls = {"q8": 0, "q4": 0, "r4": 0, "kv": 0, "ref": 0}
 
     def count(name, fn):
         def wrapped(*a, **kw):
@@ -210,7 +213,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
 
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim),
-                                    rotate_fp4=count("r4", m.backend.rotate_fp4))
+                                    rotate_fp4=count("r4", m.backend.rotate_fp4),
+                                    kv_finish=count("kv", m.backend.kv_finish))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
     st = m.new_state(1, 256)
     m(ids, st)
@@ -229,7 +233,9 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     b = m(tok, st)
     n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
     n_plain = sum(layer.attn.compressor is not None for layer in m.layers)
-    assert calls["q8"] - before["q8"] == len(m.layers) + n_plain, calls   # KV nope per layer + each entry
+    # KV nope per layer + each entry: the e4m3 rounding inside `kv_finish` (one launch with the norm and RoPE),
+    # which also finishes each indexer entry (no e4m3 there)
+    assert calls["kv"] - before["kv"] == len(m.layers) + n_plain + n_csa and calls["q8"] == before["q8"], calls
     # indexer q + indexer entry: the rotation and its e2m1 rounding in one launch (`kernels.indexer.rotate_fp4`)
     assert calls["r4"] - before["r4"] == 2 * n_csa and calls["q4"] == before["q4"], calls
     assert calls["ref"] == before["ref"], calls

@@ -140,3 +140,80 @@ def test_per_row_positions_rotate_each_row_by_its_own(seed, shape, dtype):
     assert bool(((row0.float() - want.float()).abs() > tol).any()), "control: each row's positions must matter"
     with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(2, 1\)"):
         rope_tail_(x.clone(), pos[:2, :1].contiguous(), f, rd)
+
+
+# ------------------------------------------------------------------ a KV row's last steps in one launch (issue 27)
+_KV_CASES = [  # (x dtype, out dtype, D, rd, nope_block, window, per-row positions): the attention's kv (bf16, e4m3
+    # nope), a CSA entry (fp32 pooled -> bf16, window 4), an HCA entry (window 128), an indexer entry (no e4m3),
+    # fp32 mode (no roundings), a narrow test width (nope 48 < 64: one block)
+    (torch.bfloat16, torch.bfloat16, 192, 64, 64, 1, True),
+    (torch.float32, torch.bfloat16, 192, 64, 64, 4, True),
+    (torch.float32, torch.bfloat16, 192, 64, 64, 128, False),
+    (torch.float32, torch.bfloat16, 128, 64, 0, 4, True),
+    (torch.float32, torch.float32, 192, 64, 0, 1, False),
+    (torch.bfloat16, torch.bfloat16, 64, 16, 48, 1, True),
+]
+
+
+@pytest.mark.parametrize("case", _KV_CASES, ids=["kv", "csa-entry", "hca-entry", "indexer-entry", "fp32", "narrow"])
+def test_kv_finish_equals_the_chain(seed, case):
+    """`kv_finish` (one launch) against (a) the chain of the triton entries it replaces (cast, `rms_norm`,
+    `rope_tail_` at the floored position, `act_quant_sim` on the nope channels) - bitwise: the same fp32
+    operations, the norm's sum in the same order - and (b) `kv_finish_ref` (the torch chain the model runs with the
+    reference backend): fp32 within 4 ulps of the element and its row's largest; bf16 mostly bitwise, every element within one e4m3 step (2^-3
+    relative: a norm output one bf16 ulp apart can round to the neighbouring e4m3 code). Rows of several binades,
+    positions up to 2^20 (large angles), ragged per-row positions. Negative controls: the position not floored to
+    the window, and the fp32 input not rounded to bf16 before the norm, each fail (a)."""
+    from kernels import norm as kn
+    from kernels import quant as kq
+    from kernels.rope import kv_finish, kv_finish_ref, rope_tail_
+    xdt, dt, D, rd, nb, window, per_row = case
+    args = tiny_args(rope_head_dim=rd, head_dim=max(64, rd), index_head_dim=max(64, rd))
+    f = rope_inv_freq(args, 4, rd).to(DEV)
+    b, s = 3, 2
+    x = (torch.randn(b, s, D, device=DEV) * 2.0 ** torch.randint(-6, 7, (b, s, 1), device=DEV)).to(xdt)
+    w = torch.randn(D, device=DEV) * torch.logspace(-1, 1, D, device=DEV)
+    pos = torch.tensor([[5, 6], [130, 131], [(1 << 20) + 3, (1 << 20) + 4]], device=DEV, dtype=torch.int64)
+    if not per_row:
+        pos = pos[1]
+
+    def chain(p_floor=True, round_in=True):
+        y = kn.rms_norm((x.to(dt) if round_in else x).contiguous(), w, 1e-6).to(dt)
+        p = (pos // window) * window if p_floor else pos
+        y = rope_tail_(y, p, f, rd)
+        if nb:
+            y[..., :-rd] = kq.act_quant_sim(y[..., :-rd].contiguous(), nb)
+        return y
+    got = kv_finish(x, w, 1e-6, pos, f, rd, nb, window, dt)
+    assert got.dtype == dt and got.shape == x.shape
+    assert torch.equal(got, chain()), "kv_finish != the chain of the triton entries"
+    want = kv_finish_ref(x.cpu(), w.cpu(), 1e-6, pos.cpu(), f.cpu(), rd, nb, window, dt).to(DEV)
+    if dt == torch.float32:
+        # a rotated pair near cancellation (x0 c - x1 s << |x|): a few ulps of the pair's magnitude, so the bound
+        # adds 2^-21 of the row's largest element (rope_tail's own criterion)
+        assert bool(((got - want).abs() <= 2.0 ** -21 * (want.abs() + want.abs().amax(-1, keepdim=True))).all())
+    else:
+        assert bool(((got.float() - want.float()).abs() <= 2.0 ** -3 * want.float().abs() + 1e-30).all())
+        assert_mostly_bitwise(got, want, f"kv_finish {case}")
+    if window > 1:
+        assert not torch.equal(got, chain(p_floor=False)), "negative control: the unfloored position must differ"
+    if xdt != dt:
+        assert not torch.equal(got, chain(round_in=False)), "negative control: the unrounded input must differ"
+
+
+def test_kv_finish_names_bad_input():
+    from kernels.rope import kv_finish
+    args = tiny_args(rope_head_dim=64, index_head_dim=64)
+    f = rope_inv_freq(args, 4, 64).to(DEV)
+    x, w = torch.randn(1, 2, 192, device=DEV), torch.ones(192, device=DEV)
+    pos = torch.tensor([1, 2], device=DEV)
+    for kw, match in ((dict(nope_block=100), "nope_block"), (dict(window=0), "window"), (dict(rd=63), "rd"),
+                      (dict(dtype=torch.float16), "dtype")):
+        a = dict(x=x, weight=w, eps=1e-6, pos=pos, inv_freq=f, rd=64)
+        a.update(kw)
+        with pytest.raises(ValueError, match=match):
+            kv_finish(**a)
+    with pytest.raises(ValueError, match="pos"):
+        kv_finish(x, w, 1e-6, pos[:1], f, 64)
+    with pytest.raises(ValueError, match="weight"):
+        kv_finish(x, w[:64], 1e-6, pos, f, 64)
