@@ -425,8 +425,10 @@ class Indexer(nn.Module):
         b, s, _ = x.shape
         q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
         q = _rotate_fp4(q, self.hadamard, self.sim, ops)
-        w = self.weights_proj(x).float() * self.weight_scale
-        scores = self.reduce_scores(backend.indexer_scores(q, w.to(q.dtype), keys))  # [b, s, n] fp32
+        # spec §7.2: times the scale in the activation dtype (one op: fp32 maths, one rounding - the same value as
+        # an fp32 product rounded after)
+        w = self.weights_proj(x) * self.weight_scale
+        scores = self.reduce_scores(backend.indexer_scores(q, w, keys))  # [b, s, n] fp32
         n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
         return topk(scores, k, n_valid, check=False)  # n_valid in [0, n] by construction: no checking sync
@@ -573,10 +575,10 @@ class Attention(nn.Module):
         comp = None  # the indexer's picks (CSA)
         if self.compressor is not None:
             for j in range(s):  # one token at a time: each window boundary in the call committed in order
-                self.compressor.step(x[:, j:j + 1], pos + j, st.compressor, st.entries, backend)
+                pj = pos if j == 0 else pos + j
+                self.compressor.step(x[:, j:j + 1], pj, st.compressor, st.entries, backend)
                 if self.indexer is not None:
-                    self.indexer.compressor.step(x[:, j:j + 1], pos + j, st.index_compressor, st.index_keys,
-                                                 backend)
+                    self.indexer.compressor.step(x[:, j:j + 1], pj, st.index_compressor, st.index_keys, backend)
                 if st.trail is not None:  # a verify step: the windows after each token, for a rollback
                     st.trail.append([t.clone() for t in st.window_tensors()])
             if self.indexer is not None:

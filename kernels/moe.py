@@ -339,12 +339,17 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit
     def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit,
-                            HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr):
+                            HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
+                            SORTED: tl.constexpr = True):
         """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
         in expert order, so programs reading one expert's rows run side by side and share them through L2).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
-        reads expert 0 and writes NaN (fail loud, never a plausible row)."""
-        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False: pair = program id (no
+        order array; one token's pairs, whose experts are distinct anyway)."""
+        if SORTED:
+            pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        else:
+            pair = tl.program_id(0).to(tl.int64)
         e = tl.load(ids_ptr + pair).to(tl.int64)
         bad = (e < 0) | (e >= E)
         e = tl.where(bad, 0, e)
@@ -368,10 +373,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit
     def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                              BN: tl.constexpr, BKH: tl.constexpr):
+                              BN: tl.constexpr, BKH: tl.constexpr, SORTED: tl.constexpr = True):
         """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
         exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
-        pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        if SORTED:
+            pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
+        else:
+            pair = tl.program_id(0).to(tl.int64)
         e = tl.load(ids_ptr + pair).to(tl.int64)
         bad = (e < 0) | (e >= E)
         e = tl.where(bad, 0, e)
@@ -600,7 +608,8 @@ def _moe_mma(mma: str | None) -> int:
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
                 experts: StackedExperts, limit: float, cfg: MoeConfig) -> torch.Tensor:
     """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`; xq [T, D] bf16 act-quantized x,
-    order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids)."""
+    order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
+    in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct)."""
     E, D, I = _check_experts("moe_up_gemv", experts)
     P = indices.numel()
     if I % cfg.block_n:
@@ -608,23 +617,24 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
-        xq, weights, order, indices, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h, E, D, I,
-        indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, D // 2),
-        num_warps=cfg.num_warps)
+        xq, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
+        u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
+        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, num_warps=cfg.num_warps)
     return h
 
 
 def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, experts: StackedExperts,
                   cfg: MoeConfig) -> torch.Tensor:
-    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h."""
+    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h; order as
+    `moe_up_gemv`."""
     E, D, I = _check_experts("moe_down_gemv", experts)
     P = indices.numel()
     if D % cfg.block_n:
         _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
     y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
-        hq, order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I, BN=cfg.block_n,
-        BKH=_chunk(cfg.block_kh, I // 2), num_warps=cfg.num_warps)
+        hq, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
+        BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, num_warps=cfg.num_warps)
     return y
 
 
@@ -706,7 +716,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
     xq, _ = act_quant(x, sim=True)
     if cfg.path == "gemv":
-        order = torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
+        # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
+        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27)
+        order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
         h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg)
         y = moe_down_gemv(act_quant(h, sim=True)[0], indices, order, experts, cfg)
     else:

@@ -117,6 +117,23 @@ def _specs():
         ("norm._head_rms_kernel", norm._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"], dict(BD=512, BF16=True)),
         ("invariant._hadamard_kernel", invariant._hadamard_kernel, dict(x_ptr=f32, y_ptr=f32), [],
          dict(N=128, BR=16, MMA=1)),
+        # issue 27: the decode step's fused small kernels
+        ("norm._head_rms_kernel[fp32]", norm._head_rms_kernel, dict(x_ptr=f32, y_ptr=f32), ["eps"],
+         dict(BD=512, BF16=False)),
+        ("rope._kv_finish_kernel", rope._kv_finish_kernel,
+         dict(x_ptr=f32, w_ptr=f32, pos_ptr=i64, f_ptr="*fp64", y_ptr=bf), ["eps"],
+         dict(BD=512, BRD=32, NBP=8, BB=64, ROUND_IN=True, OUT_BF16=True, PER_ROW=True, QUANT=True)),
+        ("moe._swiglu_joint_kernel", moe._swiglu_joint_kernel, dict(uv_ptr=bf, h_ptr=bf), ["limit"],
+         dict(HAS_LIMIT=True, BI=1024)),
+        ("moe._sum_slots_kernel", moe._sum_slots_kernel, dict(y_ptr=bf, s_ptr=bf, out_ptr=f32), [],
+         dict(K=6, HAS_SHARED=False, BD=1024)),
+        ("moe._moe_up_gemv_kernel[unsorted]", moe._moe_up_gemv_kernel,
+         dict(xq_ptr=bf, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False)),
+        ("attention._step_index_kernel", attention._step_index_kernel, dict(P="*i64", COMP="*i64", IDX="*i64"),
+         [], dict(INPLACE=True, MODE=1, BLOCK=256)),
+        ("indexer._rotate_fp4_kernel", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf), ["scale"],
+         dict(N=128, BR=16, MMA=1)),
     ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)

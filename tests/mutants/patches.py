@@ -833,7 +833,7 @@ def verify_step_compressor_one_position(mp: MP) -> None:
     one-token step (j = 0) is right."""
     from dsv4.model import Attention
 
-    _source_mutant(mp, Attention, "step", "pos + j, st.compressor", "pos, st.compressor")  # MUTANT
+    _source_mutant(mp, Attention, "step", "pj = pos if j == 0 else pos + j", "pj = pos  # MUTANT")
 
 
 def verify_step_ring_written_first(mp: MP) -> None:
