@@ -857,8 +857,10 @@ def swiglu_joint_ref(uv: torch.Tensor, limit: float) -> torch.Tensor:
 
 def swiglu_joint(uv: torch.Tensor, limit: float) -> torch.Tensor:
     """`swiglu_joint_ref` in one launch (torch: seven - two casts, two clamps, silu, product, cast): the same fp32
-    maths (silu as u / (1 + e^-u); torch's own fp32 silu may differ in the last fp32 bit, so bf16 outputs are
-    bitwise equal except at a rounding boundary: tests/unit/test_gemm_moe_kernels.py).
+    maths (silu as u / (1 + e^-u)) except exp: Triton's is ex2.approx after a multiply by log2(e) on the GPU, a
+    relative error up to ~|u| 2^-23 where torch's is correctly rounded (fp32 outputs within 2^-16; bf16 outputs
+    bitwise equal except at a rounding boundary: tests/unit/test_gemm_moe_kernels.py; the routed kernels' SwiGLU
+    uses the same exp).
     Args: uv [..., 2I] bf16 / fp32 contiguous; limit a number >= 0 (swiglu_limit; 0 = no clamp).
     Returns: [..., I] in uv.dtype. Raises ValueError naming a bad argument."""
     op = "swiglu_joint"

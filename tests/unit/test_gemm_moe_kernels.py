@@ -641,8 +641,9 @@ def test_moe_grouped_ref_equals_the_model_experts_bitwise(seed):
 def test_swiglu_joint_matches_reference(seed, dtype, limit):
     """`swiglu_joint` (one launch) vs `swiglu_joint_ref` (the torch chain on the two halves). Inputs span
     +-3*limit so both clamps engage (and |u| large enough that silu saturates), one NaN in u and one in v (kept,
-    as torch.clamp does). Tolerance: the same fp32 maths except the last fp32 bit of exp (Triton's exp vs torch's):
-    fp32 outputs rtol 2^-20; bf16 within one bf16 rounding (rtol 2^-7) and >= 90 % bitwise. Negative controls: the
+    as torch.clamp does). Tolerance: the same fp32 maths except exp: Triton's is ex2.approx after a multiply by
+    log2(e) on the GPU (relative error up to ~|u| 2^-23, measured above 2^-20 at |u| ~ 30 on an H200), so fp32
+    outputs rtol 2^-16; bf16 within one bf16 rounding (rtol 2^-7) and >= 90 % bitwise. Negative controls: the
     halves swapped (u <-> v) and the clamp dropped both fail the same check."""
     from kernels.moe import swiglu, swiglu_joint, swiglu_joint_ref
     g = torch.Generator().manual_seed(seed)
@@ -652,7 +653,7 @@ def test_swiglu_joint_matches_reference(seed, dtype, limit):
     got, want = swiglu_joint(uv.to(DEV), limit).cpu(), swiglu_joint_ref(uv, limit)
     assert got.dtype == dtype and got.shape == (5, 96)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and int(torch.isnan(want).sum()) == 2
-    rtol = 2.0 ** -20 if dtype == torch.float32 else 2.0 ** -7
+    rtol = 2.0 ** -16 if dtype == torch.float32 else 2.0 ** -7
     fin = ~torch.isnan(want)
 
     def ok(a):
@@ -716,7 +717,7 @@ def test_joined_shared_expert_equals_the_two_linears(seed):
     assert {k: (v.shape, v.dtype) for k, v in tri.state_dict().items()} == names, "the official names stay"
     tri.load_state_dict(sd)  # through the views
     assert tri.w1.codes.data_ptr() == tri.w13.codes.data_ptr()
-    assert torch.equal(tri.w13.codes[256:].view(torch.uint8), sd["w3.weight"].view(torch.uint8))
+    assert torch.equal(tri.w13.codes[256:].view(torch.uint8).cpu(), sd["w3.weight"].view(torch.uint8))
     x = (torch.randn(3, 256, generator=g) * 2).to(torch.bfloat16)
     with torch.no_grad():
         want = ref(x)
