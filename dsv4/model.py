@@ -492,22 +492,27 @@ class Attention(nn.Module):
             st.index_compressor = self.indexer.compressor.new_state(b, device)
         return st
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: Backend) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: Backend,
+             ring: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """x [b, s, dim] at positions pos [s] -> (qr [b, s, q_lora], q [b, s, h, hd], kv [b, s, hd]): low-rank q
         with the per-head unweighted RMS norm (in the activation dtype as officially: bf16 in bf16 mode; spec
         §5.3), the shared K=V head with the FP8 rounding of its nope channels, both RoPE'd on the last rd
-        channels (spec §5.2) through `ops`."""
+        channels (spec §5.2) through `ops`. ring (the decode step of one token per row): the state's window ring,
+        which gets each row's KV at slot pos % W."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
         q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official torch chain
         q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         if ops.kv_finish is not None:  # the three steps below in one launch (triton: `kernels.rope.kv_finish`)
             kv = ops.kv_finish(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
-                               self.sim.kv_nope_block(self.hd - self.rd))
+                               self.sim.kv_nope_block(self.hd - self.rd), ring=ring)
             return qr, q, kv
         kv = self.kv_norm(self.wkv(x))
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
         kv = ops.rope_tail(kv, pos, self.inv_freq, self.rd)
+        if ring is not None:
+            b, W = ring.shape[:2]
+            ring.scatter_(1, (pos % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
         return qr, q, kv
 
     def _out(self, o: torch.Tensor, pos: torch.Tensor, ops: Backend, backend: Backend) -> torch.Tensor:
@@ -569,9 +574,7 @@ class Attention(nn.Module):
         b, s = x.shape[:2]
         dev, W = x.device, self.window
         P = pos.view(b, 1) if s == 1 else pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
-        qr, q, kv = self._qkv(x, P, backend)
-        if s == 1:
-            st.ring.scatter_(1, (P % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
+        qr, q, kv = self._qkv(x, P, backend, ring=st.ring if s == 1 else None)  # s = 1: KV to ring slot pos % W
         comp = None  # the indexer's picks (CSA)
         if self.compressor is not None:
             for j in range(s):  # one token at a time: each window boundary in the call committed in order

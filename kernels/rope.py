@@ -62,14 +62,22 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     from kernels.jit_formats import act_apply, act_scale, round_bf16
 
     @triton.jit(do_not_specialize=["S"])
-    def _kv_finish_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, D, S, eps, window, RD2, NB, block,
+    def _kv_finish_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
+                          ring_sb, W,
                           BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
                           ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
-                          QUANT: tl.constexpr):
+                          QUANT: tl.constexpr, RING: tl.constexpr = False):
         """One row of x [rows, D] per program (`kv_finish`): the RMSNorm scale of the whole row, then the nope
         columns (normed, rounded, e4m3-simulated per `block` in a [NBP, BB] tile) and the rope tail (normed,
-        rounded, rotated at the row's position floored to `window`), each read from x and stored once."""
+        rounded, rotated at the row's position floored to `window`), each read from x and stored once; RING (S = 1):
+        also stored into ring row (row, p % W) (ring batch stride ring_sb, rows of D contiguous)."""
         row = tl.program_id(0).to(tl.int64)
+        t = row % S
+        if PER_ROW:
+            t = row
+        p = tl.load(pos_ptr + t)
+        if RING:
+            ring_row = ring_ptr + row * ring_sb + (p % W) * D
         cols = tl.arange(0, BD)
         x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
         if ROUND_IN:
@@ -91,11 +99,9 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             inv, sc = act_scale(yn)
             yn = act_apply(yn, inv) * sc[:, None]
         tl.store(y_ptr + row * D + c2, cast_for_store(yn, y_ptr), mask=m2)
+        if RING:
+            tl.store(ring_row + c2, cast_for_store(yn, ring_ptr), mask=m2)
         # the rope tail: pairs (2i, 2i+1) of columns nope ..
-        t = row % S
-        if PER_ROW:
-            t = row
-        p = tl.load(pos_ptr + t)
         p = (p // window) * window
         i = tl.arange(0, BRD)
         mi = i < RD2
@@ -115,6 +121,9 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             y1 = round_bf16(y1)
         tl.store(y_ptr + row * D + ce, cast_for_store(y0 * c - y1 * sn, y_ptr), mask=mi)
         tl.store(y_ptr + row * D + ce + 1, cast_for_store(y0 * sn + y1 * c, y_ptr), mask=mi)
+        if RING:
+            tl.store(ring_row + ce, cast_for_store(y0 * c - y1 * sn, ring_ptr), mask=mi)
+            tl.store(ring_row + ce + 1, cast_for_store(y0 * sn + y1 * c, ring_ptr), mask=mi)
 
 
 def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
@@ -155,24 +164,31 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
 
 # ------------------------------------------------------------------------- a KV row's last steps (issue 27)
 def kv_finish_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
-                  rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+                  rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None,
+                  ring: torch.Tensor | None = None) -> torch.Tensor:
     """The last steps of a KV row (spec §5.2, §5.3 kv_norm; §6.3 a compressed entry's norm and RoPE), as the model
     composes them: x [b, s, D] (the wkv output, or a compressor's pooled fp32 rows) rounded to `dtype` (default
     x.dtype), RMSNorm (`kernels.norm.rms_norm_ref`, weight [D] fp32, eps), RoPE of the last rd columns at
     (pos // window) * window (pos int64 [s] or [b, s]; window > 1: a compressed entry's first position,
     `dsv4.model.Compressor`), and with nope_block > 0 the e4m3 simulation of the other D - rd columns in blocks of
     nope_block (`numerics.act_quant_sim`; the official KV QAT, 0 = none: fp32 mode, the indexer's keys).
+    ring [b, W, D] in dtype (s = 1 only; the decode step's window ring, `dsv4.state.LayerState.ring`): the row is
+    also written to ring slot pos % W of its batch row (the token's KV, `dsv4.model.Attention.step`).
     Returns: [b, s, D] in dtype, a new tensor."""
     y = rms_norm_ref(x.to(dtype or x.dtype), weight, eps)
     p = pos if window == 1 else (pos // window) * window
     y = rope_tail_ref(y, p, inv_freq, rd)
     if nope_block:
         y = torch.cat((numerics.act_quant_sim(y[..., :-rd].contiguous(), nope_block), y[..., -rd:]), -1)
+    if ring is not None:
+        b, W = ring.shape[0], ring.shape[1]
+        ring.scatter_(1, (pos.reshape(-1, 1) % W).expand(b, 1).view(b, 1, 1).expand(b, 1, y.shape[-1]), y)
     return y
 
 
 def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
-              rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None) -> torch.Tensor:
+              rd: int, nope_block: int = 0, window: int = 1, dtype: torch.dtype | None = None,
+              ring: torch.Tensor | None = None) -> torch.Tensor:
     """`kv_finish_ref` in ONE launch (torch + the triton entries: 4 launches for the attention's KV row - norm,
     e4m3 simulation, the copy back, RoPE - and 7 for a compressed entry - the cast, the window floor's two, norm,
     RoPE, e4m3, copy): one program per row, the same fp32 operations in the same order as `rms_norm`, `rope_tail_`
@@ -181,7 +197,8 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
 
     Args: as `kv_finish_ref`; x [b, s, D] bf16 / fp32 contiguous (fp32 with dtype bf16: rounded first), weight
         [D] fp32, pos int64 [s] or [b, s] contiguous on x's device, inv_freq [rd/2] fp64, rd even <= D,
-        nope_block 0 or a block dividing D - rd (<= 1024), window >= 1; dtype bf16 / fp32, at most as wide as x.
+        nope_block 0 or a block dividing D - rd (<= 1024), window >= 1; dtype bf16 / fp32, at most as wide as x;
+        ring [b, W, D] in dtype with contiguous rows (any batch stride: a view of the state's keys), s = 1.
     Returns: [b, s, D] in dtype. Raises: ValueError naming a bad argument."""
     op = "kv_finish"
     dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else None)
@@ -209,6 +226,12 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
         _fail(op, "nope_block", repr(nope_block), f"0 or an int <= 1024 dividing D - rd = {nope}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         _fail(op, "window", repr(window), "an int >= 1")
+    if ring is not None and (not isinstance(ring, torch.Tensor) or ring.dtype != dtype or ring.dim() != 3
+                             or ring.shape[0] != b or ring.shape[2] != D or S != 1 or ring.stride(2) != 1
+                             or ring.stride(1) != D or ring.device != x.device):
+        _fail(op, "ring", f"{getattr(ring, 'dtype', type(ring))} {tuple(getattr(ring, 'shape', ()))} strides "
+              f"{getattr(ring, 'stride', lambda: ())()} with s={S}", f"{dtype} [{b}, W, {D}] with contiguous rows, "
+              "on x's device, s = 1")
     check_layout(op, {"x": x, "weight": weight, "pos": pos, "inv_freq": inv_freq})
     y = torch.empty(b, S, D, dtype=dtype, device=x.device)
     rows = b * S
@@ -216,8 +239,9 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
         block = nope_block or max(nope, 1)
         NB = -(-nope // block) if nope else 0
         BD = triton.next_power_of_2(D)
-        _kv_finish_kernel[(rows,)](x, weight, pos, inv_freq, y, D, S, eps, window, rd // 2, NB, block,
-                                   BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
+        _kv_finish_kernel[(rows,)](x, weight, pos, inv_freq, y, y if ring is None else ring, D, S, eps, window,
+                                   rd // 2, NB, block, 0 if ring is None else ring.stride(0),
+                                   1 if ring is None else ring.shape[1], RING=ring is not None, BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
                                    NBP=max(1, triton.next_power_of_2(max(NB, 1))),
                                    BB=max(16, triton.next_power_of_2(block)),
                                    ROUND_IN=x.dtype != dtype, OUT_BF16=dtype == torch.bfloat16,

@@ -791,6 +791,15 @@ def kv_finish_window_not_floored(mp: MP) -> None:
     _jit_source_mutant(mp, rope, "_kv_finish_kernel", "p = (p // window) * window", "p = p  # MUTANT")
 
 
+def kv_finish_ring_slot_shifted(mp: MP) -> None:
+    """The fused KV finish kernel writes the decode token's KV into ring slot (p + 1) % W instead of p % W
+    (issue 27: the ring write inside `_kv_finish_kernel`); the returned row and the reference are right."""
+    from kernels import rope
+
+    _jit_source_mutant(mp, rope, "_kv_finish_kernel", "ring_row = ring_ptr + row * ring_sb + (p % W) * D",
+                       "ring_row = ring_ptr + row * ring_sb + ((p + 1) % W) * D  # MUTANT")
+
+
 def multi_turn_prefix_unchecked(mp: MP) -> None:
     """A new turn continues the previous turn's state whenever it belongs to the model, without checking that
     the new prompt's ids extend the state's ids (the format's rewrite of earlier turns, e.g. the reasoning dropped

@@ -206,7 +206,7 @@ class Checked:
     def fp4_act_quant_sim(self, x, block):
         return self._sim("fp4_act_quant_sim", quant.fp4_act_quant_sim, x, block)
 
-    def kv_finish(self, x, weight, eps, pos, inv_freq, rd, nope_block=0, window=1, dtype=None):
+    def kv_finish(self, x, weight, eps, pos, inv_freq, rd, nope_block=0, window=1, dtype=None, ring=None):
         """Bitwise the chain of the triton entries it fuses (cast, `rms_norm`, `rope_tail_`, `act_quant_sim` on the
         nope channels: the same fp32 operations, the norm's sum of squares in the same order) and, against the
         torch chain (`kv_finish_ref`), mostly bitwise with every element within one e4m3 step (2^-3 relative:
@@ -215,7 +215,13 @@ class Checked:
         from kernels import quant as kq
         from kernels import rope as kr
         args = (x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype)
-        got, want = self.k["kv_finish"](*args), kr.kv_finish_ref(*args)
+        before = None if ring is None else ring.clone()
+        got, want = self.k["kv_finish"](*args, ring=ring), kr.kv_finish_ref(*args)
+        if ring is not None:  # the decode step's ring write: each row's slot pos % W holds the row, nothing else moved
+            expect = before.clone()
+            slot = (pos.reshape(-1) % ring.shape[1]).expand(ring.shape[0])
+            expect[torch.arange(ring.shape[0], device=ring.device), slot] = got[:, 0]
+            assert torch.equal(ring, expect), "kv_finish ring write"
         dt = dtype or x.dtype
         chain = kn.rms_norm(x.to(dt).contiguous(), weight, eps)
         chain = kr.rope_tail_(chain, pos if window == 1 else (pos // window) * window, inv_freq, rd)

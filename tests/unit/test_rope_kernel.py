@@ -217,3 +217,28 @@ def test_kv_finish_names_bad_input():
         kv_finish(x, w, 1e-6, pos[:1], f, 64)
     with pytest.raises(ValueError, match="weight"):
         kv_finish(x, w[:64], 1e-6, pos, f, 64)
+
+
+def test_kv_finish_writes_the_ring_slot(seed):
+    """With `ring` (the decode step, one token per row): the kernel writes each row's result into its ring slot
+    pos % W of a ring that is a view of the state's keys (batch stride W + n_e rows) and nothing else; the
+    reference (`kv_finish_ref`) writes the same slots. Rows at positions that wrap the ring differently."""
+    from kernels.rope import kv_finish, kv_finish_ref
+    args = tiny_args(rope_head_dim=64, index_head_dim=64)
+    f = rope_inv_freq(args, 0, 64).to(DEV)
+    b, W, n_e, D = 3, 8, 5, 192
+    x = (torch.randn(b, 1, D, device=DEV) * 3).to(torch.bfloat16)
+    w = torch.randn(D, device=DEV)
+    pos = torch.tensor([[3], [8], [29]], device=DEV, dtype=torch.int64)
+    keys = torch.randn(b, W + n_e, D, device=DEV).to(torch.bfloat16)
+    keys_ref = keys.clone()
+    got = kv_finish(x, w, 1e-6, pos, f, 64, 64, ring=keys[:, :W])
+    want = kv_finish_ref(x, w, 1e-6, pos, f, 64, 64, ring=keys_ref[:, :W])
+    expect = keys_ref.clone()
+    for i, p in enumerate(pos[:, 0].tolist()):
+        expect[i, p % W] = got[i, 0]
+        assert torch.equal(keys_ref[i, p % W], want[i, 0])
+    assert torch.equal(keys, expect), "only each row's slot pos % W changes, to the row's result"
+    with pytest.raises(ValueError, match="ring"):
+        kv_finish(x.expand(b, 2, D).contiguous(), w, 1e-6, pos.expand(b, 2).contiguous(), f, 64, 64,
+                  ring=keys[:, :W])
