@@ -114,6 +114,9 @@ class Backend:
     # None: `(Z.softmax(2) * A).sum(2)` (torch); the batch-invariant mode's fixed-order form
     # (`kernels.invariant.pool_windows`: the same windows pooled in the same order whatever the call's length)
     pool_windows: Callable | None = None
+    # q_finish(q [b, s, h, d], eps, pos, inv_freq, rd) -> q.dtype: `head_rms` then `rope_tail` in one launch (None:
+    # the two entries; triton: `kernels.norm.head_rms_rope`)
+    q_finish: Callable | None = None
     # kv_finish(x [b, s, D], weight, eps, pos, inv_freq, rd, nope_block, window, dtype) -> [b, s, D] dtype: a KV row's
     # norm, RoPE of the tail and e4m3 rounding of the nope channels (the attention's kv, a compressor's entries).
     # None: the model's chain of modules and entries (kv_norm / norm, rope_tail, act_quant_sim: the spec, and what
@@ -189,7 +192,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
                            step_index=attention.step_index, moe_combine=moe.moe_combine,
                            swiglu_joint=moe.swiglu_joint, join_w13=True, kv_finish=rope.kv_finish,
-                           batch_invariant=True)
+                           q_finish=norm.head_rms_rope, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
@@ -201,5 +204,5 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_w13=True,
-                       kv_finish=rope.kv_finish)
+                       kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

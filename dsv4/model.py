@@ -501,8 +501,11 @@ class Attention(nn.Module):
         which gets each row's KV at slot pos % W."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
-        q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official torch chain
-        q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
+        if ops.q_finish is not None:  # the two steps below in one launch (triton: `kernels.norm.head_rms_rope`)
+            q = ops.q_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd)
+        else:
+            q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official chain
+            q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         if ops.kv_finish is not None:  # the three steps below in one launch (triton: `kernels.rope.kv_finish`)
             kv = ops.kv_finish(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
                                self.sim.kv_nope_block(self.hd - self.rd), ring=ring)

@@ -59,9 +59,12 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     from kernels.jit_formats import round_bf16
 
     @triton.jit
-    def _head_rms_kernel(x_ptr, y_ptr, d, eps, BD: tl.constexpr, BF16: tl.constexpr):
+    def _head_rms_kernel(x_ptr, y_ptr, d, eps, pos_ptr, f_ptr, S, H, RD2, BD: tl.constexpr, BF16: tl.constexpr,
+                         ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False, BR: tl.constexpr = 16):
         """One row of d values per program: `x * rsqrt(mean(x^2) + eps)`; BF16: a bf16 rounding after each torch
-        op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product), else all in fp32."""
+        op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product), else all in fp32.
+        ROPE: then the last 2*RD2 columns rotated as `kernels.rope.rope_tail_` does (row = ((b*S + t)*H + h); the
+        position pos[t], or pos[b, t] with PER_ROW), stored once (the norm's store skips them)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BD)
         mask = offs < d
@@ -70,10 +73,30 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             sq = round_bf16(x * x)
             mean = round_bf16(tl.sum(sq, axis=0) / d)
             r = round_bf16(tl.math.rsqrt(round_bf16(mean + eps)))
-            tl.store(y_ptr + row * d + offs, round_bf16(x * r).to(tl.bfloat16), mask=mask)
+            y = round_bf16(x * r)
         else:
             r = tl.math.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-            tl.store(y_ptr + row * d + offs, x * r, mask=mask)
+            y = x * r
+        if ROPE:
+            tl.store(y_ptr + row * d + offs, y.to(y_ptr.dtype.element_ty), mask=offs < d - 2 * RD2)
+            t = (row // H) % S
+            if PER_ROW:
+                t = row // H
+            i = tl.arange(0, BR)
+            mi = i < RD2
+            ang = tl.load(pos_ptr + t).to(tl.float64) * tl.load(f_ptr + i, mask=mi, other=0.0)
+            c = tl.cos(ang).to(tl.float32)
+            sn = tl.sin(ang).to(tl.float32)
+            ce = d - 2 * RD2 + 2 * i
+            y0 = tl.load(x_ptr + row * d + ce, mask=mi, other=0.0).to(tl.float32) * r
+            y1 = tl.load(x_ptr + row * d + ce + 1, mask=mi, other=0.0).to(tl.float32) * r
+            if BF16:
+                y0 = round_bf16(y0)
+                y1 = round_bf16(y1)
+            tl.store(y_ptr + row * d + ce, cast_for_store(y0 * c - y1 * sn, y_ptr), mask=mi)
+            tl.store(y_ptr + row * d + ce + 1, cast_for_store(y0 * sn + y1 * c, y_ptr), mask=mi)
+        else:
+            tl.store(y_ptr + row * d + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,6 +165,39 @@ def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.numel() // d
     if rows:
         BD = triton.next_power_of_2(d)
-        _head_rms_kernel[(rows,)](x, y, d, eps, BD=BD, BF16=x.dtype == torch.bfloat16,
+        _head_rms_kernel[(rows,)](x, y, d, eps, x, x, 1, 1, 0, BD=BD, BF16=x.dtype == torch.bfloat16,
+                                  num_warps=4 if BD <= 4096 else 8)
+    return y
+
+
+def head_rms_rope(x: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
+    """The attention's q finish in ONE launch (issue 27; two before): `head_rms` then `kernels.rope.rope_tail_` of
+    the last rd columns - the same operations, rounded where the chain stores (bitwise that chain,
+    tests/unit/test_norm_kernel.py). x [b, s, h, d] bf16 / fp32; pos int64 [s] or [b, s] contiguous; inv_freq
+    [rd/2] fp64; rd even <= d. Returns [b, s, h, d] in x.dtype. Raises ValueError naming a bad argument."""
+    op = "head_rms_rope"
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 4:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}",
+              "a bf16 or float32 tensor [b, s, h, d]")
+    b, S, H, d = x.shape
+    if not 0 < d <= MAX_DIM:
+        _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "eps", repr(eps), "a finite float > 0")
+    if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > d:
+        _fail(op, "rd", repr(rd), f"an even int in 2..{d}")
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S)):
+        _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}",
+              f"int64 [{S}] or [{b}, {S}]")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or tuple(inv_freq.shape) != (rd // 2,):
+        _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))}", f"float64 [{rd // 2}]")
+    x = x.contiguous()
+    check_layout(op, {"x": x, "pos": pos, "inv_freq": inv_freq})
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        BD = triton.next_power_of_2(d)
+        _head_rms_kernel[(rows,)](x, y, d, eps, pos, inv_freq, S, H, rd // 2, BD=BD, BF16=x.dtype == torch.bfloat16,
+                                  ROPE=True, PER_ROW=pos.dim() == 2, BR=max(16, triton.next_power_of_2(rd // 2)),
                                   num_warps=4 if BD <= 4096 else 8)
     return y

@@ -94,7 +94,8 @@ class Checked:
                   "act_quant_sim": b.act_quant_sim, "fp4_act_quant_sim": b.fp4_act_quant_sim,
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
-                  "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish}
+                  "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
+                  "q_finish": b.q_finish}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -232,6 +233,16 @@ class Checked:
         assert bool(((got.float() - w).abs() <= 2.0 ** -3 * w.abs() + 1e-30).all()), f"kv_finish {tuple(x.shape)}"
         assert_mostly_bitwise(got, want, f"kv_finish {tuple(x.shape)}")
         self.paths["kv_finish"] += 1
+        return got
+
+    def q_finish(self, q, eps, pos, inv_freq, rd):
+        """Bitwise the two triton entries it fuses (`head_rms`, then `rope_tail_`), and `head_rms`'s criterion
+        against the torch chain (this class's `head_rms`, which also counts that path)."""
+        from kernels.rope import rope_tail_
+        got = self.k["q_finish"](q, eps, pos, inv_freq, rd)
+        chain = rope_tail_(self.head_rms(q, eps), pos, inv_freq, rd)
+        assert torch.equal(got, chain), f"q_finish {tuple(q.shape)} vs head_rms + rope_tail_"
+        self.paths["q_finish"] += 1
         return got
 
     def swiglu_joint(self, uv, limit):

@@ -130,11 +130,12 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     import kernels.rope
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     assert m.backend.kv_finish is kernels.rope.kv_finish
-    calls.update(pool=0, rope=0, kv=0)
+    calls.update(pool=0, rope=0, kv=0, q=0)
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
                                                           rope_tail=count("rope", m.backend.rope_tail),
-                                                          kv_finish=count("kv", m.backend.kv_finish)))
+                                                          kv_finish=count("kv", m.backend.kv_finish),
+                                                          q_finish=count("q", m.backend.q_finish)))
     monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
     st = _fork(m, prefilled)
     assert st.pos == 11
@@ -144,10 +145,12 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
-    # every compressor pools through the kernel each step; RoPE: q, o per layer and the indexer's q through
-    # `rope_tail`, the kv of every layer and the entry of every compressor inside `kv_finish` (issue 27)
+    # every compressor pools through the kernel each step; RoPE: o per layer and the indexer's q through
+    # `rope_tail`, q inside `q_finish`, the kv of every layer and the entry of every compressor inside `kv_finish`
+    # (issue 27)
     assert calls["pool"] - before["pool"] == n_comp, calls
-    assert calls["rope"] - before["rope"] == 2 * len(m.layers) + n_csa, calls
+    assert calls["rope"] - before["rope"] == len(m.layers) + n_csa, calls
+    assert calls["q"] - before["q"] == len(m.layers), calls
     assert calls["kv"] - before["kv"] == len(m.layers) + n_comp, calls
 
 

@@ -145,3 +145,27 @@ def test_head_rms_names_bad_input():
         head_rms(torch.ones(2, 8, device=DEV), 0.0)
     with pytest.raises(ValueError, match="width"):
         head_rms(torch.ones(2, 0, device=DEV), 1e-6)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-pos", "per-row-pos"])
+def test_head_rms_rope_is_the_two_kernels(seed, dtype, per_row):
+    """`head_rms_rope` (one launch) is bitwise `head_rms` then `rope_tail_` (the same operations; the norm's store
+    skips the tail the rotation stores). Positions up to 2^20 (large angles), ragged rows. Negative control: the
+    unrotated tail (head_rms alone) differs."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.norm import head_rms, head_rms_rope
+    from kernels.rope import rope_tail_
+    f = rope_inv_freq(tiny_args(rope_head_dim=64, index_head_dim=64), 4, 64).to(DEV)
+    q = (torch.randn(2, 3, 4, 192, device=DEV) * 2.0 ** torch.randint(-4, 5, (2, 3, 4, 1), device=DEV)).to(dtype)
+    pos = torch.tensor([[7, 8, 9], [(1 << 20) + 1, (1 << 20) + 2, (1 << 20) + 3]], device=DEV)
+    if not per_row:
+        pos = pos[1]
+    got = head_rms_rope(q, 1e-6, pos, f, 64)
+    plain = head_rms(q, 1e-6)
+    assert got.dtype == dtype and torch.equal(got, rope_tail_(plain.clone(), pos, f, 64))
+    assert not torch.equal(got, plain)
+    with pytest.raises(ValueError, match="rd"):
+        head_rms_rope(q, 1e-6, pos, f, 63)
