@@ -429,9 +429,9 @@ class Indexer(nn.Module):
         # an fp32 product rounded after)
         w = self.weights_proj(x) * self.weight_scale
         scores = self.reduce_scores(backend.indexer_scores(q, w, keys))  # [b, s, n] fp32
-        n_valid = ((pos + 1) // 4).clamp(max=keys.shape[1]).expand(b, s)  # causal entries per query, spec §7.4
+        # causal entries per query, min((p + 1) // 4, n) (spec §7.4): the top-k counts them from the positions
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
-        return topk(scores, k, n_valid, check=False)  # n_valid in [0, n] by construction: no checking sync
+        return topk(scores, k, pos.expand(b, s), check=False, ratio=4)  # counts in [0, n]: no checking sync
 
 
 def _rotate_fp4(x: torch.Tensor, h: torch.Tensor, sim: _Sim, ops: Backend) -> torch.Tensor:

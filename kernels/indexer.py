@@ -65,7 +65,7 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor) 
 
 
 def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,
-                     check: bool = True) -> torch.Tensor:
+                     check: bool = True, ratio: int = 0) -> torch.Tensor:
     """Deterministic top-k of indexer scores (spec §7 steps 4-7), identical on CPU and CUDA and for any n.
 
     Rule: larger score first; equal scores toward the LOWER entry index; picks returned in that order. -0.0
@@ -78,6 +78,9 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
         scores: [b, s, n] float32.
         k: number of slots to return (int >= 0); the caller passes min(index_topk, causal entries) or index_topk.
         n_valid: optional int32/int64 [b, s]: entries 0..n_valid-1 are eligible (causal); None = all n.
+        ratio: 0, or the compression ratio r > 0 when n_valid holds each query's position p instead of a count:
+            the count is then min((p + 1) // r, n), the entries completed up to p (spec §7.4; the decode step
+            passes its positions, so no launch computes the counts).
         check: verify 0 <= n_valid <= n (one device sync: an aminmax read back).
     Returns:
         idx: [b, s, k] int64 entry indices; slots j >= min(n_valid, n) hold -1.
@@ -91,6 +94,11 @@ def indexer_topk_ref(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None 
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
         raise ValueError(f"{where}: k must be an int >= 0, got {k!r}")
     b, s, n = scores.shape
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0 or (ratio and n_valid is None):
+        raise ValueError(f"indexer_topk_ref: ratio={ratio!r}, expected an int >= 0 (> 0 only with n_valid "
+                         "positions)")
+    if ratio and isinstance(n_valid, torch.Tensor):
+        n_valid = ((n_valid + 1) // ratio).clamp(max=scores.shape[-1])
     if n_valid is None:
         count = torch.full((b, s), n, dtype=torch.int64, device=scores.device)
     else:
@@ -315,7 +323,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["S", "N", "k", "ssb", "sss", "snb", "sns", "sob", "sos"])  # issue 29
     def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos,
                              HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
-                             IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+                             IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr, RATIO: tl.constexpr = 0):
         """One program per query row (b, t). A count outside [0, N] (no host check) fills the row with -2:
         not a valid index and not the empty marker -1, so `sparse_attn`'s guard turns that query into NaN."""
         pid = tl.program_id(0)
@@ -324,6 +332,8 @@ if triton is not None:
         out_ptr = OUT + b * sob + t * sos
         if HAS_NV:
             count = tl.load(NV + b * snb + t * sns).to(tl.int32)
+            if RATIO > 0:  # NV holds the query's position: the entries completed up to it (spec §7.4)
+                count = tl.minimum((count + 1) // RATIO, N)
         else:
             count = N
         if (count < 0) | (count > N):
@@ -403,7 +413,7 @@ def _topk_config(n: int, k: int) -> tuple[int, int, bool]:
 
 def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, check: bool = False, num_warps: int | None = None,
-                 sorted_picks: bool = True) -> torch.Tensor:
+                 sorted_picks: bool = True, ratio: int = 0) -> torch.Tensor:
     """Triton `indexer_topk_ref` (spec §7 steps 4-7): same arguments, same picks in the same order, bitwise.
 
     One program per query row: a radix select of the k-th largest key (16 passes of 3 packed counts over the
@@ -416,7 +426,8 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
         verify 0 <= n_valid <= n on the host (one sync, ValueError); default False: a row whose n_valid lies
         outside [0, n] gets -2 in every slot (not an index and not the empty marker -1: `sparse_attn` turns
         such a query into NaN); `num_warps` default from the row length; `sorted_picks` False = the same set
-        of picks in ascending entry order (skips the final sort; attention does not depend on the order).
+        of picks in ascending entry order (skips the final sort; attention does not depend on the order);
+        `ratio` as `indexer_topk_ref` (n_valid positions; the count min((p + 1) // ratio, n) computed in-kernel).
     Returns: idx [b, s, k] int64, slots j >= min(n_valid, n) hold -1.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -427,8 +438,11 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
     _check_topk_args(tuple(scores.shape), scores.device, k, n_valid, where)
     _check_launch_device({"scores": scores, **({"n_valid": n_valid} if n_valid is not None else {})}, where)
     b, s, n = scores.shape
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 0 or (ratio and n_valid is None):
+        raise ValueError(f"{where}: ratio={ratio!r}, expected an int >= 0 (> 0 only with n_valid positions)")
     if check and n_valid is not None and n_valid.numel():
-        lo, hi = torch.stack(torch.aminmax(n_valid)).tolist()  # one device sync (opt-in)
+        counts = ((n_valid + 1) // ratio).clamp(max=n) if ratio else n_valid
+        lo, hi = torch.stack(torch.aminmax(counts)).tolist()  # one device sync (opt-in)
         if lo < 0 or hi > n:
             raise ValueError(f"{where}: n_valid must lie in [0, n={n}], got min {lo} max {hi}")
     out = _topk_out(out, b, s, k, scores.device, where)
@@ -440,7 +454,7 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
     _indexer_topk_kernel[(b * s,)](scores, nv, out, s, n, k, scores.stride(0), scores.stride(1),
                                    nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
                                    HAS_NV=n_valid is not None, BLOCK=block, KP=kp, IN_REGISTERS=in_regs,
-                                   SORTED=bool(sorted_picks), num_warps=warps)
+                                   SORTED=bool(sorted_picks), RATIO=ratio, num_warps=warps)
     return out
 
 

@@ -221,12 +221,12 @@ def compressed_entry_one_token_early(mp: MP) -> None:
 
     orig = model.indexer_topk_ref
 
-    def indexer_topk_ref(scores, k, n_valid=None, *, check=True):
+    def indexer_topk_ref(scores, k, n_valid=None, *, check=True, ratio=0):
         b, s, n = scores.shape
         if s > 1 and n_valid is not None:  # prefill
             pos = torch.arange(s, device=scores.device)
-            n_valid = ((pos + 2) // 4).clamp(max=n).expand(b, s)  # MUTANT: (pos + 1) // 4
-        return orig(scores, k, n_valid, check=check)
+            n_valid, ratio = ((pos + 2) // 4).clamp(max=n).expand(b, s), 0  # MUTANT: (pos + 1) // 4
+        return orig(scores, k, n_valid, check=check, ratio=ratio)
 
     mp.setattr(model, "indexer_topk_ref", indexer_topk_ref)
 

@@ -403,3 +403,25 @@ def test_rotate_fp4_layouts_and_empty(seed):
                 rotate_fp4(torch.ones(rows, 64, dtype=torch.bfloat16))
         keys = {k: v for k, v in log.keys.items() if k.endswith("_rotate_fp4_kernel")}
         assert len(keys) == 1 and len(next(iter(keys.values()))) == 1, keys
+
+
+
+@needs_triton
+def test_topk_counts_from_positions(seed):
+    """`ratio` (issue 27: the decode step passes its positions, no launch computes the counts): the top-k of
+    positions p with ratio r equals the top-k with counts min((p + 1) // r, n), in the kernel and the reference;
+    positions at, below and past a window boundary and past the last entry. Negative control: (p + 2) // r (an
+    entry visible one token early) differs."""
+    from kernels.indexer import indexer_topk, indexer_topk_ref
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(2, 3, 9, generator=g)
+    pos = torch.tensor([[2, 3, 4], [30, 35, 36]])
+    counts = ((pos + 1) // 4).clamp(max=9)
+    want = indexer_topk_ref(scores, 4, counts)
+    assert torch.equal(indexer_topk_ref(scores, 4, pos, ratio=4), want)
+    dev = "cpu" if INTERPRET else "cuda"
+    got = indexer_topk(scores.to(dev), 4, pos.to(dev), ratio=4).cpu()
+    assert torch.equal(got, want)
+    assert not torch.equal(indexer_topk_ref(scores, 4, ((pos + 2) // 4).clamp(max=9)), want)
+    with pytest.raises(ValueError, match="ratio"):
+        indexer_topk_ref(scores, 4, None, ratio=4)
