@@ -28,8 +28,12 @@ fixed set and model constants only, and the threshold choices `dsv4.warmup` prob
   gemm / fp32_linear / moe   the decode GEMVs per row bucket (BM = next power of two of M <= 64) and launch
                  config, and `_bf16w_gemv_kernel` by M's class (== 1, % 16) within a bucket (M <= 64: a finite
                  set, all of it warmed); the MoE paths by pair count (GEMV / 16x64 / 32x128 tiles);
-  norm, quant, rope, compressor   one per model width (and call site).
-  invariant      (the batch-invariant mode) `_head_rms_kernel` / `_hadamard_kernel` one per width; its GEMVs
+  norm, quant, rope, compressor   one per model width (and call site); `_head_rms_kernel` per width x RoPE
+                 (the q finish) x shared / per-row positions, `_kv_finish_kernel` per width x call site (kv, CSA /
+                 HCA / indexer entry) x ring write (decode);
+  moe epilogues  `_swiglu_joint_kernel`, `_sum_slots_kernel` one per width and slot count;
+  attention      `_step_index_kernel` per layer kind x s == 1; indexer `_rotate_fp4_kernel` one per width;
+  invariant      (the batch-invariant mode) `_hadamard_kernel` one per width (its head-RMS is norm's); its GEMVs
                  one per launch config and side (16-row tiles <= 64 rows, 64-row tiles above), M's class as above.
   router         `_route_kernel` one per (E, k, score function) x score / hash layer: no argument follows the
                  batch (the row count is only the grid).

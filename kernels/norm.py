@@ -58,7 +58,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     from kernels.jit_formats import round_bf16
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S"])  # issue 29: S is the token count of a call (prefill length)
     def _head_rms_kernel(x_ptr, y_ptr, d, eps, pos_ptr, f_ptr, S, H, RD2, BD: tl.constexpr, BF16: tl.constexpr,
                          ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False, BR: tl.constexpr = 16):
         """One row of d values per program: `x * rsqrt(mean(x^2) + eps)`; BF16: a bf16 rounding after each torch

@@ -720,7 +720,7 @@ def test_joined_shared_expert_equals_the_two_linears(seed):
     assert torch.equal(tri.w13.codes[256:].view(torch.uint8).cpu(), sd["w3.weight"].view(torch.uint8))
     x = (torch.randn(3, 256, generator=g) * 2).to(torch.bfloat16)
     with torch.no_grad():
-        want = ref(x)
+        want = ref(x.to(DEV)).cpu()
         got = tri(x.to(DEV)).cpu()
     close_bf16(got, want, "joined shared expert")
     if INTERP:
