@@ -125,11 +125,12 @@ class Backend:
     # moe_combine(y fp32 [..., D], shared [..., D]) -> shared.dtype: the MoE layer's routed + shared output
     # (`kernels.moe.moe_combine_ref`; triton: `moe_combine`, one launch, bitwise equal); swiglu_joint(uv [..., 2I],
     # limit) -> [..., I]: the shared expert's SwiGLU on its joint projection [w1 x | w3 x] (`swiglu_joint_ref`;
-    # triton: `swiglu_joint`, one launch); join_w13: `Transformer.__init__` holds each shared expert's FP8 w1 / w3
-    # as one weight (`dsv4.model.Expert.join_w13`) so they are one launch (triton; the reference keeps two)
+    # triton: `swiglu_joint`, one launch); join_linears: `Transformer.__init__` holds the FP8 projections that read
+    # the same input as one weight (`dsv4.model.join_fp8`: each shared expert's w1 / w3, each attention's wq_a /
+    # wkv) so each pair is one launch (triton; the reference keeps them apart)
     moe_combine: Callable = moe.moe_combine_ref
     swiglu_joint: Callable = moe.swiglu_joint_ref
-    join_w13: bool = False
+    join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
     # `fp4_act_quant_sim`; triton default mode: `kernels.indexer.rotate_fp4`, one launch)
@@ -191,7 +192,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                            hc_post_pre_max_t=0, stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
                            hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
                            step_index=attention.step_index, moe_combine=moe.moe_combine,
-                           swiglu_joint=moe.swiglu_joint, join_w13=True, kv_finish=rope.kv_finish,
+                           swiglu_joint=moe.swiglu_joint, join_linears=True, kv_finish=rope.kv_finish,
                            q_finish=norm.head_rms_rope, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
                        indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
@@ -203,6 +204,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
-                       moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_w13=True,
+                       moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -252,6 +252,31 @@ class Linear(nn.Module):
         return self.kernel(x, self.codes, self.scales, act_block, self.fp32)
 
 
+def join_fp8(a: Linear, b: Linear) -> Linear:
+    """Hold two FP8 linears that read the same input as ONE weight [a.out + b.out, in] with its ue8m0 scales, and
+    rebind a's and b's buffers to its two row ranges (views: no second copy; `Transformer.load_weights` writes
+    through them; the state dict keeps the official names). The joint `Linear` computes [a x | b x] in one
+    GEMM / GEMV launch (issue 27: "projections that read the same input in one launch"); row n of its output is
+    row n of a x (n < a.out) or of b x, the same values. Called once at construction (`Expert.join_w13`,
+    `Attention.join_wq_a_wkv`), where the backend holds such pairs joined (`Backend.join_linears`).
+    Raises ValueError unless both are held FP8 with equal in_features and a.out % 128 == 0 (no scale block
+    straddles the join)."""
+    if (a.fmt != "fp8" or b.fmt != "fp8" or a.codes.shape[1] != b.codes.shape[1]
+            or a.codes.shape[0] % quant.FP8_BLOCK or a.codes.device != b.codes.device):
+        raise ValueError(f"join_fp8: needs two linears held FP8 with equal in_features and the first's out % "
+                         f"{quant.FP8_BLOCK} == 0, on one device (got fmt {a.fmt} / {b.fmt}, shapes "
+                         f"{tuple(a.codes.shape)} / {tuple(b.codes.shape)})")
+    n, d = a.codes.shape
+    joint = Linear(d, n + b.codes.shape[0], a.sim, quantized=True, dtype=a.compute_dtype)
+    joint.hold("fp8", a.codes.device)
+    nb = n // quant.FP8_BLOCK
+    joint.codes.copy_(torch.cat((a.codes, b.codes)))
+    joint.scales.copy_(torch.cat((a.scales, b.scales)))
+    a._buffers["weight"], a._buffers["scale"] = joint.codes[:n], joint.scales[:nb]
+    b._buffers["weight"], b._buffers["scale"] = joint.codes[n:], joint.scales[nb:]
+    return joint
+
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(args: ModelArgs, ratio: int, dim: int | None = None) -> torch.Tensor:
     """Inverse frequencies `f_i`, i < rd/2, fp64 `[rd/2]` for a layer of compress `ratio` (spec §5).
@@ -477,6 +502,18 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.compressor = Compressor(args, self.ratio, self.hd, sim, inv_freq, indexer=False) if self.ratio else None
         self.indexer = Indexer(args, sim, inv_freq, dtype) if self.ratio == 4 else None
+        # wq_a and wkv held as one weight (`join_wq_a_wkv`): a plain attribute, not a submodule (the state dict
+        # keeps the official names)
+        self.__dict__["wqkv_a"] = None
+
+    def join_wq_a_wkv(self) -> None:
+        """wq_a and wkv (both read the attn_norm output) as one FP8 weight [q_lora + head_dim, dim] (`join_fp8`:
+        they become views of `self.wqkv_a`), so `_qkv` runs them as one launch (issue 27). Called once by
+        `Transformer.__init__` where the backend joins (`Backend.join_linears`). Raises ValueError as `join_fp8`,
+        or when already joined."""
+        if self.wqkv_a is not None:
+            raise ValueError("Attention.join_wq_a_wkv: already joined")
+        self.__dict__["wqkv_a"] = join_fp8(self.wq_a, self.wkv)
 
     def new_state(self, b: int, max_len: int, dtype: torch.dtype, device) -> LayerState:
         """Empty decode state of this layer for b sequences of up to max_len tokens (`LayerState`): keys
@@ -499,7 +536,12 @@ class Attention(nn.Module):
         §5.3), the shared K=V head with the FP8 rounding of its nope channels, both RoPE'd on the last rd
         channels (spec §5.2) through `ops`. ring (the decode step of one token per row): the state's window ring,
         which gets each row's KV at slot pos % W."""
-        qr = self.q_norm(self.wq_a(x))
+        if self.wqkv_a is not None:  # [wq_a x | wkv x] as one linear (`join_wq_a_wkv`); the halves are row-strided
+            y = self.wqkv_a(x)
+            qa, kva = y[..., :self.q_norm.weight.shape[0]], y[..., self.q_norm.weight.shape[0]:]
+        else:
+            qa, kva = self.wq_a(x), self.wkv(x)
+        qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
         if ops.q_finish is not None:  # the two steps below in one launch (triton: `kernels.norm.head_rms_rope`)
             q = ops.q_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd)
@@ -507,10 +549,10 @@ class Attention(nn.Module):
             q = ops.head_rms(q, self.args.norm_eps)  # reference: `kernels.norm.head_rms_ref`, the official chain
             q = ops.rope_tail(q, pos, self.inv_freq, self.rd)
         if ops.kv_finish is not None:  # the three steps below in one launch (triton: `kernels.rope.kv_finish`)
-            kv = ops.kv_finish(self.wkv(x), self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
+            kv = ops.kv_finish(kva, self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
                                self.sim.kv_nope_block(self.hd - self.rd), ring=ring)
             return qr, q, kv
-        kv = self.kv_norm(self.wkv(x))
+        kv = self.kv_norm(kva)
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
         kv = ops.rope_tail(kv, pos, self.inv_freq, self.rd)
         if ring is not None:
@@ -626,29 +668,13 @@ class Expert(nn.Module):
         self.swiglu_joint: Callable = sim.ops.swiglu_joint  # the backend's (reference: `swiglu_joint_ref`)
 
     def join_w13(self) -> None:
-        """Hold w1 and w3 as ONE FP8 weight [2*inter, dim] with scales [2*inter/128, dim/128] (`self.w13`, a
-        `Linear`) and rebind w1's and w3's buffers to its two halves (views: no second copy; `load_weights` writes
-        through them), so `forward` runs the two projections of x as one GEMM/GEMV launch and the SwiGLU as one
-        more (issue 27: "projections that read the same input in one launch"). The same values: row n of the
-        joint output is row n of w1 x (n < inter) or of w3 x. Called once by `Transformer.__init__` where the
-        backend has a `swiglu_joint` kernel (triton), before loading.
-        Raises ValueError unless both are held FP8 with equal shapes and inter % 128 == 0 (a scale block
-        never straddles the join)."""
-        a, b = self.w1, self.w3
-        if (a.fmt != "fp8" or b.fmt != "fp8" or a.codes.shape != b.codes.shape
-                or a.codes.shape[0] % quant.FP8_BLOCK or self.w13 is not None):
-            raise ValueError(f"Expert.join_w13: needs w1 and w3 held FP8 with equal shapes, out % "
-                             f"{quant.FP8_BLOCK} == 0, not yet joined (got fmt {a.fmt} / {b.fmt}, shapes "
-                             f"{tuple(a.codes.shape)} / {tuple(b.codes.shape)})")
-        n, d = a.codes.shape
-        joint = Linear(d, 2 * n, a.sim, quantized=True, dtype=a.compute_dtype)
-        joint.hold("fp8", a.codes.device)
-        nb = n // quant.FP8_BLOCK
-        joint.codes.copy_(torch.cat((a.codes, b.codes)))
-        joint.scales.copy_(torch.cat((a.scales, b.scales)))
-        a._buffers["weight"], a._buffers["scale"] = joint.codes[:n], joint.scales[:nb]
-        b._buffers["weight"], b._buffers["scale"] = joint.codes[n:], joint.scales[nb:]
-        self.__dict__["w13"] = joint
+        """w1 and w3 as one FP8 weight [2*inter, dim] (`join_fp8`: w1 / w3 become views of `self.w13`), so
+        `forward` runs the two projections of x as one launch and the SwiGLU as one more (issue 27). Called once
+        by `Transformer.__init__` where the backend joins (`Backend.join_linears`), before loading.
+        Raises ValueError as `join_fp8`, or when already joined."""
+        if self.w13 is not None:
+            raise ValueError("Expert.join_w13: already joined")
+        self.__dict__["w13"] = join_fp8(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU (spec §8.5): x [N, dim] -> w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight)
@@ -929,14 +955,18 @@ class Transformer(nn.Module):
         # experts for it (`kernels.moe.stack_experts`, rebinding the experts' buffers to views of the stack, so
         # memory is unchanged and `load_weights` writes through; after `hold_on_disk`, which gives the experts
         # their storage)
-        # the shared experts' w1 / w3 as one weight where the backend runs the joint SwiGLU (triton; FP8 held,
-        # widths multiples of 128): one launch for the two projections (`Expert.join_w13`, issue 27)
-        if self.backend.join_w13:
+        # projections that read the same input held as one weight where the backend joins them (triton; FP8
+        # held, the first's width a multiple of 128): the shared experts' w1 / w3 (`Expert.join_w13`) and the
+        # attention's wq_a / wkv (`Attention.join_wq_a_wkv`), one launch each pair (issue 27)
+        if self.backend.join_linears:
+            def joinable(a: Linear, b: Linear) -> bool:
+                return a.fmt == b.fmt == "fp8" and a.codes.shape[0] % quant.FP8_BLOCK == 0
+
             for m in self.modules():
-                e = m.shared_experts if isinstance(m, MoE) else None
-                if (e is not None and e.w1.fmt == "fp8" and e.w3.fmt == "fp8"
-                        and e.w1.codes.shape[0] % quant.FP8_BLOCK == 0):
-                    e.join_w13()
+                if isinstance(m, MoE) and joinable(m.shared_experts.w1, m.shared_experts.w3):
+                    m.shared_experts.join_w13()
+                elif isinstance(m, Attention) and joinable(m.wq_a, m.wkv):
+                    m.join_wq_a_wkv()
         if self.backend.stack_experts is not None:
             for m in self.modules():
                 if isinstance(m, MoE) and m.stackable():

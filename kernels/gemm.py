@@ -429,6 +429,10 @@ GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
     # (not swept at this shape)
     (1, 4096, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),
     (32, 4096, 4096, 1): GemvConfig(unroll=2, num_warps=8),
+    # the attention's joint wq_a | wkv (`dsv4.model.Attention.join_wq_a_wkv`, issue 27): wq_a's launches carried over
+    (1, 1536, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),
+    (8, 1536, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),
+    (32, 1536, 4096, 1): GemvConfig(unroll=2, num_warps=8),
     (1, 4096, 2048, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash shared w2 10.5 -> 9.3 µs
     (8, 4096, 2048, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash shared w2 10.5 -> 10.0 µs
     (32, 4096, 2048, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w2 19.8 -> 15.4 µs

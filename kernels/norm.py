@@ -46,11 +46,11 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     from kernels.gemm import cast_for_store
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, eps, BD: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, d, eps, sx, BD: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BD)
         mask = offs < d
-        x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         ms = tl.sum(x * x, axis=0) / d
         y = (w * x) * tl.math.rsqrt(ms + eps)
@@ -102,7 +102,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_ref` in one Triton launch (module docstring); no host sync (CUDA-graph capturable).
 
-    Args: x [..., d] bf16 / fp32 contiguous; weight [d] fp32; eps > 0 (norm_eps); d <= MAX_DIM.
+    Args: x [..., d] bf16 / fp32 whose rows share one stride (contiguous, or the columns of a wider tensor: a half
+        of a joint projection, `dsv4.model.join_fp8`); weight [d] fp32; eps > 0 (norm_eps); d <= MAX_DIM.
     Returns: [..., d] in x.dtype.
     Raises: ValueError naming the wrong argument (dtype, shape, layout, device, eps).
     """
@@ -117,21 +118,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
     if not isinstance(eps, float) or not 0 < eps < float("inf"):
         _fail(op, "eps", repr(eps), "a finite float > 0")
-    check_layout(op, {"x": x, "weight": weight})
-    y = torch.empty_like(x)
-    rows = x.numel() // d
+    x2 = row_view(x)
+    if x2 is None:
+        _fail(op, "x", f"strides {x.stride()} for shape {tuple(x.shape)}", "rows of d contiguous values at one stride")
+    check_layout(op, {"weight": weight})  # (x's rows need not be contiguous with each other: checked above)
+    if x.device != weight.device:
+        _fail(op, "x", f"on device {x.device}", f"weight's device, {weight.device}")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
     if rows:
         BD = triton.next_power_of_2(d)
-        _rms_norm_kernel[(rows,)](x, weight, y, d, eps, BD=BD, num_warps=4 if BD <= 4096 else 8)
+        _rms_norm_kernel[(rows,)](x2, weight, y, d, eps, x2.stride(0), BD=BD, num_warps=4 if BD <= 4096 else 8)
     return y
+
+
+def row_view(x: torch.Tensor) -> torch.Tensor | None:
+    """x [..., d] as [rows, d] rows at one stride with contiguous columns (a view, no copy), or None when its
+    layout has no such view (the caller copies or refuses)."""
+    if x.dim() < 1 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        return None
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
 
 
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The triton backend's `rms_norm` entry (every `dsv4.model.RMSNorm.forward`), the signature of `rms_norm_ref`:
-    `rms_norm` (one launch) on x [..., d] bf16 / fp32 in any layout (made contiguous), weight [d] fp32, eps > 0;
-    the same fp32 maths as the reference up to the order of the sum of squares; x.dtype out. Raises ValueError as
-    `rms_norm`."""
-    return rms_norm(x.contiguous(), weight, eps)
+    `rms_norm` (one launch) on x [..., d] bf16 / fp32 in any layout (rows at one stride read in place, others
+    made contiguous), weight [d] fp32, eps > 0; the same fp32 maths as the reference up to the order of the sum of
+    squares; x.dtype out, contiguous. Raises ValueError as `rms_norm`."""
+    return rms_norm(x if row_view(x) is not None else x.contiguous(), weight, eps)
 
 
 def head_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -24,7 +24,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
-from kernels.norm import rms_norm_ref
+from kernels.norm import rms_norm_ref, row_view
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -63,7 +63,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit(do_not_specialize=["S"])
     def _kv_finish_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
-                          ring_sb, W,
+                          ring_sb, W, sx,
                           BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
                           ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
                           QUANT: tl.constexpr, RING: tl.constexpr = False):
@@ -79,7 +79,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         if RING:
             ring_row = ring_ptr + row * ring_sb + (p % W) * D
         cols = tl.arange(0, BD)
-        x = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < D, other=0.0).to(tl.float32)
         if ROUND_IN:
             x = round_bf16(x)
         r = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -89,7 +89,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         bj = tl.arange(0, BB)[None, :]
         c2 = bi * block + bj
         m2 = (bi < NB) & (bj < block) & (c2 < nope)
-        xn = tl.load(x_ptr + row * D + c2, mask=m2, other=0.0).to(tl.float32)
+        xn = tl.load(x_ptr + row * sx + c2, mask=m2, other=0.0).to(tl.float32)
         if ROUND_IN:
             xn = round_bf16(xn)
         yn = (tl.load(w_ptr + c2, mask=m2, other=0.0) * xn) * r
@@ -109,8 +109,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         c = tl.cos(ang).to(tl.float32)
         sn = tl.sin(ang).to(tl.float32)
         ce = nope + 2 * i
-        x0 = tl.load(x_ptr + row * D + ce, mask=mi, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + row * D + ce + 1, mask=mi, other=0.0).to(tl.float32)
+        x0 = tl.load(x_ptr + row * sx + ce, mask=mi, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + row * sx + ce + 1, mask=mi, other=0.0).to(tl.float32)
         if ROUND_IN:
             x0 = round_bf16(x0)
             x1 = round_bf16(x1)
@@ -195,7 +195,8 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
     and `act_quant_sim` (each rounded to dtype where the chain stores), so the result equals the chain of the
     triton entries bitwise except for the order of the norm's sum of squares (tests/unit/test_rope_kernel.py).
 
-    Args: as `kv_finish_ref`; x [b, s, D] bf16 / fp32 contiguous (fp32 with dtype bf16: rounded first), weight
+    Args: as `kv_finish_ref`; x [b, s, D] bf16 / fp32, rows at one stride (contiguous, or a half of a joint
+        projection, `dsv4.model.join_fp8`; fp32 with dtype bf16: rounded first), weight
         [D] fp32, pos int64 [s] or [b, s] contiguous on x's device, inv_freq [rd/2] fp64, rd even <= D,
         nope_block 0 or a block dividing D - rd (<= 1024), window >= 1; dtype bf16 / fp32, at most as wide as x;
         ring [b, W, D] in dtype with contiguous rows (any batch stride: a view of the state's keys), s = 1.
@@ -232,16 +233,21 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
         _fail(op, "ring", f"{getattr(ring, 'dtype', type(ring))} {tuple(getattr(ring, 'shape', ()))} strides "
               f"{getattr(ring, 'stride', lambda: ())()} with s={S}", f"{dtype} [{b}, W, {D}] with contiguous rows, "
               "on x's device, s = 1")
-    check_layout(op, {"x": x, "weight": weight, "pos": pos, "inv_freq": inv_freq})
+    x2 = row_view(x)  # rows at one stride (a half of a joint projection) are read in place
+    if x2 is None:
+        _fail(op, "x", f"strides {x.stride()}", "rows of D contiguous values at one stride")
+    check_layout(op, {"weight": weight, "pos": pos, "inv_freq": inv_freq})
+    if x.device != weight.device:
+        _fail(op, "x", f"on device {x.device}", f"weight's device, {weight.device}")
     y = torch.empty(b, S, D, dtype=dtype, device=x.device)
     rows = b * S
     if rows:
         block = nope_block or max(nope, 1)
         NB = -(-nope // block) if nope else 0
         BD = triton.next_power_of_2(D)
-        _kv_finish_kernel[(rows,)](x, weight, pos, inv_freq, y, y if ring is None else ring, D, S, eps, window,
+        _kv_finish_kernel[(rows,)](x2, weight, pos, inv_freq, y, y if ring is None else ring, D, S, eps, window,
                                    rd // 2, NB, block, 0 if ring is None else ring.stride(0),
-                                   1 if ring is None else ring.shape[1], RING=ring is not None, BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
+                                   1 if ring is None else ring.shape[1], x2.stride(0), RING=ring is not None, BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
                                    NBP=max(1, triton.next_power_of_2(max(NB, 1))),
                                    BB=max(16, triton.next_power_of_2(block)),
                                    ROUND_IN=x.dtype != dtype, OUT_BF16=dtype == torch.bfloat16,

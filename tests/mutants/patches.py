@@ -769,17 +769,17 @@ def step_index_kernel_ring_slot_shifted(mp: MP) -> None:
                        "tl.where(u < p0, (u + 1) % W, W + u - p0)")
 
 
-def shared_expert_join_swapped(mp: MP) -> None:
-    """`Expert.join_w13` rebinds w1 to the joint weight's second half and w3 to its first (issue 27): a load
-    fills them crosswise, so the joint projection computes [w3 x | w1 x] and the SwiGLU gates the wrong half;
-    the reference backend never joins."""
-    from dsv4.model import Expert
+def joint_weight_halves_swapped(mp: MP) -> None:
+    """`dsv4.model.join_fp8` (issue 27: two FP8 projections of one input held as one weight) rebinds the first
+    linear to the joint weight's second row range and the second to its first: a load fills them crosswise, so
+    the shared expert computes [w3 x | w1 x] (and wq_a / wkv swap); the reference backend never joins."""
+    from dsv4 import model
 
-    _source_mutant(mp, Expert, "join_w13",
+    _source_mutant(mp, model, "join_fp8",
                    """a._buffers["weight"], a._buffers["scale"] = joint.codes[:n], joint.scales[:nb]
     b._buffers["weight"], b._buffers["scale"] = joint.codes[n:], joint.scales[nb:]""",
-                   """a._buffers["weight"], a._buffers["scale"] = joint.codes[n:], joint.scales[nb:]  # MUTANT
-    b._buffers["weight"], b._buffers["scale"] = joint.codes[:n], joint.scales[:nb]""")
+                   """a._buffers["weight"], a._buffers["scale"] = joint.codes[-n:], joint.scales[-nb:]  # MUTANT
+    b._buffers["weight"], b._buffers["scale"] = joint.codes[:-n], joint.scales[:-nb]""")
 
 
 def kv_finish_window_not_floored(mp: MP) -> None:

@@ -53,7 +53,7 @@ import pytest
 import torch
 
 from dsv4 import quant
-from dsv4.model import DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref
+from dsv4.model import Attention, DecodeState, Gate, Linear, MoE, RMSNorm, Transformer, fp32_linear_ref
 from dsv4.testing import assert_mostly_bitwise, fill_random_quantized_
 from dsv4.tiny import tiny_args
 from kernels import gemm as kgemm
@@ -99,6 +99,9 @@ class Checked:
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
+            if isinstance(m, Attention):  # the joint wq_a | wkv (`join_wq_a_wkv`, issue 27): not a submodule
+                assert m.wqkv_a is not None, "the attention's joint wq_a | wkv must apply (issue 27)"
+                m.wqkv_a.kernel = self.linear
             if isinstance(m, Linear):
                 m.kernel = self.linear
             elif isinstance(m, Gate):

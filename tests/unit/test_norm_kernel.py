@@ -87,7 +87,7 @@ def test_rms_norm_names_bad_input():
         rms_norm(torch.ones(2, 8, device=DEV), w[:4], 1e-6)
     with pytest.raises(ValueError, match="eps is 0.0"):
         rms_norm(torch.ones(2, 8, device=DEV), w, 0.0)
-    with pytest.raises(ValueError, match="non-contiguous"):
+    with pytest.raises(ValueError, match="rows of d contiguous values at one stride"):
         rms_norm(torch.ones(8, 2, device=DEV).T, w, 1e-6)
 
 
@@ -169,3 +169,25 @@ def test_head_rms_rope_is_the_two_kernels(seed, dtype, per_row):
     assert not torch.equal(got, plain)
     with pytest.raises(ValueError, match="rd"):
         head_rms_rope(q, 1e-6, pos, f, 63)
+
+
+def test_norm_kernels_read_strided_rows(seed):
+    """`rms_norm` and `kv_finish` read x whose rows share a stride wider than d (a half of a joint projection,
+    `dsv4.model.join_fp8`, issue 27) in place: bitwise their result on the contiguous copy; a layout with no
+    such row view (a transposed x) is refused by name."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.norm import rms_norm, rms_norm_op
+    from kernels.rope import kv_finish
+    y = (torch.randn(3, 2, 1536, device=DEV) * 3).to(torch.bfloat16)
+    qa, kva = y[..., :1024], y[..., 1024:]
+    assert not qa.is_contiguous() and not kva.is_contiguous()
+    w = torch.randn(1024, device=DEV)
+    assert torch.equal(rms_norm(qa, w, 1e-6), rms_norm(qa.contiguous(), w, 1e-6))
+    assert torch.equal(rms_norm_op(qa, w, 1e-6), rms_norm(qa.contiguous(), w, 1e-6))
+    f = rope_inv_freq(tiny_args(rope_head_dim=64, index_head_dim=64), 0, 64).to(DEV)
+    pos = torch.tensor([[5, 6], [9, 10], [130, 131]], device=DEV)
+    w2 = torch.randn(512, device=DEV)
+    assert torch.equal(kv_finish(kva, w2, 1e-6, pos, f, 64, 64), kv_finish(kva.contiguous(), w2, 1e-6, pos, f, 64, 64))
+    with pytest.raises(ValueError, match="x"):
+        rms_norm(torch.randn(1024, 6, device=DEV).T, w, 1e-6)
