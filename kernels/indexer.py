@@ -595,9 +595,9 @@ if triton is not None:
             acc = tl.dot(x.to(tl.float32), sgn, input_precision="ieee")
         z = round_bf16(acc * scale)
         y = tl.reshape(_fp4_sim_tile(tl.reshape(z, (BR * N // 32, 32))), (BR, N))
-        # The sign bit as the reference's: negative iff z < 0, so a negative z rounded to 0 is -0.0. The GPU
-        # build of `_fp4_sim_tile` returns +0.0 there (its `where(v < 0, -q, q)` loses the sign of a zero q;
-        # the interpreter keeps it); integer bit ops, which no float optimisation rewrites.
+        # The sign bit as the reference's: negative iff z < 0, so a negative z rounded to 0 is -0.0 (integer bit
+        # ops, which no float optimisation rewrites; `_fp4_sim_tile` now sets it the same way - this is the form
+        # measured on the H200, kept as measured)
         yb = y.to(tl.int32, bitcast=True)
         y = tl.where(z < 0, yb | -2147483648, yb).to(tl.float32, bitcast=True)
         tl.store(y_ptr + offs, cast_for_store(y, y_ptr), mask=mask)

@@ -32,7 +32,10 @@ def round_e4m3(y):
     keep = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
     normal = keep.to(tl.float32, bitcast=True)
     r = (tl.abs(y) + 24576.0) - 24576.0
-    sub = tl.where(bits < 0, -r, r)  # the sign BIT: -0.0 (also from an underflowed x * 2^-k) stays -0, as torch's cast
+    # the sign BIT: -0.0 (also from an underflowed x * 2^-k) stays -0, as torch's cast; set by an integer op (the
+    # GPU build of `where(bits < 0, -r, r)` returned +0.0 for a zero r, the interpreter -0.0)
+    rb = r.to(tl.int32, bitcast=True)
+    sub = tl.where(bits < 0, rb | -2147483648, rb).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(y) >= 0.015625, normal, sub)
 
 

@@ -59,7 +59,10 @@ def _fp4_sim_tile(x):
     a = tl.abs(v)
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     q = _round_half_even(a / step) * step
-    q = tl.where(v < 0, -q, q)
+    # the sign as a bit, so a negative v rounded to 0 is -0.0 as in the reference: the GPU build of
+    # `where(v < 0, -q, q)` returned +0.0 there (the interpreter kept the sign); integer ops no float rewrite touches
+    qb = q.to(tl.int32, bitcast=True)
+    q = tl.where(v < 0, qb | -2147483648, qb).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, q * s[:, None])
 
 
