@@ -210,3 +210,73 @@ def fill_random_quantized_(model, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, device=p.device, generator=g) / math.sqrt(p.shape[1]))
         else:
             raise RuntimeError(f"fill_random_quantized_: no rule for {name} {tuple(p.shape)} {p.dtype}")
+
+
+# --------------------------------------------------------------------------- launches of one decode step (issue 27)
+# aten ops that launch nothing on a GPU (views, metadata, allocation without a fill)
+_NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "as_strided", "slice", "select", "unsqueeze", "squeeze",
+              "permute", "transpose", "t", "detach", "alias", "unflatten", "flatten", "split", "split_with_sizes",
+              "unbind", "narrow", "empty", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+              "sym_size", "sym_stride", "is_nonzero", "_local_scalar_dense", "item", "set_", "resize_",
+              "view_as_real", "view_as_complex", "_reshape_alias", "diagonal", "chunk", "empty_like",
+              "scalar_tensor"}
+
+
+def decode_launches(model, tok: torch.Tensor, state) -> list[tuple[int, str, str]]:
+    """What one decode step `model(tok, state)` would launch on a GPU, in order: [(layer index, kind, name)] with
+    kind "triton" (a Triton kernel launch, counted through the interpreter's launcher: needs TRITON_INTERPRET=1
+    for the triton backend) or "aten" (an aten op that launches a kernel: every op a `TorchDispatchMode` sees
+    except views, metadata and plain allocations, `_NO_LAUNCH`); layer index -1 outside the blocks (embedding,
+    head). On a GPU one such aten op is one kernel except a few (`topk`, `sort`: 2-3), so this is the count's
+    shape; `benchmarks/bench_model.py` measures the real one with the CUDA profiler. Used by
+    `benchmarks/launch_inventory.py` and the launch budget test (tests/unit/test_launch_budget.py)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    out: list[tuple[int, str, str]] = []
+    where = [-1]
+    in_triton = [False]
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name not in _NO_LAUNCH and not in_triton[0]:
+                out.append((where[0], "aten", name))
+            return func(*args, **(kwargs or {}))
+
+    interp = None
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:  # triton is optional: a reference model launches aten ops only
+        pass
+    orig_run = interp.InterpretedFunction.run if interp is not None else None
+
+    def run(self, *a, **k):
+        out.append((where[0], "triton", getattr(self.fn, "__name__", str(self.fn))))
+        in_triton[0] = True
+        try:
+            return orig_run(self, *a, **k)
+        finally:
+            in_triton[0] = False
+
+    block = type(model.layers[0])
+    orig_fwd, orig_fd = block.forward, block.forward_deferred
+
+    def wrap(fn):
+        def wrapped(self, *a, **k):
+            where[0] = self.layer_id
+            try:
+                return fn(self, *a, **k)
+            finally:
+                where[0] = -1
+        return wrapped
+    block.forward, block.forward_deferred = wrap(orig_fwd), wrap(orig_fd)
+    if interp is not None:
+        interp.InterpretedFunction.run = run
+    try:
+        with _Ops():
+            model(tok, state)
+    finally:
+        block.forward, block.forward_deferred = orig_fwd, orig_fd
+        if interp is not None:
+            interp.InterpretedFunction.run = orig_run
+    return out

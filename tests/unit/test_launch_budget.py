@@ -1,0 +1,57 @@
+"""The launch budget of one triton decode step per layer kind (issue 27: launches per layer, the lever at batch 1).
+
+Each kernel boundary of the CUDA-graph decode step costs ~3 µs on an H200 beyond the kernel's own work
+(benchmarks/RESULTS.md, session of 2026-12-04), so the step's launches are budgeted: the count of one eager step of
+the inventory model (`benchmarks/launch_inventory.py`: window-only, CSA and HCA layers at widths that take every
+fast path), through `dsv4.testing.decode_launches` (Triton launches + aten ops that launch), must not exceed the
+budget below - the count at 496c3d7. A change that adds a launch to the decode step raises the budget here, in
+review, with its reason; one that removes launches lowers it. Not timed: a structural count. Negative control: the
+same step on the reference backend (torch ops everywhere) is far over budget, so the counter sees launches.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import launch_inventory as inv  # noqa: E402
+
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+# launches of one decode step at batch 1, per layer kind (496c3d7; 94-98 per layer on the GPU before issue 27's
+# fusions, 39-46 after)
+BUDGET = {"sliding": 25, "csa": 43, "hca": 30}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INTERP, reason="counts the Triton launches through the interpreter (TRITON_INTERPRET=1)")
+def test_decode_step_launches_within_budget():
+    from dsv4.testing import decode_launches
+    torch.manual_seed(0)
+    m = inv.inventory_model()
+    st = m.new_state(1, 256)
+    m(torch.randint(0, m.args.vocab_size, (1, 9)), st)
+    ops = decode_launches(m, torch.randint(0, m.args.vocab_size, (1, 1)), st)
+    kind = {layer.layer_id: inv.KINDS[layer.attn.ratio] for layer in m.layers}
+    per = collections.Counter(kind[li] for li, _, _ in ops if li in kind)
+    assert set(per) == set(BUDGET), per
+    over = {k: (per[k], BUDGET[k]) for k in BUDGET if per[k] > BUDGET[k]}
+    assert not over, (f"decode-step launches over budget (count, budget) {over}; the step's launches, in order: "
+                      + "; ".join(f"{kind.get(li, '-')}:{n}" for li, _, n in ops))
+    # the only torch ops left inside the blocks: the indexer's bf16 weights_proj (a cuBLAS GEMM: the triton
+    # backend's bf16 linear) and its scale (spec §7.2), CSA layers only
+    torch_ops = [(kind[li], n) for li, t, n in ops if li in kind and t == "aten"]
+    assert sorted(torch_ops) == [("csa", "mm"), ("csa", "mul")], f"torch ops inside the decode step: {torch_ops}"
+    # negative control: the reference backend's step (the torch chains) counts far more launches per layer
+    ref = type(m)(m.args, dtype=torch.bfloat16, backend="reference", weights="quantized")
+    ref.load_weights(m.state_dict())
+    rst = ref.new_state(1, 256)
+    ref(torch.randint(0, m.args.vocab_size, (1, 9)), rst)
+    rops = decode_launches(ref, torch.randint(0, m.args.vocab_size, (1, 1)), rst)
+    rper = collections.Counter(kind[li] for li, _, _ in rops if li in kind)
+    assert all(rper[k] > 2 * BUDGET[k] for k in BUDGET), rper
