@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.parallel import leave_process_group
 
@@ -230,8 +231,6 @@ def decode_launches(model, tok: torch.Tensor, state) -> list[tuple[int, str, str
     head). On a GPU one such aten op is one kernel except a few (`topk`, `sort`: 2-3), so this is the count's
     shape; `benchmarks/bench_model.py` measures the real one with the CUDA profiler. Used by
     `benchmarks/launch_inventory.py` and the launch budget test (tests/unit/test_launch_budget.py)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     out: list[tuple[int, str, str]] = []
     where = [-1]
     in_triton = [False]
@@ -245,7 +244,7 @@ def decode_launches(model, tok: torch.Tensor, state) -> list[tuple[int, str, str
 
     interp = None
     try:
-        import triton.runtime.interpreter as interp
+        import triton.runtime.interpreter as interp  # triton is an optional dependency
     except ImportError:  # triton is optional: a reference model launches aten ops only
         pass
     orig_run = interp.InterpretedFunction.run if interp is not None else None
