@@ -238,7 +238,9 @@ def decode_ties_differ_from_prefill(mp: MP) -> None:
 
     orig = model.indexer_topk_ref
 
-    def indexer_topk_ref(scores, k, n_valid=None, *, check=True):
+    def indexer_topk_ref(scores, k, n_valid=None, *, check=True, ratio=0):
+        if ratio and n_valid is not None:  # positions (the model's call since issue 27) -> counts, as the reference
+            n_valid = ((n_valid + 1) // ratio).clamp(max=scores.shape[2])
         if scores.shape[1] != 1 or n_valid is None:
             return orig(scores, k, n_valid, check=check)
         out = torch.full((*scores.shape[:2], k), -1, dtype=torch.int64, device=scores.device)
