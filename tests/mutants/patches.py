@@ -183,8 +183,8 @@ def csa_overlap_state_lost(mp: MP) -> None:
 
     orig = Compressor.extend
 
-    def extend(self, x, p, st, out):
-        new = orig(self, x, p, st, out)
+    def extend(self, x, p, st, out, *args, **kwargs):  # the rest as the method's (it gained `backend`)
+        new = orig(self, x, p, st, out, *args, **kwargs)
         if self.overlap and p == 0:  # MUTANT: overlap half of the state reset at the prefill -> decode boundary
             st.kv[:, :self.ratio] = 0
             st.score[:, :self.ratio] = -math.inf

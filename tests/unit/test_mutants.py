@@ -4,7 +4,7 @@
   * one clean control run of every killing node id with no mutant: each must PASS (a kill is not an artefact
     of a test that fails anyway);
   * one run per mutant with `DSV4_MUTANT=<name>`: each of its killing node ids must FAIL in its test body
-    (a setup error does not count as a kill).
+    (a setup error does not count as a kill, nor a failure by an exception of `INCIDENTAL`: a stale patch).
 Runs go `WORKERS` at a time; each subprocess runs torch single-threaded (root conftest). The mutant runs are
 opt-in (they take minutes): without `-m mutants` in the command line they skip, saying so. The static checks
 of the catalogue (every entry names existing tests, the README table lists every mutant) always run.
@@ -89,6 +89,30 @@ def test_mutant_is_killed(runs, name):
     survived = {n: res["outcomes"].get(n, "not run") for n in m.killers if res["outcomes"].get(n) != "failed"}
     assert not survived, (f"mutant {name!r} ({m.failure_class}) SURVIVED: {survived}. Strengthen the gate "
                           f"(a new or sharper test), never weaken the mutant.\n{_outcomes_text(res)}")
+    stale = incidental_kills(res, m.killers)
+    assert not stale, (f"mutant {name!r} 'killed' only by {stale}: the patch no longer fits the code it mutates (a "
+                       f"stale wrapper signature, a renamed attribute), so the gate never saw the bug. Update the "
+                       f"patch.\n{_outcomes_text(res)}")
+
+
+# exceptions that say a mutant's patch does not fit the code any more: not a kill (the killing test never compared)
+INCIDENTAL = ("TypeError", "NameError", "AttributeError", "ImportError", "ModuleNotFoundError", "UnboundLocalError")
+
+
+def incidental_kills(res: dict, killers) -> dict:
+    """{killing node id: exception type} of the kills in a mutant run's report (`tests/mutants/plugin.py`) made by
+    an exception of `INCIDENTAL`."""
+    exc = res.get("exceptions", {})
+    return {n: exc[n] for n in killers if res["outcomes"].get(n) == "failed" and exc.get(n) in INCIDENTAL}
+
+
+def test_incidental_kills_are_refused():
+    """A kill by a TypeError (a wrapper whose signature the code outgrew: `decode_tie_rule` after the top-k took
+    `ratio=`) is reported; kills by assertions are not. Negative control for the check in `test_mutant_is_killed`."""
+    res = {"outcomes": {"a": "failed", "b": "failed", "c": "passed"},
+           "exceptions": {"a": "TypeError", "b": "AssertionError"}}
+    assert incidental_kills(res, ["a", "b", "c"]) == {"a": "TypeError"}
+    assert incidental_kills({"outcomes": {"b": "failed"}, "exceptions": {"b": "AssertionError"}}, ["b"]) == {}
 
 
 # ---------------------------------------------------------------------------------- static catalogue checks
