@@ -149,6 +149,10 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the (slow, eager) reference timings")
     ap.add_argument("--sections", default="probe,decode,prefill,moe")
     ap.add_argument("--skip-bf16", action="store_true", help="skip the bf16-dot timings of the Triton kernels")
+    ap.add_argument("--tile-shapes", default=None, help="moe_tiles: the variants to time against the default, "
+                    "';'-separated bm,bn,kh,warps[,stages] (default: the sweep in bench_moe_tiles)")
+    ap.add_argument("--geoms", default="flash,pro", help="moe_tiles: the geometries (flash, pro)")
+    ap.add_argument("--tokens", default="1024,4096", help="moe_tiles: the token counts T")
     ap.add_argument("--smoke", action="store_true", help="the sections head / moe_tiles / moe_crossover / "
                     "gemv_sweep at tiny shapes on CPU under TRITON_INTERPRET=1, correctness only (no timing)")
     args = ap.parse_args()
@@ -280,7 +284,7 @@ def bench_moe(args, bw: float) -> None:
             n_exp = sum(int(ix.unique().numel()) for ix in idxs) / 8
             gbs = n_exp * per_expert / us * 1e-3
             tf = 2 * 3 * T * 6 * I * D / us * 1e-6
-            print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {moe_config(6 * T).path} | {gbs:.0f} | "
+            print(f"| {geom} | {T} | {n_exp:.0f} | {us:.1f} | {moe_config(6 * T, E).path} | {gbs:.0f} | "
                   f"{100 * gbs / bw:.0f}% | {tf:.0f} |", flush=True)
         del ex
         torch.cuda.empty_cache()
@@ -292,7 +296,7 @@ def bench_moe(args, bw: float) -> None:
         x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
         idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
         g = torch.rand(T, 6, device="cuda") + 0.1
-        cfg = moe_config(6 * T)
+        cfg = moe_config(6 * T, E)
         xq = act_quant(x, sim=True)[0]
         it = 20 if T <= 64 else 3
         if cfg.path == "gemv":
@@ -311,9 +315,9 @@ def bench_moe(args, bw: float) -> None:
     runs = [(T, MoeConfig("gemv", 1, bn, bkh, w, 1)) for T in (1, 8) for bn, bkh, w in GEMV_SWEEP]
     runs += [(1024, MoeConfig("tiles", bm, bn, bkh, w, st)) for bm, bn, bkh, w, st in TILE_SWEEP]
     runs += [(4096, MoeConfig("tiles", bm, 128, 64, w, 3)) for bm, w in ((32, 4), (128, 8))]
-    runs += [(T, moe_config(1000)) for T in (1, 8, 16, 32, 64)]           # 32-row tiles
+    runs += [(T, moe_config(1000, E)) for T in (1, 8, 16, 32, 64)]           # 32-row tiles
     runs += [(T, MoeConfig("tiles", 16, 128, 64, 4, 3)) for T in (16, 32, 64, 128)]
-    runs += [(T, moe_config(1)) for T in (128, 256)]                       # gemv
+    runs += [(T, moe_config(1, E)) for T in (128, 256)]                       # gemv
     for T, cfg in runs:
         torch.manual_seed(T)
         x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
@@ -330,19 +334,23 @@ def bench_moe(args, bw: float) -> None:
 
 
 def bench_moe_tiles(args) -> None:
-    """Prefill tile path of `moe_experts` at Flash and Pro width, T = 1024 / 4096: the default tiles against other
-    tile shapes (µs of the whole call in a CUDA graph; rel err = max |y - y_default| / max |y|, the default itself
+    """Prefill tile path of `moe_experts` at Flash and Pro width (--geoms), T in --tokens (1024, 4096): the default
+    tiles (`moe_config` at that T) against other tile shapes (--tile-shapes) (µs of the whole call in a CUDA graph; rel err = max |y - y_default| / max |y|, the default itself
     being tested against `moe_grouped_ref` in tests/gpu). The untransposed tile these replaced (32-row, mma.sync)
     was measured in the same sweep at 08b4564's successor 77ec9de (RESULTS.md). Ends with the fastest per row."""
     from kernels.moe import MoeConfig, moe_config
     smoke = args.smoke
     dev = "cpu" if smoke else "cuda"
     geoms = {"tiny": (8, 256, 128)} if smoke else {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}
-    Ts = (24,) if smoke else (1024, 4096)
-    variants = [("default", moe_config(10 ** 6))]
+    if not smoke:
+        geoms = {g: geoms[g] for g in args.geoms.split(",")}
+    Ts = (24,) if smoke else tuple(int(t) for t in args.tokens.split(","))
+    variants = []
     shapes = ((16, 32, 32, 4),) if smoke else ((64, 128, 64, 4), (32, 64, 64, 4), (64, 256, 64, 8))
-    variants += [(f"bm{bm} bn{bn} kh{kh} w{w}", MoeConfig("tiles", bm, bn, kh, w, 3 if not smoke else 1))
-                 for bm, bn, kh, w in shapes]
+    if getattr(args, "tile_shapes", None):
+        shapes = tuple(tuple(int(v) for v in s.split(",")) for s in args.tile_shapes.split(";"))
+    variants += [(f"bm{sh[0]} bn{sh[1]} kh{sh[2]} w{sh[3]} st{sh[4] if len(sh) > 4 else 3}",
+                  MoeConfig("tiles", *sh[:4], (sh[4] if len(sh) > 4 else 3) if not smoke else 1)) for sh in shapes]
     print("\n### Grouped FP4 MoE, prefill tiles (µs per call in a CUDA graph)\n")
     print("| geometry | T | variant | config | µs | × default | rel err vs default |\n|---|---|---|---|---|---|---|")
     best = {}
@@ -353,9 +361,12 @@ def bench_moe_tiles(args) -> None:
             x = (torch.randn(T, D, device=dev) * 0.3).to(torch.bfloat16)
             idxs = [torch.rand(T, E, device=dev).topk(6, dim=-1).indices for _ in range(2 if smoke else 8)]
             g = torch.rand(T, 6, device=dev) + 0.1
-            y0 = moe_experts(x, g, idxs[0], ex, 10.0, config=variants[0][1])
+            default = moe_config(6 * T, E)
+            if smoke:  # tiny widths: the 32 x 128 tiles at one stage
+                default = MoeConfig("tiles", 32, 128, 64, 4, 1)
+            y0 = moe_experts(x, g, idxs[0], ex, 10.0, config=default)
             t0 = None
-            for name, cfg in variants:
+            for name, cfg in [("default", default)] + variants:
                 try:
                     err = rel_err(moe_experts(x, g, idxs[0], ex, 10.0, config=cfg), y0)
                 except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
@@ -383,7 +394,7 @@ def bench_moe_crossover(args) -> None:
         geoms = {"flash": geoms["flash"]}
     print("\n| geometry | T | pairs | gemv µs | tiles bm32 bn128 µs | tiles bm16 bn128 µs | tiles bm16 bn64 µs | "
           "default path | rel err (tiles bm16 vs gemv) |\n|---|---|---|---|---|---|---|---|---|")
-    cfgs = [moe_config(1), MoeConfig("tiles", 32, 128, 64, 4, 3), MoeConfig("tiles", 16, 128, 64, 4, 3),
+    cfgs = [moe_config(1, 256), MoeConfig("tiles", 32, 128, 64, 4, 3), MoeConfig("tiles", 16, 128, 64, 4, 3),
             MoeConfig("tiles", 16, 64, 64, 4, 3)]
     if smoke:
         cfgs = [MoeConfig("gemv", 1, 16, 32, 4, 1)] + [MoeConfig("tiles", 16, 32, 32, 4, 1)] * 3
@@ -400,7 +411,7 @@ def bench_moe_crossover(args) -> None:
                   safe(gpu_time, lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=c), iters=10, reps=3)
                   for c in cfgs]
             print(f"| {geom} | {T} | {6 * T} | " + " | ".join(f"{u:.1f}" for u in us) +
-                  f" | {moe_config(6 * T).path} | {err:.1e} |", flush=True)
+                  f" | {moe_config(6 * T, E).path} | {err:.1e} |", flush=True)
         del ex
 
 

@@ -7,7 +7,7 @@ finite; `warmup(model)` runs the model once through each of them:
 
   1. prefill, batch 1, at every length 1..68 (the decode-width paths: the GEMVs' row buckets, the one-launch mHC
      kernels up to 64 tokens, attention's k-split below 66 queries, every length mod 4) and at the lengths
-     around each threshold above that (`prefill_probes`: the MoE tile sizes at 32 / 128 tokens, the mHC tile
+     around each threshold above that (`prefill_probes`: the MoE tile sizes at 32 / 128 tokens and at 32 / 64 pairs per expert, the mHC tile
      set at 1024, the top-k row tiles at 1024 / 4096 / 16384 tokens, its sort widths at 256 / 2048), up to
      `max_len` (default 65536), with `max_len` itself (where strides reach 2^31 Triton passes them as int64);
   2. eager decode (4 steps, every position mod 4) after the prefill probes of `decode_probes`: the top-k
@@ -42,6 +42,7 @@ from dsv4.graph import check_graph_model
 from dsv4.model import MAX_STEP_TOKENS
 from kernels.compiles import CompileLog
 from kernels.launch import GEMM_MIN_ROWS, gemm_buckets, record_gemms
+from kernels.moe import tile_thresholds
 
 __all__ = ["warmup", "prefill_probes", "decode_probes", "WarmupReport", "DEFAULT_MAX_LEN", "DEFAULT_MAX_BATCH"]
 
@@ -62,11 +63,16 @@ def decode_probes(max_len: int = DEFAULT_MAX_LEN) -> list[int]:
                    if 1 <= x <= max_len - 4})
 
 
-def prefill_probes(max_len: int = DEFAULT_MAX_LEN) -> list[int]:
+def prefill_probes(max_len: int = DEFAULT_MAX_LEN, n_experts: int | None = None, topk: int = 6) -> list[int]:
     """The batch-1 prefill lengths `warmup` runs: 1..68, t-2 .. t+5 for each threshold t, the decode probes and
-    max_len (where a stride of the attention reaches 2^31 at 64k tokens, Triton passes it as int64)."""
+    max_len (where a stride of the attention reaches 2^31 at 64k tokens, Triton passes it as int64). n_experts /
+    topk (the model's routed experts and experts per token): also the thresholds of the MoE's large tiles, which
+    follow the pairs per expert (`kernels.moe.tile_thresholds`; Flash 1366 / 2731 tokens, Pro 2049 / 4097)."""
     out = set(range(1, 69)) | set(decode_probes(max_len)) | {max_len}
-    for t in _THRESHOLDS:
+    extra = ()
+    if n_experts is not None:
+        extra = tuple(tile_thresholds(n_experts, topk))
+    for t in _THRESHOLDS + extra:
         out.update(range(t - 2, t + 6))
     return sorted(x for x in out if 1 <= x <= max_len)
 
@@ -125,7 +131,7 @@ def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MA
     t0 = time.perf_counter()
     try:
         decode_after = set(decode_probes(max_len))
-        for s in prefill_probes(max_len):
+        for s in prefill_probes(max_len, model.args.n_routed_experts, model.args.n_activated_experts):
             st = model.new_state(1)
             model(ids(1, s), st)
             rep.prefill_lengths.append(s)

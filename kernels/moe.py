@@ -59,7 +59,8 @@ interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exa
 
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
-T=4096 13.7 ms (33.8 ms). Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's integer ops bound
+T=4096 13.7 ms (33.8 ms); with the tile size by pairs per expert (`TILES_LARGE`, session of 2026-12-04 (2)) T=2048
+5.8 ms (7.9 with 32-row tiles), T=4096 9.7 ms. Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's integer ops bound
 the decode path. A decode of two nibbles per integer op (uint32 words) is
 written and interpreter-tested in this branch's commit 08b4564 but not yet measured, so not shipped.
 
@@ -560,31 +561,47 @@ swapped tiles at T = 1 ... 128: gemv faster up to T = 16 (849 vs 1046 µs for 16
 
 TILES_SMALL_MAX_PAIRS = 768
 """Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
-µs for 32 x 128); above, 32 x 128 (T = 1024 / 4096: fastest of the tile sweep). Crossover between 768 and 6144
+µs for 32 x 128); above, the large tiles of `TILES_LARGE` by pairs per expert. Crossover between 768 and 6144
 pairs not measured."""
 
+TILES_LARGE = ((32, MoeConfig("tiles", 32, 128, 64, 4, 3)),
+               (64, MoeConfig("tiles", 64, 128, 32, 4, 3)),
+               (None, MoeConfig("tiles", 128, 128, 32, 8, 3)))
+"""Above TILES_SMALL_MAX_PAIRS: (largest average pairs per expert P / E, tiles) in order, None = any. Each tile
+decodes its expert's FP4 rows once for its BM token rows, so the decode work (the CUDA-core bound of these
+kernels) falls as BM grows, while the rows padded up to BM are computed anyway: the best BM follows how many rows
+an expert holds. Measured on one H200 (`bench_gemm.py --sections moe_tiles --geoms flash,pro --tokens
+1024,2048,3072,4096 --tile-shapes ...`, whole `moe_experts` call in a CUDA graph, top-6 of random scores;
+benchmarks/RESULTS.md, session of 2026-12-04 (2)), µs for 32 x 128 / 64 x 128 (kh 32, 4 warps) / 128 x 128 (kh 32,
+8 warps): Flash (E = 256) P/E 24: 4310 / 5666 / 9268; 48: 7898 / 5821 / 9457; 72: 10975 / 9738 / 9568; 96:
+13398 / 10848 / 9736. Pro (E = 384) P/E 32: 21806 / 21306 / 34184; 48: 29677 / 21828 / 34675; 64: 36471 /
+30594 / 35097. The rule picks the fastest at each point but Pro P/E 32 (2 % slower than 64 x 128). Routed loads
+of a real model are skewed (per-expert tile sizes would then win; not built)."""
 
-INVARIANT_GEMV_MAX_T = 64
-INVARIANT_TILES = MoeConfig("tiles", 32, 128, 64, 4, 3)
-"""The batch-invariant mode's routed experts (`moe_experts(invariant=True)`): the "gemv" path (one program per
-(pair, output block)) up to INVARIANT_GEMV_MAX_T tokens (a decode step of up to 64 rows), these tiles above (a
-prefill: the default's large-T tiles, the same tile shape for every T > 64). A pair's output depends on its own
-token and expert only on either side: a gemv program never mixes pairs; in a tile a token is one column of the
-swapped dot (M = weight rows), whose sum over K is that column's alone in the same order wherever the column sits
-and whatever the padding."""
 
-
-def moe_config(n_pairs: int) -> MoeConfig:
-    """Default launch for P = n_pairs pairs, the fastest measured on one H200 (RESULTS.md): the decode path with
-    16 weight rows per program and 512-input K steps while P <= GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64
-    while P <= TILES_SMALL_MAX_PAIRS, then 32 token rows x 128 weight rows; 128-input K steps, 4 warps, 3 stages
-    (Flash T = 1024: 4.4 ms vs 4.8-29.9 ms for the other tiles swept, T = 4096: 13.7 ms vs 13.1 ms for 64 x 256
-    tiles with 8 warps, the one faster row; Pro T = 1024 / 4096: fastest)."""
+def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
+    """Default launch for P = n_pairs pairs over E = n_experts experts, the fastest measured on one H200
+    (RESULTS.md): the decode path with 16 weight rows per program and 512-input K steps while P <=
+    GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64 while P <= TILES_SMALL_MAX_PAIRS, then `TILES_LARGE` by the
+    average pairs per expert P / E. Raises ValueError for n_experts < 1."""
+    if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
+        _fail("moe_config", "n_experts", repr(n_experts), "an int >= 1 (routed experts of the layer)")
     if n_pairs <= GEMV_MAX_PAIRS:
         return MoeConfig("gemv", 1, 16, 256, 4, 1)
     if n_pairs <= TILES_SMALL_MAX_PAIRS:
         return MoeConfig("tiles", 16, 64, 64, 4, 3)
-    return MoeConfig("tiles", 32, 128, 64, 4, 3)
+    for most, cfg in TILES_LARGE:
+        if most is None or n_pairs <= most * n_experts:
+            return cfg
+    raise AssertionError("TILES_LARGE ends with None")
+
+
+def tile_thresholds(n_experts: int, k: int) -> list[int]:
+    """The token counts T at which `moe_config(T * k, n_experts)` changes its launch (the first T of each new
+    choice): for `dsv4.warmup`'s prefill probes."""
+    out = [GEMV_MAX_PAIRS // k + 1, TILES_SMALL_MAX_PAIRS // k + 1]
+    out += [most * n_experts // k + 1 for most, _ in TILES_LARGE if most is not None]
+    return sorted(set(out))
 
 
 def _chunk(block_kh: int, half_width: int) -> int:
@@ -688,8 +705,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E); experts: StackedExperts
     (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16", the tile path's dot flavour
     (`_moe_mma`; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
-    `moe_config(T * k)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
-    (`moe_config(1)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
+    `moe_config(T * k, E)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
+    (`moe_config(1, E)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
     which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
     the pair count), and the k slots summed left to right by elementwise adds (no reduction kernel whose
     configuration follows T); config must be None.
@@ -708,9 +725,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     if invariant and config is not None:
         _fail(op, "config", repr(config), "None with invariant=True (the mode fixes the path)")
     if invariant:
-        cfg = moe_config(1) if T <= INVARIANT_GEMV_MAX_T else INVARIANT_TILES
+        cfg = moe_config(1, E) if T <= INVARIANT_GEMV_MAX_T else INVARIANT_TILES
     else:
-        cfg = moe_config(P) if config is None else config
+        cfg = moe_config(P, E) if config is None else config
     _check_config(cfg, D, I)
     if P == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)

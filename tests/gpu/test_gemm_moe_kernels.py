@@ -87,9 +87,9 @@ def test_moe_experts_gpu(seed, geom, T, path):
         idx[1] = idx[0]  # two tokens on the same six experts
     g = torch.rand(T, 6, device="cuda") + 0.1
     ref = moe_grouped_ref(x, g, idx, ex, 10.0)
-    cfg = moe_config(6 * T)
+    cfg = moe_config(6 * T, E)
     if cfg.path != path:
-        cfg = moe_config(1) if path == "gemv" else moe_config(6 * 1024)  # the default tiles
+        cfg = moe_config(1, E) if path == "gemv" else moe_config(6 * 1024, E)  # the default tiles
     assert isinstance(cfg, MoeConfig) and cfg.path == path
     y = moe_experts(x, g, idx, ex, 10.0, config=cfg)
     close_bf16(y, ref, f"moe y [{path}]")
@@ -100,7 +100,7 @@ def test_moe_experts_sync_free_and_graph_replay(seed, T):
     """No host sync (sync debug mode "error") and a CUDA graph replayed with new routing equals eager, on both
     paths (the default config: gemv at 24 pairs, tiles at 768)."""
     from kernels.moe import moe_config, moe_experts
-    assert moe_config(6 * 4).path == "gemv" and moe_config(6 * 128).path == "tiles"
+    assert moe_config(6 * 4, 256).path == "gemv" and moe_config(6 * 128, 256).path == "tiles"
     E, D, I = GEOM["flash"]
     ex = make_experts(E, D, I)
     x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
@@ -210,15 +210,20 @@ def test_every_tuned_gemv_entry_gpu(seed, key):
             close_bf16(fp8_grouped_gemv(x, w, s, G, mma=mma, gemv=cfg), ref, f"wo_a[{key}, {mma}]")
 
 
-@pytest.mark.parametrize("T", [4, 64, 1024], ids=["T4-gemv", "T64-tiles-small", "T1024-tiles-large"])
+@pytest.mark.parametrize("T", [4, 64, 1024, 2048, 4096],
+                         ids=["T4-gemv", "T64-tiles-small", "T1024-tiles-32", "T2048-tiles-64", "T4096-tiles-128"])
 def test_moe_every_default_config_gpu(seed, T):
-    """The three launches `moe_config` picks (gemv up to GEMV_MAX_PAIRS pairs, 16 x 64 tiles up to
-    TILES_SMALL_MAX_PAIRS, 32 x 128 tiles above: the bf16 tensor-core dots), each at a T that selects it by
-    default (6 experts per token, Flash widths), against `moe_grouped_ref`."""
-    from kernels.moe import GEMV_MAX_PAIRS, TILES_SMALL_MAX_PAIRS, moe_config, moe_experts, moe_grouped_ref
+    """Every launch `moe_config` picks (gemv up to GEMV_MAX_PAIRS pairs, 16 x 64 tiles up to
+    TILES_SMALL_MAX_PAIRS, then the 32 / 64 / 128-row tiles of TILES_LARGE by pairs per expert: the bf16
+    tensor-core dots), each at a T that selects it by default (6 experts per token, Flash widths), against
+    `moe_grouped_ref`."""
+    from kernels.moe import GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, moe_config, moe_experts, \
+        moe_grouped_ref
     P = 6 * T
     want = "gemv" if P <= GEMV_MAX_PAIRS else "tiles"
-    assert moe_config(P).path == want and (T != 64 or GEMV_MAX_PAIRS < P <= TILES_SMALL_MAX_PAIRS)
+    assert moe_config(P, 256).path == want and (T != 64 or GEMV_MAX_PAIRS < P <= TILES_SMALL_MAX_PAIRS)
+    if T >= 1024:  # each of TILES_LARGE in turn
+        assert moe_config(P, 256) == TILES_LARGE[{1024: 0, 2048: 1, 4096: 2}[T]][1]
     E, D, I = GEOM["flash"]
     ex = make_experts(E, D, I)
     x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)

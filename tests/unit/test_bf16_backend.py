@@ -167,10 +167,11 @@ class Checked:
         return got
 
     def moe_routed(self, x, weights, ids, experts, limit, act_blocks):
-        from kernels.moe import moe_config
+        from kernels.moe import StackedExperts, moe_config
+        n_experts = experts.w1.shape[0] if isinstance(experts, StackedExperts) else len(experts)
         got = self.k["moe_routed"](x, weights, ids, experts, limit, act_blocks)
         want = moe_routed_ref(x, weights, ids, experts, limit, act_blocks)
-        path = "moe_" + moe_config(ids.numel()).path
+        path = "moe_" + moe_config(ids.numel(), n_experts).path
         assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, path
         err, mag = (got - want).abs(), want.abs().amax(-1, keepdim=True)
         assert bool((err <= 2.0 ** -3 * mag).all()), f"{path}: max |d|/rowmax {float((err / mag).max()):.3g}"

@@ -142,6 +142,12 @@ def test_warmup_probes_cover_the_kernels_thresholds():
     assert set(range(1, gemm.GEMV_MAX_M + 5)) <= probes and mhc.ONE_LAUNCH_MAX_T + 1 in probes
     topk = 6  # routed experts per token (Flash and Pro)
     tokens = {moe.GEMV_MAX_PAIRS // topk, moe.TILES_SMALL_MAX_PAIRS // topk, 1024}  # 1024: mhc PREFILL_TILES_LONG
+    for E in (256, 384):  # the large MoE tiles follow the pairs per expert (Flash, Pro)
+        with_e = set(prefill_probes(65536, E, topk))
+        assert probes <= with_e
+        for t in moe.tile_thresholds(E, topk):
+            assert {t - 1, t} <= with_e and len({x % 4 for x in range(t - 2, t + 6)} & {x % 4 for x in with_e}) == 4
+        assert {1365, 1366, 2730, 2731} <= with_e if E == 256 else {2048, 2049, 4096, 4097} <= with_e
     tokens |= {4 * b for b in indexer.TOPK_BLOCKS[:-1]} | {4 * w for w in indexer.TOPK_SORT_WIDTHS}
     for t in sorted(tokens):
         below, above = {t - 1, t - 2, t - 3, t - 4} & probes, {t, t + 1, t + 2, t + 3, t + 4, t + 5} & probes

@@ -27,7 +27,7 @@ from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
 from kernels.gemm import GemvConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.gemm import act_quant as act_quant_kernel
-from kernels.moe import (GEMV_MAX_PAIRS, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts,
+from kernels.moe import (GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts,
                          moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -391,26 +391,44 @@ def test_moe_nan_activation_stays_nan(seed, path, limit):
     close_bf16(y[ok], ref[ok], "finite tokens")
 
 
+# every launch `moe_config` picks above GEMV_MAX_PAIRS: the 16 x 64 tiles and each of TILES_LARGE
+DEFAULT_TILES = [moe_config(GEMV_MAX_PAIRS + 1, 256)] + [cfg for _, cfg in TILES_LARGE]
+
+
 @needs_triton
-@pytest.mark.parametrize("pairs", [GEMV_MAX_PAIRS + 1, TILES_SMALL_MAX_PAIRS + 1], ids=["tiles-small", "tiles-large"])
-def test_moe_default_tile_configs_match_reference(seed, pairs):
-    """The launches `moe_config` picks above GEMV_MAX_PAIRS (16 x 64 tiles, then 32 x 128 with 64-byte K steps)
-    are forced at a small T: the same kernels and constants as a long prefill, against the reference."""
+@pytest.mark.parametrize("cfg", DEFAULT_TILES, ids=[f"bm{c.block_m}-bn{c.block_n}-kh{c.block_kh}" for c in DEFAULT_TILES])
+def test_moe_default_tile_configs_match_reference(seed, cfg):
+    """The launches `moe_config` picks above GEMV_MAX_PAIRS (16 x 64 tiles, then `TILES_LARGE` by pairs per
+    expert) are forced at a small T: the same kernels and constants as a long prefill, against the reference."""
     ex = make_experts()
     g, idx = routing(5, 3, IDX5)
     x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
-    cfg = moe_config(pairs)
     assert cfg.path == "tiles"
     y, ref = moe_experts(x, g, idx, ex, 10.0, config=cfg), moe_grouped_ref(x, g, idx, ex, 10.0)
     close_bf16(y, ref, f"moe y {cfg}")
     rounded_once(y, ref, f"moe y {cfg}")
 
 
-def test_moe_config_switches_path_at_the_documented_constant():
-    assert moe_config(GEMV_MAX_PAIRS).path == "gemv" and moe_config(GEMV_MAX_PAIRS + 1).path == "tiles"
-    assert moe_config(1).path == "gemv"
-    small, large = moe_config(TILES_SMALL_MAX_PAIRS), moe_config(TILES_SMALL_MAX_PAIRS + 1)
-    assert (small.block_m, small.block_n, large.block_m, large.block_n) == (16, 64, 32, 128)
+def test_moe_config_switches_path_at_the_documented_constants():
+    """Each boundary of `moe_config` on both sides (Flash's 256 and Pro's 384 experts), and `tile_thresholds`
+    gives the first token count of each launch (top-6)."""
+    from kernels.moe import tile_thresholds
+    for E in (256, 384):
+        assert moe_config(GEMV_MAX_PAIRS, E).path == "gemv" and moe_config(GEMV_MAX_PAIRS + 1, E).path == "tiles"
+        assert moe_config(1, E).path == "gemv"
+        small = moe_config(TILES_SMALL_MAX_PAIRS, E)
+        assert (small.block_m, small.block_n) == (16, 64)
+        assert moe_config(TILES_SMALL_MAX_PAIRS + 1, E) == TILES_LARGE[0][1]
+        for (most, cfg), (_, nxt) in zip(TILES_LARGE, TILES_LARGE[1:]):
+            assert moe_config(most * E, E) == cfg and moe_config(most * E + 1, E) == nxt
+        ts = tile_thresholds(E, 6)
+        for t in ts:
+            assert moe_config(6 * t, E) != moe_config(6 * (t - 1), E), (E, t)
+        changes = [t for t in range(2, 20 * E) if moe_config(6 * t, E) != moe_config(6 * (t - 1), E)]
+        assert changes == ts, (E, changes, ts)
+    assert [c.block_m for _, c in TILES_LARGE] == [32, 64, 128]
+    with pytest.raises(ValueError, match="n_experts"):
+        moe_config(1000, 0)
 
 
 @needs_triton
