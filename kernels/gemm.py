@@ -23,6 +23,9 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     programs per SM, warps, stages, x quantized once or per program), default `gemv_config`; every variant
     multiplies the same exact values, a variant differs from another at most in the fp32 summation order
     (`benchmarks/bench_gemm.py --sections gemv_sweep` times them and checks each output).
+    One row (M = 1, batch-1 decode): `_fp8_gemv_rows_kernel` instead, a `RowsConfig` - a few weight rows x all of
+    K per program, no split-K and no merge (the merge's latency made the split launch 1.6-2.5x slower at Flash's
+    shapes: benchmarks/gemv_probe.py, RESULTS.md session of 2026-12-04 (2)); the same exact products.
   * prefill, M > GEMV_MAX_M: `prefill=` one of
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
@@ -282,6 +285,45 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 tl.store(y_ptr + yoffs, round_bf16(tot).to(tl.bfloat16), mask=out_mask)
 
 
+    @triton.jit(do_not_specialize=["N", "G", "KB"])  # one build per RowsConfig (K's divisibility stays: vector loads)
+    def _fp8_gemv_rows_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, G, KB, BN: tl.constexpr, BKB: tl.constexpr,
+                              QUANT_X: tl.constexpr, MMA: tl.constexpr):
+        """One row of x (M = 1), grid (cdiv(N, BN), G): y[0, g*N + n] = x[0, g*K:(g+1)*K] . W[g*N + n]^T for the BN
+        rows n of this program, all of K in ONE program (no split-K, no merge): BKB K blocks of 128 per load, the
+        FP8 codes widened to fp32 (exact) and multiplied by x on CUDA cores, summed per 128 block, times the
+        block's ue8m0 weight scale (and, QUANT_X, x's act_quant scale: x quantized per 128 block in registers,
+        `act_scale` / `act_apply`, exactly the official act_quant), accumulated in fp32 over the blocks; bf16 out.
+        BN divides 128 (one weight-scale row per program); K blocks past KB (BKB not dividing KB) are masked.
+        The same exact products as `_fp8_gemv_kernel`, another fp32 summation order."""
+        pid = tl.program_id(0)
+        g = tl.program_id(1)
+        rows = pid * BN + tl.arange(0, BN)
+        mask_n = rows < N
+        wrow = (g * N + rows).to(tl.int64)[:, None] * K
+        srow = (g * N + pid * BN) // 128
+        offs = tl.arange(0, BKB * 128)
+        blk = tl.arange(0, BKB)
+        xrow = x_ptr + g.to(tl.int64) * K
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for kb in range(0, KB, BKB):
+            live_k = (kb * 128 + offs) < K
+            w = tl.load(w_ptr + wrow + kb * 128 + offs[None, :], mask=mask_n[:, None] & live_k[None, :], other=0.0)
+            if MMA == 0:
+                wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
+            else:
+                wf = w.to(tl.float32)  # exact (every e4m3 code is an fp32 value)
+            xb = tl.reshape(tl.load(xrow + kb * 128 + offs, mask=live_k, other=0.0).to(tl.float32), (BKB, 128))
+            live_b = (kb + blk) < KB
+            sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb + blk, mask=live_b, other=127).to(tl.int32))
+            if QUANT_X:
+                inv, sx = act_scale(xb)
+                xb = act_apply(xb, inv)
+                sw = sw * sx
+            p = tl.reshape(wf, (BN, BKB, 128)) * xb[None, :, :]
+            acc += tl.sum(tl.sum(p, axis=2) * sw[None, :], axis=1)
+        tl.store(y_ptr + g * N + rows, round_bf16(acc).to(tl.bfloat16), mask=mask_n)
+
+
     @triton.jit
     def _fp8_dequant_kernel(w_ptr, ws_ptr, out_ptr, N, K, KB, BN: tl.constexpr):
         """W bf16 [N, K] <- e4m3 code * 2^(s-127), grid (cdiv(N, BN), K/128); exact."""
@@ -406,37 +448,50 @@ class GemvConfig(NamedTuple):
     prequant: bool = False
 
 
-# Measured decode launches: {(M bucket 1 / 8 / 32 / 64, N, K, G): GemvConfig} on sm_90 (H200), pasted from the
+class RowsConfig(NamedTuple):
+    """Launch of `_fp8_gemv_rows_kernel`, the decode GEMV of ONE row (M = 1; `gemv_config` picks it there): bn
+    weight rows per program (1..128, a power of two dividing 128), bkb K blocks of 128 per load (a power of two;
+    blocks past K are masked), num_warps. No split-K: all of K in each program, cdiv(N, bn) * G programs."""
+    bn: int = 8
+    bkb: int = 8
+    num_warps: int = 4
+
+
+ROWS_DEFAULT = RowsConfig()
+"""The one-row launch for a shape without a `ROWS_TUNED` entry: 8 rows x 1024 inputs per load, 4 warps - the fastest
+of `benchmarks/gemv_probe.py`'s sweep at 4 of Flash's 5 decode shapes on one H200 (benchmarks/RESULTS.md, session
+of 2026-12-04 (2)): wqkv_a 5.8 µs (the split-K `_fp8_gemv_kernel` 9.4), wo_b 13.1 (19.0), shared w13 7.8 (19.7),
+shared w2 5.1 (13.0); within 1.18-1.25x of a read-only kernel over the same bytes."""
+
+ROWS_TUNED: dict[tuple[int, int, int], RowsConfig] = {
+    (32768, 1024, 1): RowsConfig(bn=16, bkb=4),  # flash wq_b 10.5 µs (18.5 split-K; read-only 10.8)
+}
+"""{(N, K, G): RowsConfig} measured faster than ROWS_DEFAULT (same probe)."""
+
+
+# Measured decode launches: {(M bucket 8 / 32 / 64, N, K, G): GemvConfig} on sm_90 (H200) (one row, M = 1, runs
+# `_fp8_gemv_rows_kernel` with a `RowsConfig` since the session of 2026-12-04 (2): the bucket-1 entries went), pasted from the
 # last lines of `benchmarks/bench_gemm.py --quick --sections gemv_sweep` (one H200, tree of 78aebf1; only where a
 # variant beat the default by >= 3 %; benchmarks/RESULTS.md, session of 2026-12-01). Flash shapes only (the
 # --quick sweep): Pro shapes and the M = 64 bucket take the launch of `gemv_config`'s rule.
 GEMV_TUNED: dict[tuple[int, int, int, int], GemvConfig] = {
-    (1, 1024, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wq_a 8.8 -> 8.1 µs
     (8, 1024, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wq_a 9.1 -> 8.8 µs
     (32, 1024, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash wq_a 13.8 -> 12.6 µs
-    (1, 32768, 1024, 1): GemvConfig(dot=False, unroll=2, per_sm=4, prequant=True),  # flash wq_b 22.7 -> 18.8 µs
     (8, 32768, 1024, 1): GemvConfig(unroll=2, per_sm=4, prequant=True),  # flash wq_b 22.9 -> 21.8 µs
     (32, 32768, 1024, 1): GemvConfig(unroll=2, num_warps=8),  # flash wq_b 60.3 -> 39.6 µs
     (32, 512, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash wkv 9.9 -> 9.4 µs
-    (1, 1024, 4096, 8): GemvConfig(dot=False, bn=128, unroll=4, per_sm=4, num_warps=8),  # flash wo_a 18.5 -> 17.7 µs
     (32, 1024, 4096, 8): GemvConfig(unroll=2, num_warps=8),  # flash wo_a 30.1 -> 24.3 µs
-    (1, 4096, 8192, 1): GemvConfig(dot=False, unroll=2, per_sm=4, prequant=True),  # flash wo_b 27.0 -> 19.0 µs
     (8, 4096, 8192, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash wo_b 27.2 -> 19.8 µs
     (32, 4096, 8192, 1): GemvConfig(unroll=2, num_warps=8),  # flash wo_b 64.2 -> 50.0 µs
-    (1, 2048, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),  # flash shared w1/w3 10.8 -> 9.8 µs
     (32, 2048, 4096, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w1/w3 21.8 -> 16.1 µs
     # the shared expert's joint w1 | w3 (`dsv4.model.Expert.join_w13`, issue 27): the w1 / w3 launches carried over
     # (not swept at this shape)
-    (1, 4096, 4096, 1): GemvConfig(dot=False, unroll=2, per_sm=4),
     (32, 4096, 4096, 1): GemvConfig(unroll=2, num_warps=8),
     # the attention's joint wq_a | wkv (`dsv4.model.Attention.join_wq_a_wkv`, issue 27): wq_a's launches carried over
-    (1, 1536, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),
     (8, 1536, 4096, 1): GemvConfig(bn=128, unroll=2, num_warps=8),
     (32, 1536, 4096, 1): GemvConfig(unroll=2, num_warps=8),
-    (1, 4096, 2048, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash shared w2 10.5 -> 9.3 µs
     (8, 4096, 2048, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash shared w2 10.5 -> 10.0 µs
     (32, 4096, 2048, 1): GemvConfig(unroll=2, num_warps=8),  # flash shared w2 19.8 -> 15.4 µs
-    (1, 8192, 1024, 1): GemvConfig(dot=False, unroll=2, per_sm=8),  # flash indexer wq_b 10.1 -> 8.9 µs
     (8, 8192, 1024, 1): GemvConfig(bn=128, unroll=2, num_warps=8),  # flash indexer wq_b 10.3 -> 9.6 µs
     (32, 8192, 1024, 1): GemvConfig(unroll=2, num_warps=8),  # flash indexer wq_b 20.0 -> 17.8 µs
 }
@@ -516,12 +571,16 @@ def gemv_m_bucket(M: int) -> int:
     return next(b for b in (1, 8, 32, GEMV_MAX_M) if M <= b)
 
 
-def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvConfig:
+def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvConfig | RowsConfig:
     """Decode launch for x [M, G*K] bf16 and G FP8 weights [N, K] (G = 1: `fp8_linear`; G > 1: the grouped
-    `wo_a`), 1 <= M <= GEMV_MAX_M. On sm_90 the `GEMV_TUNED` entry of (gemv_m_bucket(M), N, K, G) where the sweep
-    measured one; else the launch measured in benchmarks/RESULTS.md (issue 13): tensor-core dot, BN 64 (M <= 16)
-    or 32, one K block per iteration, ~2 programs per SM, 4 warps, Triton's default stages. Every launch gives the
-    reference's result within the same bound (`GemvConfig`: only the fp32 summation order differs)."""
+    `wo_a`), 1 <= M <= GEMV_MAX_M. One row (M = 1): the one-row kernel, `ROWS_TUNED` entry of (N, K, G) or
+    ROWS_DEFAULT (measured on an H200; every device). More rows: on sm_90 the `GEMV_TUNED` entry of
+    (gemv_m_bucket(M), N, K, G) where the sweep measured one; else the launch measured in benchmarks/RESULTS.md
+    (issue 13): tensor-core dot, BN 64 (M <= 16) or 32, one K block per iteration, ~2 programs per SM, 4 warps,
+    Triton's default stages. Every launch gives the reference's result within the same bound (`GemvConfig`: only
+    the fp32 summation order differs)."""
+    if M == 1:
+        return ROWS_TUNED.get((N, K, G), ROWS_DEFAULT)
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
         tuned = GEMV_TUNED.get((gemv_m_bucket(M), N, K, G))
         if tuned is not None:
@@ -529,10 +588,29 @@ def gemv_config(M: int, N: int, K: int, G: int, device: torch.device) -> GemvCon
     return GemvConfig(bn=64 if M <= 16 else 32)
 
 
-def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
-    """cfg as given (a GemvConfig) or ValueError naming the field and the value."""
+def _check_rows_config(op: str, cfg: RowsConfig, M: int) -> RowsConfig:
+    """A RowsConfig as given, or ValueError naming the field and the value (M must be 1)."""
+    if M != 1:
+        _fail(op, "gemv", repr(cfg), f"a GemvConfig for M = {M} rows (a RowsConfig runs one row)")
+    for field in ("bn", "bkb", "num_warps"):
+        v = getattr(cfg, field)
+        if not isinstance(v, int) or isinstance(v, bool):
+            _fail(op, f"gemv.{field}", repr(v), "an int")
+    if cfg.bn not in (1, 2, 4, 8, 16, 32, 64, 128):
+        _fail(op, "gemv.bn", cfg.bn, "a power of two <= 128 (divides the 128-row scale block)")
+    if cfg.bkb not in (1, 2, 4, 8, 16):
+        _fail(op, "gemv.bkb", cfg.bkb, "1, 2, 4, 8 or 16 K blocks per load")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        _fail(op, "gemv.num_warps", cfg.num_warps, "1, 2, 4, 8 or 16")
+    return cfg
+
+
+def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig | RowsConfig:
+    """cfg as given (a GemvConfig, or a RowsConfig for one row) or ValueError naming the field and the value."""
+    if isinstance(cfg, RowsConfig):
+        return _check_rows_config(op, cfg, M)
     if not isinstance(cfg, GemvConfig):
-        _fail(op, "gemv", repr(cfg), "a kernels.gemm.GemvConfig")
+        _fail(op, "gemv", repr(cfg), "a kernels.gemm.GemvConfig (or a RowsConfig for one row)")
     for field in ("dot", "prequant"):
         if not isinstance(getattr(cfg, field), bool):
             _fail(op, f"gemv.{field}", repr(getattr(cfg, field)), "a bool")
@@ -558,11 +636,17 @@ def _check_gemv_config(op: str, cfg, M: int, G: int) -> GemvConfig:
 
 
 def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, quant_x: bool,
-                 cfg: GemvConfig, bm: int | None = None, split: tuple[int, int] | None = None) -> None:
-    """One `_fp8_gemv_kernel` launch (plus, for cfg.prequant, one `act_quant_sim`) writing out [M, G*N]. bm / split:
+                 cfg: GemvConfig | RowsConfig, bm: int | None = None, split: tuple[int, int] | None = None) -> None:
+    """One `_fp8_gemv_kernel` launch (plus, for cfg.prequant, one `act_quant_sim`) writing out [M, G*N], or, for a
+    RowsConfig (M = 1), one `_fp8_gemv_rows_kernel` launch. bm / split:
     the dot's row count and (SPLIT, K blocks per split), fixed by the batch-invariant mode (`_invariant_gemv`);
     None = from M and `split_k` (the default mode)."""
     KB = K // BLOCK
+    if isinstance(cfg, RowsConfig):  # one row: `_fp8_gemv_rows_kernel` (no split-K, no workspace)
+        rmma = 0 if mma == 0 else 1  # only the fp8 -> fp32 widening differs (the interpreter's is not faithful)
+        _fp8_gemv_rows_kernel[(triton.cdiv(N, cfg.bn), G)](x, weight, ws, out, N, K, G, KB, BN=cfg.bn, BKB=cfg.bkb,
+                                                           QUANT_X=quant_x, MMA=rmma, num_warps=cfg.num_warps)
+        return
     if quant_x and cfg.prequant:
         x, quant_x = act_quant_sim(x, BLOCK), False
     if not quant_x and mma == 2:
@@ -581,7 +665,7 @@ def _gemv_launch(x, weight, ws, out, M: int, N: int, K: int, G: int, mma: int, q
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None,
-               prefill: str | None = None, mma: str | None = None, gemv: GemvConfig | None = None,
+               prefill: str | None = None, mma: str | None = None, gemv: GemvConfig | RowsConfig | None = None,
                invariant: bool = False) -> torch.Tensor:
     """FP8 W8A8 block-scaled linear as the official bf16 path (spec §2): `fp8_linear_ref` computed in Triton.
 
@@ -591,7 +675,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         out: optional [M, N] bf16 output (written completely).
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
-        gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`).
+        gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`, or `RowsConfig` at M = 1).
         invariant: the batch-invariant mode (README "Batch-invariant mode"): M <= GEMV_MAX_M runs
             `_invariant_gemv` (`invariant_config`, 16-row tiles, `invariant_split`), so a decode row's output is
             bitwise independent of M and of the other rows; M > GEMV_MAX_M (a prefill) the "triton" tiles, whose
@@ -648,7 +732,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
 
 
 def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, *,
-                     mma: str | None = None, gemv: GemvConfig | None = None, invariant: bool = False) -> torch.Tensor:
+                     mma: str | None = None, gemv: GemvConfig | RowsConfig | None = None,
+                     invariant: bool = False) -> torch.Tensor:
     """Grouped weight-only FP8 linear for few rows (decode `wo_a`, spec §5: used in bf16 WITHOUT activation
     quantization, pitfall 17): y[m, g, :] = x[m, g, :] . W_g^T, with W_g = weight[g*N:(g+1)*N] dequantized
     (e4m3 code x 2^(s-127) per 128x128 block), fp32 accumulation, bf16 out. The same maths as
@@ -658,7 +743,7 @@ def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     Args: x [M, G*K] bf16 contiguous, M <= GEMV_MAX_M; weight [G*N, K] float8_e4m3fn; scale [G*N/128, K/128]
     float8_e8m0fnu; groups = G; N and K multiples of 128. mma: "fp8" | "bf16" as `mma_mode` (the activation is
     not on the e4m3 grid, so an "fp8" request runs the bf16 tensor-core dot; the interpreter its exact fp32 dot).
-    gemv: the launch (default `gemv_config`; `GemvConfig`, prequant not allowed).
+    gemv: the launch (default `gemv_config`; `GemvConfig`, prequant not allowed, or `RowsConfig` at M = 1).
     invariant: the batch-invariant launch (`_invariant_gemv`, as `fp8_linear`), any M (the prefill's wo_a in
     the mode too); gemv must be None.
     Returns: [M, G*N] bf16.

@@ -659,18 +659,20 @@ def wo_a_gemv_reads_group_0(mp: MP) -> None:
 
 
 def gemv_tuned_split_drops_k_blocks(mp: MP) -> None:
-    """A launch that only the sm_90 table selects gives wrong results: with `per_sm=8` (GEMV_TUNED entries
-    only; the default and the test variants use 2 / 4) the split-K launch gets one split fewer than it needs,
-    so the last K blocks are never summed."""
+    """A launch that only the sm_90 table selects gives wrong results: with `unroll=2, num_warps=8` (GEMV_TUNED
+    entries only; the default and the test variants use one of them at most) the split-K launch gets one split
+    fewer than it needs, so the last K blocks are never summed."""
     from kernels import gemm
 
-    orig = gemm.split_k
+    orig = gemm._gemv_launch
 
-    def split_k(device, n_blocks, k_tiles, per_sm=2):
-        split, per = orig(device, n_blocks, k_tiles, per_sm)
-        return (max(1, split - 1), per) if per_sm == 8 else (split, per)  # MUTANT
+    def _gemv_launch(x, weight, ws, out, M, N, K, G, mma, quant_x, cfg, bm=None, split=None):
+        if isinstance(cfg, gemm.GemvConfig) and cfg.unroll == 2 and cfg.num_warps == 8 and split is None:
+            sp, per = gemm.split_k(x.device, -(-N // cfg.bn) * G, K // 128, cfg.per_sm)
+            split = (max(1, sp - 1), per)  # MUTANT
+        return orig(x, weight, ws, out, M, N, K, G, mma, quant_x, cfg, bm, split)
 
-    mp.setattr(gemm, "split_k", split_k)
+    mp.setattr(gemm, "_gemv_launch", _gemv_launch)
 
 
 def moe_tiles_nibbles_swapped(mp: MP) -> None:
@@ -926,3 +928,13 @@ def invariant_split_follows_m(mp: MP) -> None:
                                                  MMA=0 if interpreting() else 1, num_warps=num_warps)
 
     mp.setattr(kf, "_gemv", _gemv)
+
+
+def fp8_gemv_rows_act_scale_dropped(mp: MP) -> None:
+    """The one-row FP8 GEMV (`_fp8_gemv_rows_kernel`, batch-1 decode) quantizes x per 128 block but never applies
+    the block's act_quant scale 2^k (the e4m3 codes summed as if every scale were 1); the split-K kernel and the
+    references keep it."""
+    from kernels import gemm
+
+    _jit_source_mutant(mp, gemm, "_fp8_gemv_rows_kernel", "sw = sw * sx",
+                       "sw = sw * 1.0  # MUTANT: act scale dropped")

@@ -146,6 +146,7 @@ class Checked:
         else:
             kind = "fp8" if weight.dtype == torch.float8_e4m3fn and act_block and x.shape[-1] % 128 == 0 else "bf16w"
             path = f"{kind}_gemv" if kind == "fp8" and M <= kg.GEMV_MAX_M else f"{kind}_mm"
+            path += "_row" if path == "fp8_gemv" and M == 1 else ""  # the one-row kernel (kernels.gemm.RowsConfig)
             self._bf16_once(got, want, f"{path} {tuple(weight.shape)} M={M}")
         self.paths[path] += 1
         return got
@@ -184,6 +185,7 @@ class Checked:
         from kernels.gemm import GEMV_MAX_M
         got, want = self.k["grouped_linear"](o, weight, scale), grouped_linear_ref(o, weight, scale)
         path = "wo_a_gemv" if o.shape[0] * o.shape[1] <= GEMV_MAX_M else "wo_a_bmm"
+        path += "_row" if o.shape[0] * o.shape[1] == 1 else ""  # the one-row kernel
         self._bf16_once(got, want, f"{path} {tuple(o.shape)}")
         self.paths[path] += 1
         return got
@@ -403,6 +405,32 @@ def test_twin_decode_across_compression_boundaries_matches_reference(models, see
             "fp32_gemv"} <= set(chk.paths), \
         dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "decode logits at 127, 128")
+
+
+def test_one_row_decode_every_path_matches_reference(models, seed):
+    """Batch-1 decode (the one-row FP8 GEMV, `kernels.gemm.RowsConfig`, for every FP8 linear and the grouped wo_a;
+    the routed experts' unsorted gemv): a reference prefill of 126 tokens of one sequence, then the triton decode
+    step at 126 and 127 (the ratio-4 and ratio-128 commits at 127): every fast-path call equals its reference and
+    the logits stay within the bf16 noise."""
+    tri, ref, f32 = models
+    ids = torch.randint(0, ARGS["vocab_size"], (1, LATE - 1), generator=torch.Generator().manual_seed(seed))
+    toks = torch.randint(0, ARGS["vocab_size"], (2, 1, 1), generator=torch.Generator().manual_seed(seed + 1))
+    st = ref.new_state(1, 256)
+    ref(ids, st)
+    r_st = DecodeState(copy.deepcopy(st.layers), pos=st.pos, max_len=st.max_len, owner=weakref.ref(ref))
+    st.owner, st.checked_by = weakref.ref(tri), None  # the reference prefill's caches: the models share weights
+    f_st = f32.new_state(1)
+    f32(ids, f_st)
+    chk = Checked(tri)
+    got, want, exact = [], [], []
+    for tok in toks:
+        got.append(tri(tok, st))
+        want.append(ref(tok, r_st))
+        exact.append(f32(tok, f_st))
+    assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
+            "commit_r128_boundary"} <= set(chk.paths), dict(chk.paths)
+    assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
+    _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")
 
 
 def test_ragged_decode_every_path_matches_reference(models, seed):

@@ -25,10 +25,10 @@ import torch
 
 from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
-from kernels.gemm import GemvConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
+from kernels.gemm import GemvConfig, RowsConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.gemm import act_quant as act_quant_kernel
-from kernels.moe import (GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config, moe_experts,
-                         moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
+from kernels.moe import (GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config,
+                         moe_experts, moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
@@ -179,6 +179,71 @@ def test_fp8_linear_gemv_variants_keep_nan(label):
     close_bf16(y[ok], ref[ok], "y (finite rows)")
 
 
+# the one-row launch (`_fp8_gemv_rows_kernel`, M = 1): the default, the tuned entry, 1..128 rows per program, K
+# blocks per load that do not divide K/128 = 5 (a masked tail), one K block per load, 1 and 8 warps
+ROWS_VARIANTS = {"default": RowsConfig(), "bn16 bkb4": RowsConfig(16, 4), "bn1 bkb2 w1": RowsConfig(1, 2, 1),
+                 "bn128 bkb1 w8": RowsConfig(128, 1, 8), "bn32 bkb16": RowsConfig(32, 16)}
+
+
+@needs_triton
+@pytest.mark.parametrize("label", ROWS_VARIANTS)
+def test_fp8_linear_one_row_variants(seed, label):
+    """Each one-row launch against the reference (same criterion as every decode launch: the same exact products,
+    another fp32 summation order): K = 640 (5 K blocks: a dead tail for bkb 2 / 4 / 16), N = 200 (a ragged last row
+    block), x with blocks of very different magnitude (each block's act_quant scale matters); then the grouped
+    wo_a (no activation quantization, G = 3 groups: each group's input columns and weight rows)."""
+    from kernels.gemm import fp8_grouped_gemv
+    cfg = ROWS_VARIANTS[label]
+    x, (w, s) = make_x(1, 640), make_w8(200, 640)
+    out = torch.full((1, 200), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y, ref = fp8_linear(x, w, s, out=out, gemv=cfg), fp8_linear_ref(x, w, s)
+    close_bf16(y, ref, f"y[{label}]")
+    rounded_once(y, ref, f"y[{label}]")
+    G, K, N = 3, 384, 128
+    xg = (torch.randn(1, G * K) * torch.logspace(-2, 2, G * K // 128).repeat_interleave(128)).to(torch.bfloat16)
+    wg, sg = make_w8(G * N, K)
+    wd = quant.fp8_block_dequant(wg.cpu(), sg.cpu(), out_dtype=torch.float32).view(G, N, K)
+    refg = torch.einsum("mgk,gnk->mgn", xg.float().view(1, G, K), wd).to(torch.bfloat16).reshape(1, G * N)
+    yg = fp8_grouped_gemv(xg.to(DEV), wg, sg, G, gemv=cfg).cpu()
+    close_bf16(yg, refg, f"wo_a[{label}]")
+    rounded_once(yg, refg, f"wo_a[{label}]")
+
+
+@needs_triton
+def test_one_row_is_the_default_and_keeps_nan():
+    """M = 1 runs the one-row launch by default (`gemv_config`), a NaN activation reaches the whole output row
+    and an inf saturates like the reference's act_quant (scale 2^0), as in every decode launch."""
+    from kernels.gemm import gemv_config
+    assert isinstance(gemv_config(1, 200, 640, 1, torch.device(DEV)), RowsConfig)
+    assert isinstance(gemv_config(2, 200, 640, 1, torch.device(DEV)), GemvConfig)
+    for col in (10, 600):
+        x, (w, s) = make_x(1, 640), make_w8(136, 640)
+        x[0, col] = float("nan")
+        y, ref = fp8_linear(x, w, s), fp8_linear_ref(x, w, s)
+        assert bool(torch.isnan(y).all()) and bool(torch.isnan(ref).all()), col
+    x, (w, s) = make_x(1, 640), make_w8(136, 640)
+    x[0, 600] = float("inf")
+    y, ref = fp8_linear(x, w, s), fp8_linear_ref(x, w, s)
+    assert torch.equal(torch.isnan(y), torch.isnan(ref)) and torch.equal(torch.isinf(y), torch.isinf(ref))
+    ok = torch.isfinite(ref)
+    close_bf16(y[ok], ref[ok], "y (finite)")
+
+
+@pytest.mark.parametrize("cfg,match", [(RowsConfig(bn=3), "gemv.bn"), (RowsConfig(bn=256), "gemv.bn"),
+                                       (RowsConfig(bkb=3), "gemv.bkb"), (RowsConfig(num_warps=3), "num_warps"),
+                                       (RowsConfig(bn=8.0), "an int")])
+def test_one_row_config_names_bad_fields(cfg, match):
+    x, (w, s) = make_x(1, 256), make_w8(128, 256)
+    with pytest.raises(ValueError, match=match):
+        fp8_linear(x, w, s, gemv=cfg)
+
+
+def test_one_row_config_refuses_more_rows():
+    x, (w, s) = make_x(2, 256), make_w8(128, 256)
+    with pytest.raises(ValueError, match="RowsConfig runs one row"):
+        fp8_linear(x, w, s, gemv=RowsConfig())
+
+
 def _tuned_launches():
     """The distinct launches of `kernels.gemm.GEMV_TUNED` (G = 1: fp8_linear, G > 1: the grouped wo_a), each with
     the row counts of its bucket that the config accepts: only an sm_90 GPU selects these, so the interpreter
@@ -222,7 +287,7 @@ def test_tuned_launch_list_covers_the_table():
     """Every GEMV_TUNED entry maps to one of the forced launches above (none is left to the GPU alone)."""
     from kernels.gemm import GEMV_TUNED
     launches = {(c, g) for c, g, _ in TUNED.values()}
-    assert {(c, k[3] > 1) for k, c in GEMV_TUNED.items()} == launches and len(TUNED) >= 5
+    assert {(c, k[3] > 1) for k, c in GEMV_TUNED.items()} == launches and len(TUNED) >= 4
 
 
 def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
@@ -236,7 +301,7 @@ def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
     assert [gemm.gemv_m_bucket(m) for m in (1, 2, 8, 9, 32, 33, 64)] == [1, 8, 8, 32, 32, 64, 64]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert gemm.gemv_config(5, 1000, 4096, 1, cuda) == tuned
-    assert gemm.gemv_config(1, 1000, 4096, 1, cuda) == GemvConfig()                # bucket 1: no entry
+    assert gemm.gemv_config(1, 1000, 4096, 1, cuda) == gemm.ROWS_DEFAULT           # one row: the one-row kernel
     assert gemm.gemv_config(5, 1000, 4096, 8, cuda) == GemvConfig()                # the grouped shape: no entry
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert gemm.gemv_config(5, 1000, 4096, 1, cuda) == GemvConfig()
@@ -247,7 +312,8 @@ def test_gemv_config_names_bad_fields():
     from kernels.gemm import fp8_grouped_gemv, gemv_config
     x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16), make_w8(128, 256)
     w, s = w.cpu(), s.cpu()
-    assert gemv_config(1, 1024, 4096, 1, torch.device("cpu")) == GemvConfig()
+    assert gemv_config(1, 1024, 4096, 1, torch.device("cpu")) == RowsConfig()
+    assert gemv_config(2, 1024, 4096, 1, torch.device("cpu")) == GemvConfig()
     assert gemv_config(32, 1024, 4096, 1, torch.device("cpu")).bn == 32
     for bad, match in ((GemvConfig(bn=16), "gemv.bn is 16"), (GemvConfig(unroll=8), "gemv.unroll is 8"),
                        (GemvConfig(per_sm=0), "gemv.per_sm is 0"), (GemvConfig(num_warps=3), "gemv.num_warps"),
