@@ -180,9 +180,11 @@ def test_fp8_linear_gemv_variants_keep_nan(label):
 
 
 # the one-row launch (`_fp8_gemv_rows_kernel`, M = 1): the default, the tuned entry, 1..128 rows per program, K
-# blocks per load that do not divide K/128 = 5 (a masked tail), one K block per load, 1 and 8 warps
+# blocks per load that do not divide K/128 = 5 (a masked tail), one K block per load, 1 and 8 warps; "bn8 bkb1"
+# divides N = 200 and K/128 (the unmasked EVEN loads of the real widths; the grouped case below: bn128 bkb1 too)
 ROWS_VARIANTS = {"default": RowsConfig(), "bn16 bkb4": RowsConfig(16, 4), "bn1 bkb2 w1": RowsConfig(1, 2, 1),
-                 "bn128 bkb1 w8": RowsConfig(128, 1, 8), "bn32 bkb16": RowsConfig(32, 16)}
+                 "bn128 bkb1 w8": RowsConfig(128, 1, 8), "bn32 bkb16": RowsConfig(32, 16),
+                 "bn8 bkb1 even": RowsConfig(8, 1)}
 
 
 @needs_triton
