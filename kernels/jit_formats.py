@@ -123,10 +123,16 @@ def act_scale(x, AXIS: tl.constexpr = 1):
     ceil(log2(amax/448)) without a division: amax = m * 2^e0 (m in [1, 2)), 448 = 1.75 * 2^8, so k = e0 - 8 + (m >
     1.75), i.e. + (mantissa bits > 0x600000) - exact, and equal to torch's fp32 `amax / 448` route. A row with a
     NaN or an inf gets k = 0, as the reference (`_nonfinite_rows`)."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), 1e-4)
+    return _scale_of_amax(tl.max(tl.abs(x), axis=AXIS), _nonfinite_rows(x, AXIS))
+
+
+@triton.jit
+def _scale_of_amax(m, bad):
+    """`act_scale` from each block's max |x| m and whether it holds a NaN / inf (bad): (2^-k, 2^k) fp32."""
+    amax = tl.maximum(m, 1e-4)
     ab = amax.to(tl.int32, bitcast=True)
     k = ((ab >> 23) & 0xFF) - 127 - 8 + ((ab & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.where(_nonfinite_rows(x, AXIS), 0, k)
+    k = tl.where(bad, 0, k)
     return ((127 - k) << 23).to(tl.float32, bitcast=True), ((127 + k) << 23).to(tl.float32, bitcast=True)
 
 
@@ -153,3 +159,19 @@ def act_quant_block(x):
     """Official act_quant of one [R, 128] fp32 tile: (q [R, 128] fp32 on the e4m3 grid, s = 2^k [R] fp32)."""
     inv, s = act_scale(x)
     return act_apply(x, inv), s
+
+
+@triton.jit
+def act_quant_sim_pairs(xe, xo, NB: tl.constexpr):
+    """`kernels.quant.act_quant_sim` (128-input blocks) of NB consecutive blocks held as their even and odd inputs
+    xe, xo [NB * 64] fp32 (the FP4 kernels' layout: low / high nibble): the exact dequantized values e4m3(x / 2^k) *
+    2^k of each input, fp32, in the same even / odd layout. One block's scale from the max |x| of both halves;
+    a block with a NaN or an inf gets k = 0 and a NaN stays NaN (`act_scale`, `act_apply`). Bitwise what the
+    act_quant_sim kernel then a load of its bf16 output give (both exact)."""
+    e2 = tl.reshape(xe, (NB, 64))
+    o2 = tl.reshape(xo, (NB, 64))
+    m = tl.maximum(tl.max(tl.abs(e2), axis=1), tl.max(tl.abs(o2), axis=1))
+    inv, sc = _scale_of_amax(m, _nonfinite_rows(e2) | _nonfinite_rows(o2))
+    qe = act_apply(e2, inv) * sc[:, None]
+    qo = act_apply(o2, inv) * sc[:, None]
+    return tl.reshape(qe, (NB * 64,)), tl.reshape(qo, (NB * 64,))

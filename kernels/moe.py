@@ -309,6 +309,7 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     from kernels.gemm import cast_for_store, e8m0_to_f32, round_bf16
+    from kernels.jit_formats import act_quant_sim_pairs
 
     @triton.jit
     def _e2m1(b, HI: tl.constexpr):
@@ -341,12 +342,14 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit,
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-                            SORTED: tl.constexpr = True):
+                            SORTED: tl.constexpr = True, QUANT: tl.constexpr = False):
         """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
         in expert order, so programs reading one expert's rows run side by side and share them through L2).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
         reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False: pair = program id (no
-        order array; one token's pairs, whose experts are distinct anyway)."""
+        order array; one token's pairs, whose experts are distinct anyway). QUANT: xq_ptr holds x itself (bf16),
+        act-quantized here per 128-input block in registers (`act_quant_sim_pairs`: the same exact values as the
+        act_quant_sim launch it replaces; BKH a multiple of 64)."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -365,6 +368,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         for kh0 in range(0, KH, BKH):
             xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
             xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            if QUANT:
+                xe, xo = act_quant_sim_pairs(xe, xo, BKH // 64)
             u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
             v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
         h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
@@ -374,9 +379,11 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit
     def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                              BN: tl.constexpr, BKH: tl.constexpr, SORTED: tl.constexpr = True):
+                              BN: tl.constexpr, BKH: tl.constexpr, SORTED: tl.constexpr = True,
+                              QUANT: tl.constexpr = False):
         """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
-        exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN)."""
+        exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN). QUANT: hq_ptr holds
+        h itself, act-quantized here as in the up kernel."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -393,6 +400,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         for kh0 in range(0, KH, BKH):
             he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
             ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            if QUANT:
+                he, ho = act_quant_sim_pairs(he, ho, BKH // 64)
             acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
         acc = tl.where(bad, float("nan"), acc)
         tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
@@ -623,35 +632,41 @@ def _moe_mma(mma: str | None) -> int:
 
 
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
-                experts: StackedExperts, limit: float, cfg: MoeConfig) -> torch.Tensor:
-    """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`; xq [T, D] bf16 act-quantized x,
+                experts: StackedExperts, limit: float, cfg: MoeConfig, *, quant: bool = False) -> torch.Tensor:
+    """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`; xq [T, D] bf16 act-quantized x
+    (quant=False), or x itself (quant=True: act-quantized in the kernel, the same values; no act_quant launch),
     order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
     in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct)."""
     E, D, I = _check_experts("moe_up_gemv", experts)
     P = indices.numel()
     if I % cfg.block_n:
         _fail("moe_up_gemv", "block_n", cfg.block_n, f"a divisor of I = {I}")
+    if quant and _chunk(cfg.block_kh, D // 2) % 64:
+        _fail("moe_up_gemv", "block_kh", cfg.block_kh, "a chunk of >= 64 bytes (whole 128-input blocks) with quant")
     h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
         xq, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
         u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
-        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, num_warps=cfg.num_warps)
+        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=quant, num_warps=cfg.num_warps)
     return h
 
 
 def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, experts: StackedExperts,
-                  cfg: MoeConfig) -> torch.Tensor:
-    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h; order as
-    `moe_up_gemv`."""
+                  cfg: MoeConfig, *, quant: bool = False) -> torch.Tensor:
+    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h (quant=False)
+    or h itself (quant=True: act-quantized in the kernel); order as `moe_up_gemv`."""
     E, D, I = _check_experts("moe_down_gemv", experts)
     P = indices.numel()
     if D % cfg.block_n:
         _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
+    if quant and _chunk(cfg.block_kh, I // 2) % 64:
+        _fail("moe_down_gemv", "block_kh", cfg.block_kh, "a chunk of >= 64 bytes (whole 128-input blocks) with quant")
     y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
         hq, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
-        BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, num_warps=cfg.num_warps)
+        BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=quant,
+        num_warps=cfg.num_warps)
     return y
 
 
@@ -731,14 +746,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     _check_config(cfg, D, I)
     if P == 0:
         return torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    xq, _ = act_quant(x, sim=True)
     if cfg.path == "gemv":
         # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
-        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27)
+        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). x and h are
+        # act-quantized inside the gemv kernels where the K chunk holds whole 128-input blocks (two launches
+        # fewer; the same values), else by the act_quant launch.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-        h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg)
-        y = moe_down_gemv(act_quant(h, sim=True)[0], indices, order, experts, cfg)
+        qu = _chunk(cfg.block_kh, D // 2) % 64 == 0
+        qd = _chunk(cfg.block_kh, I // 2) % 64 == 0
+        h = moe_up_gemv(x if qu else act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg,
+                        quant=qu)
+        y = moe_down_gemv(h if qd else act_quant(h, sim=True)[0], indices, order, experts, cfg, quant=qd)
     else:
+        xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)
         h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
         y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)

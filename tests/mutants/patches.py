@@ -938,3 +938,14 @@ def fp8_gemv_rows_act_scale_dropped(mp: MP) -> None:
 
     _jit_source_mutant(mp, gemm, "_fp8_gemv_rows_kernel", "sw = sw * sx",
                        "sw = sw * 1.0  # MUTANT: act scale dropped")
+
+
+def moe_gemv_quant_odd_unscaled(mp: MP) -> None:
+    """The MoE decode kernels' in-register act_quant (`act_quant_sim_pairs`) leaves the odd inputs as bare e4m3
+    codes (their block's 2^k never applied); the act_quant launch of the tile path and the references keep it."""
+    from kernels import jit_formats, moe
+
+    _jit_source_mutant(mp, jit_formats, "act_quant_sim_pairs", "qo = act_apply(o2, inv) * sc[:, None]",
+                       "qo = act_apply(o2, inv)  # MUTANT")
+    # the kernels bound the helper at import: re-bind the mutant in moe's namespace and rebuild its two kernels
+    mp.setattr(moe, "act_quant_sim_pairs", jit_formats.act_quant_sim_pairs)

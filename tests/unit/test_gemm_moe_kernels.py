@@ -599,6 +599,33 @@ def test_moe_gemv_bad_expert_id_writes_nan(seed):
     assert bool(y[0].isfinite().all()), "a bad expert id leaked into another token"
 
 
+@needs_triton
+def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
+    """The decode path's in-kernel act_quant (`act_quant_sim_pairs`, quant=True) gives bitwise the outputs of the
+    same kernels fed the act_quant_sim launch's values: x with 128-blocks of very different magnitude (each block's
+    scale matters), a block with an inf (k = 0, saturates), a block holding a NaN (stays NaN), a tiny block
+    (amax floor 1e-4); h through the down kernel likewise."""
+    from kernels.moe import moe_down_gemv
+    from kernels.quant import act_quant_sim
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = torch.randn(5, D) * torch.logspace(-3, 3, D // 128).repeat_interleave(128)
+    x[1, 130] = float("inf")
+    x[2, 5] = float("nan")
+    x[3, :128] = torch.randn(128) * 1e-6
+    x = x.to(torch.bfloat16).to(DEV)
+    cfg = moe_config(15, E)
+    assert cfg.path == "gemv" and cfg.block_kh >= 64
+    a = moe_up_gemv(act_quant_sim(x, 128), g, idx, None, ex, 10.0, cfg)
+    b = moe_up_gemv(x, g, idx, None, ex, 10.0, cfg, quant=True)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), "up: in-kernel quant"
+    assert bool(a.isnan().any()) and bool((~a.isnan()).any())
+    h = (torch.randn(15, I) * torch.logspace(-2, 2, I // 128).repeat_interleave(128)).to(torch.bfloat16).to(DEV)
+    ya = moe_down_gemv(act_quant_sim(h, 128), idx, None, ex, cfg)
+    yb = moe_down_gemv(h, idx, None, ex, cfg, quant=True)
+    assert torch.equal(ya, yb), "down: in-kernel quant"
+
+
 def test_moe_experts_reads_nothing_back_to_the_host(seed):
     """Sync-free (CUDA-graph capturable): no op of moe_experts on either path turns a device value into a host
     value (item / tolist / bool / int / nonzero / unique ...); the shapes depend on (T, k, E) only. Checked by a
@@ -621,8 +648,8 @@ def test_moe_experts_reads_nothing_back_to_the_host(seed):
         import kernels.moe as moe
         from unittest import mock
         with mock.patch.object(moe, "act_quant", lambda t, sim: (t, None)), \
-                mock.patch.object(moe, "moe_up_gemv", lambda *a: torch.zeros(15, I, dtype=torch.bfloat16)), \
-                mock.patch.object(moe, "moe_down_gemv", lambda *a: torch.zeros(15, D, dtype=torch.bfloat16)), \
+                mock.patch.object(moe, "moe_up_gemv", lambda *a, **k: torch.zeros(15, I, dtype=torch.bfloat16)), \
+                mock.patch.object(moe, "moe_down_gemv", lambda *a, **k: torch.zeros(15, D, dtype=torch.bfloat16)), \
                 mock.patch.object(moe, "moe_up_tiles", lambda *a: torch.zeros(1, I, dtype=torch.bfloat16)), \
                 mock.patch.object(moe, "moe_down_tiles", lambda *a: torch.zeros(15, D, dtype=torch.bfloat16)):
             for path in ("gemv", "tiles"):
