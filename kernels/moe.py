@@ -588,6 +588,16 @@ benchmarks/RESULTS.md, session of 2026-12-04 (2)), µs for 32 x 128 / 64 x 128 (
 of a real model are skewed (per-expert tile sizes would then win; not built)."""
 
 
+INVARIANT_GEMV_MAX_T = 64
+INVARIANT_TILES = MoeConfig("tiles", 32, 128, 64, 4, 3)
+"""The batch-invariant mode's routed experts (`moe_experts(invariant=True)`): the "gemv" path (one program per
+(pair, output block)) up to INVARIANT_GEMV_MAX_T tokens (a decode step of up to 64 rows), these tiles above (a
+prefill: one tile shape for every T > 64, whatever the pairs per expert - not `TILES_LARGE`'s choice). A pair's
+output depends on its own token and expert only on either side: a gemv program never mixes pairs; in a tile a
+token is one column of the swapped dot (M = weight rows), whose sum over K is that column's alone in the same order
+wherever the column sits and whatever the padding."""
+
+
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs over E = n_experts experts, the fastest measured on one H200
     (RESULTS.md): the decode path with 16 weight rows per program and 512-input K steps while P <=
