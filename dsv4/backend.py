@@ -14,7 +14,7 @@ never by a failure (nothing falls back silently; every row below is deliberate):
 
 | what | bf16 mode (official numerics) | fp32 mode (exact) |
 |---|---|---|
-| FP8 linear (weight float8_e4m3fn, act_block > 0, in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks) | reference maths (fp32 GEMM) |
+| FP8 linear (weight float8_e4m3fn, act_block > 0, in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks; one row: the no-split-K one-row GEMV) | reference maths (fp32 GEMM) |
 | other bf16 linears (weights_proj, dequantized mode) | act quant (if act_block > 0) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
 | fp32 linears (head, compressor wkv/wgate via `linear(fp32=True)`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
 | those, weight held bf16, M > 64 (prefill of router / compressor) | exact fp32 upcast of the weight + fp32 cuBLAS `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
@@ -23,7 +23,7 @@ never by a failure (nothing falls back silently; every row below is deliberate):
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |
 | router after the logits (every `Gate`: scores, top-k or hash ids, normalisation, route_scale) | `kernels.router.route` (one launch, bitwise equal to `route_ref`) | `kernels.router.route` |
 | RMSNorm (every norm) | `kernels.norm.rms_norm` (one launch, same fp32 maths) | `kernels.norm.rms_norm` |
-| routed experts (FP4, widths % 128 == 0, all experts on this rank: stacked, `kernels.moe.stackable`) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs, bf16 tensor-core tiles above) | reference loop |
+| routed experts (FP4, widths % 128 == 0, all experts on this rank: stacked, `kernels.moe.stackable`) | `kernels.moe.moe_experts` (grouped, sync-free: CUDA-core GEMV path up to `GEMV_MAX_PAIRS` pairs with x and h act-quantized in its kernels, bf16 tensor-core tiles above, 32 / 64 / 128 token rows by pairs per expert) | reference loop |
 | routed experts otherwise (bf16 / dequantized experts, tiny widths, expert parallel) | reference loop (`kernels.moe.moe_routed_ref` with the triton `linear`; host sync per expert) | reference loop |
 
 Why the bf16 cuBLAS GEMM equals the reference: act-quantized activations (e4m3 code x power of two) and

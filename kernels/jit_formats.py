@@ -162,16 +162,14 @@ def act_quant_block(x):
 
 
 @triton.jit
-def act_quant_sim_pairs(xe, xo, NB: tl.constexpr):
-    """`kernels.quant.act_quant_sim` (128-input blocks) of NB consecutive blocks held as their even and odd inputs
-    xe, xo [NB * 64] fp32 (the FP4 kernels' layout: low / high nibble): the exact dequantized values e4m3(x / 2^k) *
-    2^k of each input, fp32, in the same even / odd layout. One block's scale from the max |x| of both halves;
-    a block with a NaN or an inf gets k = 0 and a NaN stays NaN (`act_scale`, `act_apply`). Bitwise what the
-    act_quant_sim kernel then a load of its bf16 output give (both exact)."""
+def act_quant_codes_pairs(xe, xo, NB: tl.constexpr):
+    """The official act_quant (128-input blocks) of NB consecutive blocks held as their even and odd inputs xe, xo
+    [NB * 64] fp32 (the FP4 kernels' layout: low / high nibble): (qe, qo, s) with qe / qo the e4m3 code values
+    e4m3(x / 2^k) (fp32, on the e4m3 grid, same layout) and s [NB] the blocks' scales 2^k; q * s is bitwise
+    `kernels.quant.act_quant_sim`'s value. One block's scale from the max |x| of both halves; a block with a NaN or
+    an inf gets k = 0 and a NaN stays NaN (`act_scale`, `act_apply`)."""
     e2 = tl.reshape(xe, (NB, 64))
     o2 = tl.reshape(xo, (NB, 64))
     m = tl.maximum(tl.max(tl.abs(e2), axis=1), tl.max(tl.abs(o2), axis=1))
     inv, sc = _scale_of_amax(m, _nonfinite_rows(e2) | _nonfinite_rows(o2))
-    qe = act_apply(e2, inv) * sc[:, None]
-    qo = act_apply(o2, inv) * sc[:, None]
-    return tl.reshape(qe, (NB * 64,)), tl.reshape(qo, (NB * 64,))
+    return tl.reshape(act_apply(e2, inv), (NB * 64,)), tl.reshape(act_apply(o2, inv), (NB * 64,)), sc

@@ -309,7 +309,7 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     from kernels.gemm import cast_for_store, e8m0_to_f32, round_bf16
-    from kernels.jit_formats import act_quant_sim_pairs
+    from kernels.jit_formats import act_quant_codes_pairs
 
     @triton.jit
     def _e2m1(b, HI: tl.constexpr):
@@ -339,6 +339,30 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
+    def _fp4_gemv_codes(w_ptr, s_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN: tl.constexpr, BKH: tl.constexpr):
+        """`_fp4_gemv_chunk` on act-quantized inputs given as e4m3 CODE values qe / qo [BKH] (even / odd inputs) and
+        their blocks' scales sx [BKH / 64] (`act_quant_codes_pairs`): the same [BN] fp32 result, bitwise, with no
+        float conversion in the nibble decode. Each nibble goes straight to the fp32 bits of e2m1 * 2^-126 (3
+        magnitude bits to bits 22-24, sign to bit 31; 0.5 lands on the fp32 denormal 2^-127): 4-5 integer ops,
+        where the fp16 route (`_e2m1`) needs an fp16 -> fp32 conversion per input. Exactness: a product
+        (e2m1 * 2^-126) * q is an integer times 2^-137 below 2^-115 (2 e2m1 <= 12, 512 q <= 229376), so every product
+        and every partial sum below 2^-113 is exact (denormal or not: fp32 FMA keeps denormals, no flush in these
+        kernels - the GPU test at real widths would see a flush as zero rows); above, fp32 rounds relative to the
+        magnitude exactly as for the products times 2^(126 + k): the group sum times 2^126, then the weight's group
+        scale, then the block's 2^k (each a power of two, in that order: no intermediate overflow before the true
+        value's) is the fp16 route's value bitwise."""
+        offs = kh0 + tl.arange(0, BKH)
+        b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)  # sign-extended: bit 7 -> bit 31
+        lo = (((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)).to(tl.float32, bitcast=True)
+        hi = (((b << 18) & 0x01C00000) | (b & -2147483648)).to(tl.float32, bitcast=True)
+        p = lo * qe[None, :] + hi * qo[None, :]
+        grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 8.507059173023462e37  # 2^126
+        s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
+        sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))  # 4 groups per 128 block
+        return tl.sum(grp * e8m0_to_f32(s) * sxg[None, :], axis=1)
+
+
+    @triton.jit
     def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit,
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
@@ -348,8 +372,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
         reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False: pair = program id (no
         order array; one token's pairs, whose experts are distinct anyway). QUANT: xq_ptr holds x itself (bf16),
-        act-quantized here per 128-input block in registers (`act_quant_sim_pairs`: the same exact values as the
-        act_quant_sim launch it replaces; BKH a multiple of 64)."""
+        act-quantized here per 128-input block in registers (`act_quant_codes_pairs`: the same exact values as the
+        act_quant_sim launch it replaces, kept as codes and scales for `_fp4_gemv_codes`; BKH a multiple of 64)."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -369,9 +393,12 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
             xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
             if QUANT:
-                xe, xo = act_quant_sim_pairs(xe, xo, BKH // 64)
-            u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
-            v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+                qe, qo, sx = act_quant_codes_pairs(xe, xo, BKH // 64)
+                u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
+                v += _fp4_gemv_codes(w3_ptr, s3_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
+            else:
+                u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
+                v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
         h = _swiglu(u, v, tl.load(g_ptr + pair), limit, HAS_LIMIT)
         h = tl.where(bad, float("nan"), h)
         tl.store(h_ptr + pair * I + offs_n, round_bf16(h).to(tl.bfloat16))
@@ -401,8 +428,10 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
             ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
             if QUANT:
-                he, ho = act_quant_sim_pairs(he, ho, BKH // 64)
-            acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
+                qe, qo, sx = act_quant_codes_pairs(he, ho, BKH // 64)
+                acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
+            else:
+                acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
         acc = tl.where(bad, float("nan"), acc)
         tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
 

@@ -940,12 +940,13 @@ def fp8_gemv_rows_act_scale_dropped(mp: MP) -> None:
                        "sw = sw * 1.0  # MUTANT: act scale dropped")
 
 
-def moe_gemv_quant_odd_unscaled(mp: MP) -> None:
-    """The MoE decode kernels' in-register act_quant (`act_quant_sim_pairs`) leaves the odd inputs as bare e4m3
-    codes (their block's 2^k never applied); the act_quant launch of the tile path and the references keep it."""
-    from kernels import jit_formats, moe
+def moe_gemv_block_scale_misaligned(mp: MP) -> None:
+    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) scale every 32-input group of a K chunk by
+    the chunk's largest act_quant block scale instead of its own block's (the in-register act_quant's scales
+    misaligned with the groups); the fp16 route, the tile path and the references are right."""
+    from kernels import moe
 
-    _jit_source_mutant(mp, jit_formats, "act_quant_sim_pairs", "qo = act_apply(o2, inv) * sc[:, None]",
-                       "qo = act_apply(o2, inv)  # MUTANT")
-    # the kernels bound the helper at import: re-bind the mutant in moe's namespace and rebuild its two kernels
-    mp.setattr(moe, "act_quant_sim_pairs", jit_formats.act_quant_sim_pairs)
+    _jit_source_mutant(mp, moe, "_fp4_gemv_codes",
+                       "sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))",
+                       "sxg = tl.reshape(tl.broadcast_to(tl.max(sx, axis=0) + 0.0 * sx[:, None], (BKH // 64, 4)),"
+                       " (BKH // 16,))  # MUTANT")

@@ -601,8 +601,9 @@ def test_moe_gemv_bad_expert_id_writes_nan(seed):
 
 @needs_triton
 def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
-    """The decode path's in-kernel act_quant (`act_quant_sim_pairs`, quant=True) gives bitwise the outputs of the
-    same kernels fed the act_quant_sim launch's values: x with 128-blocks of very different magnitude (each block's
+    """The decode path's in-kernel act_quant (quant=True: `act_quant_codes_pairs` and the code-value products of
+    `_fp4_gemv_codes`, no float conversion) gives bitwise the outputs of the same kernels fed the act_quant_sim
+    launch's values (the fp16 route `_fp4_gemv_chunk`): x with 128-blocks of very different magnitude (each block's
     scale matters), a block with an inf (k = 0, saturates), a block holding a NaN (stays NaN), a tiny block
     (amax floor 1e-4); h through the down kernel likewise."""
     from kernels.moe import moe_down_gemv
@@ -624,6 +625,22 @@ def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
     ya = moe_down_gemv(act_quant_sim(h, 128), idx, None, ex, cfg)
     yb = moe_down_gemv(h, idx, None, ex, cfg, quant=True)
     assert torch.equal(ya, yb), "down: in-kernel quant"
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 5])
+def test_moe_default_gemv_matches_reference(seed, T):
+    """The default decode launch (`moe_config`: 512-input K chunks, so x's two 128-blocks of D = 256 share a chunk;
+    x and h act-quantized in the kernels, code-value products) against `moe_grouped_ref`, x's blocks 10^3 apart in
+    magnitude (each block's act_quant scale matters), clamped SwiGLU."""
+    ex = make_experts()
+    g, idx = routing(T, 3, IDX5 if T == 5 else [[4, 1, 0]])
+    x = (torch.randn(T, D) * torch.logspace(-2, 1, D // 128).repeat_interleave(128)).to(torch.bfloat16).to(DEV)
+    cfg = moe_config(3 * T, E)
+    assert cfg.path == "gemv" and cfg.block_kh >= D // 2
+    y, ref = moe_experts(x, g, idx, ex, 10.0), moe_grouped_ref(x, g, idx, ex, 10.0)
+    close_bf16(y, ref, f"moe y default gemv T{T}")
+    rounded_once(y, ref, f"moe y default gemv T{T}")
 
 
 def test_moe_experts_reads_nothing_back_to_the_host(seed):
