@@ -597,6 +597,13 @@ GEMV_MAX_PAIRS = 192
 swapped tiles at T = 1 ... 128: gemv faster up to T = 16 (849 vs 1046 µs for 16 x 64 tiles), even at T = 32
 (1659 vs 1709 µs), tiles faster from T = 64 (2485 vs 3229 µs) and at T = 128 (3018 vs 6340 µs)."""
 
+GEMV_QUANT_MAX_T = 1
+"""Tokens up to which the decode kernels act-quantize x and h themselves (two act_quant launches fewer). Every
+program of a row re-quantizes its whole input, so the work grows with the programs: measured on one H200
+(`benchmarks/moe_decode_probe.py`, whole call in a CUDA graph, RESULTS.md session of 2026-12-04 (2)), in-kernel /
+two launches: Flash T = 1 69.1 / 70.0 µs, T = 8 473.5 / 440.1, T = 32 1790.6 / 1650.9; Pro T = 1 180.2 / 172.8,
+T = 8 1203.6 / 1102.3. Kept at one token: in the model's CUDA graph each launch also costs a kernel boundary."""
+
 TILES_SMALL_MAX_PAIRS = 768
 """Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
 µs for 32 x 128); above, the large tiles of `TILES_LARGE` by pairs per expert. Crossover between 768 and 6144
@@ -788,11 +795,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     if cfg.path == "gemv":
         # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
         # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). x and h are
-        # act-quantized inside the gemv kernels where the K chunk holds whole 128-input blocks (two launches
-        # fewer; the same values), else by the act_quant launch.
+        # act-quantized inside the gemv kernels up to GEMV_QUANT_MAX_T tokens where the K chunk holds whole
+        # 128-input blocks (two launches fewer; the same values), else by the act_quant launch.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-        qu = _chunk(cfg.block_kh, D // 2) % 64 == 0
-        qd = _chunk(cfg.block_kh, I // 2) % 64 == 0
+        qu = T <= GEMV_QUANT_MAX_T and _chunk(cfg.block_kh, D // 2) % 64 == 0
+        qd = T <= GEMV_QUANT_MAX_T and _chunk(cfg.block_kh, I // 2) % 64 == 0
         h = moe_up_gemv(x if qu else act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg,
                         quant=qu)
         y = moe_down_gemv(h if qd else act_quant(h, sim=True)[0], indices, order, experts, cfg, quant=qd)

@@ -223,7 +223,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("moe_gemv_block_scale_misaligned", "the MoE decode kernels scale each group by the wrong act_quant block",
            patches.moe_gemv_block_scale_misaligned,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_quantizes_in_the_kernel_bitwise",
-            "tests/unit/test_gemm_moe_kernels.py::test_moe_default_gemv_matches_reference[5]")),
+            "tests/unit/test_gemm_moe_kernels.py::test_moe_default_gemv_matches_reference[1]")),
     Mutant("multi_turn_prefix_unchecked", "a chat's next turn appended to a state whose ids the prompt rewrote",
            patches.multi_turn_prefix_unchecked,
            ("tests/unit/test_generate.py::test_multi_turn_continues_the_state_only_when_the_prompt_extends_it[thinking]",
