@@ -804,17 +804,25 @@ class Block(nn.Module):
         a = self.args
         x, post, comb = backend.hc_pre(Hf, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                                        getattr(self, f"hc_{site}_scale"), sinkhorn_iters=a.hc_sinkhorn_iters,
-                                       hc_eps=a.hc_eps, norm_eps=a.norm_eps)
+                                       hc_eps=a.hc_eps, norm_eps=a.norm_eps, norm=self._norm(site))
         out = fn(x.view(b, s, d)).reshape(b * s, d)
         return backend.hc_post(out, Hf, post, comb).view(b, s, hc, d)
+
+    def _norm(self, site: str) -> tuple[torch.Tensor, float]:
+        """The site's RMSNorm (attn_norm / ffn_norm) as hc_pre's `norm` argument: hc_pre returns the collapsed row
+        already normed (`kernels.mhc.hc_pre_ref`: `rms_norm_ref` of it; the triton backend fuses the norm into the
+        decode-sized hc_pre / hc_post_pre launch, issue 27)."""
+        n = getattr(self, f"{site}_norm")
+        return n.weight, n.eps
 
     def forward(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, st: LayerState,
                 backend: Backend) -> torch.Tensor:
         """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: the first position of the call (an int,
         `Attention.extend`) or the
-        decode step's device position [1] (`Attention.forward`)."""
-        H = self._site(H, "attn", lambda x: self.attn(self.attn_norm(x), pos, st, backend), backend)
-        return self._site(H, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids), backend)
+        decode step's device position [1] (`Attention.forward`). Each site: hc_pre with the site's norm
+        (x = attn_norm / ffn_norm of the mHC collapse), the sub-block, hc_post."""
+        H = self._site(H, "attn", lambda x: self.attn(x, pos, st, backend), backend)
+        return self._site(H, "ffn", lambda x: self.ffn(x, input_ids), backend)
 
     def forward_deferred(self, H: torch.Tensor, pending: tuple | None, pos: int | torch.Tensor, input_ids: torch.Tensor,
                          st: LayerState, backend: Backend) -> tuple[torch.Tensor, tuple]:
@@ -828,13 +836,14 @@ class Block(nn.Module):
         b, s, hc, d = H.shape
         Hf, a = H.reshape(b * s, hc, d), self.args
         kw = dict(sinkhorn_iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps, norm_eps=a.norm_eps)
-        for site, body in (("attn", lambda x: self.attn(self.attn_norm(x), pos, st, backend)),
-                           ("ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))):
+        for site, body in (("attn", lambda x: self.attn(x, pos, st, backend)),
+                           ("ffn", lambda x: self.ffn(x, input_ids))):
             params = [getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale")]
             if pending is None:
-                x, post, comb = backend.hc_pre(Hf, *params, **kw)
+                x, post, comb = backend.hc_pre(Hf, *params, norm=self._norm(site), **kw)
             else:
-                Hf, x, post, comb = backend.hc_post_pre(pending[0], Hf, pending[1], pending[2], *params, **kw)
+                Hf, x, post, comb = backend.hc_post_pre(pending[0], Hf, pending[1], pending[2], *params,
+                                                        norm=self._norm(site), **kw)
             pending = (body(x.view(b, s, d)).reshape(b * s, d), post, comb)
         return Hf.view(b, s, hc, d), pending
 

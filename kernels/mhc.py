@@ -36,6 +36,7 @@ from kernels.launch import check_layout as _check_layout
 from kernels.launch import fail as _fail
 from kernels.launch import interpreting
 from kernels.launch import sm_count, workspace
+from kernels.norm import rms_norm, rms_norm_ref
 
 _H_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -116,7 +117,7 @@ def _mixes_ref(H: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tens
 
 
 def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-               sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+               sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm: tuple | None = None):
     """mHC pre-mix of one block site (spec §4 steps 1–5).
 
     H `[T, hc, D]` bf16|fp32 residual streams; fn `[(2+hc)·hc, hc·D]` fp32; base `[(2+hc)·hc]` fp32;
@@ -124,17 +125,37 @@ def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     x `[T, D]` H.dtype = Σ_j pre_j·H_j in fp32, rounded once, with pre = sigmoid(m·scale0 + base) + hc_eps;
     post `[T, hc]` fp32 = 2·sigmoid(m·scale1 + base) (no eps);
     comb `[T, hc, hc]` fp32 = sinkhorn_ref(m·scale2 + base, sinkhorn_iters, hc_eps), comb[t, j, k] mixes source
-    stream j into output stream k (columns sum to ≈1). Raises ValueError naming a bad argument.
+    stream j into output stream k (columns sum to ≈1).
+    norm = (weight [D] fp32, eps): x leaves as the site's RMSNorm of that row, `rms_norm_ref(x, weight, eps)`
+    (the block's attn_norm / ffn_norm, spec §4: mHC pre -> norm -> sub-block; the fast paths fuse it).
+    Raises ValueError naming a bad argument.
     """
     T, hc, D = _check_mix_args("hc_pre_ref", H, fn, base, scale, False, False,
                                sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_norm("hc_pre_ref", norm, D, H)
     m = _mixes_ref(H, fn, norm_eps)
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(T, hc, hc)
     comb = sinkhorn_ref(logits, sinkhorn_iters, hc_eps)
     x = (pre.unsqueeze(-1) * H.float()).sum(1).to(H.dtype)
+    if norm is not None:
+        x = rms_norm_ref(x, *norm)
     return x, post, comb
+
+
+def _check_norm(op: str, norm, D: int, H: torch.Tensor) -> None:
+    """`norm` of hc_pre / hc_post_pre: None or (weight [D] fp32 contiguous on H's device, eps a float > 0)."""
+    if norm is None:
+        return
+    ok = isinstance(norm, tuple) and len(norm) == 2
+    w, eps = norm if ok else (None, None)
+    if not (ok and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and tuple(w.shape) == (D,)
+            and w.is_contiguous() and w.device == H.device):
+        _fail(op, "norm", repr(type(norm).__name__ if not ok else (getattr(w, "dtype", w), tuple(getattr(
+            w, "shape", ())), getattr(w, "device", None))), f"None or (weight [{D}] fp32 contiguous on {H.device}, eps)")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        _fail(op, "norm eps", repr(eps), "a float > 0 (the RMSNorm's eps)")
 
 
 def hc_post_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -165,14 +186,14 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
 
 def hc_post_pre_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                     base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int, hc_eps: float,
-                    norm_eps: float):
+                    norm_eps: float, norm: tuple | None = None):
     """A layer-site boundary (spec §4 step 7 then steps 1–5 of the next site): `hc_post_ref` of one site
     followed by `hc_pre_ref` of the next, on the rounded H_new. Returns `(H_new, x, post_next, comb_next)`,
-    shapes and dtypes as those two functions (`fn`, `base`, `scale` are the next site's). Raises ValueError
-    naming a bad argument."""
+    shapes and dtypes as those two functions (`fn`, `base`, `scale`, `norm` are the next site's). Raises
+    ValueError naming a bad argument."""
     H_new = hc_post_ref(a, H, post, comb)
     return (H_new, *hc_pre_ref(H_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
-                               norm_eps=norm_eps))
+                               norm_eps=norm_eps, norm=norm))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -258,11 +279,16 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     def _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, t_first,
                        T, D, S, iters, hc_eps, norm_eps, inv_k, d_lo, d_hi, write_pc,
                        HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, IS_HEAD: tl.constexpr,
-                       BTF: tl.constexpr, BD: tl.constexpr, HCACHE: tl.constexpr):
+                       BTF: tl.constexpr, BD: tl.constexpr, HCACHE: tl.constexpr,
+                       nw_ptr=None, rms_eps=0.0, NORM: tl.constexpr = False):
         """Tokens t_first + [0, BTF) below T: sum the S split partials in a fixed order, RMS scale, sigmoids (+ Sinkhorn unless IS_HEAD;
         post/comb written when write_pc), then collapse columns [d_lo, d_hi) of H in BD steps. Partials are read
         with `.cg` (L2, not L1): in the one-launch kernel other programs wrote them during this launch; HCACHE is
-        the cache modifier of the H loads (".cg" when other programs of this launch wrote H, else "")."""
+        the cache modifier of the H loads (".cg" when other programs of this launch wrote H, else "").
+        NORM (one-launch kernels only: [d_lo, d_hi) = [0, D)): the site's RMSNorm on the collapsed row, in place
+        (`rms_norm_ref`: x = cast(w * x_f32 * rsqrt(mean(x_f32^2) + rms_eps)) of the rounded x; nw_ptr the norm
+        weight [D] fp32): a second pass over the row this program just wrote (a CTA barrier first: other threads
+        wrote some of its elements)."""
         offs_t = t_first + tl.arange(0, BTF)
         mask_t = offs_t < T
         j = tl.arange(0, HC)
@@ -297,15 +323,29 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 tl.store(comb_ptr + offs_t[:, None, None].to(tl.int64) * (HC * HC) + j[None, :, None] * HC
                          + j[None, None, :], c, mask=mask_t[:, None, None])
         hrow = offs_t.to(tl.int64) * (HC * D)
+        ssx = tl.zeros([BTF], dtype=tl.float32)
         for d0 in range(d_lo, d_hi, BD):
             offs_d = d0 + tl.arange(0, BD)
             mask_d = offs_d < d_hi
             hv = tl.load(h_ptr + hrow[:, None, None] + j[None, :, None] * D + offs_d[None, None, :],
                          mask=mask_t[:, None, None] & mask_d[None, None, :], other=0.0,
                          cache_modifier=HCACHE).to(tl.float32)
-            x = tl.sum(pre[:, :, None] * hv, axis=1)
-            tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], cast_for_store(x, x_ptr),
+            x = cast_for_store(tl.sum(pre[:, :, None] * hv, axis=1), x_ptr)
+            tl.store(x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :], x,
                      mask=mask_t[:, None] & mask_d[None, :])
+            if NORM:
+                xf = tl.where(mask_d[None, :], x.to(tl.float32), 0.0)
+                ssx += tl.sum(xf * xf, axis=1)
+        if NORM:
+            rinv = tl.math.rsqrt(ssx / D + rms_eps)
+            tl.debug_barrier()
+            for d0 in range(0, D, BD):
+                offs_d = d0 + tl.arange(0, BD)
+                m2 = mask_t[:, None] & (offs_d < D)[None, :]
+                xp = x_ptr + offs_t[:, None].to(tl.int64) * D + offs_d[None, :]
+                xv = tl.load(xp, mask=m2, other=0.0).to(tl.float32)
+                w = tl.load(nw_ptr + offs_d, mask=offs_d < D, other=0.0)
+                tl.store(xp, cast_for_store((w[None, :] * xv) * rinv[:, None], x_ptr), mask=m2)
 
 
     # Issue 29: the token count T (and the finish kernel's split count S) are not specialized: one build per tile
@@ -330,21 +370,23 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         d_lo = pid_d * BD
         _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                        pid_t * BT, T, D, S, iters, hc_eps, norm_eps, inv_k,
-                       d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "")
+                       d_lo, tl.minimum(d_lo + BD, D), pid_d == 0, HC, NP, SP, IS_HEAD, BT, BD, "", x_ptr, 0.0,
+                       False)
 
 
     @triton.jit(do_not_specialize=["T"])
-    def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr,
-                         T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k,
+    def _hc_fused_kernel(h_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr, ws_ptr, sem_ptr, nw_ptr,
+                         T, D, K, K_PER_SPLIT, iters, hc_eps, norm_eps, inv_k, rms_eps,
                          HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                          IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
-                         BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr):
+                         BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr, NORM: tl.constexpr):
         """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
         then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
         threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
         and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
         interpreter's sequential grid. TOK is small (2) so that many programs share the collapse; the price is
-        that fn is re-read (from L2) once per token block."""
+        that fn is re-read (from L2) once per token block. NORM: x leaves as the site's RMSNorm of the collapsed
+        row (`_finish_tokens`; nw_ptr [D] fp32, rms_eps)."""
         pid_t = tl.program_id(0)
         n_split = tl.num_programs(1)
         mix_ptr = ws_ptr
@@ -356,7 +398,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         if arrived == n_split - 1:
             _finish_tokens(h_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                            pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                           0, D, True, HC, NP, SP, IS_HEAD, TOK, BD, "")
+                           0, D, True, HC, NP, SP, IS_HEAD, TOK, BD, "", nw_ptr, rms_eps, NORM)
             tl.store(sem_ptr + pid_t, 0)
 
 
@@ -383,9 +425,10 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit(do_not_specialize=["T"])
     def _hc_post_pre_kernel(a_ptr, h_ptr, post_ptr, comb_ptr, hn_ptr, fn_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr,
-                            comb2_ptr, ws_ptr, sem_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
-                            HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
-                            BT: tl.constexpr, BC: tl.constexpr, TOK: tl.constexpr, BD: tl.constexpr):
+                            comb2_ptr, ws_ptr, sem_ptr, nw_ptr, T, D, K, COLS, iters, hc_eps, norm_eps, inv_k,
+                            rms_eps, HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                            BT: tl.constexpr, BC: tl.constexpr, TOK: tl.constexpr, BD: tl.constexpr,
+                            NORM: tl.constexpr):
         """Decode layer boundary, ONE launch: hc_post of one site and hc_pre of the next (issue 14).
 
         Grid (token blocks of TOK tokens, column splits of COLS columns of D). A program computes H_new (= the
@@ -394,7 +437,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         Σ X² of the next hc_pre (X = H_new stream-major, so stream k of column c is K-index k·D + c). It writes
         the partials like `_mix_partial`, counts itself in sem[token block] (acq_rel atomic after a CTA barrier),
         and the last program of a block finishes it (`_finish_tokens`, reading H_new through L2) and resets the
-        counter. Token rows sit in a BT >= 16 row dot, other rows masked (as in `_mix_partial`)."""
+        counter. Token rows sit in a BT >= 16 row dot, other rows masked (as in `_mix_partial`). NORM: x leaves
+        as the next site's RMSNorm of the collapsed row (`_finish_tokens`)."""
         pid_t = tl.program_id(0)
         pid_s = tl.program_id(1)
         n_split = tl.num_programs(1)
@@ -436,7 +480,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         if tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel", scope="gpu") == n_split - 1:
             _finish_tokens(hn_ptr, mix_ptr, ss_ptr, base_ptr, scale_ptr, x_ptr, post2_ptr, comb2_ptr,
                            pid_t * TOK, T, D, n_split, iters, hc_eps, norm_eps, inv_k,
-                           0, D, True, HC, NP, SP, False, TOK, BD, ".cg")
+                           0, D, True, HC, NP, SP, False, TOK, BD, ".cg", nw_ptr, rms_eps, NORM)
             tl.store(sem_ptr + pid_t, 0)
 
 
@@ -481,7 +525,7 @@ PREFILL_TILES_SHORT = (16, 64, 2, 4, 3)
 
 
 def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_head, one_launch, *,
-               dot: str = "auto", tiles: tuple | None = None, invariant: bool = False):
+               dot: str = "auto", tiles: tuple | None = None, invariant: bool = False, norm: tuple | None = None):
     """Launch hc_pre (is_head False) or hc_head: one fused launch, or mix + finish (two launches).
 
     dot: "auto" = "bf16x3" for bf16 H (`_dot_bf16x3`, exact products), "tf32x3" for fp32 H; a name forces it
@@ -490,8 +534,10 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     invariant: the batch-invariant mode: PREFILL_TILES_SHORT (16-row dots, as the one-launch kernel) at every T and
     the split of one token block (`_split_k(1, ...)`: a function of K and the device, never of T), so a token's
     x / post / comb are bitwise independent of T and of the other tokens (either path: both sum the same
-    K-slices in the same order)."""
+    K-slices in the same order).
+    norm: (weight, eps) fused into the one-launch kernel's collapse (`_finish_tokens` NORM); one_launch only."""
     T, hc, D = H.shape
+    assert norm is None or one_launch, "the two-launch path's finish splits D: no fused norm"
     K, n_mix = hc * D, (hc if is_head else (2 + hc) * hc)
     if dot == "auto":
         dot = "bf16x3" if H.dtype == torch.bfloat16 else "tf32x3"
@@ -520,10 +566,11 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
         TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
         n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
-        _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, T, D, K, per_split, *scalars,
+        _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, x if norm is None else norm[0],
+                                    T, D, K, per_split, *scalars, 0.0 if norm is None else float(norm[1]),
                                     N_MIX=n_mix, SP=SPLIT_MAX, BT=16, BK=BK, TOK=TOK,
                                     BD=min(1024, triton.next_power_of_2(D)), SPLIT3=split3, MMA=mma,
-                                    num_warps=4, **consts)
+                                    NORM=norm is not None, num_warps=4, **consts)
         return
     mix = torch.empty((T, S, np_), dtype=torch.float32, device=H.device)
     ss = torch.empty((T, S), dtype=torch.float32, device=H.device)
@@ -545,7 +592,7 @@ def _one_launch(op: str, one_launch, T: int) -> bool:
 
 def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
            sinkhorn_iters: int, hc_eps: float, norm_eps: float, out=None, one_launch: bool | None = None,
-           invariant: bool = False):
+           invariant: bool = False, norm: tuple | None = None):
     """Triton `hc_pre_ref` (spec §4): same arguments, shapes, dtypes and results.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1), hc a power of two; fn, base, scale as
@@ -553,7 +600,9 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     (checked like inputs). `one_launch`: None = one fused launch when T <= ONE_LAUNCH_MAX_T (64, decode), else
     split-K mix + finish (two launches); True/False forces a path (tests). No host-device sync; the one-launch
     path uses the stream's cached workspace (`kernels.launch.workspace`). `invariant`: the batch-invariant mode's
-    tiles and split (`_mix_sites`): each token's outputs bitwise independent of T.
+    tiles and split (`_mix_sites`): each token's outputs bitwise independent of T. `norm` as `hc_pre_ref` (x leaves
+    as the site's RMSNorm): fused into the one-launch kernel (issue 27: one launch fewer per site), else (the
+    two-launch path, or invariant: the norm's sum order must not follow T) `kernels.norm.rms_norm` after it.
     Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value; never falls back to the reference.
     """
@@ -566,10 +615,15 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     x = _out("hc_pre", "out[0] (x)", ox, (T, D), H.dtype, H)
     post = _out("hc_pre", "out[1] (post)", op, (T, hc), torch.float32, H)
     comb = _out("hc_pre", "out[2] (comb)", oc, (T, hc, hc), torch.float32, H)
+    _check_norm("hc_pre", norm, D, H)
     fused = _one_launch("hc_pre", one_launch, T)
+    fuse_norm = fused and not invariant
     if T:
         _mix_sites(H, fn, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, False, fused,
-                   invariant=invariant)
+                   invariant=invariant, norm=norm if fuse_norm else None)
+        if norm is not None and not fuse_norm:
+            xn = rms_norm(x, *norm)
+            x = x.copy_(xn) if ox is not None else xn
     return x, post, comb
 
 
@@ -617,7 +671,8 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                out=None, one_launch: bool | None = None, num_warps: int = 4, block_d: int | None = None):
+                out=None, one_launch: bool | None = None, num_warps: int = 4, block_d: int | None = None,
+                norm: tuple | None = None):
     """Triton `hc_post_pre_ref`: one site's hc_post fused with the next site's hc_pre (issue 14).
 
     a `[T, D]`, H `[T, hc, D]`, post `[T, hc]`, comb `[T, hc, hc]` as `hc_post`; fn, base, scale the next
@@ -625,7 +680,8 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= POST_PRE_ONE_LAUNCH_MAX_T (4),
     else `hc_post` then `hc_pre` (its own path choice); True/False forces a path. Equal to the two launches
     within the dtype tolerance (the projection's partial sums are split differently). No host-device sync.
-    Tuning: `num_warps` of the fused kernel, `block_d` its collapse width (default min(1024, D)).
+    Tuning: `num_warps` of the fused kernel, `block_d` its collapse width (default min(1024, D)). `norm` as
+    `hc_pre` (the next site's RMSNorm on x, inside the one launch).
     Returns `(H_new [T, hc, D] H.dtype, x [T, D] H.dtype, post_next [T, hc] fp32, comb_next [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value.
     """
@@ -633,6 +689,7 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     T, hc, D = _check_mix_args(op, H, fn, base, scale, False, True,
                                sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
     _check_hc(op, hc)
+    _check_norm(op, norm, D, H)
     _check(op, "a", a, (T, D), H.dtype)
     _check(op, "post", post, (T, hc), torch.float32)
     _check(op, "comb", comb, (T, hc, hc), torch.float32)
@@ -654,8 +711,8 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
         one_launch = T <= POST_PRE_ONE_LAUNCH_MAX_T
     if not _one_launch(op, one_launch, T):
         hc_post(a, H, post, comb, out=h_new)
-        hc_pre(h_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps,
-               out=(x, post2, comb2))
+        x, post2, comb2 = hc_pre(h_new, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps,
+                                 norm_eps=norm_eps, out=(x, post2, comb2), norm=norm)
         return h_new, x, post2, comb2
     n_mix = (2 + hc) * hc
     np_ = max(16, triton.next_power_of_2(n_mix))
@@ -666,8 +723,10 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     S = triton.cdiv(D, cols)
     sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
     _hc_post_pre_kernel[(n_tb, S)](a, H, post, comb, h_new, fn, base, scale, x, post2, comb2, ws, sem,
-                                   T, D, hc * D, cols, sinkhorn_iters, float(hc_eps), float(norm_eps),
-                                   1.0 / (hc * D), HC=hc, N_MIX=n_mix, NP=np_, SP=triton.next_power_of_2(S),
-                                   BT=16, BC=BC, TOK=TOK, BD=block_d or min(1024, triton.next_power_of_2(D)),
+                                   x if norm is None else norm[0], T, D, hc * D, cols, sinkhorn_iters,
+                                   float(hc_eps), float(norm_eps), 1.0 / (hc * D),
+                                   0.0 if norm is None else float(norm[1]), HC=hc, N_MIX=n_mix, NP=np_,
+                                   SP=triton.next_power_of_2(S), BT=16, BC=BC, TOK=TOK,
+                                   BD=block_d or min(1024, triton.next_power_of_2(D)), NORM=norm is not None,
                                    num_warps=num_warps)
     return h_new, x, post2, comb2

@@ -47,14 +47,16 @@ def _specs():
          dict(HC=4, NP=32, SP=128, IS_HEAD=False, BT=2, BD=1024)),  # SP: mhc.SPLIT_MAX
         ("mhc._hc_fused_kernel", mhc._hc_fused_kernel,
          dict(h_ptr=bf, fn_ptr=f32, base_ptr=f32, scale_ptr=f32, x_ptr=bf, post_ptr=f32, comb_ptr=f32,
-              ws_ptr=f32, sem_ptr=i32), ["hc_eps", "norm_eps", "inv_k"],
-         dict(HC=4, N_MIX=24, NP=32, SP=128, IS_HEAD=False, BT=16, BK=64, TOK=2, BD=1024, SPLIT3=True, MMA=1)),
+              ws_ptr=f32, sem_ptr=i32, nw_ptr=f32), ["hc_eps", "norm_eps", "inv_k", "rms_eps"],
+         dict(HC=4, N_MIX=24, NP=32, SP=128, IS_HEAD=False, BT=16, BK=64, TOK=2, BD=1024, SPLIT3=True, MMA=1,
+              NORM=True)),
         ("mhc._hc_post_kernel", mhc._hc_post_kernel, dict(a_ptr=bf, h_ptr=bf, post_ptr=f32, comb_ptr=f32,
                                                          out_ptr=bf), [], dict(HC=4, BT=4, BD=512)),
         ("mhc._hc_post_pre_kernel", mhc._hc_post_pre_kernel,
          dict(a_ptr=bf, h_ptr=bf, post_ptr=f32, comb_ptr=f32, hn_ptr=bf, fn_ptr=f32, base_ptr=f32,
-              scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32),
-         ["hc_eps", "norm_eps", "inv_k"], dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024)),
+              scale_ptr=f32, x_ptr=bf, post2_ptr=f32, comb2_ptr=f32, ws_ptr=f32, sem_ptr=i32, nw_ptr=f32),
+         ["hc_eps", "norm_eps", "inv_k", "rms_eps"],
+         dict(HC=4, N_MIX=24, NP=32, SP=64, BT=16, BC=64, TOK=2, BD=1024, NORM=True)),
     ]
     from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is an optional dependency
     from kernels import invariant, router  # triton is an optional dependency

@@ -950,3 +950,13 @@ def moe_gemv_block_scale_misaligned(mp: MP) -> None:
                        "sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))",
                        "sxg = tl.reshape(tl.broadcast_to(tl.max(sx, axis=0) + 0.0 * sx[:, None], (BKH // 64, 4)),"
                        " (BKH // 16,))  # MUTANT")
+
+
+def hc_fused_norm_unweighted(mp: MP) -> None:
+    """The one-launch mHC kernels' fused site RMSNorm (`_finish_tokens` NORM: hc_pre / hc_post_pre at decode
+    sizes) forgets the norm weight: x * rsqrt(mean(x^2) + eps) instead of weight * x * rsqrt(...) (the
+    rms_norm kernel and the references are right)."""
+    from kernels import mhc
+
+    _jit_source_mutant(mp, mhc, "_finish_tokens", "cast_for_store((w[None, :] * xv) * rinv[:, None], x_ptr)",
+                       "cast_for_store((xv + 0.0 * w[None, :]) * rinv[:, None], x_ptr)")

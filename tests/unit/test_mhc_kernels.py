@@ -198,20 +198,36 @@ def test_bf16_outputs_rounded_once(seed):
 SHAPES = [(1, 64), (3, 96), (5, 64), (67, 64)]
 
 
+def site_norm(D: int, device) -> tuple[torch.Tensor, float]:
+    """A block site's RMSNorm as hc_pre's `norm`: weight ~ 1 + N(0, 1/4) (every element scales its column
+    differently) and an eps (3e-6) unlike the mix's norm_eps, so a kernel using the wrong one is seen at the
+    small-row tokens below."""
+    return (1.0 + 0.5 * torch.randn(D, device=device)), 3e-6
+
+
 @needs_triton
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("T,D", SHAPES, ids=[f"T{t}-D{d}" for t, d in SHAPES])
-def test_hc_pre_triton(seed, T, D):
+def test_hc_pre_triton(seed, T, D, norm):
+    """x / post / comb against `hc_pre_ref`; norm: x leaves as the site's RMSNorm (fused into the one-launch
+    kernel at T <= 64, `kernels.norm.rms_norm` after the two launches above), against `rms_norm_ref` of the
+    reference row. One token's row is scaled by 1e-3 so eps (and the mean of squares) matter there."""
     H, fn, base, scale = make_pre(T, D, device=DEV)
+    H[0] = (H[0].float() * 1e-3).to(H.dtype)
     kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    nrm = site_norm(D, DEV) if norm else None
     out = (torch.full((T, D), float("nan"), dtype=H.dtype, device=DEV),
            torch.full((T, HC), float("nan"), device=DEV), torch.full((T, HC, HC), float("nan"), device=DEV))
-    x, post, comb = hc_pre(H, fn, base, scale, out=out, **kw)
-    rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, **kw)
+    x, post, comb = hc_pre(H, fn, base, scale, out=out, norm=nrm, **kw)
+    rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, norm=nrm, **kw)
     assert x.data_ptr() == out[0].data_ptr()
     assert_close(x, rx, "x")
     assert_mostly_bitwise(x, rx, "x (one bf16 rounding)")
     assert_close(post, rpost, "post")
     assert_close(comb, rcomb, "comb")
+    if norm:  # the norm is really applied: the rms of each normed row / weight is ~1 (not row 0: eps decides)
+        rms = ((x[1:].float() / nrm[0]) ** 2).mean(-1).sqrt()
+        assert_close(rms, torch.ones_like(rms), "normed rows' rms", rtol=0, atol=2e-2)
 
 
 @needs_triton
@@ -279,17 +295,20 @@ def test_launchers_name_the_bad_value():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("T,D", [(1, 96), (3, 200), (5, 64)], ids=["T1-D96", "T3-D200", "T5-D64"])
-def test_hc_post_pre_triton(seed, T, D, dtype):
+def test_hc_post_pre_triton(seed, T, D, dtype, norm):
     """One launch: H_new against hc_post_ref, (x, post, comb) against hc_pre_ref of the kernel's own H_new
     (H_new may differ from the reference by one rounding, which the next projection would amplify past the
-    fp32 tolerance of post/comb), and against the two-launch path. All outputs NaN-poisoned."""
+    fp32 tolerance of post/comb), and against the two-launch path. All outputs NaN-poisoned. norm: the next
+    site's RMSNorm on x (fused into the one launch; `site_norm`)."""
     from kernels.mhc import hc_post_pre
     H, fn0, base, scale = make_pre(T, D, dtype=dtype, device=DEV)
-    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS, norm=site_norm(D, DEV) if norm else None)
     _, post, comb = hc_pre_ref(H, fn0, base, scale, **kw)
     fn = torch.randn_like(fn0) / math.sqrt(HC * D)
     a = torch.randn(T, D, device=DEV).to(dtype)
+    H[0], a[0] = (H[0].float() * 1e-3).to(dtype), (a[0].float() * 1e-3).to(dtype)  # eps matters in row 0
 
     def nan(*shape, dt=torch.float32):
         return torch.full(shape, float("nan"), dtype=dt, device=DEV)
@@ -315,6 +334,12 @@ def test_hc_post_pre_names_the_bad_value():
         hc_post_pre(a, H, post, comb[:, 0], fn, base, scale, **kw)
     with pytest.raises(ValueError, match="H_new"):
         hc_post_pre(a, H, post, comb, fn, base, scale, out=(H, None, None, None), **kw)
+    with pytest.raises(ValueError, match=r"hc_post_pre: norm .*expected None or \(weight \[16\] fp32"):
+        hc_post_pre(a, H, post, comb, fn, base, scale, norm=(torch.ones(15), 1e-6), **kw)
+    with pytest.raises(ValueError, match="hc_pre: norm eps is 0"):
+        hc_pre(H, fn, base, scale, norm=(torch.ones(16), 0), **kw)
+    with pytest.raises(ValueError, match="hc_pre_ref: norm "):
+        hc_pre_ref(H, fn, base, scale, norm=torch.ones(16), **kw)
 
 
 @needs_triton
