@@ -130,6 +130,10 @@ class Backend:
     # wkv) so each pair is one launch (triton; the reference keeps them apart)
     moe_combine: Callable = moe.moe_combine_ref
     swiglu_joint: Callable = moe.swiglu_joint_ref
+    # linear_swiglu(x, weight, scale, act_block, limit) -> [..., I]: the joint w13 projection and its SwiGLU
+    # (`kernels.moe.linear_swiglu_ref`); triton: `kernels.moe.linear_swiglu`, one launch at one decode row (issue
+    # 27); None (reference, batch-invariant): `Expert.forward` runs linear then swiglu_joint
+    linear_swiglu: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -205,5 +209,5 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
-                       kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope)
+                       kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -666,6 +666,7 @@ class Expert(nn.Module):
         # the official names w1 / w3 (whose buffers become views of it)
         self.__dict__["w13"] = None
         self.swiglu_joint: Callable = sim.ops.swiglu_joint  # the backend's (reference: `swiglu_joint_ref`)
+        self.linear_swiglu: Callable | None = sim.ops.linear_swiglu  # both in one (triton), or None
 
     def join_w13(self) -> None:
         """w1 and w3 as one FP8 weight [2*inter, dim] (`join_fp8`: w1 / w3 become views of `self.w13`), so
@@ -679,8 +680,13 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU (spec §8.5): x [N, dim] -> w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit) * weight)
         [N, dim] in x.dtype; the clamps only when swiglu_limit > 0; weight [N, 1] fp32 routing weights or None.
-        Joined (`join_w13`, no weight): [w1 x | w3 x] as one linear, then the backend's `swiglu_joint`."""
+        Joined (`join_w13`, no weight): [w1 x | w3 x] as one linear, then the backend's `swiglu_joint` - or both
+        as the backend's `linear_swiglu` where it has one (triton: one launch at a decode row)."""
         if self.w13 is not None and weight is None:
+            if self.linear_swiglu is not None:
+                w13 = self.w13
+                act_block = w13.sim.act_block(x) if w13.quantized else 0
+                return self.w2(self.linear_swiglu(x, w13.codes, w13.scales, act_block, self.limit))
             return self.w2(self.swiglu_joint(self.w13(x), self.limit))
         h = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weight)  # `kernels.moe.swiglu`
         return self.w2(h.to(x.dtype))

@@ -287,7 +287,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit(do_not_specialize=["N", "G", "KB"])  # one build per RowsConfig (K's divisibility stays: vector loads)
     def _fp8_gemv_rows_kernel(x_ptr, w_ptr, ws_ptr, y_ptr, N, K, G, KB, BN: tl.constexpr, BKB: tl.constexpr,
-                              QUANT_X: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr):
+                              QUANT_X: tl.constexpr, MMA: tl.constexpr, EVEN: tl.constexpr, limit=0.0,
+                              SWIGLU: tl.constexpr = False, HAS_LIMIT: tl.constexpr = False):
         """One row of x (M = 1), grid (cdiv(N, BN), G): y[0, g*N + n] = x[0, g*K:(g+1)*K] . W[g*N + n]^T for the BN
         rows n of this program, all of K in ONE program (no split-K, no merge): BKB K blocks of 128 per load, the
         FP8 codes widened to fp32 (exact) and multiplied by x on CUDA cores, summed per 128 block, times the
@@ -295,28 +296,42 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         `act_scale` / `act_apply`, exactly the official act_quant), accumulated in fp32 over the blocks; bf16 out.
         BN divides 128 (one weight-scale row per program); K blocks past KB (BKB not dividing KB) and rows past N
         are masked, unless EVEN (BN divides N and BKB divides KB: no masks, the loads the probe measured).
-        The same exact products as `_fp8_gemv_kernel`, another fp32 summation order."""
+        The same exact products as `_fp8_gemv_kernel`, another fp32 summation order.
+        SWIGLU (G = 1; the shared expert's joint [w1; w3], `fp8_gemv_swiglu`): W holds 2N rows, the program also
+        computes rows N + n (v) beside rows n (u) from the same x loads, and stores h[n] = silu(u) * v of the two
+        bf16-rounded outputs with the clamps (HAS_LIMIT: v to [-limit, limit], u to <= limit, NaN kept), bitwise
+        what this kernel's [u | v] followed by `kernels.moe._swiglu_joint_kernel` stores."""
         pid = tl.program_id(0)
         g = tl.program_id(1)
         rows = pid * BN + tl.arange(0, BN)
         mask_n = rows < N
         wrow = (g * N + rows).to(tl.int64)[:, None] * K
         srow = (g * N + pid * BN) // 128
+        wrow2 = (N + rows).to(tl.int64)[:, None] * K  # SWIGLU: the v rows (G = 1)
+        srow2 = (N + pid * BN) // 128
         offs = tl.arange(0, BKB * 128)
         blk = tl.arange(0, BKB)
         xrow = x_ptr + g.to(tl.int64) * K
         acc = tl.zeros((BN,), dtype=tl.float32)
+        acc2 = tl.zeros((BN,), dtype=tl.float32)
         for kb in range(0, KB, BKB):
             if EVEN:
                 w = tl.load(w_ptr + wrow + kb * 128 + offs[None, :])
                 xv = tl.load(xrow + kb * 128 + offs)
                 se = tl.load(ws_ptr + srow * KB + kb + blk)
+                if SWIGLU:
+                    w2 = tl.load(w_ptr + wrow2 + kb * 128 + offs[None, :])
+                    se2 = tl.load(ws_ptr + srow2 * KB + kb + blk)
             else:
                 live_k = (kb * 128 + offs) < K
                 w = tl.load(w_ptr + wrow + kb * 128 + offs[None, :], mask=mask_n[:, None] & live_k[None, :],
                             other=0.0)
                 xv = tl.load(xrow + kb * 128 + offs, mask=live_k, other=0.0)
                 se = tl.load(ws_ptr + srow * KB + kb + blk, mask=(kb + blk) < KB, other=127)
+                if SWIGLU:
+                    w2 = tl.load(w_ptr + wrow2 + kb * 128 + offs[None, :], mask=mask_n[:, None] & live_k[None, :],
+                                 other=0.0)
+                    se2 = tl.load(ws_ptr + srow2 * KB + kb + blk, mask=(kb + blk) < KB, other=127)
             if MMA == 0:
                 wf = e4m3_to_f32(w)  # the interpreter's fp8 cast is not faithful (`dot_q_w`)
             else:
@@ -329,7 +344,24 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 sw = sw * sx
             p = tl.reshape(wf, (BN, BKB, 128)) * xb[None, :, :]
             acc += tl.sum(tl.sum(p, axis=2) * sw[None, :], axis=1)
-        tl.store(y_ptr + g * N + rows, round_bf16(acc).to(tl.bfloat16), mask=mask_n)
+            if SWIGLU:
+                wf2 = e4m3_to_f32(w2) if MMA == 0 else w2.to(tl.float32)
+                sw2 = e8m0_to_f32(se2.to(tl.int32))
+                if QUANT_X:
+                    sw2 = sw2 * sx
+                p2 = tl.reshape(wf2, (BN, BKB, 128)) * xb[None, :, :]
+                acc2 += tl.sum(tl.sum(p2, axis=2) * sw2[None, :], axis=1)
+        if SWIGLU:
+            u = round_bf16(acc)
+            v = round_bf16(acc2)
+            if HAS_LIMIT:
+                v = tl.maximum(v, -limit, propagate_nan=tl.PropagateNan.ALL)
+                v = tl.minimum(v, limit, propagate_nan=tl.PropagateNan.ALL)
+                u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+            h = u / (1.0 + tl.exp(-u)) * v
+            tl.store(y_ptr + rows, round_bf16(h).to(tl.bfloat16), mask=mask_n)
+        else:
+            tl.store(y_ptr + g * N + rows, round_bf16(acc).to(tl.bfloat16), mask=mask_n)
 
 
     @triton.jit
@@ -846,6 +878,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
         w = _bf16_weight(weight, scale)
         y = bucketed_gemm(lambda xp: xp @ w.T, x2, ("bf16_mm", tuple(w.shape)))
     return y.view(*shape[:-1], y.shape[-1])
+
+
+def fp8_gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, limit: float, *,
+                    gemv: RowsConfig | None = None) -> torch.Tensor:
+    """The shared expert's joint projection and its SwiGLU in ONE launch at one row (issue 27):
+    h = silu(min(u, limit)) * clamp(v, -limit, limit) with [u | v] = `fp8_linear(x, weight, scale)` rounded to bf16
+    (spec §8.5; `kernels.moe.swiglu_joint_ref(fp8_linear_ref(...), limit)`), by `_fp8_gemv_rows_kernel` with
+    SWIGLU: each program computes the same rows of u and v and the SwiGLU in its epilogue - bitwise `fp8_linear`
+    (its one-row launch) followed by `kernels.moe.swiglu_joint`.
+
+    Args: x [1, K] bf16 contiguous, K % 128 == 0; weight [2I, K] float8_e4m3fn (`dsv4.model.join_fp8` of w1, w3),
+        I % 128 == 0; scale [2I/128, K/128] float8_e8m0fnu; limit >= 0 (swiglu_limit, 0 = no clamp); gemv: the
+        RowsConfig (default `gemv_config(1, 2I, K, 1)`).
+    Returns: h [1, I] bf16. No host sync.
+    Raises: ValueError naming the wrong argument (x not one row, an odd or unaligned weight, limit, gemv)."""
+    op = "fp8_gemv_swiglu"
+    M, N2, K = check_fp8_linear_args(op, x, weight, scale)
+    if M != 1:
+        _fail(op, "x", f"shape {tuple(x.shape)}", "one row [1, K] (the one-row GEMV; more rows: fp8_linear + "
+              "swiglu_joint)")
+    if N2 % (2 * BLOCK):
+        _fail(op, "weight", f"shape {tuple(weight.shape)}", f"[2I, K] with I % {BLOCK} == 0 (w1 and w3 joined)")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+        _fail(op, "limit", repr(limit), "a float >= 0 (swiglu_limit; 0 = no clamp)")
+    check_layout(op, {"x": x, "weight": weight, "scale": scale})
+    cfg = gemv_config(1, N2, K, 1, x.device) if gemv is None else _check_rows_config(op, gemv, 1)
+    if not isinstance(cfg, RowsConfig):
+        _fail(op, "gemv", repr(cfg), "a RowsConfig")
+    I, KB = N2 // 2, K // BLOCK
+    h = torch.empty(1, I, dtype=torch.bfloat16, device=x.device)
+    _fp8_gemv_rows_kernel[(triton.cdiv(I, cfg.bn), 1)](x, weight, scale.view(torch.uint8), h, I, K, 1, KB,
+                                                       BN=cfg.bn, BKB=cfg.bkb, QUANT_X=True,
+                                                       MMA=0 if mma_mode(None) == 0 else 1,
+                                                       EVEN=I % cfg.bn == 0 and KB % cfg.bkb == 0,
+                                                       limit=float(limit), SWIGLU=True, HAS_LIMIT=limit > 0,
+                                                       num_warps=cfg.num_warps)
+    return h
 
 
 def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

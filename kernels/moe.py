@@ -961,3 +961,27 @@ def swiglu_joint(uv: torch.Tensor, limit: float) -> torch.Tensor:
         BI = min(1024, triton.next_power_of_2(I))
         _swiglu_joint_kernel[(M, triton.cdiv(I, BI))](uv, h, M, I, float(limit), HAS_LIMIT=limit > 0, BI=BI)
     return h
+
+
+def linear_swiglu_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_block: int,
+                      limit: float) -> torch.Tensor:
+    """The shared expert's joint projection and SwiGLU (spec §8.5): `swiglu_joint_ref(linear_ref(x, weight, scale,
+    act_block), limit)`; x [..., D], weight the joint [w1; w3] as held ([2I, D] FP8 codes + ue8m0 scale, or a
+    float weight) -> [..., I] in x.dtype. The two steps `dsv4.model.Expert.forward` runs where the backend has no
+    `linear_swiglu`."""
+    return swiglu_joint_ref(gemm.linear_ref(x, weight, scale, act_block), limit)
+
+
+def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, act_block: int,
+                  limit: float) -> torch.Tensor:
+    """The triton backend's `linear_swiglu` entry (`dsv4.model.Expert.forward` with the joint w13), the signature
+    of `linear_swiglu_ref`: ONE launch where the decode has one row (`kernels.gemm.fp8_gemv_swiglu`: bf16 x, FP8
+    weight with act_block, D and I multiples of 128; bitwise the two launches below, issue 27), else
+    `swiglu_joint(kernels.gemm.linear(...))` (two launches; their own paths). Raises ValueError from the kernels'
+    argument checks."""
+    D = x.shape[-1]
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn and act_block and D % 128 == 0
+            and x.numel() == D and weight.shape[0] % 256 == 0):
+        h = gemm.fp8_gemv_swiglu(x.reshape(1, D).contiguous(), weight, scale, limit)
+        return h.view(*x.shape[:-1], h.shape[-1])
+    return swiglu_joint(gemm.linear(x, weight, scale, act_block), limit)

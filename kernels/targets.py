@@ -78,11 +78,16 @@ def _specs():
          dict(BM=16, BN=64, MMA=2, QUANT_X=True, DOT=True, UNROLL=1)),
         # the one-row launches (`kernels.gemm.RowsConfig`): ROWS_DEFAULT, the wq_b entry, the grouped wo_a
         ("gemm._fp8_gemv_rows_kernel", gemm._fp8_gemv_rows_kernel, dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf),
-         [], dict(BN=8, BKB=8, QUANT_X=True, MMA=1, EVEN=True)),
+         ["limit"], dict(BN=8, BKB=8, QUANT_X=True, MMA=1, EVEN=True, SWIGLU=False, HAS_LIMIT=False)),
         ("gemm._fp8_gemv_rows_kernel[bn16-bkb4]", gemm._fp8_gemv_rows_kernel,
-         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [], dict(BN=16, BKB=4, QUANT_X=True, MMA=1, EVEN=False)),
+         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf), ["limit"],
+         dict(BN=16, BKB=4, QUANT_X=True, MMA=1, EVEN=False, SWIGLU=False, HAS_LIMIT=False)),
         ("gemm._fp8_gemv_rows_kernel[wo_a]", gemm._fp8_gemv_rows_kernel,
-         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [], dict(BN=16, BKB=4, QUANT_X=False, MMA=1, EVEN=True)),
+         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf), ["limit"],
+         dict(BN=16, BKB=4, QUANT_X=False, MMA=1, EVEN=True, SWIGLU=False, HAS_LIMIT=False)),
+        ("gemm._fp8_gemv_rows_kernel[swiglu]", gemm._fp8_gemv_rows_kernel,
+         dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf), ["limit"],
+         dict(BN=8, BKB=8, QUANT_X=True, MMA=1, EVEN=True, SWIGLU=True, HAS_LIMIT=True)),
     ]
     # the other `GemvConfig` launches of the same kernel (kernels.gemm.gemv_config / the gemv_sweep variants)
     gemv_ptrs = dict(x_ptr=bf, w_ptr=f8, ws_ptr=u8, y_ptr=bf, part_ptr=f32, sem_ptr=i32)

@@ -960,3 +960,13 @@ def hc_fused_norm_unweighted(mp: MP) -> None:
 
     _jit_source_mutant(mp, mhc, "_finish_tokens", "cast_for_store((w[None, :] * xv) * rinv[:, None], x_ptr)",
                        "cast_for_store((xv + 0.0 * w[None, :]) * rinv[:, None], x_ptr)")
+
+
+def swiglu_gemv_v_scale_row_of_u(mp: MP) -> None:
+    """The shared expert's one-launch projection + SwiGLU (`_fp8_gemv_rows_kernel` SWIGLU) scales the v rows (w3)
+    by the u rows' (w1) ue8m0 block row: the two halves of the joint weight share one scale row; the two-launch
+    path and the references are right."""
+    from kernels import gemm
+
+    _jit_source_mutant(mp, gemm, "_fp8_gemv_rows_kernel", "srow2 = (N + pid * BN) // 128",
+                       "srow2 = (g * N + pid * BN) // 128")

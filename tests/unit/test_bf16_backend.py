@@ -95,7 +95,7 @@ class Checked:
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
-                  "q_finish": b.q_finish}
+                  "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -115,6 +115,8 @@ class Checked:
                 e = m.shared_experts
                 assert e.w13 is not None, "the shared expert's joint w1 | w3 must apply (issue 27)"
                 e.w13.kernel, e.swiglu_joint = self.linear, self.swiglu_joint
+                assert e.linear_swiglu is b.linear_swiglu is not None, "the shared expert's one-launch SwiGLU"
+                e.linear_swiglu = self.linear_swiglu
 
 
     # ---------------------------------------------------------------------------------------- criteria
@@ -249,6 +251,16 @@ class Checked:
         chain = rope_tail_(self.head_rms(q, eps), pos, inv_freq, rd)
         assert torch.equal(got, chain), f"q_finish {tuple(q.shape)} vs head_rms + rope_tail_"
         self.paths["q_finish"] += 1
+        return got
+
+    def linear_swiglu(self, x, weight, scale, act_block, limit):
+        """The joint w13 projection + SwiGLU: bitwise the triton backend's two steps (its `linear`, then its
+        `swiglu_joint`, each checked against its reference here), whichever path it took."""
+        got = self.k["linear_swiglu"](x, weight, scale, act_block, limit)
+        two = self.swiglu_joint(self.linear(x, weight, scale, act_block), limit)
+        assert got.dtype == two.dtype and got.shape == two.shape and torch.equal(
+            got.view(torch.int16), two.view(torch.int16)), "linear_swiglu: not bitwise linear then swiglu_joint"
+        self.paths["linear_swiglu_row" if x.numel() == x.shape[-1] else "linear_swiglu"] += 1
         return got
 
     def swiglu_joint(self, uv, limit):
@@ -428,7 +440,7 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         want.append(ref(tok, r_st))
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
-            "commit_r128_boundary"} <= set(chk.paths), dict(chk.paths)
+            "commit_r128_boundary", "linear_swiglu_row"} <= set(chk.paths), dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")
 

@@ -212,6 +212,44 @@ def test_fp8_linear_one_row_variants(seed, label):
 
 
 @needs_triton
+@pytest.mark.parametrize("limit", [False, True], ids=["no-limit", "limit"])
+@pytest.mark.parametrize("label", ["default", "bn16 bkb4", "bn1 bkb2 w1", "bn32 bkb16"])
+def test_fp8_gemv_swiglu_is_the_two_launches(seed, label, limit):
+    """The shared expert's one-launch projection + SwiGLU (`fp8_gemv_swiglu`, issue 27) is bitwise the one-row
+    `fp8_linear` of the joint [w1; w3] followed by `swiglu_joint`, and within the bf16 table of the reference
+    `linear_swiglu_ref`. I = 256 (two 128-row scale blocks per half; the v half's rows ~30x the u half's, so a v
+    row scaled by a u block is seen), K = 640 (a dead K tail for bkb 2 / 16); limit: the median |u|, |v|, so each
+    clamp (v both ways, u from above) bites on some elements and not on others."""
+    from kernels.gemm import fp8_gemv_swiglu
+    from kernels.moe import linear_swiglu_ref, swiglu_joint
+    cfg = ROWS_VARIANTS[label]
+    x, (w, s) = make_x(1, 640), make_w8(512, 640)
+    uv = fp8_linear(x, w, s, gemv=cfg)
+    lim = float(uv.float().abs().median()) if limit else 0.0
+    got = fp8_gemv_swiglu(x, w, s, lim, gemv=cfg)
+    two = swiglu_joint(uv, lim)
+    if limit:
+        u, v = uv.float().chunk(2, -1)
+        assert bool((u > lim).any() and (u < lim).any() and (v.abs() > lim).any()), "the clamps never bite"
+    assert got.shape == (1, 256) and torch.equal(got.view(torch.int16), two.view(torch.int16)), \
+        f"{label}: {(got != two).sum().item()} of 256 differ from fp8_linear + swiglu_joint"
+    close_bf16(got, linear_swiglu_ref(x, w, s, 128, lim), f"h[{label}]")
+
+
+@needs_triton
+def test_fp8_gemv_swiglu_names_bad_input():
+    from kernels.gemm import fp8_gemv_swiglu
+    x, (w, s) = make_x(2, 256), make_w8(256, 256)
+    with pytest.raises(ValueError, match=r"fp8_gemv_swiglu: x is shape \(2, 256\); expected one row"):
+        fp8_gemv_swiglu(x, w, s, 0.0)
+    w3, s3 = make_w8(384, 256)
+    with pytest.raises(ValueError, match=r"fp8_gemv_swiglu: weight is shape \(384, 256\); expected \[2I, K\]"):
+        fp8_gemv_swiglu(x[:1], w3, s3, 0.0)
+    with pytest.raises(ValueError, match="fp8_gemv_swiglu: limit is -1.0"):
+        fp8_gemv_swiglu(x[:1], w, s, -1.0)
+
+
+@needs_triton
 def test_one_row_is_the_default_and_keeps_nan():
     """M = 1 runs the one-row launch by default (`gemv_config`), a NaN activation reaches the whole output row
     and an inf saturates like the reference's act_quant (scale 2^0), as in every decode launch."""
