@@ -134,6 +134,11 @@ class Backend:
     # (`kernels.moe.linear_swiglu_ref`); triton: `kernels.moe.linear_swiglu`, one launch at one decode row (issue
     # 27); None (reference, batch-invariant): `Expert.forward` runs linear then swiglu_joint
     linear_swiglu: Callable | None = None
+    # moe_routed_combine(x, weights, ids, experts, limit, act_blocks, shared) -> [N, D] shared.dtype: the routed
+    # experts and the combine with the shared expert's output in one call (`kernels.moe.moe_routed_combine_ref`);
+    # triton: `kernels.moe.moe_routed_combine` (the slot sum adds shared: one launch fewer, bitwise the two
+    # entries); None (reference, batch-invariant): `MoE.forward` calls moe_routed then moe_combine
+    moe_routed_combine: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -209,5 +214,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
-                       kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu)
+                       kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,
+                       moe_routed_combine=moe.moe_routed_combine)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -756,6 +756,8 @@ class MoE(nn.Module):
         `moe_combine`; no stack yet."""
         self.sim, self.limit, self.inter_dim = sim, args.swiglu_limit, args.moe_inter_dim
         self.combine: Callable = sim.ops.moe_combine  # the backend's `moe_combine` (reference: `moe_combine_ref`)
+        # both in one call where the backend has it (triton: the slot sum adds the shared output, one launch fewer)
+        self.routed_combine: Callable | None = sim.ops.moe_routed_combine
         self.stacked: StackedExperts | None = None  # set once by `Transformer.__init__` where `stackable`
 
     def expert_weights(self) -> list[ExpertWeights | None]:
@@ -776,6 +778,11 @@ class MoE(nn.Module):
         weights, ids = self.gate(x, input_ids.reshape(-1))
         experts = self.stacked if self.stacked is not None else self.expert_weights()
         act_blocks = (self.sim.act_block_of(shape[-1]), self.sim.act_block_of(self.inter_dim))
+        if self.routed_combine is not None and type(self).reduce_routed is MoE.reduce_routed:
+            # the routed sum is final here (no sum over ranks): routed + shared in the backend's one call
+            # (`kernels.moe.moe_routed_combine_ref`: moe_combine_ref(moe_routed_ref(...), shared), the same values)
+            shared = self.shared_experts(x)
+            return self.routed_combine(x, weights, ids, experts, self.limit, act_blocks, shared).view(shape)
         y = self.routed(x, weights, ids, experts, self.limit, act_blocks)  # the backend's `moe_routed`
         # routed + shared in fp32, rounded to x.dtype (the backend's `moe_combine`; reference `moe_combine_ref`)
         return self.combine(self.reduce_routed(y), self.shared_experts(x)).view(shape)

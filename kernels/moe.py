@@ -759,7 +759,7 @@ def _check_config(cfg, D: int, I: int) -> None:
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: StackedExperts,
                 limit: float, *, mma: str | None = None, config: MoeConfig | None = None,
-                invariant: bool = False) -> torch.Tensor:
+                invariant: bool = False, shared: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts of one MoE layer on the device, no host sync: act-quantize x, the up launch (w1, w3, SwiGLU
     with clamps and routing weight), act-quantize h, the down launch (w2), then the fp32 sum over slots.
 
@@ -771,7 +771,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
     the pair count), and the k slots summed left to right by elementwise adds (no reduction kernel whose
     configuration follows T); config must be None.
-    Returns: [T, D] fp32, equal to `moe_grouped_ref` up to fp32 summation order (see tests for the tolerance).
+    shared: the shared expert's output [T, D] (bf16 / fp32, contiguous) or None: the slot sum then adds it and
+    rounds to shared.dtype in the same launch (`moe_combine` of the routed sum, bitwise; issue 27).
+    Returns: [T, D] fp32 (shared None), equal to `moe_grouped_ref` up to fp32 summation order (see tests for the
+    tolerance); with shared, `moe_combine_ref(that, shared)` in shared.dtype.
     An id outside [0, E): the gemv path writes NaN rows; the tile path trips `moe_route`'s device-side assert.
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, mma, config).
     """
@@ -782,6 +785,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     if not isinstance(limit, (int, float)) or isinstance(limit, bool) or not limit >= 0:
         _fail(op, "limit", repr(limit), "a float >= 0 (swiglu_limit; 0 = no clamp)")
     _moe_mma(mma)  # validate before any launch
+    if shared is not None:
+        _rows_check(op, "shared", shared, (torch.bfloat16, torch.float32), 2)
+        if tuple(shared.shape) != (T, D):
+            _fail(op, "shared", f"shape {tuple(shared.shape)}", f"[T, D] = {(T, D)} (the shared expert's output)")
+        check_layout(op, {"x": x, "shared": shared})
     P = T * k
     if invariant and config is not None:
         _fail(op, "config", repr(config), "None with invariant=True (the mode fixes the path)")
@@ -791,7 +799,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         cfg = moe_config(P, E) if config is None else config
     _check_config(cfg, D, I)
     if P == 0:
-        return torch.zeros(T, D, dtype=torch.float32, device=x.device)
+        y0 = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+        return y0 if shared is None else moe_combine(y0, shared)
     if cfg.path == "gemv":
         # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
         # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). x and h are
@@ -808,7 +817,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         route = moe_route(indices, E, cfg.block_m)
         h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
         y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)
-    return sum_slots(y.view(T, k, D))  # the k slots left to right in fp32, one launch (both modes)
+    return sum_slots(y.view(T, k, D), shared)  # the k slots left to right in fp32 (+ shared), one launch
 
 
 def stack_experts(experts, *, rebind: bool = True) -> StackedExperts:
@@ -887,18 +896,23 @@ def _rows_check(op: str, name: str, t: torch.Tensor, dtypes, dim: int) -> None:
               f"a {dim}-d tensor of dtype in {[str(d) for d in dtypes]}")
 
 
-def sum_slots(y: torch.Tensor) -> torch.Tensor:
+def sum_slots(y: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, k, D] (the routed experts' per-slot outputs, bf16 or fp32) -> [T, D] fp32: sum over the k slots in
     fp32, left to right (slot 0 first; one order for every T, so batch invariant). One launch; torch's
     `y.float().sum(1)` (two launches) sums the same terms in an order of its choosing (spec §8: the routed experts'
-    outputs summed in fp32). Raises ValueError for a bad y."""
+    outputs summed in fp32). shared [T, D] (bf16 / fp32, the shared expert's output; checked by the caller,
+    `moe_experts`): added to the fp32 sum and rounded to shared.dtype in the same launch - bitwise
+    `moe_combine(sum_slots(y), shared)`. Raises ValueError for a bad y."""
     op = "sum_slots"
     _rows_check(op, "y", y, (torch.bfloat16, torch.float32), 3)
     check_layout(op, {"y": y})
     T, k, D = y.shape
-    out = torch.empty(T, D, dtype=torch.float32, device=y.device)
+    if shared is not None and not k:
+        return moe_combine(torch.zeros(T, D, dtype=torch.float32, device=y.device), shared)
+    out = torch.empty(T, D, dtype=torch.float32 if shared is None else shared.dtype, device=y.device)
     if T and D and k:
-        _sum_slots_kernel[(T, triton.cdiv(D, 1024))](y, y, out, T, D, K=k, HAS_SHARED=False, BD=1024)
+        _sum_slots_kernel[(T, triton.cdiv(D, 1024))](y, y if shared is None else shared, out, T, D, K=k,
+                                                     HAS_SHARED=shared is not None, BD=1024)
     elif T and D:
         out.zero_()
     return out
@@ -985,3 +999,26 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         h = gemm.fp8_gemv_swiglu(x.reshape(1, D).contiguous(), weight, scale, limit)
         return h.view(*x.shape[:-1], h.shape[-1])
     return swiglu_joint(gemm.linear(x, weight, scale, act_block), limit)
+
+
+def moe_routed_combine_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, limit: float,
+                           act_blocks: tuple[int, int], shared: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's output at world size 1 (spec §8): `moe_combine_ref(moe_routed_ref(...), shared)`; x [N, D],
+    shared [N, D] the shared expert's output -> [N, D] in shared.dtype. What `dsv4.model.MoE.forward` computes in
+    two calls where the backend has no `moe_routed_combine`."""
+    return moe_combine_ref(moe_routed_ref(x, weights, ids, experts, limit, act_blocks), shared)
+
+
+def moe_routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts, limit: float,
+                       act_blocks: tuple[int, int], shared: torch.Tensor) -> torch.Tensor:
+    """The triton backend's `moe_routed_combine` entry, the signature of `moe_routed_combine_ref`: on the grouped
+    path (`moe_routed`'s conditions) `moe_experts(..., shared=shared)` - the slot sum adds the shared output and
+    rounds in its one launch (issue 27: one launch fewer per layer), bitwise `moe_combine(moe_routed(...),
+    shared)`; elsewhere those two calls. Raises ValueError as they do."""
+    if isinstance(experts, StackedExperts) and x.dtype == torch.bfloat16:
+        if tuple(act_blocks) != (128, 128):
+            _fail("moe_routed_combine", "act_blocks", repr(act_blocks), "(128, 128) for stacked FP4 experts and "
+                  "bf16 x (the grouped kernels act-quantize x and h in 128-channel blocks)")
+        return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit,
+                           shared=shared.contiguous())
+    return moe_combine(moe_routed(x, weights, ids, experts, limit, act_blocks), shared)

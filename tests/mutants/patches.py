@@ -970,3 +970,13 @@ def swiglu_gemv_v_scale_row_of_u(mp: MP) -> None:
 
     _jit_source_mutant(mp, gemm, "_fp8_gemv_rows_kernel", "srow2 = (N + pid * BN) // 128",
                        "srow2 = (g * N + pid * BN) // 128")
+
+
+def moe_combine_shared_row0(mp: MP) -> None:
+    """The MoE slot sum's shared-expert add (`_sum_slots_kernel` HAS_SHARED: `moe_combine` and the routed +
+    shared one-launch path `moe_routed_combine`) reads token 0's shared row for every token; the references are
+    right (a batch of one cannot see it)."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_sum_slots_kernel", "acc += tl.load(s_ptr + t * D + offs",
+                       "acc += tl.load(s_ptr + 0 * t * D + offs")

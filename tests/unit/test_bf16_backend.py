@@ -95,7 +95,8 @@ class Checked:
                   "compress_pool": b.compress_pool, "compress_commit": b.compress_commit,
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
-                  "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu}
+                  "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
+                  "moe_routed_combine": b.moe_routed_combine}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -112,6 +113,8 @@ class Checked:
                 assert getattr(m, "stacked", None) is not None, "the grouped FP4 experts must apply"
                 m.routed = self.moe_routed
                 m.combine = self.moe_combine
+                assert m.routed_combine is b.moe_routed_combine is not None, "the routed + shared one-call path"
+                m.routed_combine = self.moe_routed_combine
                 e = m.shared_experts
                 assert e.w13 is not None, "the shared expert's joint w1 | w3 must apply (issue 27)"
                 e.w13.kernel, e.swiglu_joint = self.linear, self.swiglu_joint
@@ -261,6 +264,16 @@ class Checked:
         assert got.dtype == two.dtype and got.shape == two.shape and torch.equal(
             got.view(torch.int16), two.view(torch.int16)), "linear_swiglu: not bitwise linear then swiglu_joint"
         self.paths["linear_swiglu_row" if x.numel() == x.shape[-1] else "linear_swiglu"] += 1
+        return got
+
+    def moe_routed_combine(self, x, weights, ids, experts, limit, act_blocks, shared):
+        """Routed experts + the combine in one call: bitwise the triton backend's `moe_routed` then `moe_combine`
+        (each checked against its reference here)."""
+        got = self.k["moe_routed_combine"](x, weights, ids, experts, limit, act_blocks, shared)
+        two = self.moe_combine(self.moe_routed(x, weights, ids, experts, limit, act_blocks), shared)
+        assert got.dtype == two.dtype and got.shape == two.shape and torch.equal(
+            got.view(torch.int16), two.view(torch.int16)), "moe_routed_combine: not bitwise moe_routed + combine"
+        self.paths["moe_routed_combine"] += 1
         return got
 
     def swiglu_joint(self, uv, limit):
@@ -440,7 +453,7 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         want.append(ref(tok, r_st))
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
-            "commit_r128_boundary", "linear_swiglu_row"} <= set(chk.paths), dict(chk.paths)
+            "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine"} <= set(chk.paths), dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")
 

@@ -681,6 +681,30 @@ def test_moe_default_gemv_matches_reference(seed, T):
     rounded_once(y, ref, f"moe y default gemv T{T}")
 
 
+@needs_triton
+@pytest.mark.parametrize("path", ["gemv", "tiles"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_moe_experts_adds_the_shared_output(seed, path, dtype):
+    """`moe_experts(shared=...)` (the routed slot sum adding the shared expert's output in its launch, issue 27:
+    `moe_routed_combine`) is bitwise `moe_combine(moe_experts(...), shared)` - each token's own shared row (T = 5,
+    rows of distinct magnitude), shared.dtype out - and `moe_routed_combine` equals its reference composition
+    within the bf16 table."""
+    from kernels.moe import moe_combine, moe_routed_combine
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
+    ref = moe_grouped_ref(x, g, idx, ex, 0.0)  # the routed sum; shared rows of its size (each row's own matters)
+    shared = (torch.randn(5, D) * torch.logspace(-0.5, 0.5, 5)[:, None] * float(ref.abs().mean())).to(dtype).to(DEV)
+    got = moe_experts(x, g, idx, ex, 0.0, config=PATHS[path], shared=shared)
+    two = moe_combine(moe_experts(x, g, idx, ex, 0.0, config=PATHS[path]), shared)
+    assert got.dtype == dtype and torch.equal(got, two), f"{(got != two).sum().item()} elements differ"
+    sb = shared.to(torch.bfloat16)
+    y = moe_routed_combine(x, g, idx, ex, 0.0, (128, 128), sb)
+    close_bf16(y, (ref + sb.float()).to(torch.bfloat16), "routed + shared")
+    with pytest.raises(ValueError, match=r"moe_experts: shared is shape \(4, "):
+        moe_experts(x, g, idx, ex, 0.0, shared=shared[:4])
+
+
 def test_moe_experts_reads_nothing_back_to_the_host(seed):
     """Sync-free (CUDA-graph capturable): no op of moe_experts on either path turns a device value into a host
     value (item / tolist / bool / int / nonzero / unique ...); the shapes depend on (T, k, E) only. Checked by a
