@@ -277,6 +277,24 @@ def join_fp8(a: Linear, b: Linear) -> Linear:
     return joint
 
 
+def join_bf16(a: Linear, b: Linear) -> Linear:
+    """`join_fp8` for two fp32-compute linears held bf16 (fmt "bf16": the compressor's wkv and wgate, which read the
+    same input): ONE weight [a.out + b.out, in] bf16, a's and b's buffers rebound to its two row ranges (views; the
+    state dict keeps the official names). The joint linear computes [a x | b x] in one fp32 GEMV / GEMM launch
+    (issue 27); each output row is the same dot product as a's or b's (`kernels.fp32_linear`: the fp32 sum's
+    order may follow the output width, within the fp32 bound of its tests). Raises ValueError unless both are held
+    "bf16" with equal in_features on one device."""
+    if a.fmt != "bf16" or b.fmt != "bf16" or a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
+        raise ValueError(f"join_bf16: needs two fp32-compute linears held bf16 with equal in_features on one device "
+                         f"(got fmt {a.fmt} / {b.fmt}, shapes {tuple(a.codes.shape)} / {tuple(b.codes.shape)})")
+    n, d = a.codes.shape
+    joint = Linear(d, n + b.codes.shape[0], a.sim, quantized=False, fp32=True)
+    joint.hold("bf16", a.codes.device)
+    joint.codes.copy_(torch.cat((a.codes, b.codes)))
+    a._buffers["weight"], b._buffers["weight"] = joint.codes[:n], joint.codes[n:]
+    return joint
+
+
 # ----------------------------------------------------------------------------------------------- RoPE
 def rope_inv_freq(args: ModelArgs, ratio: int, dim: int | None = None) -> torch.Tensor:
     """Inverse frequencies `f_i`, i < rd/2, fp64 `[rd/2]` for a layer of compress `ratio` (spec §5).
@@ -328,10 +346,22 @@ class Compressor(nn.Module):
         self.wkv = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
         self.wgate = Linear(args.dim, c * d, sim, quantized=False, fp32=True)
         self.ape = nn.Parameter(torch.zeros(ratio, c * d, dtype=torch.float32))
+        # wkv and wgate held as one weight (`join_wkv_wgate`): a plain attribute, not a submodule (the state dict
+        # keeps the official names)
+        self.__dict__["wkvgate"] = None
         self.norm = RMSNorm(d, args.norm_eps, sim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         if indexer:
             self.register_buffer("hadamard", hadamard_matrix(d), persistent=False)
+
+    def join_wkv_wgate(self) -> None:
+        """wkv and wgate (both read the block's normed x) as one bf16 weight [2 c d, dim] (`join_bf16`), so the
+        decode `step` runs the two projections as one launch and reads the halves in place (issue 27). Called once
+        by `Transformer.__init__` where the backend joins (`Backend.join_linears`) and both are held bf16.
+        Raises ValueError as `join_bf16`, or when already joined."""
+        if self.wkvgate is not None:
+            raise ValueError("Compressor.join_wkv_wgate: already joined")
+        self.__dict__["wkvgate"] = join_bf16(self.wkv, self.wgate)
 
     def new_state(self, b: int, device) -> CompressorState:
         """Empty buffers for b sequences: kv zeros and score -inf, fp32 `[b, c*r, c*d]` (`CompressorState`)."""
@@ -410,8 +440,12 @@ class Compressor(nn.Module):
         and the step can be captured in a CUDA graph. Same maths as `extend` for the same tokens (tested:
         prefill == decode)."""
         r = self.ratio
-        a, z = self.wkv(x)[:, 0], self.wgate(x)[:, 0]
-        pooled = backend.compress_pool(a.contiguous(), z.contiguous(), self.ape, pos, st.kv, st.score, r, self.overlap)
+        if self.wkvgate is not None:  # [wkv x | wgate x] as one linear (`join_wkv_wgate`); halves read in place
+            az = self.wkvgate(x)[:, 0]
+            a, z = az[:, :az.shape[1] // 2], az[:, az.shape[1] // 2:]
+        else:
+            a, z = self.wkv(x)[:, 0].contiguous(), self.wgate(x)[:, 0].contiguous()
+        pooled = backend.compress_pool(a, z, self.ape, pos, st.kv, st.score, r, self.overlap)
         new = self._finish(pooled, pos.view(-1, 1), x.dtype, backend, window=r)
         backend.compress_commit(new.contiguous(), pos, st.kv, st.score, out, r, self.overlap)
 
@@ -979,7 +1013,8 @@ class Transformer(nn.Module):
         # their storage)
         # projections that read the same input held as one weight where the backend joins them (triton; FP8
         # held, the first's width a multiple of 128): the shared experts' w1 / w3 (`Expert.join_w13`) and the
-        # attention's wq_a / wkv (`Attention.join_wq_a_wkv`), one launch each pair (issue 27)
+        # attention's wq_a / wkv (`Attention.join_wq_a_wkv`); bf16 held: the compressors' wkv / wgate
+        # (`Compressor.join_wkv_wgate`); one launch each pair (issue 27)
         if self.backend.join_linears:
             def joinable(a: Linear, b: Linear) -> bool:
                 return a.fmt == b.fmt == "fp8" and a.codes.shape[0] % quant.FP8_BLOCK == 0
@@ -989,6 +1024,8 @@ class Transformer(nn.Module):
                     m.shared_experts.join_w13()
                 elif isinstance(m, Attention) and joinable(m.wq_a, m.wkv):
                     m.join_wq_a_wkv()
+                elif isinstance(m, Compressor) and m.wkv.fmt == m.wgate.fmt == "bf16":
+                    m.join_wkv_wgate()
         if self.backend.stack_experts is not None:
             for m in self.modules():
                 if isinstance(m, MoE) and m.stackable():

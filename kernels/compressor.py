@@ -126,11 +126,12 @@ def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, 
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     @triton.jit
-    def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R,
+    def _compress_pool_kernel(a_ptr, z_ptr, ape_ptr, pos_ptr, kv_ptr, sc_ptr, out_ptr, d, W, R, SA,
                               OVERLAP: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, PER_ROW: tl.constexpr):
         """Grid (b, cdiv(d, BD)); the position pos[0], or pos[b] (PER_ROW). Reads the window's slots for pooled columns j (CSA: rows < R at column j, rows >= R
         at column d + j), with the token's new row substituted in registers (no read-after-write), pools, stores
-        pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state."""
+        pooled [b, 1, d], then writes the token's row (columns j, and d + j for CSA) into the state. a and z are
+        rows at the stride SA (W when contiguous; 2W for the halves of the joint wkv | wgate projection)."""
         b = tl.program_id(0).to(tl.int64)
         offs_j = tl.program_id(1) * BD + tl.arange(0, BD)
         mj = offs_j < d
@@ -157,8 +158,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         base = b * n * W
         A = tl.load(kv_ptr + base + rows[:, None] * W + col, mask=mask, other=0.0)
         Z = tl.load(sc_ptr + base + rows[:, None] * W + col, mask=mask, other=float("-inf"))
-        an = tl.load(a_ptr + b * W + newcol, mask=mj, other=0.0)
-        zn = tl.load(z_ptr + b * W + newcol, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + newcol, mask=mj,
+        an = tl.load(a_ptr + b * SA + newcol, mask=mj, other=0.0)
+        zn = tl.load(z_ptr + b * SA + newcol, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + newcol, mask=mj,
                                                                            other=0.0)
         is_slot = (rows == slot)[:, None]
         A = tl.where(is_slot, an[None, :], A)
@@ -172,8 +173,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         tl.store(kv_ptr + srow + newcol, an, mask=mw)
         tl.store(sc_ptr + srow + newcol, zn, mask=mw)
         if OVERLAP:  # the first half of the slot's row (pooled only once the window has shifted)
-            a0 = tl.load(a_ptr + b * W + offs_j, mask=mj, other=0.0)
-            z0 = tl.load(z_ptr + b * W + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
+            a0 = tl.load(a_ptr + b * SA + offs_j, mask=mj, other=0.0)
+            z0 = tl.load(z_ptr + b * SA + offs_j, mask=mj, other=0.0) + tl.load(ape_ptr + p * W + offs_j, mask=mj,
                                                                                other=0.0)
             tl.store(kv_ptr + srow + offs_j, a0, mask=mw)
             tl.store(sc_ptr + srow + offs_j, z0, mask=mw)
@@ -221,20 +222,27 @@ def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torc
                   score: torch.Tensor, ratio: int, overlap: bool) -> torch.Tensor:
     """`compress_pool_ref` in one launch (same arguments, same state writes; pooled within a few fp32 ulps).
 
-    Args: a, z fp32 [b, W]; ape fp32 [r, W]; pos int64 [1] or [b] (per row) >= 0 (device values: a negative one is not read back,
+    Args: a, z fp32 [b, W] (contiguous rows at one common row stride: the halves of the joint wkv | wgate
+    projection are read in place, `dsv4.model.Compressor.join_wkv_wgate`); ape fp32 [r, W]; pos int64 [1] or [b]
+    (per row) >= 0 (device values: a negative one is not read back,
     it makes pooled NaN and writes nothing); kv, score fp32 [b, c*r, W] (c = 2 iff overlap); ratio r; overlap
-    bool. Tensors contiguous, on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync.
+    bool. The other tensors contiguous, all on one CUDA device (CPU under TRITON_INTERPRET=1); no host sync.
     Returns: pooled [b, 1, W / c] fp32. Raises: ValueError naming the wrong argument."""
     op = "compress_pool"
     for name, t in (("a", a), ("z", z), ("ape", ape)):
         if not isinstance(t, torch.Tensor):
             _fail(op, name, type(t).__name__, "a float32 tensor")
     b, d, W = _check(op, a, z, ape, pos, kv, score, ratio, overlap)
-    check_layout(op, {"a": a, "z": z, "ape": ape, "pos": pos, "kv": kv, "score": score})
+    check_layout(op, {"ape": ape, "pos": pos, "kv": kv, "score": score})
+    sa = a.stride(0) if b > 1 else W
+    for name, t in (("a", a), ("z", z)):
+        if t.device != kv.device or (W > 1 and t.stride(1) != 1) or (b > 1 and t.stride(0) != sa):
+            _fail(op, name, f"strides {t.stride()} on {t.device}", f"rows of {W} contiguous values at one common "
+                  f"row stride (a's {sa}), on {kv.device}")
     out = torch.empty(b, 1, d, dtype=torch.float32, device=kv.device)
     BN = max(2, triton.next_power_of_2(kv.shape[1]))
     BD = max(16, min(triton.next_power_of_2(d), 8192 // BN))
-    _compress_pool_kernel[(b, triton.cdiv(d, BD))](a, z, ape, pos, kv, score, out, d, W, ratio,
+    _compress_pool_kernel[(b, triton.cdiv(d, BD))](a, z, ape, pos, kv, score, out, d, W, ratio, sa,
                                                   OVERLAP=overlap, BN=BN, BD=BD, PER_ROW=pos.shape[0] != 1,
                                                   num_warps=4)
     return out

@@ -980,3 +980,13 @@ def moe_combine_shared_row0(mp: MP) -> None:
 
     _jit_source_mutant(mp, moe, "_sum_slots_kernel", "acc += tl.load(s_ptr + t * D + offs",
                        "acc += tl.load(s_ptr + 0 * t * D + offs")
+
+
+def compress_pool_rows_at_width(mp: MP) -> None:
+    """The compressor pooling kernel (graph decode) reads the token's wkv / wgate rows at the width W instead of
+    their row stride: right for contiguous rows, another row's (or a half's) values for the halves of the joint
+    wkv | wgate projection at batch > 1 (issue 27); the reference reads the views."""
+    from kernels import compressor
+
+    _jit_source_mutant(mp, compressor, "_compress_pool_kernel", "an = tl.load(a_ptr + b * SA + newcol",
+                       "an = tl.load(a_ptr + b * W + newcol")

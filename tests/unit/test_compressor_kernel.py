@@ -48,9 +48,12 @@ def _pool_close(got, want, kv, score, r, overlap, what):
     assert bool((err <= bound).all()), f"{what}: max excess {(err - bound).max():.3e}"
 
 
+@pytest.mark.parametrize("joint", [False, True], ids=["plain", "joint"])
 @pytest.mark.parametrize("r,overlap,d,b", [(4, True, 96, 2), (128, False, 40, 1), (4, False, 64, 3)],
                          ids=["csa", "hca", "r4_plain"])
-def test_compress_step_matches_reference(seed, r, overlap, d, b):
+def test_compress_step_matches_reference(seed, r, overlap, d, b, joint):
+    """joint: a and z are the two halves of one [b, 2W] projection (`dsv4.model.Compressor.join_wkv_wgate`, issue
+    27), read in place at the row stride 2W; the reference reads the same views."""
     from kernels.compressor import compress_commit, compress_commit_ref, compress_pool, compress_pool_ref
     c = 2 if overlap else 1
     W = c * d
@@ -65,6 +68,9 @@ def test_compress_step_matches_reference(seed, r, overlap, d, b):
         pos = torch.tensor([p], device=DEV)
         a = torch.randn(b, W, device=DEV)
         z = torch.randn(b, W, device=DEV) * 3 + 80.0
+        if joint:
+            az = torch.cat((a, z), 1)
+            a, z = az[:, :W], az[:, W:]
         want = compress_pool_ref(a, z, ape, pos, kv_r, sc_r, r, overlap)
         got = compress_pool(a, z, ape, pos, kv_k, sc_k, r, overlap)
         _pool_close(got, want, kv_r, sc_r, r, overlap, f"pooled at {p}")
