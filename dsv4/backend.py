@@ -139,6 +139,10 @@ class Backend:
     # triton: `kernels.moe.moe_routed_combine` (the slot sum adds shared: one launch fewer, bitwise the two
     # entries); None (reference, batch-invariant): `MoE.forward` calls moe_routed then moe_combine
     moe_routed_combine: Callable | None = None
+    # qkv_finish(q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring) -> (q, kv): the attention's
+    # q_finish and kv_finish (window 1) in one call; triton: `kernels.rope.qkv_finish`, one launch, bitwise the
+    # two; None: `Attention._qkv` calls them apart
+    qkv_finish: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -215,5 +219,5 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,
-                       moe_routed_combine=moe.moe_routed_combine)
+                       moe_routed_combine=moe.moe_routed_combine, qkv_finish=rope.qkv_finish)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

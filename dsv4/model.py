@@ -577,6 +577,10 @@ class Attention(nn.Module):
             qa, kva = self.wq_a(x), self.wkv(x)
         qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
+        if ops.qkv_finish is not None:  # q_finish and kv_finish below in one launch (triton: `kernels.rope.qkv_finish`)
+            q, kv = ops.qkv_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd, kva, self.kv_norm.weight,
+                                   self.kv_norm.eps, self.sim.kv_nope_block(self.hd - self.rd), ring=ring)
+            return qr, q, kv
         if ops.q_finish is not None:  # the two steps below in one launch (triton: `kernels.norm.head_rms_rope`)
             q = ops.q_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd)
         else:

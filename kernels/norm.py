@@ -61,11 +61,18 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit(do_not_specialize=["S"])  # issue 29: S is the token count of a call (prefill length)
     def _head_rms_kernel(x_ptr, y_ptr, d, eps, pos_ptr, f_ptr, S, H, RD2, BD: tl.constexpr, BF16: tl.constexpr,
                          ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False, BR: tl.constexpr = 16):
-        """One row of d values per program: `x * rsqrt(mean(x^2) + eps)`; BF16: a bf16 rounding after each torch
+        """One row of d values per program (`_head_rms_row`)."""
+        _head_rms_row(tl.program_id(0).to(tl.int64), x_ptr, y_ptr, d, eps, pos_ptr, f_ptr, S, H, RD2, BD, BF16,
+                      ROPE, PER_ROW, BR)
+
+    @triton.jit
+    def _head_rms_row(row, x_ptr, y_ptr, d, eps, pos_ptr, f_ptr, S, H, RD2, BD: tl.constexpr, BF16: tl.constexpr,
+                      ROPE: tl.constexpr, PER_ROW: tl.constexpr, BR: tl.constexpr):
+        """Row `row` of d values: `x * rsqrt(mean(x^2) + eps)`; BF16: a bf16 rounding after each torch
         op of the official chain (square, mean (fp32 sum / d), + eps, rsqrt, the product), else all in fp32.
         ROPE: then the last 2*RD2 columns rotated as `kernels.rope.rope_tail_` does (row = ((b*S + t)*H + h); the
-        position pos[t], or pos[b, t] with PER_ROW), stored once (the norm's store skips them)."""
-        row = tl.program_id(0).to(tl.int64)
+        position pos[t], or pos[b, t] with PER_ROW), stored once (the norm's store skips them). Shared by
+        `_head_rms_kernel` and `kernels.rope._qkv_finish_kernel`."""
         offs = tl.arange(0, BD)
         mask = offs < d
         x = tl.load(x_ptr + row * d + offs, mask=mask, other=0.0).to(tl.float32)
@@ -192,7 +199,34 @@ def head_rms_rope(x: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torc
     the last rd columns - the same operations, rounded where the chain stores (bitwise that chain,
     tests/unit/test_norm_kernel.py). x [b, s, h, d] bf16 / fp32; pos int64 [s] or [b, s] contiguous; inv_freq
     [rd/2] fp64; rd even <= d. Returns [b, s, h, d] in x.dtype. Raises ValueError naming a bad argument."""
-    op = "head_rms_rope"
+    x = check_head_rms_rope(x, eps, pos, inv_freq, rd)
+    d = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // d
+    if rows:
+        BD = triton.next_power_of_2(d)
+        _head_rms_kernel[(rows,)](*head_rms_rope_args(x, y, eps, pos, inv_freq, rd),
+                                  **head_rms_rope_consts(x, pos, rd), num_warps=4 if BD <= 4096 else 8)
+    return y
+
+
+def head_rms_rope_args(x: torch.Tensor, y: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor,
+                       rd: int) -> tuple:
+    """The runtime arguments of `_head_rms_row` for `head_rms_rope`'s checked x [b, s, h, d] and output y (also
+    `kernels.rope.qkv_finish`'s q part)."""
+    b, S, H, d = x.shape
+    return x, y, d, eps, pos, inv_freq, S, H, rd // 2
+
+
+def head_rms_rope_consts(x: torch.Tensor, pos: torch.Tensor, rd: int) -> dict:
+    """The constexprs of `_head_rms_row` for `head_rms_rope` (see `head_rms_rope_args`)."""
+    return dict(BD=triton.next_power_of_2(x.shape[-1]), BF16=x.dtype == torch.bfloat16, ROPE=True,
+                PER_ROW=pos.dim() == 2, BR=max(16, triton.next_power_of_2(rd // 2)))
+
+
+def check_head_rms_rope(x: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
+                        op: str = "head_rms_rope") -> torch.Tensor:
+    """`head_rms_rope`'s argument checks (ValueError naming the bad one); returns x contiguous."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 4:
         _fail(op, "x", f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}",
               "a bf16 or float32 tensor [b, s, h, d]")
@@ -210,11 +244,4 @@ def head_rms_rope(x: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torc
         _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))}", f"float64 [{rd // 2}]")
     x = x.contiguous()
     check_layout(op, {"x": x, "pos": pos, "inv_freq": inv_freq})
-    y = torch.empty_like(x)
-    rows = x.numel() // d
-    if rows:
-        BD = triton.next_power_of_2(d)
-        _head_rms_kernel[(rows,)](x, y, d, eps, pos, inv_freq, S, H, rd // 2, BD=BD, BF16=x.dtype == torch.bfloat16,
-                                  ROPE=True, PER_ROW=pos.dim() == 2, BR=max(16, triton.next_power_of_2(rd // 2)),
-                                  num_warps=4 if BD <= 4096 else 8)
-    return y
+    return x

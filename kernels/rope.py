@@ -24,7 +24,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
-from kernels.norm import rms_norm_ref, row_view
+from kernels.norm import check_head_rms_rope, head_rms_rope_args, head_rms_rope_consts, rms_norm_ref, row_view
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
@@ -60,6 +60,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     from kernels.jit_formats import act_apply, act_scale, round_bf16
+    from kernels.norm import _head_rms_row
 
     @triton.jit(do_not_specialize=["S"])
     def _kv_finish_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
@@ -67,11 +68,40 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                           BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
                           ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
                           QUANT: tl.constexpr, RING: tl.constexpr = False):
-        """One row of x [rows, D] per program (`kv_finish`): the RMSNorm scale of the whole row, then the nope
+        """One row of x [rows, D] per program (`_kv_finish_row`)."""
+        _kv_finish_row(tl.program_id(0).to(tl.int64), x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps,
+                       window, RD2, NB, block, ring_sb, W, sx, BD, BRD, NBP, BB, ROUND_IN, OUT_BF16, PER_ROW, QUANT,
+                       RING)
+
+    @triton.jit(do_not_specialize=["S", "QS", "RQ"])
+    def _qkv_finish_kernel(q_ptr, qy_ptr, qd, q_eps, qpos_ptr, qf_ptr, QS, QH, QRD2,
+                           x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
+                           ring_sb, W, sx, RQ,
+                           QBD: tl.constexpr, QBF16: tl.constexpr, QPER_ROW: tl.constexpr, QBR: tl.constexpr,
+                           BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
+                           ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
+                           QUANT: tl.constexpr, RING: tl.constexpr):
+        """The attention's q and KV finish in ONE launch (`qkv_finish`): programs 0 .. RQ-1 are
+        `kernels.norm._head_rms_row` of the q rows (head RMS + RoPE), the rest `_kv_finish_row` of the KV rows -
+        the two kernels' code, so each output is bitwise what its own kernel stores."""
+        pid = tl.program_id(0).to(tl.int64)
+        if pid < RQ:
+            _head_rms_row(pid, q_ptr, qy_ptr, qd, q_eps, qpos_ptr, qf_ptr, QS, QH, QRD2, QBD, QBF16, True, QPER_ROW,
+                          QBR)
+        else:
+            _kv_finish_row(pid - RQ, x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB,
+                           block, ring_sb, W, sx, BD, BRD, NBP, BB, ROUND_IN, OUT_BF16, PER_ROW, QUANT, RING)
+
+    @triton.jit
+    def _kv_finish_row(row, x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
+                       ring_sb, W, sx,
+                       BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
+                       ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
+                       QUANT: tl.constexpr, RING: tl.constexpr):
+        """Row `row` of x [rows, D] (`kv_finish`): the RMSNorm scale of the whole row, then the nope
         columns (normed, rounded, e4m3-simulated per `block` in a [NBP, BB] tile) and the rope tail (normed,
         rounded, rotated at the row's position floored to `window`), each read from x and stored once; RING (S = 1):
         also stored into ring row (row, p % W) (ring batch stride ring_sb, rows of D contiguous)."""
-        row = tl.program_id(0).to(tl.int64)
         t = row % S
         if PER_ROW:
             t = row
@@ -201,7 +231,35 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
         nope_block 0 or a block dividing D - rd (<= 1024), window >= 1; dtype bf16 / fp32, at most as wide as x;
         ring [b, W, D] in dtype with contiguous rows (any batch stride: a view of the state's keys), s = 1.
     Returns: [b, s, D] in dtype. Raises: ValueError naming a bad argument."""
-    op = "kv_finish"
+    x2, dtype = check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring)
+    b, S, D = x.shape
+    y = torch.empty(b, S, D, dtype=dtype, device=x.device)
+    rows = b * S
+    if rows:
+        args, consts = kv_finish_args(x, x2, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, y, ring)
+        _kv_finish_kernel[(rows,)](*args, **consts, num_warps=4)
+    return y
+
+
+def kv_finish_args(x, x2, weight, eps, pos, inv_freq, rd: int, nope_block: int, window: int, dtype, y,
+                   ring) -> tuple[tuple, dict]:
+    """(runtime arguments, constexprs) of `_kv_finish_row` for `kv_finish`'s checked arguments (x2 = x's rows,
+    `check_kv_finish`) and output y (also `qkv_finish`'s KV part)."""
+    b, S, D = x.shape
+    nope = D - rd
+    block = nope_block or max(nope, 1)
+    NB = -(-nope // block) if nope else 0
+    args = (x2, weight, pos, inv_freq, y, y if ring is None else ring, D, S, eps, window, rd // 2, NB, block,
+            0 if ring is None else ring.stride(0), 1 if ring is None else ring.shape[1], x2.stride(0))
+    consts = dict(RING=ring is not None, BD=triton.next_power_of_2(D), BRD=max(16, triton.next_power_of_2(rd // 2)),
+                  NBP=max(1, triton.next_power_of_2(max(NB, 1))), BB=max(16, triton.next_power_of_2(block)),
+                  ROUND_IN=x.dtype != dtype, OUT_BF16=dtype == torch.bfloat16, PER_ROW=pos.dim() == 2,
+                  QUANT=nope_block > 0)
+    return args, consts
+
+
+def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str = "kv_finish"):
+    """`kv_finish`'s argument checks (ValueError naming the bad one); returns (x's rows at one stride, dtype)."""
     dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else None)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
         _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
@@ -239,17 +297,33 @@ def kv_finish(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.Tens
     check_layout(op, {"weight": weight, "pos": pos, "inv_freq": inv_freq})
     if x.device != weight.device:
         _fail(op, "x", f"on device {x.device}", f"weight's device, {weight.device}")
-    y = torch.empty(b, S, D, dtype=dtype, device=x.device)
-    rows = b * S
-    if rows:
-        block = nope_block or max(nope, 1)
-        NB = -(-nope // block) if nope else 0
-        BD = triton.next_power_of_2(D)
-        _kv_finish_kernel[(rows,)](x2, weight, pos, inv_freq, y, y if ring is None else ring, D, S, eps, window,
-                                   rd // 2, NB, block, 0 if ring is None else ring.stride(0),
-                                   1 if ring is None else ring.shape[1], x2.stride(0), RING=ring is not None, BD=BD, BRD=max(16, triton.next_power_of_2(rd // 2)),
-                                   NBP=max(1, triton.next_power_of_2(max(NB, 1))),
-                                   BB=max(16, triton.next_power_of_2(block)),
-                                   ROUND_IN=x.dtype != dtype, OUT_BF16=dtype == torch.bfloat16,
-                                   PER_ROW=pos.dim() == 2, QUANT=nope_block > 0, num_warps=4)
-    return y
+    return x2, dtype
+
+
+def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int, kv: torch.Tensor,
+               weight: torch.Tensor, eps: float, nope_block: int = 0,
+               ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's q finish (`kernels.norm.head_rms_rope`) and KV finish (`kv_finish`, window 1, output in kv's
+    dtype) in ONE launch (issue 27: one launch fewer per layer): `_qkv_finish_kernel` runs both kernels'
+    row code side by side, so (q, kv) are bitwise `(head_rms_rope(q, ...), kv_finish(kv, ...))`.
+
+    Args: q [b, s, h, d] and its eps, pos, inv_freq, rd as `head_rms_rope`; kv, weight, eps, nope_block, ring as
+        `kv_finish` (the same pos, inv_freq and rd; window 1; the output in kv's dtype).
+    Returns: (q [b, s, h, d] in q.dtype, kv [b, s, D] in kv.dtype). Raises: ValueError naming a bad argument (as
+        the two launchers, under the name qkv_finish)."""
+    op = "qkv_finish"
+    qc = check_head_rms_rope(q, q_eps, pos, inv_freq, rd, op=op)
+    x2, dtype = check_kv_finish(kv, weight, eps, pos, inv_freq, rd, nope_block, 1, None, ring, op=op)
+    if qc.device != kv.device:
+        _fail(op, "q", f"on device {qc.device}", f"kv's device, {kv.device}")
+    qy = torch.empty_like(qc)
+    b, S, D = kv.shape
+    y = torch.empty(b, S, D, dtype=dtype, device=kv.device)
+    RQ, rows = qc.numel() // qc.shape[-1], b * S
+    if RQ + rows:
+        qargs = head_rms_rope_args(qc, qy, q_eps, pos, inv_freq, rd)
+        qk = head_rms_rope_consts(qc, pos, rd)
+        args, consts = kv_finish_args(kv, x2, weight, eps, pos, inv_freq, rd, nope_block, 1, dtype, y, ring)
+        _qkv_finish_kernel[(RQ + rows,)](*qargs, *args, RQ, QBD=qk["BD"], QBF16=qk["BF16"], QPER_ROW=qk["PER_ROW"],
+                                         QBR=qk["BR"], **consts, num_warps=4 if qk["BD"] <= 4096 else 8)
+    return qy, y

@@ -792,7 +792,7 @@ def kv_finish_window_not_floored(mp: MP) -> None:
     (window 1) is unaffected, and so is the prefill's entry (its positions are first positions already)."""
     from kernels import rope
 
-    _jit_source_mutant(mp, rope, "_kv_finish_kernel", "p = (p // window) * window", "p = p  # MUTANT")
+    _jit_source_mutant(mp, rope, "_kv_finish_row", "p = (p // window) * window", "p = p  # MUTANT")
 
 
 def kv_finish_ring_slot_shifted(mp: MP) -> None:
@@ -800,7 +800,7 @@ def kv_finish_ring_slot_shifted(mp: MP) -> None:
     (issue 27: the ring write inside `_kv_finish_kernel`); the returned row and the reference are right."""
     from kernels import rope
 
-    _jit_source_mutant(mp, rope, "_kv_finish_kernel", "ring_row = ring_ptr + row * ring_sb + (p % W) * D",
+    _jit_source_mutant(mp, rope, "_kv_finish_row", "ring_row = ring_ptr + row * ring_sb + (p % W) * D",
                        "ring_row = ring_ptr + row * ring_sb + ((p + 1) % W) * D  # MUTANT")
 
 
@@ -990,3 +990,12 @@ def compress_pool_rows_at_width(mp: MP) -> None:
 
     _jit_source_mutant(mp, compressor, "_compress_pool_kernel", "an = tl.load(a_ptr + b * SA + newcol",
                        "an = tl.load(a_ptr + b * W + newcol")
+
+
+def qkv_finish_q_rope_dropped(mp: MP) -> None:
+    """The one-launch q + KV finish (`kernels.rope._qkv_finish_kernel`) runs the q rows' head RMS without their
+    RoPE (the row code's ROPE flag False); `head_rms_rope`, `kv_finish` and the references are right."""
+    from kernels import rope
+
+    _jit_source_mutant(mp, rope, "_qkv_finish_kernel", "QRD2, QBD, QBF16, True, QPER_ROW",
+                       "QRD2, QBD, QBF16, False, QPER_ROW")

@@ -96,7 +96,7 @@ class Checked:
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
                   "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
-                  "moe_routed_combine": b.moe_routed_combine}
+                  "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -255,6 +255,22 @@ class Checked:
         assert torch.equal(got, chain), f"q_finish {tuple(q.shape)} vs head_rms + rope_tail_"
         self.paths["q_finish"] += 1
         return got
+
+    def qkv_finish(self, q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block=0, ring=None):
+        """q and KV finish in one launch: bitwise the triton backend's `q_finish` and `kv_finish` (each checked
+        here against its chain and reference; `kv_finish` also checks the ring write, repeated with the same
+        values)."""
+        before = None if ring is None else ring.clone()
+        gq, gkv = self.k["qkv_finish"](q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring=ring)
+        after = None if ring is None else ring.clone()
+        if ring is not None:
+            ring.copy_(before)
+        wq = self.q_finish(q, q_eps, pos, inv_freq, rd)
+        wkv = self.kv_finish(kv, weight, eps, pos, inv_freq, rd, nope_block, ring=ring)
+        assert torch.equal(gq, wq) and torch.equal(gkv, wkv), f"qkv_finish {tuple(q.shape)} vs q_finish + kv_finish"
+        assert ring is None or torch.equal(ring, after), "qkv_finish ring write vs kv_finish's"
+        self.paths["qkv_finish"] += 1
+        return gq, gkv
 
     def linear_swiglu(self, x, weight, scale, act_block, limit):
         """The joint w13 projection + SwiGLU: bitwise the triton backend's two steps (its `linear`, then its
@@ -453,7 +469,8 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         want.append(ref(tok, r_st))
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
-            "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine"} <= set(chk.paths), dict(chk.paths)
+            "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish"} <= set(chk.paths), \
+        dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")
 

@@ -242,3 +242,43 @@ def test_kv_finish_writes_the_ring_slot(seed):
     with pytest.raises(ValueError, match="ring"):
         kv_finish(x.expand(b, 2, D).contiguous(), w, 1e-6, pos.expand(b, 2).contiguous(), f, 64, 64,
                   ring=keys[:, :W])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["pos-s", "pos-bs"])
+def test_qkv_finish_is_the_two_launches(seed, dtype, per_row):
+    """`qkv_finish` (the attention's q and KV finish in one launch, issue 27) returns bitwise
+    `head_rms_rope(q)` and `kv_finish(kv)` (e4m3 nope blocks of 64, a ring written at pos % W when one token per
+    row), for one position vector of both: [s] or [b, s] (rows at different positions, s = 1 with the ring)."""
+    from kernels.norm import head_rms_rope
+    from kernels.rope import kv_finish, qkv_finish
+    args = tiny_args(rope_head_dim=64, index_head_dim=64)
+    f = rope_inv_freq(args, 0, 64).to(DEV)
+    b, s, h, d, W = 3, 1 if per_row else 2, 4, 192, 8
+    q = (torch.randn(b, s, h, d, device=DEV) * torch.logspace(-2, 1, h, device=DEV)[:, None]).to(dtype)
+    kv = (torch.randn(b, s, d, device=DEV) * 3).to(dtype)
+    w = torch.randn(d, device=DEV)
+    pos = torch.tensor([[3], [8], [29]], device=DEV) if per_row else torch.tensor([5, 6], device=DEV)
+    ring = torch.randn(b, W + 2, d, device=DEV).to(dtype) if per_row else None
+    ring2 = None if ring is None else ring.clone()
+    gq, gkv = qkv_finish(q, 1e-6, pos, f, 64, kv, w, 1e-5, 64, ring=None if ring is None else ring[:, :W])
+    wq = head_rms_rope(q, 1e-6, pos, f, 64)
+    wkv = kv_finish(kv, w, 1e-5, pos, f, 64, 64, ring=None if ring2 is None else ring2[:, :W])
+    assert gq.dtype == dtype and torch.equal(gq, wq), "q vs head_rms_rope"
+    assert gkv.dtype == dtype and torch.equal(gkv, wkv), "kv vs kv_finish"
+    assert ring is None or torch.equal(ring, ring2), "ring write vs kv_finish's"
+    assert not torch.equal(gq[..., -64:], head_rms_rope(q, 1e-6, pos * 0, f, 64)[..., -64:]), "RoPE is applied"
+
+
+def test_qkv_finish_names_bad_input():
+    from kernels.rope import qkv_finish
+    args = tiny_args(rope_head_dim=64, index_head_dim=64)
+    f = rope_inv_freq(args, 0, 64).to(DEV)
+    q, kv, w = torch.randn(1, 2, 4, 192, device=DEV), torch.randn(1, 2, 192, device=DEV), torch.randn(192, device=DEV)
+    pos = torch.tensor([0, 1], device=DEV)
+    with pytest.raises(ValueError, match=r"qkv_finish: pos is torch.int32"):
+        qkv_finish(q, 1e-6, pos.int(), f, 64, kv, w, 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: weight is torch.float32 \(191,\)"):
+        qkv_finish(q, 1e-6, pos, f, 64, kv, w[:191], 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: x is torch.float16"):
+        qkv_finish(q.half(), 1e-6, pos, f, 64, kv, w, 1e-6)
