@@ -139,9 +139,10 @@ class Backend:
     # triton: `kernels.moe.moe_routed_combine` (the slot sum adds shared: one launch fewer, bitwise the two
     # entries); None (reference, batch-invariant): `MoE.forward` calls moe_routed then moe_combine
     moe_routed_combine: Callable | None = None
-    # qkv_finish(q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring) -> (q, kv): the attention's
-    # q_finish and kv_finish (window 1) in one call; triton: `kernels.rope.qkv_finish`, one launch, bitwise the
-    # two; None: `Attention._qkv` calls them apart
+    # qkv_finish(q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring, index) -> (q, kv, idx): the
+    # attention's q_finish and kv_finish (window 1) in one call, and with index = (W, ratio, n_entries) the decode
+    # step's `step_index` of a window-only / HCA layer (else idx None); triton: `kernels.rope.qkv_finish`, one
+    # launch, bitwise the separate entries; None: `Attention._qkv` / `step` call them apart
     qkv_finish: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /

@@ -563,13 +563,15 @@ class Attention(nn.Module):
             st.index_compressor = self.indexer.compressor.new_state(b, device)
         return st
 
-    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: Backend,
-             ring: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    def _qkv(self, x: torch.Tensor, pos: torch.Tensor, ops: Backend, ring: torch.Tensor | None = None,
+             index: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, ...]:
         """x [b, s, dim] at positions pos [s] -> (qr [b, s, q_lora], q [b, s, h, hd], kv [b, s, hd]): low-rank q
         with the per-head unweighted RMS norm (in the activation dtype as officially: bf16 in bf16 mode; spec
         §5.3), the shared K=V head with the FP8 rounding of its nope channels, both RoPE'd on the last rd
         channels (spec §5.2) through `ops`. ring (the decode step of one token per row): the state's window ring,
-        which gets each row's KV at slot pos % W."""
+        which gets each row's KV at slot pos % W. index = (W, ratio, n_entries) (the decode step of a window-only
+        or HCA layer): the backend's `qkv_finish` also returns the step's key slots (`step_index(pos, ...)`) from
+        the same launch, as a fourth value (None otherwise: the caller runs `step_index`)."""
         if self.wqkv_a is not None:  # [wq_a x | wkv x] as one linear (`join_wq_a_wkv`); the halves are row-strided
             y = self.wqkv_a(x)
             qa, kva = y[..., :self.q_norm.weight.shape[0]], y[..., self.q_norm.weight.shape[0]:]
@@ -578,9 +580,9 @@ class Attention(nn.Module):
         qr = self.q_norm(qa)
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.hd))
         if ops.qkv_finish is not None:  # q_finish and kv_finish below in one launch (triton: `kernels.rope.qkv_finish`)
-            q, kv = ops.qkv_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd, kva, self.kv_norm.weight,
-                                   self.kv_norm.eps, self.sim.kv_nope_block(self.hd - self.rd), ring=ring)
-            return qr, q, kv
+            return qr, *ops.qkv_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd, kva, self.kv_norm.weight,
+                                       self.kv_norm.eps, self.sim.kv_nope_block(self.hd - self.rd), ring=ring,
+                                       index=index)
         if ops.q_finish is not None:  # the two steps below in one launch (triton: `kernels.norm.head_rms_rope`)
             q = ops.q_finish(q, self.args.norm_eps, pos, self.inv_freq, self.rd)
         else:
@@ -589,14 +591,14 @@ class Attention(nn.Module):
         if ops.kv_finish is not None:  # the three steps below in one launch (triton: `kernels.rope.kv_finish`)
             kv = ops.kv_finish(kva, self.kv_norm.weight, self.kv_norm.eps, pos, self.inv_freq, self.rd,
                                self.sim.kv_nope_block(self.hd - self.rd), ring=ring)
-            return qr, q, kv
+            return qr, q, kv, None
         kv = self.kv_norm(kva)
         kv[..., :-self.rd] = self.sim.kv_nope(kv[..., :-self.rd], ops.act_quant_sim)
         kv = ops.rope_tail(kv, pos, self.inv_freq, self.rd)
         if ring is not None:
             b, W = ring.shape[:2]
             ring.scatter_(1, (pos % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
-        return qr, q, kv
+        return qr, q, kv, None
 
     def _out(self, o: torch.Tensor, pos: torch.Tensor, ops: Backend, backend: Backend) -> torch.Tensor:
         """Attention output o [b, s, h, hd] -> [b, s, dim]: de-rotation of the RoPE channels (spec §5.4), grouped
@@ -617,7 +619,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         dev, W = x.device, self.window
         pos = torch.arange(p, p + s, device=dev)
-        qr, q, kv = self._qkv(x, pos, backend)
+        qr, q, kv, _ = self._qkv(x, pos, backend)
         # keys = [ring (positions p-W..p-1 at slot u % W) | this call's KV | entries]
         idx = window_slots(pos, p, W)[None].expand(b, s, W)
         keys = [st.ring, kv]
@@ -657,7 +659,12 @@ class Attention(nn.Module):
         b, s = x.shape[:2]
         dev, W = x.device, self.window
         P = pos.view(b, 1) if s == 1 else pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
-        qr, q, kv = self._qkv(x, P, backend, ring=st.ring if s == 1 else None)  # s = 1: KV to ring slot pos % W
+        hca = self.compressor is not None and self.indexer is None
+        # window-only / HCA: the key slots need no indexer, so the q / KV finish launch computes them too
+        index = None if self.indexer is not None else (W, self.ratio if hca else 0,
+                                                        st.entries.shape[1] if hca else 0)
+        qr, q, kv, idx = self._qkv(x, P, backend, ring=st.ring if s == 1 else None,  # s = 1: KV to ring slot pos % W
+                                   index=index)
         comp = None  # the indexer's picks (CSA)
         if self.compressor is not None:
             for j in range(s):  # one token at a time: each window boundary in the call committed in order
@@ -670,8 +677,8 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 comp = self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk)
         # the window in position order, then the entries (HCA: all completed ones; CSA: the picks), as key slots
-        hca = self.compressor is not None and self.indexer is None
-        idx = backend.step_index(P, W, comp, self.ratio if hca else 0, st.entries.shape[1] if hca else 0)
+        if idx is None:
+            idx = backend.step_index(P, W, comp, self.ratio if hca else 0, st.entries.shape[1] if hca else 0)
         if s == 1:
             keys = st.keys
         else:

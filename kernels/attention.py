@@ -309,8 +309,14 @@ if triton is not None:
     @triton.jit
     def _step_index_kernel(P, COMP, IDX, S, W, K, KC, ratio, off, INPLACE: tl.constexpr, MODE: tl.constexpr,
                            BLOCK: tl.constexpr):
-        """One (row, query) per program (`step_index`): the W window slots then the K entry columns of idx."""
-        r = tl.program_id(0).to(tl.int64)
+        """One (row, query) per program (`step_index`; `_step_index_row`)."""
+        _step_index_row(tl.program_id(0).to(tl.int64), P, COMP, IDX, S, W, K, KC, ratio, off, INPLACE, MODE, BLOCK)
+
+    @triton.jit
+    def _step_index_row(r, P, COMP, IDX, S, W, K, KC, ratio, off, INPLACE: tl.constexpr, MODE: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        """(row, query) r of `step_index`: the W window slots then the K entry columns of idx. Shared by
+        `_step_index_kernel` and `kernels.rope._qkv_finish_kernel`."""
         b = r // S
         p = tl.load(P + r)
         p0 = tl.load(P + b * S)
@@ -586,6 +592,15 @@ def step_index(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio:
     """`step_index_ref` in one launch (issue 27: the decode step's index set was ~8-13 torch launches per layer):
     one program per query, the same integers (bitwise equal, tests/unit/test_attention_kernels.py). No host sync.
     Args, returns, raises: as `step_index_ref`; P and comp on CUDA (or CPU under TRITON_INTERPRET=1)."""
+    idx, args, consts = step_index_args(P, W, comp, ratio, n_entries)
+    _step_index_kernel[(idx.shape[0] * idx.shape[1],)](*args, **consts)
+    return idx
+
+
+def step_index_args(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio: int = 0,
+                    n_entries: int = 0) -> tuple[torch.Tensor, tuple, dict]:
+    """`step_index`'s checks (ValueError), its output idx [b, s, W + k] int64 (uninitialised) and the runtime
+    arguments / constexprs of `_step_index_row` (b*s rows) - also `kernels.rope.qkv_finish`'s index part."""
     _check_step_index(P, W, comp, ratio, n_entries)
     tensors = {"P": P} if comp is None else {"P": P, "comp": comp}
     _check_launch_device(tensors, "step_index")
@@ -594,7 +609,6 @@ def step_index(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio:
     idx = torch.empty(b, s, W + K, dtype=torch.int64, device=P.device)
     P = P.contiguous()
     comp_c = comp.contiguous() if comp is not None else P
-    _step_index_kernel[(b * s,)](P, comp_c, idx, s, W, K, K if comp is not None else 0, max(ratio, 1),
-                                 W if s == 1 else W + s, INPLACE=s == 1, MODE=1 if comp is not None else 0,
-                                 BLOCK=triton.next_power_of_2(W + K))
-    return idx
+    args = (P, comp_c, idx, s, W, K, K if comp is not None else 0, max(ratio, 1), W if s == 1 else W + s)
+    consts = dict(INPLACE=s == 1, MODE=1 if comp is not None else 0, BLOCK=triton.next_power_of_2(W + K))
+    return idx, args, consts

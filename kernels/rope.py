@@ -24,6 +24,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
+from kernels.attention import step_index_args
 from kernels.norm import check_head_rms_rope, head_rms_rope_args, head_rms_rope_consts, rms_norm_ref, row_view
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
@@ -60,6 +61,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     from kernels.jit_formats import act_apply, act_scale, round_bf16
+    from kernels.attention import _step_index_row
     from kernels.norm import _head_rms_row
 
     @triton.jit(do_not_specialize=["S"])
@@ -73,24 +75,31 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                        window, RD2, NB, block, ring_sb, W, sx, BD, BRD, NBP, BB, ROUND_IN, OUT_BF16, PER_ROW, QUANT,
                        RING)
 
-    @triton.jit(do_not_specialize=["S", "QS", "RQ"])
+    @triton.jit(do_not_specialize=["S", "QS", "RQ", "RKV", "IS", "IK", "IKC", "ioff"])
     def _qkv_finish_kernel(q_ptr, qy_ptr, qd, q_eps, qpos_ptr, qf_ptr, QS, QH, QRD2,
                            x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
-                           ring_sb, W, sx, RQ,
+                           ring_sb, W, sx,
+                           ip_ptr, icomp_ptr, idx_ptr, IS, IW, IK, IKC, iratio, ioff, RQ, RKV,
                            QBD: tl.constexpr, QBF16: tl.constexpr, QPER_ROW: tl.constexpr, QBR: tl.constexpr,
                            BD: tl.constexpr, BRD: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
                            ROUND_IN: tl.constexpr, OUT_BF16: tl.constexpr, PER_ROW: tl.constexpr,
-                           QUANT: tl.constexpr, RING: tl.constexpr):
+                           QUANT: tl.constexpr, RING: tl.constexpr, INDEX: tl.constexpr, IINPLACE: tl.constexpr,
+                           IMODE: tl.constexpr, IBLOCK: tl.constexpr):
         """The attention's q and KV finish in ONE launch (`qkv_finish`): programs 0 .. RQ-1 are
-        `kernels.norm._head_rms_row` of the q rows (head RMS + RoPE), the rest `_kv_finish_row` of the KV rows -
-        the two kernels' code, so each output is bitwise what its own kernel stores."""
+        `kernels.norm._head_rms_row` of the q rows (head RMS + RoPE), RQ .. RKV-1 `_kv_finish_row` of the KV rows,
+        and (INDEX) the rest `kernels.attention._step_index_row` of the step's queries - each kernel's own code, so
+        each output is bitwise what its own kernel stores."""
         pid = tl.program_id(0).to(tl.int64)
         if pid < RQ:
             _head_rms_row(pid, q_ptr, qy_ptr, qd, q_eps, qpos_ptr, qf_ptr, QS, QH, QRD2, QBD, QBF16, True, QPER_ROW,
                           QBR)
-        else:
+        elif pid < RKV:
             _kv_finish_row(pid - RQ, x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB,
                            block, ring_sb, W, sx, BD, BRD, NBP, BB, ROUND_IN, OUT_BF16, PER_ROW, QUANT, RING)
+        else:
+            if INDEX:
+                _step_index_row(pid - RKV, ip_ptr, icomp_ptr, idx_ptr, IS, IW, IK, IKC, iratio, ioff, IINPLACE,
+                                IMODE, IBLOCK)
 
     @triton.jit
     def _kv_finish_row(row, x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, ring_ptr, D, S, eps, window, RD2, NB, block,
@@ -301,16 +310,18 @@ def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype
 
 
 def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int, kv: torch.Tensor,
-               weight: torch.Tensor, eps: float, nope_block: int = 0,
-               ring: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               weight: torch.Tensor, eps: float, nope_block: int = 0, ring: torch.Tensor | None = None,
+               index: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The attention's q finish (`kernels.norm.head_rms_rope`) and KV finish (`kv_finish`, window 1, output in kv's
     dtype) in ONE launch (issue 27: one launch fewer per layer): `_qkv_finish_kernel` runs both kernels'
     row code side by side, so (q, kv) are bitwise `(head_rms_rope(q, ...), kv_finish(kv, ...))`.
 
     Args: q [b, s, h, d] and its eps, pos, inv_freq, rd as `head_rms_rope`; kv, weight, eps, nope_block, ring as
-        `kv_finish` (the same pos, inv_freq and rd; window 1; the output in kv's dtype).
-    Returns: (q [b, s, h, d] in q.dtype, kv [b, s, D] in kv.dtype). Raises: ValueError naming a bad argument (as
-        the two launchers, under the name qkv_finish)."""
+        `kv_finish` (the same pos, inv_freq and rd; window 1; the output in kv's dtype); index = (W, ratio,
+        n_entries) or None: also the decode step's key slots `kernels.attention.step_index(pos, W, None, ratio,
+        n_entries)` of a window-only (ratio 0) or HCA layer (pos [b, s]), in the same launch.
+    Returns: (q [b, s, h, d] in q.dtype, kv [b, s, D] in kv.dtype, idx [b, s, W + n_entries] int64 or None).
+    Raises: ValueError naming a bad argument (as the launchers, under the name qkv_finish / step_index)."""
     op = "qkv_finish"
     qc = check_head_rms_rope(q, q_eps, pos, inv_freq, rd, op=op)
     x2, dtype = check_kv_finish(kv, weight, eps, pos, inv_freq, rd, nope_block, 1, None, ring, op=op)
@@ -320,10 +331,18 @@ def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch
     b, S, D = kv.shape
     y = torch.empty(b, S, D, dtype=dtype, device=kv.device)
     RQ, rows = qc.numel() // qc.shape[-1], b * S
-    if RQ + rows:
+    idx, iargs, ik, n_idx = None, (pos, pos, pos, 1, 1, 0, 0, 1, 0), dict(INPLACE=True, MODE=0, BLOCK=16), 0
+    if index is not None:
+        if not isinstance(index, tuple) or len(index) != 3:
+            _fail(op, "index", repr(index), "None or (W, ratio, n_entries)")
+        idx, iargs, ik = step_index_args(pos, index[0], None, index[1], index[2])
+        n_idx = idx.shape[0] * idx.shape[1]
+    if RQ + rows + n_idx:
         qargs = head_rms_rope_args(qc, qy, q_eps, pos, inv_freq, rd)
         qk = head_rms_rope_consts(qc, pos, rd)
         args, consts = kv_finish_args(kv, x2, weight, eps, pos, inv_freq, rd, nope_block, 1, dtype, y, ring)
-        _qkv_finish_kernel[(RQ + rows,)](*qargs, *args, RQ, QBD=qk["BD"], QBF16=qk["BF16"], QPER_ROW=qk["PER_ROW"],
-                                         QBR=qk["BR"], **consts, num_warps=4 if qk["BD"] <= 4096 else 8)
-    return qy, y
+        _qkv_finish_kernel[(RQ + rows + n_idx,)](*qargs, *args, *iargs, RQ, RQ + rows, QBD=qk["BD"], QBF16=qk["BF16"],
+                                                 QPER_ROW=qk["PER_ROW"], QBR=qk["BR"], **consts,
+                                                 INDEX=index is not None, IINPLACE=ik["INPLACE"], IMODE=ik["MODE"],
+                                                 IBLOCK=ik["BLOCK"], num_warps=4 if qk["BD"] <= 4096 else 8)
+    return qy, y, idx

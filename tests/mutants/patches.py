@@ -769,7 +769,7 @@ def step_index_kernel_ring_slot_shifted(mp: MP) -> None:
     (u + 1) % W; `step_index_ref` keeps u % W."""
     from kernels import attention
 
-    _jit_source_mutant(mp, attention, "_step_index_kernel", "tl.where(u < p0, u % W, W + u - p0)",
+    _jit_source_mutant(mp, attention, "_step_index_row", "tl.where(u < p0, u % W, W + u - p0)",
                        "tl.where(u < p0, (u + 1) % W, W + u - p0)")
 
 

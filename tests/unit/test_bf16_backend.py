@@ -256,12 +256,19 @@ class Checked:
         self.paths["q_finish"] += 1
         return got
 
-    def qkv_finish(self, q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block=0, ring=None):
+    def qkv_finish(self, q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block=0, ring=None, index=None):
         """q and KV finish in one launch: bitwise the triton backend's `q_finish` and `kv_finish` (each checked
         here against its chain and reference; `kv_finish` also checks the ring write, repeated with the same
-        values)."""
+        values) and, with `index`, its `step_index` (checked against `step_index_ref`)."""
         before = None if ring is None else ring.clone()
-        gq, gkv = self.k["qkv_finish"](q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring=ring)
+        gq, gkv, gidx = self.k["qkv_finish"](q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring=ring,
+                                             index=index)
+        if index is not None:
+            widx = self.step_index(pos, index[0], None, index[1], index[2])
+            assert torch.equal(gidx, widx), f"qkv_finish index {index} vs step_index"
+            self.paths["qkv_finish_index"] += 1
+        else:
+            assert gidx is None
         after = None if ring is None else ring.clone()
         if ring is not None:
             ring.copy_(before)
@@ -270,7 +277,7 @@ class Checked:
         assert torch.equal(gq, wq) and torch.equal(gkv, wkv), f"qkv_finish {tuple(q.shape)} vs q_finish + kv_finish"
         assert ring is None or torch.equal(ring, after), "qkv_finish ring write vs kv_finish's"
         self.paths["qkv_finish"] += 1
-        return gq, gkv
+        return gq, gkv, gidx
 
     def linear_swiglu(self, x, weight, scale, act_block, limit):
         """The joint w13 projection + SwiGLU: bitwise the triton backend's two steps (its `linear`, then its
@@ -469,7 +476,8 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         want.append(ref(tok, r_st))
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
-            "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish"} <= set(chk.paths), \
+            "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish",
+            "qkv_finish_index"} <= set(chk.paths), \
         dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")

@@ -130,12 +130,14 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     import kernels.rope
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     assert m.backend.kv_finish is kernels.rope.kv_finish
-    calls.update(pool=0, rope=0, kv=0, q=0)
+    assert m.backend.qkv_finish is kernels.rope.qkv_finish
+    calls.update(pool=0, rope=0, kv=0, q=0, qkv=0)
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
                                                           rope_tail=count("rope", m.backend.rope_tail),
                                                           kv_finish=count("kv", m.backend.kv_finish),
-                                                          q_finish=count("q", m.backend.q_finish)))
+                                                          q_finish=count("q", m.backend.q_finish),
+                                                          qkv_finish=count("qkv", m.backend.qkv_finish)))
     monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
     st = _fork(m, prefilled)
     assert st.pos == 11
@@ -146,12 +148,12 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
     # every compressor pools through the kernel each step; RoPE: o per layer and the indexer's q through
-    # `rope_tail`, q inside `q_finish`, the kv of every layer and the entry of every compressor inside `kv_finish`
-    # (issue 27)
+    # `rope_tail`, the q and kv of every layer inside `qkv_finish` (one launch), the entry of every compressor
+    # inside `kv_finish` (issue 27)
     assert calls["pool"] - before["pool"] == n_comp, calls
     assert calls["rope"] - before["rope"] == len(m.layers) + n_csa, calls
-    assert calls["q"] - before["q"] == len(m.layers), calls
-    assert calls["kv"] - before["kv"] == len(m.layers) + n_comp, calls
+    assert calls["qkv"] - before["qkv"] == len(m.layers) and calls["q"] == before["q"], calls
+    assert calls["kv"] - before["kv"] == n_comp, calls
 
 
 def test_static_state_refuses_past_max_len():
@@ -217,7 +219,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     m.backend = dataclasses.replace(m.backend, act_quant_sim=count("q8", m.backend.act_quant_sim),
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim),
                                     rotate_fp4=count("r4", m.backend.rotate_fp4),
-                                    kv_finish=count("kv", m.backend.kv_finish))
+                                    kv_finish=count("kv", m.backend.kv_finish),
+                                    qkv_finish=count("kv", m.backend.qkv_finish))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
     st = m.new_state(1, 256)
     m(ids, st)
@@ -236,8 +239,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     b = m(tok, st)
     n_csa = sum(layer.attn.indexer is not None for layer in m.layers)
     n_plain = sum(layer.attn.compressor is not None for layer in m.layers)
-    # KV nope per layer + each entry: the e4m3 rounding inside `kv_finish` (one launch with the norm and RoPE),
-    # which also finishes each indexer entry (no e4m3 there)
+    # KV nope per layer + each entry: the e4m3 rounding inside `kv_finish` (one launch with the norm and RoPE; the
+    # attention's KV with its q: `qkv_finish`, counted here too), which also finishes each indexer entry (no e4m3)
     assert calls["kv"] - before["kv"] == len(m.layers) + n_plain + n_csa and calls["q8"] == before["q8"], calls
     # indexer q + indexer entry: the rotation and its e2m1 rounding in one launch (`kernels.indexer.rotate_fp4`)
     assert calls["r4"] - before["r4"] == 2 * n_csa and calls["q4"] == before["q4"], calls

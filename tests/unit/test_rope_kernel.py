@@ -261,7 +261,16 @@ def test_qkv_finish_is_the_two_launches(seed, dtype, per_row):
     pos = torch.tensor([[3], [8], [29]], device=DEV) if per_row else torch.tensor([5, 6], device=DEV)
     ring = torch.randn(b, W + 2, d, device=DEV).to(dtype) if per_row else None
     ring2 = None if ring is None else ring.clone()
-    gq, gkv = qkv_finish(q, 1e-6, pos, f, 64, kv, w, 1e-5, 64, ring=None if ring is None else ring[:, :W])
+    index = (W, 4, 5) if per_row else None  # an HCA-like layer's key slots with the decode step (pos [b, 1])
+    gq, gkv, gidx = qkv_finish(q, 1e-6, pos, f, 64, kv, w, 1e-5, 64, ring=None if ring is None else ring[:, :W],
+                               index=index)
+    if per_row:
+        from kernels.attention import step_index_ref
+        assert torch.equal(gidx, step_index_ref(pos, W, None, 4, 5)), "idx vs step_index_ref"
+        assert torch.equal(qkv_finish(q, 1e-6, pos, f, 64, kv, w, 1e-5, 64, index=(W, 0, 0))[2],
+                           step_index_ref(pos, W)), "window-only idx vs step_index_ref"
+    else:
+        assert gidx is None
     wq = head_rms_rope(q, 1e-6, pos, f, 64)
     wkv = kv_finish(kv, w, 1e-5, pos, f, 64, 64, ring=None if ring2 is None else ring2[:, :W])
     assert gq.dtype == dtype and torch.equal(gq, wq), "q vs head_rms_rope"
