@@ -144,6 +144,10 @@ class Backend:
     # step's `step_index` of a window-only / HCA layer (else idx None); triton: `kernels.rope.qkv_finish`, one
     # launch, bitwise the separate entries; None: `Attention._qkv` / `step` call them apart
     qkv_finish: Callable | None = None
+    # sparse_attn_rope(q, kv, attn_sink, idx, scale, pos, inv_freq, rd) -> o: the attention with its output's RoPE
+    # channels de-rotated (`kernels.attention.sparse_attn_rope_ref`); triton: `kernels.attention.sparse_attn_rope`,
+    # one launch, bitwise sparse_attn + rope_tail_(inverse); None: `Attention` calls sparse_attn then rope_tail
+    sparse_attn_rope: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -220,5 +224,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,
-                       moe_routed_combine=moe.moe_routed_combine, qkv_finish=rope.qkv_finish)
+                       moe_routed_combine=moe.moe_routed_combine, qkv_finish=rope.qkv_finish,
+                       sparse_attn_rope=attention.sparse_attn_rope)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

@@ -600,10 +600,19 @@ class Attention(nn.Module):
             ring.scatter_(1, (pos % W).view(b, 1, 1).expand(b, 1, kv.shape[-1]), kv)
         return qr, q, kv, None
 
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, idx: torch.Tensor, pos: torch.Tensor,
+                backend: Backend) -> torch.Tensor:
+        """The sparse attention over the key slots idx and the de-rotation of its output's RoPE channels (spec
+        §5.4), o [b, s, h, hd]: the backend's `sparse_attn` then `rope_tail(inverse=True)`, or both in its one
+        `sparse_attn_rope` call (triton: one launch)."""
+        if backend.sparse_attn_rope is not None:
+            return backend.sparse_attn_rope(q, keys, self.attn_sink, idx, self.scale, pos, self.inv_freq, self.rd)
+        o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
+        return backend.rope_tail(o, pos, self.inv_freq, self.rd, inverse=True)
+
     def _out(self, o: torch.Tensor, pos: torch.Tensor, ops: Backend, backend: Backend) -> torch.Tensor:
-        """Attention output o [b, s, h, hd] -> [b, s, dim]: de-rotation of the RoPE channels (spec §5.4), grouped
-        wo_a (the backend's `grouped_linear`; reference `kernels.gemm.grouped_linear_ref`) and wo_b."""
-        o = ops.rope_tail(o, pos, self.inv_freq, self.rd, inverse=True)
+        """Attention output o [b, s, h, hd] (RoPE channels de-rotated: `_attend`) -> [b, s, dim]: grouped wo_a
+        (the backend's `grouped_linear`; reference `kernels.gemm.grouped_linear_ref`) and wo_b."""
         o = o.flatten(2).unflatten(-1, (self.groups, -1))  # [b, s, G, h/G*hd]
         return self.wo_b(backend.grouped_linear(o, self.wo_a.codes, self.wo_a.scales).flatten(2))
 
@@ -640,8 +649,7 @@ class Attention(nn.Module):
         keys = torch.cat(keys, 1)
         keep = min(s, W)
         st.ring[:, pos[-keep:] % W] = kv[:, -keep:]  # after the keys are gathered: the ring's old slots are read
-        o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)  # [b, s, h, hd]
-        return self._out(o, pos, backend, backend)
+        return self._out(self._attend(q, keys, idx, pos, backend), pos, backend, backend)
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """The decode step: s new tokens per row x [b, s, dim] (attn_norm output; s = 1 for one decode token,
@@ -686,8 +694,7 @@ class Attention(nn.Module):
             keep = min(s, W)  # after the keys are gathered: the ring's old slots are read above
             tail = P[:, -keep:] % W
             st.ring.scatter_(1, tail[..., None].expand(b, keep, kv.shape[-1]), kv[:, -keep:])
-        o = backend.sparse_attn(q, keys, self.attn_sink, idx, self.scale)
-        return self._out(o, P, backend, backend)
+        return self._out(self._attend(q, keys, idx, P, backend), P, backend, backend)
 
     def forward(self, x: torch.Tensor, pos: int | torch.Tensor, st: LayerState, backend: Backend) -> torch.Tensor:
         """x [b, s, dim] (attn_norm output) -> [b, s, dim]: `extend` (pos an int: the first position of the s

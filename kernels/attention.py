@@ -147,6 +147,31 @@ if triton is not None:
         tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
                  mask=hmask[:, None])
 
+    @triton.jit
+    def _rope_out(O, b, t, S, heads, hmask, sob, sos, soh, POS, FREQ, RD2, HD: tl.constexpr, BR: tl.constexpr,
+                  PER_ROW: tl.constexpr):
+        """The inverse RoPE of the output's last 2*RD2 columns (spec §5.4: de-rotation by the query's position
+        pos[t], or pos[b, t] with PER_ROW), in place on the o rows this program just stored (a CTA barrier first:
+        other threads stored them): the operations of `kernels.rope._rope_tail_kernel` with SIGN -1 (cos / sin of
+        the fp64 angle, the pair rotation in fp32, one rounding to o's dtype), so o is bitwise `sparse_attn` then
+        `rope_tail_(inverse=True)`."""
+        tl.debug_barrier()
+        i = tl.arange(0, BR)
+        mi = i < RD2
+        if PER_ROW:
+            p = tl.load(POS + b * S + t)
+        else:
+            p = tl.load(POS + t)
+        ang = p.to(tl.float64) * tl.load(FREQ + i, mask=mi, other=0.0)
+        c = tl.cos(ang).to(tl.float32)[None, :]
+        sn = (tl.sin(ang).to(tl.float32) * -1.0)[None, :]
+        ptr = O + b * sob + t * sos + heads[:, None] * soh + (HD - 2 * RD2) + 2 * i[None, :]
+        m2 = hmask[:, None] & mi[None, :]
+        x0 = tl.load(ptr, mask=m2, other=0.0).to(tl.float32)
+        x1 = tl.load(ptr + 1, mask=m2, other=0.0).to(tl.float32)
+        tl.store(ptr, cast_for_store(x0 * c - x1 * sn, O), mask=m2)
+        tl.store(ptr + 1, cast_for_store(x0 * sn + x1 * c, O), mask=m2)
+
     # Not specialized on the lengths (issue 29): S, N, K, NSPLIT and the index strides vary with the prompt length,
     # the position and the batch; CHUNK (a multiple of BLOCK_N) and the q / kv / o strides (multiples of HD) keep
     # their divisibility by 16 whatever the length, so they stay specialized (vector loads of q and the rows).
@@ -154,9 +179,10 @@ if triton is not None:
     def _sparse_attn_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
                             S, H, N, K, CHUNK, NSPLIT,
                             sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
-                            qk_scale,
+                            qk_scale, POS, FREQ, RD2,
                             HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLIT: tl.constexpr, DOT: tl.constexpr):
+                            SPLIT: tl.constexpr, DOT: tl.constexpr, ROPE: tl.constexpr, PER_ROW: tl.constexpr,
+                            BR: tl.constexpr):
         """One program: one query (b, t), BLOCK_H heads, index slots [sp*CHUNK, (sp+1)*CHUNK).
 
         Online softmax in the log2 domain, m initialised to the sink so no -inf - -inf appears. SPLIT=False
@@ -165,6 +191,7 @@ if triton is not None:
         (`_merge_splits`) and resets the counter: one launch either way, no spin-wait.
         Range guard without a host sync: an index outside {-1} ∪ [0, N) is never loaded; it makes l NaN, so
         every output row of that query and head block is NaN (loud, never a plausible value).
+        ROPE: the program that writes o then de-rotates its last 2*RD2 columns (`_rope_out`; POS, FREQ, PER_ROW).
         """
         pid_bs = tl.program_id(0)
         pid_h = tl.program_id(1)
@@ -208,19 +235,24 @@ if triton is not None:
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
                 _merge_splits(O, PACC, PML, pid_bs, heads, hmask, sink, d, 0, b, t, H, NSPLIT, 1, sob, sos, soh,
                               HD, HD, BLOCK_H)
+                if ROPE:
+                    _rope_out(O, b, t, S, heads, hmask, sob, sos, soh, POS, FREQ, RD2, HD, BR, PER_ROW)
                 tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
             tl.store(O + b * sob + t * sos + heads[:, None] * soh + d[None, :], cast_for_store(o, O),
                      mask=hmask[:, None])
+            if ROPE:
+                _rope_out(O, b, t, S, heads, hmask, sob, sos, soh, POS, FREQ, RD2, HD, BR, PER_ROW)
 
     @triton.jit(do_not_specialize=["S", "N", "K", "NSPLIT", "sib", "sis"])  # as `_sparse_attn_kernel` (issue 29)
     def _sparse_decode_kernel(Q, KV, SINK, IDX, O, PACC, PML, SEM,
                               S, H, N, K, CHUNK, NSPLIT,
                               sqb, sqs, sqh, skb, skn, sib, sis, sob, sos, soh,
-                              qk_scale,
+                              qk_scale, POS, FREQ, RD2,
                               HD: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                              SPLIT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr):
+                              SPLIT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr, ROPE: tl.constexpr,
+                              PER_ROW: tl.constexpr, BR: tl.constexpr):
         """Decode: one program = one query (b, t), BLOCK_H heads (all 64 of Flash; 64 of Pro's 128: a
         [128, 512] fp32 accumulator does not fit one SM's registers), output columns [dv*DV, (dv+1)*DV) and
         index slots [sp*CHUNK, (sp+1)*CHUNK). Every gathered KV row is loaded once for all BLOCK_H heads and
@@ -235,6 +267,8 @@ if triton is not None:
         SEM[query, head block, dv] and the last one merges all partials (read back through L2), adds the sink
         and writes o, then resets the counter (one launch, no spin-wait). PREFETCH: the indices of tile j+1 are
         loaded during tile j, so Triton's pipeliner can issue the rows' gather num_stages - 1 tiles ahead.
+        ROPE: the program that writes the last column slice (dv = HD // DV - 1; 2*RD2 <= DV) then de-rotates its
+        last 2*RD2 columns (`_rope_out`).
         """
         pid_bs = tl.program_id(0)
         pid_hd = tl.program_id(1)
@@ -299,11 +333,17 @@ if triton is not None:
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NSPLIT - 1:
                 _merge_splits(O, PACC, PML, pid_bs, heads, hmask, sink, dcol, dv, b, t, H, NSPLIT, NDV, sob, sos,
                               soh, HD, DV, BLOCK_H)
+                if ROPE:
+                    if dv == NDV - 1:
+                        _rope_out(O, b, t, S, heads, hmask, sob, sos, soh, POS, FREQ, RD2, HD, BR, PER_ROW)
                 tl.store(counter, 0)
         else:
             o = acc / (l + tl.exp2(sink - m))[:, None]
             tl.store(O + b * sob + t * sos + heads[:, None] * soh + dcol[None, :], cast_for_store(o, O),
                      mask=hmask[:, None])
+            if ROPE:
+                if dv == NDV - 1:
+                    _rope_out(O, b, t, S, heads, hmask, sob, sos, soh, POS, FREQ, RD2, HD, BR, PER_ROW)
 
 
     @triton.jit
@@ -337,8 +377,10 @@ if triton is not None:
 # `kernels.targets.compile_all` builds these too (name, jit function, pointer dtypes, float args, constexprs).
 TARGET_SPECS = () if triton is None else (
     ("attention._sparse_decode_kernel", _sparse_decode_kernel,
-     dict(Q="*bf16", KV="*bf16", SINK="*fp32", IDX="*i64", O="*bf16", PACC="*fp32", PML="*fp32", SEM="*i32"),
-     ["qk_scale"], dict(HD=512, DV=512, BLOCK_H=64, BLOCK_N=32, SPLIT=True, DOT=0, PREFETCH=True)),
+     dict(Q="*bf16", KV="*bf16", SINK="*fp32", IDX="*i64", O="*bf16", PACC="*fp32", PML="*fp32", SEM="*i32",
+          POS="*i64", FREQ="*fp64"),
+     ["qk_scale"], dict(HD=512, DV=512, BLOCK_H=64, BLOCK_N=32, SPLIT=True, DOT=0, PREFETCH=True, ROPE=True,
+                        PER_ROW=True, BR=32)),
 )
 
 
@@ -407,7 +449,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
                 softmax_scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
                 block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                 check_idx: bool = False, path: str | None = None, dv: int | None = None,
-                num_stages: int | None = None, prefetch: bool = True, split_size: int | None = None) -> torch.Tensor:
+                num_stages: int | None = None, prefetch: bool = True, split_size: int | None = None,
+                rope: tuple | None = None) -> torch.Tensor:
     """Triton sparse attention with sink; same contract and result as `sparse_attn_ref` (spec §5).
 
     A program owns one query and `block_h` heads (and `dv` output columns), so the gathered KV tile is loaded
@@ -447,6 +490,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
             aminmax read back; not allowed inside CUDA-graph capture). Default False (decode hot path, CUDA
             graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
             and turns every output of its query and head block into NaN. Tests run with check_idx=True.
+        rope: (pos, inv_freq, rd) or None: the output's last rd columns de-rotated in the same launch
+            (`sparse_attn_rope`; pos int64 [s] or [b, s] contiguous, inv_freq [rd/2] fp64, rd even <= dv).
     Returns: o [b, s, h, hd] in q.dtype (fp32 accumulation; bf16 inputs multiply P in bf16, as official).
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -483,6 +528,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     for name, v, lo in (("block_h", block_h, 16), ("block_n", block_n, 16)):
         if v < lo or v & (v - 1):
             raise ValueError(f"{where}: {name} must be a power of two >= {lo}, got {v}")
+    rargs, rconsts = _rope_args(rope, q, dv, where)
     if b * s == 0 or h == 0:
         return out
     n_hblk = triton.cdiv(h, block_h)
@@ -518,17 +564,56 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         _sparse_decode_kernel[(b * s, n_hblk * n_dv, num_splits)](
             q, kv, attn_sink, idx, out, pacc, pml, sem, s, h, n, k, chunk, num_splits,
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
-            out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
+            out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E, *rargs,
             HD=hd, DV=dv, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
-            PREFETCH=bool(prefetch), num_warps=num_warps, **extra)
+            PREFETCH=bool(prefetch), **rconsts, num_warps=num_warps, **extra)
         return out
     _sparse_attn_kernel[(b * s, n_hblk, num_splits)](
         q, kv, attn_sink, idx, out, pacc, pml, sem, s, h, n, k, chunk, num_splits,
         q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), idx.stride(0), idx.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E,
-        HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype),
+        out.stride(0), out.stride(1), out.stride(2), float(softmax_scale) * _LOG2E, *rargs,
+        HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, DOT=dot_mode(q.dtype), **rconsts,
         num_warps=num_warps, **extra)
     return out
+
+
+def _rope_args(rope, q: torch.Tensor, dv: int, where: str) -> tuple[tuple, dict]:
+    """(POS, FREQ, RD2) and (ROPE, PER_ROW, BR) of the kernels for `sparse_attn`'s `rope` (checked: ValueError)."""
+    if rope is None:
+        return (q, q, 0), dict(ROPE=False, PER_ROW=False, BR=16)
+    b, s = q.shape[:2]
+    if not isinstance(rope, tuple) or len(rope) != 3:
+        raise ValueError(f"{where}: rope must be None or (pos, inv_freq, rd), got {type(rope).__name__}")
+    pos, inv_freq, rd = rope
+    if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > dv:
+        raise ValueError(f"{where}: rope rd={rd!r}, expected an even int in 2..{dv} (the columns of one program)")
+    if (not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((s,), (b, s))
+            or not pos.is_contiguous() or pos.device != q.device):
+        raise ValueError(f"{where}: rope pos must be contiguous int64 [{s}] or [{b}, {s}] on {q.device}, got "
+                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}")
+    if (not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64
+            or tuple(inv_freq.shape) != (rd // 2,) or inv_freq.device != q.device):
+        raise ValueError(f"{where}: rope inv_freq must be float64 [{rd // 2}] on {q.device}, got "
+                         f"{getattr(inv_freq, 'dtype', type(inv_freq))} {tuple(getattr(inv_freq, 'shape', ()))}")
+    return (pos, inv_freq, rd // 2), dict(ROPE=True, PER_ROW=pos.dim() == 2,
+                                          BR=max(16, triton.next_power_of_2(rd // 2)))
+
+
+def sparse_attn_rope_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                         softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
+    """The attention's output with its RoPE channels de-rotated (spec §5.4): `rope_tail_ref(sparse_attn_ref(q, kv,
+    attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)` - what `dsv4.model.Attention` computes in two
+    steps where the backend has no `sparse_attn_rope`. Shapes as the two functions."""
+    from kernels.rope import rope_tail_ref  # a sibling module (kernels.rope imports kernels.attention)
+    return rope_tail_ref(sparse_attn_ref(q, kv, attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)
+
+
+def sparse_attn_rope(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                     softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
+    """The triton backend's `sparse_attn_rope` entry: `sparse_attn(..., rope=(pos, inv_freq, rd))`, ONE launch
+    (issue 27: the de-rotation's launch folded into the attention's epilogue), bitwise `sparse_attn` followed by
+    `kernels.rope.rope_tail_(inverse=True)`. Raises ValueError as `sparse_attn`."""
+    return sparse_attn(q, kv, attn_sink, idx, softmax_scale, rope=(pos.contiguous(), inv_freq, rd))
 
 
 # ------------------------------------------------------------------------------ the decode step's index set

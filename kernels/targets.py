@@ -27,8 +27,8 @@ def _specs():
     bf, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
     specs = [
         ("attention._sparse_attn_kernel", attention._sparse_attn_kernel,
-         dict(Q=bf, KV=bf, SINK=f32, IDX=i64, O=bf, PACC=f32, PML=f32, SEM=i32), ["qk_scale"],
-         dict(HD=512, BLOCK_H=16, BLOCK_N=32, SPLIT=True, DOT=0)),
+         dict(Q=bf, KV=bf, SINK=f32, IDX=i64, O=bf, PACC=f32, PML=f32, SEM=i32, POS=i64, FREQ="*fp64"), ["qk_scale"],
+         dict(HD=512, BLOCK_H=16, BLOCK_N=32, SPLIT=True, DOT=0, ROPE=True, PER_ROW=False, BR=32)),
         ("indexer._indexer_scores_kernel", indexer._indexer_scores_kernel,
          dict(Q=bf, W=f32, K=bf, OUT=f32), [], dict(D=128, BLOCK_H=64, BLOCK_N=64, DOT=0)),
         ("indexer._indexer_topk_kernel", indexer._indexer_topk_kernel,

@@ -999,3 +999,13 @@ def qkv_finish_q_rope_dropped(mp: MP) -> None:
 
     _jit_source_mutant(mp, rope, "_qkv_finish_kernel", "QRD2, QBD, QBF16, True, QPER_ROW",
                        "QRD2, QBD, QBF16, False, QPER_ROW")
+
+
+def attn_out_rope_forward(mp: MP) -> None:
+    """The attention epilogue's de-rotation of the output's RoPE channels (`kernels.attention._rope_out`: the
+    one-launch `sparse_attn_rope`) rotates by +pos instead of -pos; `rope_tail_(inverse=True)` and the
+    references are right."""
+    from kernels import attention
+
+    _jit_source_mutant(mp, attention, "_rope_out", "sn = (tl.sin(ang).to(tl.float32) * -1.0)[None, :]",
+                       "sn = (tl.sin(ang).to(tl.float32) * 1.0)[None, :]")

@@ -354,3 +354,52 @@ def test_step_index_names_bad_input(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         step_index_ref(**args)
+
+
+_ROPE_CASES = [("blocks", 1, dict()), ("blocks", 3, dict(num_splits=2)), ("heads", 1, dict()),
+               ("heads", 1, dict(dv=32, num_splits=3)), ("heads", 1, dict(dv=16, num_splits=2))]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path, s, kw", _ROPE_CASES,
+                         ids=["blocks-s1", "blocks-s3-split2", "heads", "heads-dv32-split3", "heads-dv16-split2"])
+def test_sparse_attn_rope_is_attention_then_inverse_rope(seed, dtype, path, s, kw):
+    """`sparse_attn(rope=(pos, inv_freq, rd))` (the output's RoPE channels de-rotated in the attention's epilogue,
+    issue 27) is bitwise `sparse_attn` then `kernels.rope.rope_tail_(inverse=True)`: every path (the head-block
+    kernel with and without the split merge, the all-heads kernel with the column split: only the last column
+    slice's program rotates), rd 16 of hd 64, positions per row [b, s] (s = 1) or per token [s] (s = 3); and
+    `sparse_attn_rope_ref` (the reference chain) within the dtype's tolerance."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.attention import sparse_attn, sparse_attn_rope, sparse_attn_rope_ref
+    from kernels.rope import rope_tail_
+    dev = "cuda" if not INTERPRET else "cpu"
+    h = 8 if path == "blocks" else 16
+    q, kv, sink, idx = (t.to(dev) for t in make_case(3, s, h, 64, 100, 40, dtype))
+    rd = 16
+    f = rope_inv_freq(tiny_args(rope_head_dim=rd), 0, rd).to(dev)
+    pos = torch.tensor([[7], [300], [1029]], device=dev) if s == 1 else torch.tensor([5, 6, 7], device=dev)
+    got = sparse_attn(q, kv, sink, idx, 0.25, path=path, block_n=16, rope=(pos, f, rd), **kw)
+    two = rope_tail_(sparse_attn(q, kv, sink, idx, 0.25, path=path, block_n=16, **kw), pos, f, rd, inverse=True)
+    assert torch.equal(got, two), f"{(got != two).sum().item()} elements differ from sparse_attn + rope_tail_"
+    plain = sparse_attn(q, kv, sink, idx, 0.25, path=path, block_n=16, **kw)
+    assert not torch.equal(got[..., -rd:], plain[..., -rd:]) and torch.equal(got[..., :-rd], plain[..., :-rd])
+    want = sparse_attn_rope_ref(q, kv, sink, idx, 0.25, pos, f, rd)
+    assert_close(sparse_attn_rope(q, kv, sink, idx, 0.25, pos, f, rd), want, "sparse_attn_rope", dtype=dtype)
+
+
+@needs_triton
+def test_sparse_attn_rope_names_bad_input():
+    from kernels.attention import sparse_attn
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(2, 1, 16, 64, 50, 8, torch.bfloat16))
+    f = torch.ones(8, dtype=torch.float64, device=dev)
+    pos = torch.zeros(2, 1, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match=r"rope rd=32, expected an even int in 2..16"):
+        sparse_attn(q, kv, sink, idx, 0.1, path="heads", dv=16, rope=(pos, torch.ones(16, dtype=torch.float64,
+                                                                                      device=dev), 32))
+    with pytest.raises(ValueError, match=r"rope pos must be contiguous int64 \[1\] or \[2, 1\]"):
+        sparse_attn(q, kv, sink, idx, 0.1, rope=(pos.int(), f, 16))
+    with pytest.raises(ValueError, match=r"rope inv_freq must be float64 \[8\]"):
+        sparse_attn(q, kv, sink, idx, 0.1, rope=(pos, f.float(), 16))

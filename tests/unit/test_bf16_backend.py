@@ -96,7 +96,8 @@ class Checked:
                   "head_rms": b.head_rms, "step_index": b.step_index, "rotate_fp4": b.rotate_fp4,
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
                   "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
-                  "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish}
+                  "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish,
+                  "sparse_attn_rope": b.sparse_attn_rope}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -278,6 +279,17 @@ class Checked:
         assert ring is None or torch.equal(ring, after), "qkv_finish ring write vs kv_finish's"
         self.paths["qkv_finish"] += 1
         return gq, gkv, gidx
+
+    def sparse_attn_rope(self, q, kv, attn_sink, idx, scale, pos, inv_freq, rd):
+        """The attention with its output de-rotated in one launch: bitwise the triton backend's `sparse_attn`
+        followed by its `rope_tail(inverse=True)` (checked against its reference here)."""
+        from kernels import attention as ka
+        got = self.k["sparse_attn_rope"](q, kv, attn_sink, idx, scale, pos, inv_freq, rd)
+        o = ka.sparse_attn(q, kv, attn_sink, idx, scale)
+        two = self.rope_tail(o, pos, inv_freq, rd, True)
+        assert got.dtype == two.dtype and torch.equal(got, two), f"sparse_attn_rope {tuple(q.shape)} vs the two"
+        self.paths["sparse_attn_rope"] += 1
+        return got
 
     def linear_swiglu(self, x, weight, scale, act_block, limit):
         """The joint w13 projection + SwiGLU: bitwise the triton backend's two steps (its `linear`, then its
@@ -477,7 +489,7 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
             "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish",
-            "qkv_finish_index"} <= set(chk.paths), \
+            "qkv_finish_index", "sparse_attn_rope"} <= set(chk.paths), \
         dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")

@@ -131,13 +131,15 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     assert m.backend.kv_finish is kernels.rope.kv_finish
     assert m.backend.qkv_finish is kernels.rope.qkv_finish
-    calls.update(pool=0, rope=0, kv=0, q=0, qkv=0)
+    calls.update(pool=0, rope=0, kv=0, q=0, qkv=0, attn_rope=0)
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
                                                           rope_tail=count("rope", m.backend.rope_tail),
                                                           kv_finish=count("kv", m.backend.kv_finish),
                                                           q_finish=count("q", m.backend.q_finish),
-                                                          qkv_finish=count("qkv", m.backend.qkv_finish)))
+                                                          qkv_finish=count("qkv", m.backend.qkv_finish),
+                                                          sparse_attn_rope=count("attn_rope",
+                                                                                 m.backend.sparse_attn_rope)))
     monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
     st = _fork(m, prefilled)
     assert st.pos == 11
@@ -147,11 +149,12 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
-    # every compressor pools through the kernel each step; RoPE: o per layer and the indexer's q through
-    # `rope_tail`, the q and kv of every layer inside `qkv_finish` (one launch), the entry of every compressor
-    # inside `kv_finish` (issue 27)
+    # every compressor pools through the kernel each step; RoPE: the indexer's q through `rope_tail`, o per layer
+    # inside `sparse_attn_rope` (the attention's epilogue), the q and kv of every layer inside `qkv_finish` (one
+    # launch), the entry of every compressor inside `kv_finish` (issue 27)
     assert calls["pool"] - before["pool"] == n_comp, calls
-    assert calls["rope"] - before["rope"] == len(m.layers) + n_csa, calls
+    assert calls["rope"] - before["rope"] == n_csa, calls
+    assert calls["attn_rope"] - before["attn_rope"] == len(m.layers), calls
     assert calls["qkv"] - before["qkv"] == len(m.layers) and calls["q"] == before["q"], calls
     assert calls["kv"] - before["kv"] == n_comp, calls
 
