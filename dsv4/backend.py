@@ -148,6 +148,10 @@ class Backend:
     # channels de-rotated (`kernels.attention.sparse_attn_rope_ref`); triton: `kernels.attention.sparse_attn_rope`,
     # one launch, bitwise sparse_attn + rope_tail_(inverse); None: `Attention` calls sparse_attn then rope_tail
     sparse_attn_rope: Callable | None = None
+    # rope_rotate_fp4(x, pos, inv_freq, rd) -> bf16: the indexer query's RoPE tail then its Hadamard rotation and
+    # FP4 rounding (bf16 mode); triton: `kernels.indexer.rope_rotate_fp4`, one launch, bitwise rope_tail_ +
+    # rotate_fp4; None: `Indexer.select` calls them apart
+    rope_rotate_fp4: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -225,5 +229,5 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,
                        moe_routed_combine=moe.moe_routed_combine, qkv_finish=rope.qkv_finish,
-                       sparse_attn_rope=attention.sparse_attn_rope)
+                       sparse_attn_rope=attention.sparse_attn_rope, rope_rotate_fp4=indexer.rope_rotate_fp4)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

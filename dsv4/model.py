@@ -482,8 +482,11 @@ class Indexer(nn.Module):
         the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k
         through `backend`, the query's RoPE and FP4 rounding through `ops` (the model's backend)."""
         b, s, _ = x.shape
-        q = ops.rope_tail(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos, self.inv_freq, self.rd)
-        q = _rotate_fp4(q, self.hadamard, self.sim, ops)
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        if self.sim.enabled and ops.rope_rotate_fp4 is not None:  # the two steps below in one launch (triton)
+            q = ops.rope_rotate_fp4(q, pos, self.inv_freq, self.rd)
+        else:
+            q = _rotate_fp4(ops.rope_tail(q, pos, self.inv_freq, self.rd), self.hadamard, self.sim, ops)
         # spec §7.2: times the scale in the activation dtype (one op: fp32 maths, one rounding - the same value as
         # an fp32 product rounded after)
         w = self.weights_proj(x) * self.weight_scale

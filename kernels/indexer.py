@@ -571,18 +571,37 @@ if triton is not None:
     from kernels.jit_formats import cast_for_store, round_bf16
     from kernels.quant import _fp4_sim_tile
 
-    @triton.jit(do_not_specialize=["R"])  # issue 29: the row count (tokens x heads) varies per step
-    def _rotate_fp4_kernel(x_ptr, y_ptr, R, scale, N: tl.constexpr, BR: tl.constexpr, MMA: tl.constexpr):
+    @triton.jit(do_not_specialize=["R", "S"])  # issue 29: the row count (tokens x heads) varies per step
+    def _rotate_fp4_kernel(x_ptr, y_ptr, R, scale, pos_ptr=None, f_ptr=None, S=1, H=1, RD2=0,
+                           N: tl.constexpr = 128, BR: tl.constexpr = 16, MMA: tl.constexpr = 1,
+                           ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
         """BR rows of x [R, N] bf16 per program: y = fp4_sim(bf16(x @ S * scale)), S_kj = (-1)^popcount(k & j)
         built in registers (symmetric, so S = S^T), scale = the reference's fp32 1/sqrt(N). The products with +-1
         are exact; MMA 1: one bf16 tensor-core dot (x is bf16 already), MMA 0 (interpreter, whose bf16 dots and
         casts are not faithful): an fp32 "ieee" dot. The bf16 rounding is `round_bf16` (ties to even, also
-        under the interpreter), the FP4 simulation `kernels.quant._fp4_sim_tile` on [BR * N / 32, 32] blocks."""
+        under the interpreter), the FP4 simulation `kernels.quant._fp4_sim_tile` on [BR * N / 32, 32] blocks.
+        ROPE (`rope_rotate_fp4`): first the row's last 2*RD2 columns rotated at its token's position (row = (b*S +
+        t)*H + h; pos[t], or pos[b, t] with PER_ROW) with `kernels.rope._rope_tail_kernel`'s operations (fp64
+        angle, fp32 pair rotation, one rounding to bf16), so the result is bitwise `rope_tail_` then this."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         cols = tl.arange(0, N)
         mask = (rows < R)[:, None]
         offs = rows[:, None] * N + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if ROPE:
+            tok = rows // H
+            if not PER_ROW:
+                tok = tok % S
+            p = tl.load(pos_ptr + tok, mask=rows < R, other=0)
+            jr = cols - (N - 2 * RD2)
+            isr = jr >= 0
+            ang = p.to(tl.float64)[:, None] * tl.load(f_ptr + jr // 2, mask=isr, other=0.0)[None, :]
+            c = tl.cos(ang).to(tl.float32)
+            sn = tl.sin(ang).to(tl.float32)
+            xf = x.to(tl.float32)
+            xp = tl.load(x_ptr + rows[:, None] * N + (cols ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+            rot = tl.where((cols % 2 == 0)[None, :], xf * c - xp * sn, xp * sn + xf * c)
+            x = tl.where(isr[None, :], cast_for_store(rot, x_ptr), x)
         b = cols[:, None] & cols[None, :]
         par = b ^ (b >> 1)
         par = par ^ (par >> 2)
@@ -608,6 +627,39 @@ def _rotate_scale(n: int) -> float:
     """fp32(1 / sqrt(n)) as the reference's `h / math.sqrt(n)` computes it (= every entry of its H), once per n
     (a host computation: no launch, no per-call tensor)."""
     return float(torch.ones((), dtype=torch.float32) / math.sqrt(n))
+
+
+def rope_rotate_fp4(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
+    """The indexer query's RoPE and rotation in ONE launch (issue 27; the triton backend's `rope_rotate_fp4`
+    entry): `rotate_fp4(kernels.rope.rope_tail_(x, pos, inv_freq, rd))`, bitwise (the tail's rotation is
+    `_rope_tail_kernel`'s operations inside `_rotate_fp4_kernel`). x [b, s, h, n] bf16 contiguous; pos int64 [s] or
+    [b, s] contiguous; inv_freq [rd/2] fp64; rd even <= n. Returns [b, s, h, n] bf16. Raises ValueError naming a bad
+    argument (as `rotate_fp4`)."""
+    where = "kernels.indexer.rope_rotate_fp4"
+    _check_rotate_input(x, where)
+    if x.dim() != 4:
+        raise ValueError(f"{where}: x must be [b, s, h, n], got shape {tuple(x.shape)}")
+    b, S, H, n = x.shape
+    if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > n:
+        raise ValueError(f"{where}: rd={rd!r}, expected an even int in 2..{n}")
+    if (not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S))
+            or not pos.is_contiguous()):
+        raise ValueError(f"{where}: pos must be contiguous int64 [{S}] or [{b}, {S}], got "
+                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or tuple(inv_freq.shape) != (rd // 2,):
+        raise ValueError(f"{where}: inv_freq must be float64 [{rd // 2}], got "
+                         f"{getattr(inv_freq, 'dtype', type(inv_freq))} {tuple(getattr(inv_freq, 'shape', ()))}")
+    x = x.contiguous()
+    _check_launch_device({"x": x, "pos": pos, "inv_freq": inv_freq}, where)
+    y = torch.empty_like(x)
+    rows = x.numel() // n
+    if rows:
+        _rotate_fp4_kernel[(triton.cdiv(rows, _ROTATE_BR),)](x, y, rows, _rotate_scale(n), pos, inv_freq, S, H,
+                                                             rd // 2, N=n, BR=_ROTATE_BR,
+                                                             MMA=0 if interpreting() else 1, ROPE=True,
+                                                             PER_ROW=pos.dim() == 2,
+                                                             num_warps=4 if n <= 128 else 8)
+    return y
 
 
 def rotate_fp4(x: torch.Tensor) -> torch.Tensor:

@@ -173,8 +173,12 @@ def _specs():
               h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False)),
         ("attention._step_index_kernel", attention._step_index_kernel, dict(P="*i64", COMP="*i64", IDX="*i64"),
          [], dict(INPLACE=True, MODE=1, BLOCK=256)),
-        ("indexer._rotate_fp4_kernel", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf), ["scale"],
-         dict(N=128, BR=16, MMA=1)),
+        ("indexer._rotate_fp4_kernel", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64,
+                                                                         f_ptr="*fp64"), ["scale"],
+         dict(N=128, BR=16, MMA=1, ROPE=False, PER_ROW=False)),
+        ("indexer._rotate_fp4_kernel[rope]", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64,
+                                                                               f_ptr="*fp64"), ["scale"],
+         dict(N=128, BR=16, MMA=1, ROPE=True, PER_ROW=True)),
     ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)

@@ -1009,3 +1009,12 @@ def attn_out_rope_forward(mp: MP) -> None:
 
     _jit_source_mutant(mp, attention, "_rope_out", "sn = (tl.sin(ang).to(tl.float32) * -1.0)[None, :]",
                        "sn = (tl.sin(ang).to(tl.float32) * 1.0)[None, :]")
+
+
+def indexer_q_rope_unpaired(mp: MP) -> None:
+    """The indexer query's RoPE inside the rotation kernel (`_rotate_fp4_kernel` ROPE: the one-launch
+    `rope_rotate_fp4`) rotates each element with itself instead of its pair partner (column c ^ 1); `rope_tail_`
+    and the references are right."""
+    from kernels import indexer
+
+    _jit_source_mutant(mp, indexer, "_rotate_fp4_kernel", "(cols ^ 1)[None, :]", "cols[None, :]")

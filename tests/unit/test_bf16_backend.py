@@ -97,7 +97,7 @@ class Checked:
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
                   "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
                   "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish,
-                  "sparse_attn_rope": b.sparse_attn_rope}
+                  "sparse_attn_rope": b.sparse_attn_rope, "rope_rotate_fp4": b.rope_rotate_fp4}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -289,6 +289,15 @@ class Checked:
         two = self.rope_tail(o, pos, inv_freq, rd, True)
         assert got.dtype == two.dtype and torch.equal(got, two), f"sparse_attn_rope {tuple(q.shape)} vs the two"
         self.paths["sparse_attn_rope"] += 1
+        return got
+
+    def rope_rotate_fp4(self, x, pos, inv_freq, rd):
+        """The indexer query's RoPE + rotation + FP4 rounding in one launch: bitwise the triton backend's
+        `rope_tail` then its `rotate_fp4` (each checked against its reference here)."""
+        got = self.k["rope_rotate_fp4"](x, pos, inv_freq, rd)
+        two = self.rotate_fp4(self.rope_tail(x.clone(), pos, inv_freq, rd))
+        assert torch.equal(got, two), f"rope_rotate_fp4 {tuple(x.shape)} vs rope_tail + rotate_fp4"
+        self.paths["rope_rotate_fp4"] += 1
         return got
 
     def linear_swiglu(self, x, weight, scale, act_block, limit):
@@ -489,7 +498,7 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
             "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish",
-            "qkv_finish_index", "sparse_attn_rope"} <= set(chk.paths), \
+            "qkv_finish_index", "sparse_attn_rope", "rope_rotate_fp4"} <= set(chk.paths), \
         dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")

@@ -131,7 +131,7 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     assert m.backend.compress_pool is kernels.compressor.compress_pool and m.backend.rope_tail is kernels.rope.rope_tail_
     assert m.backend.kv_finish is kernels.rope.kv_finish
     assert m.backend.qkv_finish is kernels.rope.qkv_finish
-    calls.update(pool=0, rope=0, kv=0, q=0, qkv=0, attn_rope=0)
+    calls.update(pool=0, rope=0, kv=0, q=0, qkv=0, attn_rope=0, qrot=0)
     monkeypatch.setattr(m, "backend", dataclasses.replace(m.backend, indexer_topk=count("kernel", kernel),
                                                           compress_pool=count("pool", m.backend.compress_pool),
                                                           rope_tail=count("rope", m.backend.rope_tail),
@@ -139,7 +139,8 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
                                                           q_finish=count("q", m.backend.q_finish),
                                                           qkv_finish=count("qkv", m.backend.qkv_finish),
                                                           sparse_attn_rope=count("attn_rope",
-                                                                                 m.backend.sparse_attn_rope)))
+                                                                                 m.backend.sparse_attn_rope),
+                                                          rope_rotate_fp4=count("qrot", m.backend.rope_rotate_fp4)))
     monkeypatch.setattr(dsv4.model, "indexer_topk_ref", count("ref", ref))
     st = _fork(m, prefilled)
     assert st.pos == 11
@@ -149,11 +150,14 @@ def test_static_step_uses_the_backends_kernels(triton_prefill, monkeypatch):
     n_comp = sum((layer.attn.compressor is not None) + (layer.attn.indexer is not None) for layer in m.layers)
     assert n_csa >= 1
     assert calls["kernel"] - before["kernel"] == n_csa and calls["ref"] == 0, calls
-    # every compressor pools through the kernel each step; RoPE: the indexer's q through `rope_tail`, o per layer
-    # inside `sparse_attn_rope` (the attention's epilogue), the q and kv of every layer inside `qkv_finish` (one
-    # launch), the entry of every compressor inside `kv_finish` (issue 27)
+    # every compressor pools through the kernel each step; RoPE: the indexer's q through `rope_tail` (inside
+    # `rope_rotate_fp4` with the FP4 simulation, bf16 mode), o per layer inside `sparse_attn_rope` (the attention's
+    # epilogue), the q and kv of every layer inside `qkv_finish` (one launch), the entry of every compressor inside
+    # `kv_finish` (issue 27)
     assert calls["pool"] - before["pool"] == n_comp, calls
-    assert calls["rope"] - before["rope"] == n_csa, calls
+    fused_q = m.layers[0].attn.sim.enabled
+    assert calls["rope"] - before["rope"] == (0 if fused_q else n_csa), calls
+    assert calls["qrot"] - before["qrot"] == (n_csa if fused_q else 0), calls
     assert calls["attn_rope"] - before["attn_rope"] == len(m.layers), calls
     assert calls["qkv"] - before["qkv"] == len(m.layers) and calls["q"] == before["q"], calls
     assert calls["kv"] - before["kv"] == n_comp, calls
@@ -223,7 +227,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
                                     fp4_act_quant_sim=count("q4", m.backend.fp4_act_quant_sim),
                                     rotate_fp4=count("r4", m.backend.rotate_fp4),
                                     kv_finish=count("kv", m.backend.kv_finish),
-                                    qkv_finish=count("kv", m.backend.qkv_finish))
+                                    qkv_finish=count("kv", m.backend.qkv_finish),
+                                    rope_rotate_fp4=count("r4", m.backend.rope_rotate_fp4))
     ids = torch.randint(0, 512, (1, 11), generator=torch.Generator().manual_seed(3))  # counts are per step
     st = m.new_state(1, 256)
     m(ids, st)
@@ -245,7 +250,8 @@ def test_static_step_quantization_sims_use_the_backend(monkeypatch):
     # KV nope per layer + each entry: the e4m3 rounding inside `kv_finish` (one launch with the norm and RoPE; the
     # attention's KV with its q: `qkv_finish`, counted here too), which also finishes each indexer entry (no e4m3)
     assert calls["kv"] - before["kv"] == len(m.layers) + n_plain + n_csa and calls["q8"] == before["q8"], calls
-    # indexer q + indexer entry: the rotation and its e2m1 rounding in one launch (`kernels.indexer.rotate_fp4`)
+    # indexer q + indexer entry: the rotation and its e2m1 rounding in one launch (`kernels.indexer.rotate_fp4`;
+    # the q's with its RoPE: `rope_rotate_fp4`, counted here too)
     assert calls["r4"] - before["r4"] == 2 * n_csa and calls["q4"] == before["q4"], calls
     assert calls["ref"] == before["ref"], calls
     assert bool(torch.isfinite(b).all())

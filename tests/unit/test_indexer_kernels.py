@@ -425,3 +425,28 @@ def test_topk_counts_from_positions(seed):
     assert not torch.equal(indexer_topk_ref(scores, 4, ((pos + 2) // 4).clamp(max=9)), want)
     with pytest.raises(ValueError, match="ratio"):
         indexer_topk_ref(scores, 4, None, ratio=4)
+
+
+@needs_triton
+@pytest.mark.parametrize("per_row", [False, True], ids=["pos-s", "pos-bs"])
+def test_rope_rotate_fp4_is_rope_tail_then_rotate_fp4(seed, per_row):
+    """`rope_rotate_fp4` (the indexer query's RoPE inside the rotation kernel, issue 27) is bitwise
+    `rotate_fp4(rope_tail_(x))`: rd 64 of n 128 (the tail's pairs rotated at each row's token position, the rows
+    [b, s, h] of 2 x 3 x 8 heads spanning program blocks of 16 rows), positions [s] or [b, s]; the rotation is
+    applied (not the rotation of the unrotated x)."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.indexer import rope_rotate_fp4, rotate_fp4
+    from kernels.rope import rope_tail_
+    dev = DEV
+    f = rope_inv_freq(tiny_args(rope_head_dim=64, index_head_dim=128), 0, 64).to(dev)
+    x = (torch.randn(2, 3, 8, 128) * 3).to(torch.bfloat16).to(dev)
+    pos = (torch.tensor([[4, 90, 1000], [7, 8, 9]]) if per_row else torch.tensor([11, 12, 4093])).to(dev)
+    got = rope_rotate_fp4(x, pos, f, 64)
+    want = rotate_fp4(rope_tail_(x.clone(), pos, f, 64))
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} differ"
+    assert not torch.equal(got, rotate_fp4(x)), "the RoPE must change the result"
+    with pytest.raises(ValueError, match=r"rope_rotate_fp4: pos must be contiguous int64 \[3\] or \[2, 3\]"):
+        rope_rotate_fp4(x, pos.int(), f, 64)
+    with pytest.raises(ValueError, match=r"rope_rotate_fp4: rd=130, expected an even int in 2..128"):
+        rope_rotate_fp4(x, pos, f, 130)
