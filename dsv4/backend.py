@@ -152,6 +152,10 @@ class Backend:
     # FP4 rounding (bf16 mode); triton: `kernels.indexer.rope_rotate_fp4`, one launch, bitwise rope_tail_ +
     # rotate_fp4; None: `Indexer.select` calls them apart
     rope_rotate_fp4: Callable | None = None
+    # indexer_scores_scaled(q, weights, k, weight_scale) -> fp32 scores from the raw bf16 weights_proj output
+    # (`kernels.indexer.indexer_scores_scaled_ref`); triton: `kernels.indexer.indexer_scores_scaled`, the scale
+    # inside the scoring launch, bitwise; None: `Indexer.select` multiplies, then calls indexer_scores
+    indexer_scores_scaled: Callable | None = None
     join_linears: bool = False
     # rotate_fp4(x bf16 [..., n]) -> bf16: the indexer's Hadamard rotation, bf16 rounding and FP4 rounding of q /
     # its keys in bf16 mode (`kernels.indexer.rotate_fp4_ref`; None: the model's chain of `hadamard` and
@@ -229,5 +233,6 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,
                        moe_routed_combine=moe.moe_routed_combine, qkv_finish=rope.qkv_finish,
-                       sparse_attn_rope=attention.sparse_attn_rope, rope_rotate_fp4=indexer.rope_rotate_fp4)
+                       sparse_attn_rope=attention.sparse_attn_rope, rope_rotate_fp4=indexer.rope_rotate_fp4,
+                       indexer_scores_scaled=indexer.indexer_scores_scaled)
     raise ValueError(f"backend={name!r}: expected one of {BACKENDS}")

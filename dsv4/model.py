@@ -488,9 +488,12 @@ class Indexer(nn.Module):
         else:
             q = _rotate_fp4(ops.rope_tail(q, pos, self.inv_freq, self.rd), self.hadamard, self.sim, ops)
         # spec §7.2: times the scale in the activation dtype (one op: fp32 maths, one rounding - the same value as
-        # an fp32 product rounded after)
-        w = self.weights_proj(x) * self.weight_scale
-        scores = self.reduce_scores(backend.indexer_scores(q, w, keys))  # [b, s, n] fp32
+        # an fp32 product rounded after); inside the scoring launch where the backend has `indexer_scores_scaled`
+        w = self.weights_proj(x)
+        if backend.indexer_scores_scaled is not None and w.dtype == torch.bfloat16:
+            scores = self.reduce_scores(backend.indexer_scores_scaled(q, w, keys, self.weight_scale))
+        else:
+            scores = self.reduce_scores(backend.indexer_scores(q, w * self.weight_scale, keys))  # [b, s, n] fp32
         # causal entries per query, min((p + 1) // 4, n) (spec §7.4): the top-k counts them from the positions
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
         return topk(scores, k, pos.expand(b, s), check=False, ratio=4)  # counts in [0, n]: no checking sync

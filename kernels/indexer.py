@@ -133,14 +133,19 @@ if triton is not None:
 
     @triton.jit
     def _score_chunk(Q, W, K, OUT, b, t, start, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
-                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                     wscale=1.0, SCALED: tl.constexpr = False):
         """OUT[b, t, n] = sum_h w[b, t, h] * relu(q[b, t, h] . k[b, n]) for keys n in [start, start + CHUNK)
-        (fp32 accumulation); all H heads of one query at once (BLOCK_H >= H)."""
+        (fp32 accumulation); all H heads of one query at once (BLOCK_H >= H). SCALED: W holds the raw bf16
+        weights_proj output and w = bf16(w_raw * wscale) (fp32 product, one rounding: the model's bf16 multiply,
+        spec §7.2)."""
         heads = tl.arange(0, BLOCK_H)
         hmask = heads < H
         dd = tl.arange(0, D)
         q = tl.load(Q + b * sqb + t * sqs + heads[:, None] * sqh + dd[None, :], mask=hmask[:, None], other=0.0)
         w = tl.load(W + b * swb + t * sws + heads, mask=hmask, other=0.0).to(tl.float32)
+        if SCALED:
+            w = round_bf16(w * wscale)
         end = tl.minimum(start + CHUNK, N)
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)
@@ -154,25 +159,28 @@ if triton is not None:
     # Not specialized on the lengths (issue 29): S, N and the strides that carry them (weights and scores rows).
     @triton.jit(do_not_specialize=["S", "N", "swb", "sob", "sos"])
     def _indexer_scores_kernel(Q, W, K, OUT, S, H, N, CHUNK,
-                               sqb, sqs, sqh, swb, sws, skb, skn, sob, sos,
+                               sqb, sqs, sqh, swb, sws, skb, skn, sob, sos, wscale,
                                D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DOT: tl.constexpr):
+                               DOT: tl.constexpr, SCALED: tl.constexpr):
         """One program: one query (b, t), all H heads (BLOCK_H >= H), keys [pid*CHUNK, (pid+1)*CHUNK)."""
         pid_bs = tl.program_id(0)
         b = (pid_bs // S).to(tl.int64)
         t = (pid_bs % S).to(tl.int64)
         _score_chunk(Q, W, K, OUT, b, t, tl.program_id(1) * CHUNK, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn,
-                     sob, sos, D, BLOCK_H, BLOCK_N, DOT)
+                     sob, sos, D, BLOCK_H, BLOCK_N, DOT, wscale, SCALED)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, out: torch.Tensor | None = None,
-                   block_n: int = 64, num_warps: int = 4, programs_per_row: int | None = None) -> torch.Tensor:
+                   block_n: int = 64, num_warps: int = 4, programs_per_row: int | None = None,
+                   weight_scale: float | None = None) -> torch.Tensor:
     """Triton indexer scores; same contract and result as `indexer_scores_ref` (fp32 accumulation and output).
 
     A program holds one query's H x d queries in registers and streams `block_n` keys at a time, so in decode
     each key byte is read once per query; rows are split over `programs_per_row` programs (default: enough to
     cover ~4 waves of SMs). H must be <= 128 and d a power of two >= 16.
-    Args: as `indexer_scores_ref`, plus keyword-only `out` ([b, s, n] float32 contiguous; tests poison it).
+    Args: as `indexer_scores_ref`, plus keyword-only `out` ([b, s, n] float32 contiguous; tests poison it) and
+        `weight_scale` (`indexer_scores_scaled`: weights are the raw bf16 weights_proj output, scaled and rounded
+        in the kernel).
     Returns: scores [b, s, n] float32.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -193,6 +201,11 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, o
           or not out.is_contiguous()):
         raise ValueError(f"{where}: out must be contiguous float32 {(b, s, n)} on {q.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if weight_scale is not None and (isinstance(weight_scale, bool) or not isinstance(weight_scale, float)
+                                     or not 0 < weight_scale < float("inf")):
+        raise ValueError(f"{where}: weight_scale must be None or a finite float > 0, got {weight_scale!r}")
+    if weight_scale is not None and weights.dtype != torch.bfloat16:
+        raise ValueError(f"{where}: weight_scale needs the bf16 weights_proj output, got weights {weights.dtype}")
     if b * s == 0 or n == 0:
         return out
     tiles = triton.cdiv(n, block_n)
@@ -206,8 +219,26 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, o
     _indexer_scores_kernel[grid](q, weights, k, out, s, h, n, chunk,
                                  q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
                                  k.stride(0), k.stride(1), out.stride(0), out.stride(1),
-                                 D=d, BLOCK_H=block_h, BLOCK_N=block_n, DOT=dot_mode(q.dtype), num_warps=num_warps)
+                                 1.0 if weight_scale is None else weight_scale,
+                                 D=d, BLOCK_H=block_h, BLOCK_N=block_n, DOT=dot_mode(q.dtype),
+                                 SCALED=weight_scale is not None, num_warps=num_warps)
     return out
+
+
+def indexer_scores_scaled_ref(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                              weight_scale: float) -> torch.Tensor:
+    """The indexer's scores from the raw weights_proj output (spec §7.2): `indexer_scores_ref(q, weights *
+    weight_scale, k)` with the product in the weights' dtype (fp32 maths, one rounding), what `dsv4.model.Indexer`
+    computes in two steps where the backend has no `indexer_scores_scaled`."""
+    return indexer_scores_ref(q, weights * weight_scale, k)
+
+
+def indexer_scores_scaled(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                          weight_scale: float) -> torch.Tensor:
+    """The triton backend's `indexer_scores_scaled` entry: `indexer_scores(q, weights, k, weight_scale=...)`, the
+    head-weight scale applied in the scoring kernel (issue 27: the multiply's launch gone), bitwise
+    `indexer_scores(q, weights * weight_scale, k)` for bf16 weights. Raises ValueError as `indexer_scores`."""
+    return indexer_scores(q, weights, k, weight_scale=float(weight_scale))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -356,7 +387,7 @@ if triton is not None:
         b = (pid_bs // S).to(tl.int64)
         t = (pid_bs % S).to(tl.int64)
         _score_chunk(Q, W, K, SC, b, t, tl.program_id(1) * CHUNK, H, N, CHUNK, sqb, sqs, sqh, swb, sws, skb, skn,
-                     sob, sos, D, BLOCK_H, BLOCK_N, DOT)
+                     sob, sos, D, BLOCK_H, BLOCK_N, DOT, 1.0, False)
         tl.debug_barrier()
         counter = SEM + pid_bs
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:

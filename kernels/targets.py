@@ -30,7 +30,7 @@ def _specs():
          dict(Q=bf, KV=bf, SINK=f32, IDX=i64, O=bf, PACC=f32, PML=f32, SEM=i32, POS=i64, FREQ="*fp64"), ["qk_scale"],
          dict(HD=512, BLOCK_H=16, BLOCK_N=32, SPLIT=True, DOT=0, ROPE=True, PER_ROW=False, BR=32)),
         ("indexer._indexer_scores_kernel", indexer._indexer_scores_kernel,
-         dict(Q=bf, W=f32, K=bf, OUT=f32), [], dict(D=128, BLOCK_H=64, BLOCK_N=64, DOT=0)),
+         dict(Q=bf, W=bf, K=bf, OUT=f32), ["wscale"], dict(D=128, BLOCK_H=64, BLOCK_N=64, DOT=0, SCALED=True)),
         ("indexer._indexer_topk_kernel", indexer._indexer_topk_kernel,
          dict(SC=f32, NV=i64, OUT=i64), [], dict(HAS_NV=True, BLOCK=16384, KP=1024, IN_REGISTERS=True)),
         ("indexer._indexer_topk_kernel[positions]", indexer._indexer_topk_kernel,

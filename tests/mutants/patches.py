@@ -1018,3 +1018,12 @@ def indexer_q_rope_unpaired(mp: MP) -> None:
     from kernels import indexer
 
     _jit_source_mutant(mp, indexer, "_rotate_fp4_kernel", "(cols ^ 1)[None, :]", "cols[None, :]")
+
+
+def indexer_scores_scale_unrounded(mp: MP) -> None:
+    """The scoring kernel's head-weight scale (`_score_chunk` SCALED: the one-launch `indexer_scores_scaled`)
+    keeps the fp32 product instead of rounding it to bf16 as the model's bf16 multiply does (spec §7.2); the
+    two-step path and the references are right."""
+    from kernels import indexer
+
+    _jit_source_mutant(mp, indexer, "_score_chunk", "w = round_bf16(w * wscale)", "w = w * wscale")

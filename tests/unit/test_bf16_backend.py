@@ -97,7 +97,8 @@ class Checked:
                   "moe_combine": b.moe_combine, "swiglu_joint": b.swiglu_joint, "kv_finish": b.kv_finish,
                   "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
                   "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish,
-                  "sparse_attn_rope": b.sparse_attn_rope, "rope_rotate_fp4": b.rope_rotate_fp4}
+                  "sparse_attn_rope": b.sparse_attn_rope, "rope_rotate_fp4": b.rope_rotate_fp4,
+                  "indexer_scores_scaled": b.indexer_scores_scaled}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -300,6 +301,16 @@ class Checked:
         self.paths["rope_rotate_fp4"] += 1
         return got
 
+    def indexer_scores_scaled(self, q, weights, k, weight_scale):
+        """The indexer's scores with the head-weight scale inside the launch: bitwise the triton backend's
+        `indexer_scores` of the model's bf16 product `weights * weight_scale`."""
+        from kernels import indexer as ki
+        got = self.k["indexer_scores_scaled"](q, weights, k, weight_scale)
+        two = ki.indexer_scores(q, weights * weight_scale, k)
+        assert torch.equal(got, two), f"indexer_scores_scaled {tuple(q.shape)} vs the product then indexer_scores"
+        self.paths["indexer_scores_scaled"] += 1
+        return got
+
     def linear_swiglu(self, x, weight, scale, act_block, limit):
         """The joint w13 projection + SwiGLU: bitwise the triton backend's two steps (its `linear`, then its
         `swiglu_joint`, each checked against its reference here), whichever path it took."""
@@ -498,7 +509,7 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
             "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish",
-            "qkv_finish_index", "sparse_attn_rope", "rope_rotate_fp4"} <= set(chk.paths), \
+            "qkv_finish_index", "sparse_attn_rope", "rope_rotate_fp4", "indexer_scores_scaled"} <= set(chk.paths), \
         dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")

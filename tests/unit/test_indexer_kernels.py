@@ -450,3 +450,26 @@ def test_rope_rotate_fp4_is_rope_tail_then_rotate_fp4(seed, per_row):
         rope_rotate_fp4(x, pos.int(), f, 64)
     with pytest.raises(ValueError, match=r"rope_rotate_fp4: rd=130, expected an even int in 2..128"):
         rope_rotate_fp4(x, pos, f, 130)
+
+
+@needs_triton
+def test_indexer_scores_scaled_is_the_product_then_the_scores(seed):
+    """`indexer_scores_scaled` (the head-weight scale of spec §7.2 inside the scoring kernel, issue 27) is bitwise
+    `indexer_scores(q, w * scale, k)` with the model's bf16 product (fp32 maths, one rounding): w of varied
+    magnitude so the rounding of the product matters (an unrounded product differs), 64 heads x d 128, keys of
+    two rows, the scale of Flash (128^-0.5 * 64^-0.5)."""
+    from kernels.indexer import indexer_scores, indexer_scores_scaled
+    dev = DEV
+    q = torch.randn(2, 3, 64, 128).to(torch.bfloat16).to(dev)
+    k = torch.randn(2, 40, 128).to(torch.bfloat16).to(dev)
+    w = (torch.randn(2, 3, 64) * torch.logspace(-2, 2, 64)).to(torch.bfloat16).to(dev)
+    scale = 128 ** -0.5 * 64 ** -0.5
+    got = indexer_scores_scaled(q, w, k, scale)
+    want = indexer_scores(q, w * scale, k)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got.numel()} scores differ"
+    unrounded = indexer_scores(q.float(), w.float() * scale, k.float())
+    assert not torch.equal(got, unrounded), "negative control: the product's bf16 rounding matters here"
+    with pytest.raises(ValueError, match="weight_scale must be None or a finite float > 0, got -1.0"):
+        indexer_scores(q, w, k, weight_scale=-1.0)
+    with pytest.raises(ValueError, match="weight_scale needs the bf16 weights_proj output"):
+        indexer_scores(q.float(), w.float(), k.float(), weight_scale=scale)

@@ -30,8 +30,8 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 # by the routed slot sum: 1 fewer; each compressor's wkv and wgate as one GEMV: 2 / 1 fewer in CSA / HCA; the q and
 # KV finish as one launch: 1 fewer; the key slots of window-only / HCA layers in that launch too: 1 fewer there; the
 # attention output's de-rotation in the attention's epilogue: 1 fewer; the indexer query's RoPE inside its rotation
-# launch: 1 fewer in CSA)
-BUDGET = {"sliding": 16, "csa": 32, "hca": 20}
+# launch: 1 fewer in CSA; its head-weight scale inside the scoring launch: 1 fewer in CSA)
+BUDGET = {"sliding": 16, "csa": 31, "hca": 20}
 
 
 @pytest.mark.slow
@@ -49,10 +49,10 @@ def test_decode_step_launches_within_budget():
     over = {k: (per[k], BUDGET[k]) for k in BUDGET if per[k] > BUDGET[k]}
     assert not over, (f"decode-step launches over budget (count, budget) {over}; the step's launches, in order: "
                       + "; ".join(f"{kind.get(li, '-')}:{n}" for li, _, n in ops))
-    # the only torch ops left inside the blocks: the indexer's bf16 weights_proj (a cuBLAS GEMM: the triton
-    # backend's bf16 linear) and its scale (spec §7.2), CSA layers only
+    # the only torch op left inside the blocks: the indexer's bf16 weights_proj (a cuBLAS GEMM: the triton
+    # backend's bf16 linear), CSA layers only (its scale, spec §7.2, runs inside the scoring launch)
     torch_ops = [(kind[li], n) for li, t, n in ops if li in kind and t == "aten"]
-    assert sorted(torch_ops) == [("csa", "mm"), ("csa", "mul")], f"torch ops inside the decode step: {torch_ops}"
+    assert sorted(torch_ops) == [("csa", "mm")], f"torch ops inside the decode step: {torch_ops}"
     # negative control: the reference backend's step (the torch chains) counts far more launches per layer
     ref = type(m)(m.args, dtype=torch.bfloat16, backend="reference", weights="quantized")
     ref.load_weights(m.state_dict())
