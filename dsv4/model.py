@@ -48,7 +48,7 @@ from dsv4.graph import GraphDecodeState, check_graph_model
 from dsv4.resident import check_weights_mode, hold_on_disk
 from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
-from kernels.attention import window_slots  # the sliding window's key slots (spec §5.5), re-exported
+from kernels.attention import step_index_offset, window_slots  # the key slots (spec §5.5), re-exported
 from kernels.indexer import indexer_topk_ref
 # the routed experts' tensor form and the SwiGLU (`kernels.moe`: the reference `moe_routed_ref` beside its kernels)
 from kernels.moe import ExpertWeights, StackedExperts, stackable, swiglu
@@ -472,7 +472,8 @@ class Indexer(nn.Module):
         return scores
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               backend: Backend, ops: Backend, k: int) -> torch.Tensor:
+               backend: Backend, ops: Backend, k: int, out: torch.Tensor | None = None,
+               offset: int = 0) -> torch.Tensor:
         """Top-k entry indices `[b, s, k]` int64 (-1 = empty) of the queries at positions pos int64 (spec §7):
         [s] (every row at the same positions) or [b, s] (each row its own: the decode step).
 
@@ -480,7 +481,9 @@ class Indexer(nn.Module):
         the (t + 1) // 4 entries completed so far (spec §7.4), slots beyond are never picked. k slots per query,
         -1 where fewer entries exist: `extend` passes min(index_topk, entries visible to its last query), known on
         the host from its positions; the decode step index_topk. No host read (no device sync). Scores and top-k
-        through `backend`, the query's RoPE and FP4 rounding through `ops` (the model's backend)."""
+        through `backend`, the query's RoPE and FP4 rounding through `ops` (the model's backend). out / offset
+        (the decode step, a backend with a top-k kernel): the picks are written into out (the entry columns of the
+        attention's index tensor) as entry + offset, the key slot the attention reads (`indexer_topk(offset=)`)."""
         b, s, _ = x.shape
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         if self.sim.enabled and ops.rope_rotate_fp4 is not None:  # the two steps below in one launch (triton)
@@ -496,6 +499,8 @@ class Indexer(nn.Module):
             scores = self.reduce_scores(backend.indexer_scores(q, w * self.weight_scale, keys))  # [b, s, n] fp32
         # causal entries per query, min((p + 1) // 4, n) (spec §7.4): the top-k counts them from the positions
         topk = backend.indexer_topk or indexer_topk_ref  # one rule everywhere (kernels.indexer; looked up here)
+        if out is not None:  # straight into the attention's key slots (the triton top-k kernel)
+            return backend.indexer_topk(scores, k, pos.expand(b, s), check=False, ratio=4, out=out, offset=offset)
         return topk(scores, k, pos.expand(b, s), check=False, ratio=4)  # counts in [0, n]: no checking sync
 
 
@@ -674,9 +679,13 @@ class Attention(nn.Module):
         dev, W = x.device, self.window
         P = pos.view(b, 1) if s == 1 else pos.view(b, 1) + torch.arange(s, device=dev)  # [b, s]: each token's position
         hca = self.compressor is not None and self.indexer is None
-        # window-only / HCA: the key slots need no indexer, so the q / KV finish launch computes them too
-        index = None if self.indexer is not None else (W, self.ratio if hca else 0,
-                                                        st.entries.shape[1] if hca else 0)
+        # window-only / HCA: the key slots need no indexer, so the q / KV finish launch computes them too; CSA with
+        # a top-k kernel: that launch writes the window slots and the top-k its picks' slots into the same tensor
+        into_idx = self.indexer is not None and backend.indexer_topk is not None and backend.qkv_finish is not None
+        if self.indexer is None:
+            index = (W, self.ratio if hca else 0, st.entries.shape[1] if hca else 0)
+        else:
+            index = (W, 0, 0, self.indexer.topk) if into_idx else None
         qr, q, kv, idx = self._qkv(x, P, backend, ring=st.ring if s == 1 else None,  # s = 1: KV to ring slot pos % W
                                    index=index)
         comp = None  # the indexer's picks (CSA)
@@ -688,7 +697,10 @@ class Attention(nn.Module):
                     self.indexer.compressor.step(x[:, j:j + 1], pj, st.index_compressor, st.index_keys, backend)
                 if st.trail is not None:  # a verify step: the windows after each token, for a rollback
                     st.trail.append([t.clone() for t in st.window_tensors()])
-            if self.indexer is not None:
+            if self.indexer is not None and into_idx:  # the picks' key slots straight into idx's entry columns
+                self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk,
+                                    out=idx[..., W:], offset=step_index_offset(W, s))
+            elif self.indexer is not None:
                 comp = self.indexer.select(x, qr, P, st.index_keys, backend, backend, k=self.indexer.topk)
         # the window in position order, then the entries (HCA: all completed ones; CSA: the picks), as key slots
         if idx is None:

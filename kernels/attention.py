@@ -371,7 +371,10 @@ if triton is not None:
         else:  # HCA: every entry completed up to this query, w < (p + 1) // ratio
             c = tl.where(w < (p + 1) // ratio, w, -1)
         ent = tl.where(c >= 0, c + off, -1)
-        tl.store(IDX + r * (W + K) + j, tl.where(j < W, win, ent), mask=j < W + K)
+        if MODE == 2:  # the window slots only: the K entry columns are the top-k kernel's (indexer_topk offset=)
+            tl.store(IDX + r * (W + K) + j, win, mask=j < W)
+        else:
+            tl.store(IDX + r * (W + K) + j, tl.where(j < W, win, ent), mask=j < W + K)
 
 
 # `kernels.targets.compile_all` builds these too (name, jit function, pointer dtypes, float args, constexprs).
@@ -683,17 +686,30 @@ def step_index(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio:
 
 
 def step_index_args(P: torch.Tensor, W: int, comp: torch.Tensor | None = None, ratio: int = 0,
-                    n_entries: int = 0) -> tuple[torch.Tensor, tuple, dict]:
+                    n_entries: int = 0, reserve: int = 0) -> tuple[torch.Tensor, tuple, dict]:
     """`step_index`'s checks (ValueError), its output idx [b, s, W + k] int64 (uninitialised) and the runtime
-    arguments / constexprs of `_step_index_row` (b*s rows) - also `kernels.rope.qkv_finish`'s index part."""
+    arguments / constexprs of `_step_index_row` (b*s rows) - also `kernels.rope.qkv_finish`'s index part.
+    reserve k > 0 (comp None, no ratio): idx gets k entry columns that the row code leaves unwritten, for the
+    CSA top-k to fill in place (`kernels.indexer.indexer_topk(out=idx[..., W:], offset=...)`; `step_index_offset`)."""
     _check_step_index(P, W, comp, ratio, n_entries)
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0 or (reserve and (
+            comp is not None or ratio or n_entries)):
+        raise ValueError(f"step_index: reserve={reserve!r}, expected an int >= 0 (> 0 only without comp, ratio and "
+                         f"n_entries: the top-k's columns)")
     tensors = {"P": P} if comp is None else {"P": P, "comp": comp}
     _check_launch_device(tensors, "step_index")
     b, s = P.shape
-    K = comp.shape[2] if comp is not None else n_entries
+    K = comp.shape[2] if comp is not None else (reserve or n_entries)
     idx = torch.empty(b, s, W + K, dtype=torch.int64, device=P.device)
     P = P.contiguous()
     comp_c = comp.contiguous() if comp is not None else P
-    args = (P, comp_c, idx, s, W, K, K if comp is not None else 0, max(ratio, 1), W if s == 1 else W + s)
-    consts = dict(INPLACE=s == 1, MODE=1 if comp is not None else 0, BLOCK=triton.next_power_of_2(W + K))
+    args = (P, comp_c, idx, s, W, K, K if comp is not None else 0, max(ratio, 1), step_index_offset(W, s))
+    consts = dict(INPLACE=s == 1, MODE=1 if comp is not None else (2 if reserve else 0),
+                  BLOCK=triton.next_power_of_2(W + K))
     return idx, args, consts
+
+
+def step_index_offset(W: int, s: int) -> int:
+    """The key row of entry 0 in a decode step of s tokens per row (`step_index_ref`): W (s = 1: [ring | entries])
+    or W + s ([ring | the call's KV | entries])."""
+    return W if s == 1 else W + s

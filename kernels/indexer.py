@@ -274,7 +274,7 @@ if triton is not None:
 
     @triton.jit
     def _topk_row(row_ptr, out_ptr, count, k, N, BLOCK: tl.constexpr, KP: tl.constexpr,
-                  IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr):
+                  IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr, OFF=0):
         """Top-k of one row (scores at row_ptr, `count` eligible entries of N) written to out_ptr[0:k].
 
         Sync-free radix select: the k-th largest key `thr` is built two bits per pass (three counts packed in
@@ -283,7 +283,8 @@ if triton is not None:
         the chosen (ordered key, index) pairs are compacted into out (scratch) and sorted descending by the
         unique int64 (ordered << 32) | (2^31 - 1 - index). Not SORTED: the same set in ascending index order
         (no sort). Slots >= min(k, count, N) hold -1. IN_REGISTERS: the row (N <= BLOCK) is loaded once and
-        kept in registers; otherwise every pass re-reads it in BLOCK chunks."""
+        kept in registers; otherwise every pass re-reads it in BLOCK chunks. OFF: every pick is written as
+        index + OFF (-1 stays -1): the attention's key slot of the entry (`indexer_topk(offset=)`)."""
         kk = tl.minimum(tl.minimum(k, count), N)
         offs0 = tl.arange(0, BLOCK)
         if IN_REGISTERS:
@@ -318,7 +319,7 @@ if triton is not None:
                 key = (ordered.to(tl.int64) << 32) | (2147483647 - offs0).to(tl.int64)
                 tl.store(out_ptr + pos, key, mask=sel)
             else:
-                tl.store(out_ptr + pos, offs0.to(tl.int64), mask=sel)
+                tl.store(out_ptr + pos, offs0.to(tl.int64) + OFF, mask=sel)
         else:
             n_gt = tl.zeros([], dtype=tl.int32)
             for c0 in range(0, N, BLOCK):
@@ -337,7 +338,7 @@ if triton is not None:
                     key = (ordered.to(tl.int64) << 32) | (2147483647 - offs).to(tl.int64)
                     tl.store(out_ptr + pos, key, mask=sel)
                 else:
-                    tl.store(out_ptr + pos, offs.to(tl.int64), mask=sel)
+                    tl.store(out_ptr + pos, offs.to(tl.int64) + OFF, mask=sel)
                 seen_eq += tl.sum(eq.to(tl.int32), axis=0)
                 seen_sel += tl.sum(sel.to(tl.int32), axis=0)
         slot = tl.arange(0, KP)
@@ -347,12 +348,12 @@ if triton is not None:
             v = tl.sort(v, descending=True)
             idx = 2147483647 - (v & 0xFFFFFFFF)
             tl.debug_barrier()                   # every thread has read its keys before any slot is rewritten
-            tl.store(out_ptr + slot, tl.where(slot < kk, idx, -1), mask=slot < k)
+            tl.store(out_ptr + slot, tl.where(slot < kk, idx + OFF, -1), mask=slot < k)
         else:
             tl.store(out_ptr + slot, tl.full([KP], -1, tl.int64), mask=(slot >= kk) & (slot < k))
 
-    @triton.jit(do_not_specialize=["S", "N", "k", "ssb", "sss", "snb", "sns", "sob", "sos"])  # issue 29
-    def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos,
+    @triton.jit(do_not_specialize=["S", "N", "k", "ssb", "sss", "snb", "sns", "sob", "sos", "OFF"])  # issue 29
+    def _indexer_topk_kernel(SC, NV, OUT, S, N, k, ssb, sss, snb, sns, sob, sos, OFF,
                              HAS_NV: tl.constexpr, BLOCK: tl.constexpr, KP: tl.constexpr,
                              IN_REGISTERS: tl.constexpr, SORTED: tl.constexpr, RATIO: tl.constexpr = 0):
         """One program per query row (b, t). A count outside [0, N] (no host check) fills the row with -2:
@@ -371,7 +372,7 @@ if triton is not None:
             slot = tl.arange(0, KP)
             tl.store(out_ptr + slot, tl.full([KP], -2, tl.int64), mask=slot < k)
         else:
-            _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED)
+            _topk_row(SC + b * ssb + t * sss, out_ptr, count, k, N, BLOCK, KP, IN_REGISTERS, SORTED, OFF)
 
     @triton.jit(do_not_specialize=["S", "N", "k", "swb", "sob", "sos", "snb", "sns", "sib", "sis"])  # issue 29
     def _indexer_select_kernel(Q, W, K, SC, NV, OUT, SEM, S, H, N, CHUNK, k,
@@ -415,12 +416,16 @@ def _check_topk_args(shape: tuple, device, k, n_valid, where: str) -> None:
                          f"{getattr(n_valid, 'dtype', type(n_valid).__name__)} {tuple(getattr(n_valid, 'shape', ()))}")
 
 
-def _topk_out(out, b: int, s: int, k: int, device, where: str) -> torch.Tensor:
+def _topk_out(out, b: int, s: int, k: int, device, where: str, strided: bool = False) -> torch.Tensor:
+    """The top-k's output: new, or `out` checked (int64 [b, s, k] on device; contiguous, or with strided=True any
+    row strides and contiguous picks: the entry columns of the attention's index tensor)."""
     if out is None:
         return torch.empty((b, s, k), dtype=torch.int64, device=device)
-    if out.shape != (b, s, k) or out.dtype != torch.int64 or out.device != device or not out.is_contiguous():
-        raise ValueError(f"{where}: out must be contiguous int64 {(b, s, k)} on {device}, got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if (out.shape != (b, s, k) or out.dtype != torch.int64 or out.device != device
+            or not (out.is_contiguous() or (strided and (k <= 1 or out.stride(2) == 1)))):
+        raise ValueError(f"{where}: out must be {'int64 with contiguous picks' if strided else 'contiguous int64'} "
+                         f"{(b, s, k)} on {device}, got {out.dtype} {tuple(out.shape)} strides {out.stride()} on "
+                         f"{out.device}")
     return out
 
 
@@ -444,7 +449,7 @@ def _topk_config(n: int, k: int) -> tuple[int, int, bool]:
 
 def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, check: bool = False, num_warps: int | None = None,
-                 sorted_picks: bool = True, ratio: int = 0) -> torch.Tensor:
+                 sorted_picks: bool = True, ratio: int = 0, offset: int = 0) -> torch.Tensor:
     """Triton `indexer_topk_ref` (spec §7 steps 4-7): same arguments, same picks in the same order, bitwise.
 
     One program per query row: a radix select of the k-th largest key (16 passes of 3 packed counts over the
@@ -458,8 +463,11 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
         outside [0, n] gets -2 in every slot (not an index and not the empty marker -1: `sparse_attn` turns
         such a query into NaN); `num_warps` default from the row length; `sorted_picks` False = the same set
         of picks in ascending entry order (skips the final sort; attention does not depend on the order);
-        `ratio` as `indexer_topk_ref` (n_valid positions; the count min((p + 1) // ratio, n) computed in-kernel).
-    Returns: idx [b, s, k] int64, slots j >= min(n_valid, n) hold -1.
+        `ratio` as `indexer_topk_ref` (n_valid positions; the count min((p + 1) // ratio, n) computed in-kernel);
+        `offset` int >= 0: every pick written as its entry index + offset (-1 and -2 unchanged), and `out` may
+        then be a row-strided view with contiguous picks: the decode step writes its CSA key slots straight into
+        the attention's index tensor (`kernels.attention.step_index`'s entry columns, issue 27).
+    Returns: idx [b, s, k] int64 (out itself when given), slots j >= min(n_valid, n) hold -1.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
     where = "kernels.indexer.indexer_topk"
@@ -476,14 +484,16 @@ def indexer_topk(scores: torch.Tensor, k: int, n_valid: torch.Tensor | None = No
         lo, hi = torch.stack(torch.aminmax(counts)).tolist()  # one device sync (opt-in)
         if lo < 0 or hi > n:
             raise ValueError(f"{where}: n_valid must lie in [0, n={n}], got min {lo} max {hi}")
-    out = _topk_out(out, b, s, k, scores.device, where)
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"{where}: offset={offset!r}, expected an int >= 0")
+    out = _topk_out(out, b, s, k, scores.device, where, strided=offset > 0)
     if b * s == 0 or k == 0:
         return out
     block, kp, in_regs = _topk_config(n, k)
     warps = num_warps or (max(4, min(16, block // 1024)) if in_regs else 16)
     nv = n_valid if n_valid is not None else scores
     _indexer_topk_kernel[(b * s,)](scores, nv, out, s, n, k, scores.stride(0), scores.stride(1),
-                                   nv.stride(0), nv.stride(1), out.stride(0), out.stride(1),
+                                   nv.stride(0), nv.stride(1), out.stride(0), out.stride(1), offset,
                                    HAS_NV=n_valid is not None, BLOCK=block, KP=kp, IN_REGISTERS=in_regs,
                                    SORTED=bool(sorted_picks), RATIO=ratio, num_warps=warps)
     return out

@@ -319,7 +319,8 @@ def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch
     Args: q [b, s, h, d] and its eps, pos, inv_freq, rd as `head_rms_rope`; kv, weight, eps, nope_block, ring as
         `kv_finish` (the same pos, inv_freq and rd; window 1; the output in kv's dtype); index = (W, ratio,
         n_entries) or None: also the decode step's key slots `kernels.attention.step_index(pos, W, None, ratio,
-        n_entries)` of a window-only (ratio 0) or HCA layer (pos [b, s]), in the same launch.
+        n_entries)` of a window-only (ratio 0) or HCA layer (pos [b, s]), in the same launch; (W, 0, 0, k): a
+        CSA layer's window slots and k entry columns left for its top-k (`step_index_args` reserve).
     Returns: (q [b, s, h, d] in q.dtype, kv [b, s, D] in kv.dtype, idx [b, s, W + n_entries] int64 or None).
     Raises: ValueError naming a bad argument (as the launchers, under the name qkv_finish / step_index)."""
     op = "qkv_finish"
@@ -333,9 +334,9 @@ def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch
     RQ, rows = qc.numel() // qc.shape[-1], b * S
     idx, iargs, ik, n_idx = None, (pos, pos, pos, 1, 1, 0, 0, 1, 0), dict(INPLACE=True, MODE=0, BLOCK=16), 0
     if index is not None:
-        if not isinstance(index, tuple) or len(index) != 3:
-            _fail(op, "index", repr(index), "None or (W, ratio, n_entries)")
-        idx, iargs, ik = step_index_args(pos, index[0], None, index[1], index[2])
+        if not isinstance(index, tuple) or len(index) not in (3, 4):
+            _fail(op, "index", repr(index), "None, (W, ratio, n_entries) or (W, 0, 0, top-k columns)")
+        idx, iargs, ik = step_index_args(pos, index[0], None, index[1], index[2], *index[3:])
         n_idx = idx.shape[0] * idx.shape[1]
     if RQ + rows + n_idx:
         qargs = head_rms_rope_args(qc, qy, q_eps, pos, inv_freq, rd)

@@ -1027,3 +1027,12 @@ def indexer_scores_scale_unrounded(mp: MP) -> None:
     from kernels import indexer
 
     _jit_source_mutant(mp, indexer, "_score_chunk", "w = round_bf16(w * wscale)", "w = w * wscale")
+
+
+def topk_key_slot_offset_dropped(mp: MP) -> None:
+    """The top-k writing the CSA decode step's key slots (`_topk_row` with OFF: `indexer_topk(offset=)` into the
+    attention's index tensor) writes the sorted picks' entry indices without the offset of the entry rows: the
+    attention reads window rows for them; the references are right."""
+    from kernels import indexer
+
+    _jit_source_mutant(mp, indexer, "_topk_row", "tl.where(slot < kk, idx + OFF, -1)", "tl.where(slot < kk, idx, -1)")

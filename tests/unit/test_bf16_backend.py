@@ -98,7 +98,7 @@ class Checked:
                   "q_finish": b.q_finish, "linear_swiglu": b.linear_swiglu,
                   "moe_routed_combine": b.moe_routed_combine, "qkv_finish": b.qkv_finish,
                   "sparse_attn_rope": b.sparse_attn_rope, "rope_rotate_fp4": b.rope_rotate_fp4,
-                  "indexer_scores_scaled": b.indexer_scores_scaled}
+                  "indexer_scores_scaled": b.indexer_scores_scaled, "indexer_topk": b.indexer_topk}
         assert b.name == "triton" and self.k["linear"] is kgemm.linear and self.k["moe_routed"] is kmoe.moe_routed
         model.backend = dataclasses.replace(b, **{n: getattr(self, n) for n in self.k})
         for m in model.modules():
@@ -265,7 +265,11 @@ class Checked:
         before = None if ring is None else ring.clone()
         gq, gkv, gidx = self.k["qkv_finish"](q, q_eps, pos, inv_freq, rd, kv, weight, eps, nope_block, ring=ring,
                                              index=index)
-        if index is not None:
+        if index is not None and len(index) == 4:  # CSA: the window slots; the entry columns are the top-k's
+            widx = self.step_index(pos, index[0], None, 0, 0)
+            assert torch.equal(gidx[..., :index[0]], widx), f"qkv_finish index {index} window slots vs step_index"
+            self.paths["qkv_finish_index_window"] += 1
+        elif index is not None:
             widx = self.step_index(pos, index[0], None, index[1], index[2])
             assert torch.equal(gidx, widx), f"qkv_finish index {index} vs step_index"
             self.paths["qkv_finish_index"] += 1
@@ -299,6 +303,17 @@ class Checked:
         two = self.rotate_fp4(self.rope_tail(x.clone(), pos, inv_freq, rd))
         assert torch.equal(got, two), f"rope_rotate_fp4 {tuple(x.shape)} vs rope_tail + rotate_fp4"
         self.paths["rope_rotate_fp4"] += 1
+        return got
+
+    def indexer_topk(self, scores, k, n_valid=None, *, check=False, ratio=0, out=None, offset=0, **kw):
+        """The triton top-k: bitwise `indexer_topk_ref`'s picks (the documented rule), written as entry + offset
+        (-1 kept) where the decode step has it fill the attention's index tensor."""
+        from kernels.indexer import indexer_topk_ref
+        got = self.k["indexer_topk"](scores, k, n_valid, check=check, ratio=ratio, out=out, offset=offset, **kw)
+        want = indexer_topk_ref(scores, k, n_valid, check=False, ratio=ratio)
+        assert torch.equal(got, torch.where(want >= 0, want + offset, want)), f"indexer_topk offset={offset}"
+        assert out is None or got.data_ptr() == out.data_ptr()
+        self.paths["indexer_topk_into_idx" if out is not None else "indexer_topk"] += 1
         return got
 
     def indexer_scores_scaled(self, q, weights, k, weight_scale):
@@ -509,7 +524,8 @@ def test_one_row_decode_every_path_matches_reference(models, seed):
         exact.append(f32(tok, f_st))
     assert {"fp8_gemv_row", "wo_a_gemv_row", "moe_gemv", "fp32_gemv", "commit_r4_boundary",
             "commit_r128_boundary", "linear_swiglu_row", "moe_routed_combine", "qkv_finish",
-            "qkv_finish_index", "sparse_attn_rope", "rope_rotate_fp4", "indexer_scores_scaled"} <= set(chk.paths), \
+            "qkv_finish_index", "sparse_attn_rope", "rope_rotate_fp4", "indexer_scores_scaled",
+            "qkv_finish_index_window", "indexer_topk_into_idx"} <= set(chk.paths), \
         dict(chk.paths)
     assert "fp8_gemv" not in chk.paths and "wo_a_gemv" not in chk.paths, dict(chk.paths)
     _noise_criterion(torch.stack(got), torch.stack(want), torch.stack(exact), "one-row decode logits at 126, 127")

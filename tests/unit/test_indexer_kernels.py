@@ -473,3 +473,40 @@ def test_indexer_scores_scaled_is_the_product_then_the_scores(seed):
         indexer_scores(q, w, k, weight_scale=-1.0)
     with pytest.raises(ValueError, match="weight_scale needs the bf16 weights_proj output"):
         indexer_scores(q.float(), w.float(), k.float(), weight_scale=scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("sorted_picks", [True, False], ids=["sorted", "unsorted"])
+def test_topk_writes_key_slots_into_the_index_tensor(seed, sorted_picks):
+    """The CSA decode step's key slots without a `step_index` launch (issue 27): `qkv_finish(index=(W, 0, 0, k))`
+    writes the window slots of idx [b, s, W + k] and leaves the k entry columns to `indexer_topk(out=idx[..., W:],
+    offset=...)`, which writes each pick as entry + offset (-1 kept; rows of fewer visible entries than k); the
+    whole idx then equals `step_index_ref(P, W, picks)`, bitwise (the picks' order as `indexer_topk_ref`'s, or the
+    same set ascending without the sort). One token per row at positions of 5 / 40 / 900 visible entries."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.attention import step_index_offset, step_index_ref
+    from kernels.indexer import indexer_topk
+    from kernels.rope import qkv_finish
+    dev = DEV
+    b, W, k, n = 3, 8, 16, 1024
+    P = torch.tensor([[20], [160], [3600]], device=dev)
+    scores = torch.randn(b, 1, n, device=dev)
+    scores[0, 0, :3] = scores[0, 0, 3]  # ties at the row's top: the lower index first
+    f = rope_inv_freq(tiny_args(rope_head_dim=64, index_head_dim=128), 0, 64).to(dev)
+    q, kv, w = torch.randn(b, 1, 2, 128, device=dev), torch.randn(b, 1, 128, device=dev), torch.randn(128, device=dev)
+    idx = qkv_finish(q, 1e-6, P, f, 64, kv, w, 1e-6, index=(W, 0, 0, k))[2]
+    assert idx.shape == (b, 1, W + k)
+    got = indexer_topk(scores, k, P, ratio=4, out=idx[..., W:], offset=step_index_offset(W, 1),
+                       sorted_picks=sorted_picks)
+    assert got.data_ptr() == idx[..., W:].data_ptr()
+    picks = indexer_topk_ref(scores, k, P, ratio=4)
+    if not sorted_picks:  # the same set in ascending entry order, -1 after
+        srt = torch.where(picks >= 0, picks, n + 1).sort(-1).values
+        picks = torch.where(srt > n, -1, srt)
+    assert torch.equal(idx, step_index_ref(P, W, picks)), "idx vs step_index_ref of the picks"
+    assert bool((idx[0, 0, W + 5:] == -1).all()) and bool((idx[2, 0, W:] >= W).all())
+    with pytest.raises(ValueError, match="offset=-1, expected an int >= 0"):
+        indexer_topk(scores, k, P, ratio=4, offset=-1)
+    with pytest.raises(ValueError, match="out must be contiguous int64"):
+        indexer_topk(scores, k, P, ratio=4, out=idx[..., W:])
