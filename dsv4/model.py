@@ -283,10 +283,15 @@ def join_bf16(a: Linear, b: Linear) -> Linear:
     state dict keeps the official names). The joint linear computes [a x | b x] in one fp32 GEMV / GEMM launch
     (issue 27); each output row is the same dot product as a's or b's (`kernels.fp32_linear`: the fp32 sum's
     order may follow the output width, within the fp32 bound of its tests). Raises ValueError unless both are held
-    "bf16" with equal in_features on one device."""
+    "bf16" with equal in_features on one device, neither already a view of a joint weight."""
+    if not isinstance(a, Linear) or not isinstance(b, Linear):
+        raise ValueError(f"join_bf16: needs two Linear modules, got {type(a).__name__} / {type(b).__name__}")
     if a.fmt != "bf16" or b.fmt != "bf16" or a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
         raise ValueError(f"join_bf16: needs two fp32-compute linears held bf16 with equal in_features on one device "
-                         f"(got fmt {a.fmt} / {b.fmt}, shapes {tuple(a.codes.shape)} / {tuple(b.codes.shape)})")
+                         f"(got fmt {a.fmt} / {b.fmt}, shapes {tuple(a.codes.shape)} / {tuple(b.codes.shape)}, "
+                         f"devices {a.codes.device} / {b.codes.device})")
+    if a.codes._base is not None or b.codes._base is not None:
+        raise ValueError("join_bf16: a weight is already a view (of a joint weight): joined once only")
     n, d = a.codes.shape
     joint = Linear(d, n + b.codes.shape[0], a.sim, quantized=False, fp32=True)
     joint.hold("bf16", a.codes.device)
@@ -887,23 +892,17 @@ class Block(nn.Module):
         a = self.args
         x, post, comb = backend.hc_pre(Hf, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                                        getattr(self, f"hc_{site}_scale"), sinkhorn_iters=a.hc_sinkhorn_iters,
-                                       hc_eps=a.hc_eps, norm_eps=a.norm_eps, norm=self._norm(site))
+                                       hc_eps=a.hc_eps, norm_eps=a.norm_eps, norm=getattr(self, f"{site}_norm"))
         out = fn(x.view(b, s, d)).reshape(b * s, d)
         return backend.hc_post(out, Hf, post, comb).view(b, s, hc, d)
-
-    def _norm(self, site: str) -> tuple[torch.Tensor, float]:
-        """The site's RMSNorm (attn_norm / ffn_norm) as hc_pre's `norm` argument: hc_pre returns the collapsed row
-        already normed (`kernels.mhc.hc_pre_ref`: `rms_norm_ref` of it; the triton backend fuses the norm into the
-        decode-sized hc_pre / hc_post_pre launch, issue 27)."""
-        n = getattr(self, f"{site}_norm")
-        return n.weight, n.eps
 
     def forward(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, st: LayerState,
                 backend: Backend) -> torch.Tensor:
         """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: the first position of the call (an int,
         `Attention.extend`) or the
-        decode step's device position [1] (`Attention.forward`). Each site: hc_pre with the site's norm
-        (x = attn_norm / ffn_norm of the mHC collapse), the sub-block, hc_post."""
+        decode step's device position [1] (`Attention.forward`). Each site: hc_pre with the site's norm module
+        (x = attn_norm / ffn_norm of the mHC collapse: `kernels.mhc.hc_pre_ref` calls it; the triton backend fuses
+        it into the decode-sized hc_pre / hc_post_pre launch, issue 27), the sub-block, hc_post."""
         H = self._site(H, "attn", lambda x: self.attn(x, pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(x, input_ids), backend)
 
@@ -923,10 +922,10 @@ class Block(nn.Module):
                            ("ffn", lambda x: self.ffn(x, input_ids))):
             params = [getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale")]
             if pending is None:
-                x, post, comb = backend.hc_pre(Hf, *params, norm=self._norm(site), **kw)
+                x, post, comb = backend.hc_pre(Hf, *params, norm=getattr(self, f"{site}_norm"), **kw)
             else:
                 Hf, x, post, comb = backend.hc_post_pre(pending[0], Hf, pending[1], pending[2], *params,
-                                                        norm=self._norm(site), **kw)
+                                                        norm=getattr(self, f"{site}_norm"), **kw)
             pending = (body(x.view(b, s, d)).reshape(b * s, d), post, comb)
         return Hf.view(b, s, hc, d), pending
 

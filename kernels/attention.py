@@ -494,7 +494,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
             graphs): the kernel guards the range itself without a sync: an out-of-range index is never read
             and turns every output of its query and head block into NaN. Tests run with check_idx=True.
         rope: (pos, inv_freq, rd) or None: the output's last rd columns de-rotated in the same launch
-            (`sparse_attn_rope`; pos int64 [s] or [b, s] contiguous, inv_freq [rd/2] fp64, rd even <= dv).
+            (`sparse_attn_rope`; pos int64 [s] or [b, s] contiguous, inv_freq [rd/2] fp64, rd even <= dv; the
+            default dv never splits the columns below rd).
     Returns: o [b, s, h, hd] in q.dtype (fp32 accumulation; bf16 inputs multiply P in bf16, as official).
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -520,7 +521,9 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     block_h = block_h or (DECODE_BLOCK_H if heads_path else 16)
     block_n = block_n or (16 if heads_path and q.dtype == torch.float32 else 32)
     if dv is None:  # measured: few (query, head block) programs -> split the output columns instead of keys only
-        few = heads_path and hd >= 2 * DECODE_DV and b * s * triton.cdiv(h, block_h) <= DECODE_DV_MAX_PROGRAMS
+        rd_rope = rope[2] if isinstance(rope, tuple) and len(rope) == 3 and isinstance(rope[2], int) else 0
+        few = heads_path and hd >= 2 * DECODE_DV and b * s * triton.cdiv(h, block_h) <= DECODE_DV_MAX_PROGRAMS \
+            and rd_rope <= DECODE_DV  # a rope tail wider than one column slice: no column split
         dv = DECODE_DV if few else hd
         num_warps = num_warps or (4 if few else None)
     num_warps = num_warps or (8 if heads_path else 4)
@@ -593,7 +596,9 @@ def _rope_args(rope, q: torch.Tensor, dv: int, where: str) -> tuple[tuple, dict]
     if (not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((s,), (b, s))
             or not pos.is_contiguous() or pos.device != q.device):
         raise ValueError(f"{where}: rope pos must be contiguous int64 [{s}] or [{b}, {s}] on {q.device}, got "
-                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}")
+                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}"
+                         + ("" if not isinstance(pos, torch.Tensor) else
+                            f" strides {pos.stride()} on {pos.device}"))
     if (not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64
             or tuple(inv_freq.shape) != (rd // 2,) or inv_freq.device != q.device):
         raise ValueError(f"{where}: rope inv_freq must be float64 [{rd // 2}] on {q.device}, got "
@@ -615,7 +620,11 @@ def sparse_attn_rope(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor,
                      softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
     """The triton backend's `sparse_attn_rope` entry: `sparse_attn(..., rope=(pos, inv_freq, rd))`, ONE launch
     (issue 27: the de-rotation's launch folded into the attention's epilogue), bitwise `sparse_attn` followed by
-    `kernels.rope.rope_tail_(inverse=True)`. Raises ValueError as `sparse_attn`."""
+    `kernels.rope.rope_tail_(inverse=True)`. q [b, s, h, hd], kv, attn_sink, idx, softmax_scale as `sparse_attn`;
+    pos int64 [s] or [b, s] (the queries' positions; made contiguous), inv_freq [rd/2] fp64, rd even <= hd.
+    Returns o [b, s, h, hd] in q.dtype. Raises ValueError as `sparse_attn` (pos not a tensor included)."""
+    if not isinstance(pos, torch.Tensor):
+        raise ValueError(f"kernels.attention.sparse_attn_rope: pos must be an int64 tensor, got {type(pos).__name__}")
     return sparse_attn(q, kv, attn_sink, idx, softmax_scale, rope=(pos.contiguous(), inv_freq, rd))
 
 

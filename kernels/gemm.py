@@ -903,9 +903,9 @@ def fp8_gemv_swiglu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, 
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
         _fail(op, "limit", repr(limit), "a float >= 0 (swiglu_limit; 0 = no clamp)")
     check_layout(op, {"x": x, "weight": weight, "scale": scale})
+    if gemv is not None and not isinstance(gemv, RowsConfig):
+        _fail(op, "gemv", repr(gemv), "None or a RowsConfig (the one-row launch)")
     cfg = gemv_config(1, N2, K, 1, x.device) if gemv is None else _check_rows_config(op, gemv, 1)
-    if not isinstance(cfg, RowsConfig):
-        _fail(op, "gemv", repr(cfg), "a RowsConfig")
     I, KB = N2 // 2, K // BLOCK
     h = torch.empty(1, I, dtype=torch.bfloat16, device=x.device)
     _fp8_gemv_rows_kernel[(triton.cdiv(I, cfg.bn), 1)](x, weight, scale.view(torch.uint8), h, I, K, 1, KB,

@@ -179,8 +179,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor, *, o
     each key byte is read once per query; rows are split over `programs_per_row` programs (default: enough to
     cover ~4 waves of SMs). H must be <= 128 and d a power of two >= 16.
     Args: as `indexer_scores_ref`, plus keyword-only `out` ([b, s, n] float32 contiguous; tests poison it) and
-        `weight_scale` (`indexer_scores_scaled`: weights are the raw bf16 weights_proj output, scaled and rounded
-        in the kernel).
+        `weight_scale` (`indexer_scores_scaled`: a finite float > 0; weights are then the raw bf16 weights_proj
+        output, scaled and rounded to bf16 in the kernel).
     Returns: scores [b, s, n] float32.
     Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
     """
@@ -229,7 +229,10 @@ def indexer_scores_scaled_ref(q: torch.Tensor, weights: torch.Tensor, k: torch.T
                               weight_scale: float) -> torch.Tensor:
     """The indexer's scores from the raw weights_proj output (spec §7.2): `indexer_scores_ref(q, weights *
     weight_scale, k)` with the product in the weights' dtype (fp32 maths, one rounding), what `dsv4.model.Indexer`
-    computes in two steps where the backend has no `indexer_scores_scaled`."""
+    computes in two steps where the backend has no `indexer_scores_scaled`. Raises ValueError for a weight_scale
+    that is not a finite float > 0 (as the triton entry)."""
+    if isinstance(weight_scale, bool) or not isinstance(weight_scale, float) or not 0 < weight_scale < float("inf"):
+        raise ValueError(f"indexer_scores_scaled_ref: weight_scale must be a finite float > 0, got {weight_scale!r}")
     return indexer_scores_ref(q, weights * weight_scale, k)
 
 
@@ -237,8 +240,12 @@ def indexer_scores_scaled(q: torch.Tensor, weights: torch.Tensor, k: torch.Tenso
                           weight_scale: float) -> torch.Tensor:
     """The triton backend's `indexer_scores_scaled` entry: `indexer_scores(q, weights, k, weight_scale=...)`, the
     head-weight scale applied in the scoring kernel (issue 27: the multiply's launch gone), bitwise
-    `indexer_scores(q, weights * weight_scale, k)` for bf16 weights. Raises ValueError as `indexer_scores`."""
-    return indexer_scores(q, weights, k, weight_scale=float(weight_scale))
+    `indexer_scores(q, weights * weight_scale, k)` for bf16 weights. q [b, s, h, d], weights [b, s, h] bf16 (the
+    raw weights_proj output), k [b, n, d]; weight_scale a finite float > 0. Returns scores [b, s, n] fp32.
+    Raises ValueError as `indexer_scores` (weight_scale None included)."""
+    if weight_scale is None:
+        raise ValueError("kernels.indexer.indexer_scores_scaled: weight_scale must be a finite float > 0, got None")
+    return indexer_scores(q, weights, k, weight_scale=weight_scale)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -686,12 +693,16 @@ def rope_rotate_fp4(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, 
     if (not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S))
             or not pos.is_contiguous()):
         raise ValueError(f"{where}: pos must be contiguous int64 [{S}] or [{b}, {S}], got "
-                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}")
+                         f"{getattr(pos, 'dtype', type(pos))} {tuple(getattr(pos, 'shape', ()))}"
+                         + (f" strides {pos.stride()}" if isinstance(pos, torch.Tensor) else ""))
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or tuple(inv_freq.shape) != (rd // 2,):
         raise ValueError(f"{where}: inv_freq must be float64 [{rd // 2}], got "
                          f"{getattr(inv_freq, 'dtype', type(inv_freq))} {tuple(getattr(inv_freq, 'shape', ()))}")
     x = x.contiguous()
     _check_launch_device({"x": x, "pos": pos, "inv_freq": inv_freq}, where)
+    if pos.device != x.device or inv_freq.device != x.device:
+        raise ValueError(f"{where}: pos and inv_freq must be on x's device {x.device}, got {pos.device} / "
+                         f"{inv_freq.device}")
     y = torch.empty_like(x)
     rows = x.numel() // n
     if rows:

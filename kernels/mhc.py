@@ -36,7 +36,6 @@ from kernels.launch import check_layout as _check_layout
 from kernels.launch import fail as _fail
 from kernels.launch import interpreting
 from kernels.launch import sm_count, workspace
-from kernels.norm import rms_norm, rms_norm_ref
 
 _H_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -126,8 +125,9 @@ def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     post `[T, hc]` fp32 = 2·sigmoid(m·scale1 + base) (no eps);
     comb `[T, hc, hc]` fp32 = sinkhorn_ref(m·scale2 + base, sinkhorn_iters, hc_eps), comb[t, j, k] mixes source
     stream j into output stream k (columns sum to ≈1).
-    norm = (weight [D] fp32, eps): x leaves as the site's RMSNorm of that row, `rms_norm_ref(x, weight, eps)`
-    (the block's attn_norm / ffn_norm, spec §4: mHC pre -> norm -> sub-block; the fast paths fuse it).
+    norm: the site's RMSNorm or None - any callable x -> normed x with `.weight` [D] fp32 and `.eps` (the block's
+    attn_norm / ffn_norm module, `dsv4.model.RMSNorm`): x leaves as norm(x) (spec §4: mHC pre -> norm -> sub-block;
+    the triton backend fuses it at decode sizes, its other paths and this reference call the module).
     Raises ValueError naming a bad argument.
     """
     T, hc, D = _check_mix_args("hc_pre_ref", H, fn, base, scale, False, False,
@@ -140,22 +140,24 @@ def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     comb = sinkhorn_ref(logits, sinkhorn_iters, hc_eps)
     x = (pre.unsqueeze(-1) * H.float()).sum(1).to(H.dtype)
     if norm is not None:
-        x = rms_norm_ref(x, *norm)
+        x = norm(x)
     return x, post, comb
 
 
 def _check_norm(op: str, norm, D: int, H: torch.Tensor) -> None:
-    """`norm` of hc_pre / hc_post_pre: None or (weight [D] fp32 contiguous on H's device, eps a float > 0)."""
+    """`norm` of hc_pre / hc_post_pre: None or a callable with `.weight` [D] fp32 contiguous on H's device and
+    `.eps` a float > 0 (an RMSNorm module). Raises ValueError naming what is wrong."""
     if norm is None:
         return
-    ok = isinstance(norm, tuple) and len(norm) == 2
-    w, eps = norm if ok else (None, None)
-    if not (ok and isinstance(w, torch.Tensor) and w.dtype == torch.float32 and tuple(w.shape) == (D,)
-            and w.is_contiguous() and w.device == H.device):
-        _fail(op, "norm", repr(type(norm).__name__ if not ok else (getattr(w, "dtype", w), tuple(getattr(
-            w, "shape", ())), getattr(w, "device", None))), f"None or (weight [{D}] fp32 contiguous on {H.device}, eps)")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        _fail(op, "norm eps", repr(eps), "a float > 0 (the RMSNorm's eps)")
+    w, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
+    if not callable(norm) or not (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and tuple(w.shape) == (D,)
+                                  and w.is_contiguous() and w.device == H.device):
+        _fail(op, "norm", f"{type(norm).__name__} with weight {getattr(w, 'dtype', None)} "
+              f"{tuple(getattr(w, 'shape', ()))} strides {w.stride() if isinstance(w, torch.Tensor) else None} on "
+              f"{getattr(w, 'device', None)}",
+              f"None or an RMSNorm: callable, weight [{D}] fp32 contiguous on {H.device}, eps")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "norm.eps", repr(eps), "a finite float > 0 (the RMSNorm's eps)")
 
 
 def hc_post_ref(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -601,8 +603,9 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     split-K mix + finish (two launches); True/False forces a path (tests). No host-device sync; the one-launch
     path uses the stream's cached workspace (`kernels.launch.workspace`). `invariant`: the batch-invariant mode's
     tiles and split (`_mix_sites`): each token's outputs bitwise independent of T. `norm` as `hc_pre_ref` (x leaves
-    as the site's RMSNorm): fused into the one-launch kernel (issue 27: one launch fewer per site), else (the
-    two-launch path, or invariant: the norm's sum order must not follow T) `kernels.norm.rms_norm` after it.
+    as the site's RMSNorm): its weight and eps fused into the one-launch kernel (issue 27: one launch fewer per
+    site), else (the two-launch path, or invariant: the norm's sum order must not follow T) norm(x) after it (the
+    module: the model's backend `rms_norm`).
     Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
     Raises ValueError naming the argument and the bad value; never falls back to the reference.
     """
@@ -620,9 +623,9 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     fuse_norm = fused and not invariant
     if T:
         _mix_sites(H, fn, base, scale, x, post, comb, sinkhorn_iters, hc_eps, norm_eps, False, fused,
-                   invariant=invariant, norm=norm if fuse_norm else None)
+                   invariant=invariant, norm=(norm.weight, norm.eps) if fuse_norm and norm is not None else None)
         if norm is not None and not fuse_norm:
-            xn = rms_norm(x, *norm)
+            xn = norm(x)
             x = x.copy_(xn) if ox is not None else xn
     return x, post, comb
 
@@ -723,9 +726,9 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
     S = triton.cdiv(D, cols)
     sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
     _hc_post_pre_kernel[(n_tb, S)](a, H, post, comb, h_new, fn, base, scale, x, post2, comb2, ws, sem,
-                                   x if norm is None else norm[0], T, D, hc * D, cols, sinkhorn_iters,
+                                   x if norm is None else norm.weight, T, D, hc * D, cols, sinkhorn_iters,
                                    float(hc_eps), float(norm_eps), 1.0 / (hc * D),
-                                   0.0 if norm is None else float(norm[1]), HC=hc, N_MIX=n_mix, NP=np_,
+                                   0.0 if norm is None else float(norm.eps), HC=hc, N_MIX=n_mix, NP=np_,
                                    SP=triton.next_power_of_2(S), BT=16, BC=BC, TOK=TOK,
                                    BD=block_d or min(1024, triton.next_power_of_2(D)), NORM=norm is not None,
                                    num_warps=num_warps)

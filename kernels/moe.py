@@ -900,13 +900,18 @@ def sum_slots(y: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tens
     """y [T, k, D] (the routed experts' per-slot outputs, bf16 or fp32) -> [T, D] fp32: sum over the k slots in
     fp32, left to right (slot 0 first; one order for every T, so batch invariant). One launch; torch's
     `y.float().sum(1)` (two launches) sums the same terms in an order of its choosing (spec §8: the routed experts'
-    outputs summed in fp32). shared [T, D] (bf16 / fp32, the shared expert's output; checked by the caller,
-    `moe_experts`): added to the fp32 sum and rounded to shared.dtype in the same launch - bitwise
-    `moe_combine(sum_slots(y), shared)`. Raises ValueError for a bad y."""
+    outputs summed in fp32). shared [T, D] (bf16 / fp32 contiguous on y's device, the shared expert's output):
+    added to the fp32 sum and rounded to shared.dtype in the same launch - bitwise `moe_combine(sum_slots(y),
+    shared)`. Raises ValueError for a bad y or shared (dtype, shape, layout, device)."""
     op = "sum_slots"
     _rows_check(op, "y", y, (torch.bfloat16, torch.float32), 3)
     check_layout(op, {"y": y})
     T, k, D = y.shape
+    if shared is not None:
+        _rows_check(op, "shared", shared, (torch.bfloat16, torch.float32), 2)
+        if tuple(shared.shape) != (T, D):
+            _fail(op, "shared", f"shape {tuple(shared.shape)}", f"[T, D] = {(T, D)} (one row per token of y)")
+        check_layout(op, {"y": y, "shared": shared})
     if shared is not None and not k:
         return moe_combine(torch.zeros(T, D, dtype=torch.float32, device=y.device), shared)
     out = torch.empty(T, D, dtype=torch.float32 if shared is None else shared.dtype, device=y.device)
@@ -993,6 +998,10 @@ def linear_swiglu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     weight with act_block, D and I multiples of 128; bitwise the two launches below, issue 27), else
     `swiglu_joint(kernels.gemm.linear(...))` (two launches; their own paths). Raises ValueError from the kernels'
     argument checks."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() < (1 if name == "x" else 2):
+            _fail("linear_swiglu", name, f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}",
+                  "a tensor (x [..., D], weight [2I, D] as held)")
     D = x.shape[-1]
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.float8_e4m3fn and act_block and D % 128 == 0
             and x.numel() == D and weight.shape[0] % 256 == 0):
@@ -1015,9 +1024,17 @@ def moe_routed_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     path (`moe_routed`'s conditions) `moe_experts(..., shared=shared)` - the slot sum adds the shared output and
     rounds in its one launch (issue 27: one launch fewer per layer), bitwise `moe_combine(moe_routed(...),
     shared)`; elsewhere those two calls. Raises ValueError as they do."""
+    op = "moe_routed_combine"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _fail(op, "x", f"{type(x).__name__} {tuple(getattr(x, 'shape', ()))}", "a tensor [N, D]")
+    if not isinstance(shared, torch.Tensor) or tuple(shared.shape) != tuple(x.shape):
+        _fail(op, "shared", f"{type(shared).__name__} {tuple(getattr(shared, 'shape', ()))}",
+              f"a tensor of x's shape {tuple(x.shape)} (the shared expert's output)")
+    if not isinstance(act_blocks, (tuple, list)) or len(act_blocks) != 2:
+        _fail(op, "act_blocks", repr(act_blocks), "a pair (x's block, h's block)")
     if isinstance(experts, StackedExperts) and x.dtype == torch.bfloat16:
         if tuple(act_blocks) != (128, 128):
-            _fail("moe_routed_combine", "act_blocks", repr(act_blocks), "(128, 128) for stacked FP4 experts and "
+            _fail(op, "act_blocks", repr(act_blocks), "(128, 128) for stacked FP4 experts and "
                   "bf16 x (the grouped kernels act-quantize x and h in 128-channel blocks)")
         return moe_experts(x.contiguous(), weights.contiguous(), ids.contiguous(), experts, limit,
                            shared=shared.contiguous())

@@ -225,16 +225,18 @@ def head_rms_rope_consts(x: torch.Tensor, pos: torch.Tensor, rd: int) -> dict:
 
 
 def check_head_rms_rope(x: torch.Tensor, eps: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
-                        op: str = "head_rms_rope") -> torch.Tensor:
-    """`head_rms_rope`'s argument checks (ValueError naming the bad one); returns x contiguous."""
+                        op: str = "head_rms_rope", names: tuple[str, str] = ("x", "eps")) -> torch.Tensor:
+    """`head_rms_rope`'s argument checks (ValueError naming the bad one; `names`: the caller's names of x and eps);
+    returns x contiguous."""
+    xn, en = names
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() != 4:
-        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}",
+        _fail(op, xn, f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}",
               "a bf16 or float32 tensor [b, s, h, d]")
     b, S, H, d = x.shape
     if not 0 < d <= MAX_DIM:
-        _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
+        _fail(op, xn, f"width {d}", f"1..{MAX_DIM}")
     if not isinstance(eps, float) or not 0 < eps < float("inf"):
-        _fail(op, "eps", repr(eps), "a finite float > 0")
+        _fail(op, en, repr(eps), "a finite float > 0")
     if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > d:
         _fail(op, "rd", repr(rd), f"an even int in 2..{d}")
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S)):

@@ -267,11 +267,14 @@ def kv_finish_args(x, x2, weight, eps, pos, inv_freq, rd: int, nope_block: int, 
     return args, consts
 
 
-def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str = "kv_finish"):
-    """`kv_finish`'s argument checks (ValueError naming the bad one); returns (x's rows at one stride, dtype)."""
+def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str = "kv_finish",
+                    names: tuple[str, str] = ("x", "eps")):
+    """`kv_finish`'s argument checks (ValueError naming the bad one; `names`: the caller's names of x and eps);
+    returns (x's rows at one stride, dtype)."""
+    xname, ename = names
     dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else None)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
-        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+        _fail(op, xname, f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
               "bf16 / float32 [b, s, D]")
     if dtype not in (torch.bfloat16, torch.float32) or (x.dtype == torch.bfloat16 and dtype == torch.float32):
         _fail(op, "dtype", str(dtype), "bf16 or float32, no wider than x")
@@ -282,7 +285,7 @@ def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype
         _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}",
               f"float32 [{D}]")
     if not isinstance(eps, float) or not 0 < eps < float("inf"):
-        _fail(op, "eps", repr(eps), "a finite float > 0")
+        _fail(op, ename, repr(eps), "a finite float > 0")
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or tuple(pos.shape) not in ((S,), (b, S)):
         _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
               f"int64 [{S}] or [{b}, {S}]")
@@ -302,10 +305,10 @@ def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype
               "on x's device, s = 1")
     x2 = row_view(x)  # rows at one stride (a half of a joint projection) are read in place
     if x2 is None:
-        _fail(op, "x", f"strides {x.stride()}", "rows of D contiguous values at one stride")
+        _fail(op, xname, f"strides {x.stride()}", "rows of D contiguous values at one stride")
     check_layout(op, {"weight": weight, "pos": pos, "inv_freq": inv_freq})
     if x.device != weight.device:
-        _fail(op, "x", f"on device {x.device}", f"weight's device, {weight.device}")
+        _fail(op, xname, f"on device {x.device}", f"weight's device, {weight.device}")
     return x2, dtype
 
 
@@ -324,10 +327,15 @@ def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch
     Returns: (q [b, s, h, d] in q.dtype, kv [b, s, D] in kv.dtype, idx [b, s, W + n_entries] int64 or None).
     Raises: ValueError naming a bad argument (as the launchers, under the name qkv_finish / step_index)."""
     op = "qkv_finish"
-    qc = check_head_rms_rope(q, q_eps, pos, inv_freq, rd, op=op)
-    x2, dtype = check_kv_finish(kv, weight, eps, pos, inv_freq, rd, nope_block, 1, None, ring, op=op)
+    qc = check_head_rms_rope(q, q_eps, pos, inv_freq, rd, op=op, names=("q", "q_eps"))
+    x2, dtype = check_kv_finish(kv, weight, eps, pos, inv_freq, rd, nope_block, 1, None, ring, op=op,
+                                names=("kv", "eps"))
     if qc.device != kv.device:
         _fail(op, "q", f"on device {qc.device}", f"kv's device, {kv.device}")
+    if tuple(qc.shape[:2]) != tuple(kv.shape[:2]):
+        _fail(op, "q", f"shape {tuple(qc.shape)}", f"[b, s, h, d] with kv's b, s = {tuple(kv.shape[:2])}")
+    if index is not None and pos.dim() != 2:
+        _fail(op, "pos", f"shape {tuple(pos.shape)}", "[b, s] with index= (the decode step's positions per row)")
     qy = torch.empty_like(qc)
     b, S, D = kv.shape
     y = torch.empty(b, S, D, dtype=dtype, device=kv.device)

@@ -247,6 +247,8 @@ def test_fp8_gemv_swiglu_names_bad_input():
         fp8_gemv_swiglu(x[:1], w3, s3, 0.0)
     with pytest.raises(ValueError, match="fp8_gemv_swiglu: limit is -1.0"):
         fp8_gemv_swiglu(x[:1], w, s, -1.0)
+    with pytest.raises(ValueError, match=r"fp8_gemv_swiglu: gemv is GemvConfig\(.*expected None or a RowsConfig"):
+        fp8_gemv_swiglu(x[:1], w, s, 0.0, gemv=GemvConfig())
 
 
 @needs_triton
@@ -703,6 +705,14 @@ def test_moe_experts_adds_the_shared_output(seed, path, dtype):
     close_bf16(y, (ref + sb.float()).to(torch.bfloat16), "routed + shared")
     with pytest.raises(ValueError, match=r"moe_experts: shared is shape \(4, "):
         moe_experts(x, g, idx, ex, 0.0, shared=shared[:4])
+    from kernels.moe import sum_slots
+    y = torch.randn(5, 3, D, device=DEV)
+    with pytest.raises(ValueError, match=r"sum_slots: shared is shape \(4, "):
+        sum_slots(y, shared[:4])
+    with pytest.raises(ValueError, match=r"sum_slots: shared is torch.float16"):
+        sum_slots(y, shared.half())
+    with pytest.raises(ValueError, match=r"moe_routed_combine: shared is NoneType"):
+        moe_routed_combine(x, g, idx, ex, 0.0, (128, 128), None)
 
 
 def test_moe_experts_reads_nothing_back_to_the_host(seed):

@@ -473,6 +473,12 @@ def test_indexer_scores_scaled_is_the_product_then_the_scores(seed):
         indexer_scores(q, w, k, weight_scale=-1.0)
     with pytest.raises(ValueError, match="weight_scale needs the bf16 weights_proj output"):
         indexer_scores(q.float(), w.float(), k.float(), weight_scale=scale)
+    from kernels.indexer import indexer_scores_scaled_ref
+    for bad in (2, True, float("nan"), None):
+        with pytest.raises(ValueError, match="weight_scale must be"):
+            indexer_scores_scaled(q, w, k, bad)
+        with pytest.raises(ValueError, match="weight_scale must be"):
+            indexer_scores_scaled_ref(q, w, k, bad)
 
 
 @needs_triton

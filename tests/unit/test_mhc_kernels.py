@@ -198,11 +198,15 @@ def test_bf16_outputs_rounded_once(seed):
 SHAPES = [(1, 64), (3, 96), (5, 64), (67, 64)]
 
 
-def site_norm(D: int, device) -> tuple[torch.Tensor, float]:
-    """A block site's RMSNorm as hc_pre's `norm`: weight ~ 1 + N(0, 1/4) (every element scales its column
-    differently) and an eps (3e-6) unlike the mix's norm_eps, so a kernel using the wrong one is seen at the
-    small-row tokens below."""
-    return (1.0 + 0.5 * torch.randn(D, device=device)), 3e-6
+def site_norm(D: int, device):
+    """A block site's RMSNorm module as hc_pre's `norm` (`dsv4.model.RMSNorm`, the reference backend's rms_norm):
+    weight ~ 1 + N(0, 1/4) (every element scales its column differently) and an eps (3e-6) unlike the mix's
+    norm_eps, so a kernel using the wrong one is seen at the small-row tokens below."""
+    from dsv4.model import RMSNorm
+    n = RMSNorm(D, 3e-6).to(device)
+    with torch.no_grad():
+        n.weight.copy_(1.0 + 0.5 * torch.randn(D, device=device))
+    return n
 
 
 @needs_triton
@@ -226,7 +230,7 @@ def test_hc_pre_triton(seed, T, D, norm):
     assert_close(post, rpost, "post")
     assert_close(comb, rcomb, "comb")
     if norm:  # the norm is really applied: the rms of each normed row / weight is ~1 (not row 0: eps decides)
-        rms = ((x[1:].float() / nrm[0]) ** 2).mean(-1).sqrt()
+        rms = ((x[1:].float() / nrm.weight.detach()) ** 2).mean(-1).sqrt()
         assert_close(rms, torch.ones_like(rms), "normed rows' rms", rtol=0, atol=2e-2)
 
 
@@ -334,12 +338,14 @@ def test_hc_post_pre_names_the_bad_value():
         hc_post_pre(a, H, post, comb[:, 0], fn, base, scale, **kw)
     with pytest.raises(ValueError, match="H_new"):
         hc_post_pre(a, H, post, comb, fn, base, scale, out=(H, None, None, None), **kw)
-    with pytest.raises(ValueError, match=r"hc_post_pre: norm .*expected None or \(weight \[16\] fp32"):
-        hc_post_pre(a, H, post, comb, fn, base, scale, norm=(torch.ones(15), 1e-6), **kw)
-    with pytest.raises(ValueError, match="hc_pre: norm eps is 0"):
-        hc_pre(H, fn, base, scale, norm=(torch.ones(16), 0), **kw)
-    with pytest.raises(ValueError, match="hc_pre_ref: norm "):
-        hc_pre_ref(H, fn, base, scale, norm=torch.ones(16), **kw)
+    from dsv4.model import RMSNorm
+    with pytest.raises(ValueError, match=r"hc_post_pre: norm is RMSNorm with weight torch.float32 \(15,\).*"
+                                         r"expected None or an RMSNorm: callable, weight \[16\] fp32"):
+        hc_post_pre(a, H, post, comb, fn, base, scale, norm=RMSNorm(15, 1e-6), **kw)
+    with pytest.raises(ValueError, match="hc_pre: norm.eps is 0"):
+        hc_pre(H, fn, base, scale, norm=RMSNorm(16, 0), **kw)
+    with pytest.raises(ValueError, match="hc_pre_ref: norm is tuple"):
+        hc_pre_ref(H, fn, base, scale, norm=(torch.ones(16), 1e-6), **kw)
 
 
 @needs_triton

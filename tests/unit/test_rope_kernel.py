@@ -289,5 +289,14 @@ def test_qkv_finish_names_bad_input():
         qkv_finish(q, 1e-6, pos.int(), f, 64, kv, w, 1e-6)
     with pytest.raises(ValueError, match=r"qkv_finish: weight is torch.float32 \(191,\)"):
         qkv_finish(q, 1e-6, pos, f, 64, kv, w[:191], 1e-6)
-    with pytest.raises(ValueError, match=r"qkv_finish: x is torch.float16"):
+    with pytest.raises(ValueError, match=r"qkv_finish: q is torch.float16"):
         qkv_finish(q.half(), 1e-6, pos, f, 64, kv, w, 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: kv is torch.float16"):
+        qkv_finish(q, 1e-6, pos, f, 64, kv.half(), w, 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: q_eps is 0.0"):
+        qkv_finish(q, 0.0, pos, f, 64, kv, w, 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: q is shape \(1, 2, 4, 192\); expected \[b, s, h, d\] with "
+                                         r"kv's b, s = \(2, 2\)"):
+        qkv_finish(q, 1e-6, pos, f, 64, torch.cat((kv, kv)), w, 1e-6)
+    with pytest.raises(ValueError, match=r"qkv_finish: pos is shape \(2,\); expected \[b, s\] with index="):
+        qkv_finish(q, 1e-6, pos, f, 64, kv, w, 1e-6, index=(8, 0, 0))
