@@ -145,7 +145,7 @@ class Backend:
     # launch, bitwise the separate entries; None: `Attention._qkv` / `step` call them apart
     qkv_finish: Callable | None = None
     # sparse_attn_rope(q, kv, attn_sink, idx, scale, pos, inv_freq, rd) -> o: the attention with its output's RoPE
-    # channels de-rotated (`kernels.attention.sparse_attn_rope_ref`); triton: `kernels.attention.sparse_attn_rope`,
+    # channels de-rotated (`kernels.rope.sparse_attn_rope_ref`); triton: `kernels.attention.sparse_attn_rope`,
     # one launch, bitwise sparse_attn + rope_tail_(inverse); None: `Attention` calls sparse_attn then rope_tail
     sparse_attn_rope: Callable | None = None
     # rope_rotate_fp4(x, pos, inv_freq, rd) -> bf16: the indexer query's RoPE tail then its Hadamard rotation and

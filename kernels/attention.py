@@ -607,15 +607,6 @@ def _rope_args(rope, q: torch.Tensor, dv: int, where: str) -> tuple[tuple, dict]
                                           BR=max(16, triton.next_power_of_2(rd // 2)))
 
 
-def sparse_attn_rope_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
-                         softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
-    """The attention's output with its RoPE channels de-rotated (spec §5.4): `rope_tail_ref(sparse_attn_ref(q, kv,
-    attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)` - what `dsv4.model.Attention` computes in two
-    steps where the backend has no `sparse_attn_rope`. Shapes as the two functions."""
-    from kernels.rope import rope_tail_ref  # a sibling module (kernels.rope imports kernels.attention)
-    return rope_tail_ref(sparse_attn_ref(q, kv, attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)
-
-
 def sparse_attn_rope(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
                      softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
     """The triton backend's `sparse_attn_rope` entry: `sparse_attn(..., rope=(pos, inv_freq, rd))`, ONE launch

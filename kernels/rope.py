@@ -24,7 +24,7 @@ except ImportError:  # triton is optional: the references stay importable withou
     tl = None
 
 from kernels import numerics
-from kernels.attention import step_index_args
+from kernels.attention import sparse_attn_ref, step_index_args
 from kernels.norm import check_head_rms_rope, head_rms_rope_args, head_rms_rope_consts, rms_norm_ref, row_view
 from kernels.launch import check_layout
 from kernels.launch import fail as _fail
@@ -355,3 +355,12 @@ def qkv_finish(q: torch.Tensor, q_eps: float, pos: torch.Tensor, inv_freq: torch
                                                  INDEX=index is not None, IINPLACE=ik["INPLACE"], IMODE=ik["MODE"],
                                                  IBLOCK=ik["BLOCK"], num_warps=4 if qk["BD"] <= 4096 else 8)
     return qy, y, idx
+
+
+def sparse_attn_rope_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx: torch.Tensor,
+                         softmax_scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
+    """The attention's output with its RoPE channels de-rotated (spec §5.4): `rope_tail_ref(sparse_attn_ref(q, kv,
+    attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)` - what `dsv4.model.Attention` computes in two
+    steps where the backend has no `sparse_attn_rope` (the triton one: `kernels.attention.sparse_attn_rope`).
+    Shapes and errors as the two functions. Here, beside `rope_tail_ref`: kernels.rope imports kernels.attention."""
+    return rope_tail_ref(sparse_attn_ref(q, kv, attn_sink, idx, softmax_scale), pos, inv_freq, rd, inverse=True)

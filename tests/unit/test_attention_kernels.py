@@ -372,8 +372,8 @@ def test_sparse_attn_rope_is_attention_then_inverse_rope(seed, dtype, path, s, k
     `sparse_attn_rope_ref` (the reference chain) within the dtype's tolerance."""
     from dsv4.model import rope_inv_freq
     from dsv4.tiny import tiny_args
-    from kernels.attention import sparse_attn, sparse_attn_rope, sparse_attn_rope_ref
-    from kernels.rope import rope_tail_
+    from kernels.attention import sparse_attn, sparse_attn_rope
+    from kernels.rope import rope_tail_, sparse_attn_rope_ref
     dev = "cuda" if not INTERPRET else "cpu"
     h = 8 if path == "blocks" else 16
     q, kv, sink, idx = (t.to(dev) for t in make_case(3, s, h, 64, 100, 40, dtype))
