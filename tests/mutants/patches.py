@@ -689,8 +689,8 @@ def graph_rope_stale_position(mp: MP) -> None:
     previous step's position (pos - 1, a stale device position); q, the keys and the prefill stay right."""
     from dsv4.model import Attention
 
-    _source_mutant(mp, Attention, "step", "return self._out(o, P, backend, backend)",
-                   "return self._out(o, P - 1, backend, backend)  # MUTANT: stale position")
+    _source_mutant(mp, Attention, "step", "return self._out(self._attend(q, keys, idx, P, backend), P, backend, backend)",
+                   "return self._out(self._attend(q, keys, idx, P - 1, backend), P, backend, backend)  # MUTANT: stale")
 
 
 def rope_tail_token0_position(mp: MP) -> None:
