@@ -37,6 +37,53 @@ def pytest_runtest_setup(item):
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+    if not _interpreter_patch and "triton.runtime.interpreter" in sys.modules:
+        _interpreter_patch.append(_skip_nested_lang_patch(sys.modules["triton.runtime.interpreter"]))
+
+
+_interpreter_patch: list[bool] = []  # one entry once `_skip_nested_lang_patch` has run in this process
+
+
+def _skip_nested_lang_patch(ti) -> bool:
+    """Test speed only, semantics unchanged: under TRITON_INTERPRET=1, Triton's interpreter patches the
+    `triton.language` modules when a kernel launches (`GridExecutor.__call__` -> `_patch_lang`, restored when the
+    grid is done) and patches them AGAIN at every call of a nested `@triton.jit` helper inside the kernel
+    (`InterpretedFunction.__call__`), each time walking the modules with `inspect.getmembers`: a third of the CPU
+    time of a model-level interpreter test (profile of test_batch_invariant_model: 41 of 132 s), for nothing, since
+    a nested call's patches find every builtin already patched (its scope is never restored either). Here the
+    nested call skips the walk when the helper sees no language module the running launch has not patched. Applied
+    only where the interpreter has exactly these internals (triton 3.x: `_patch_lang`, `_LangPatchScope`,
+    `GridExecutor`); otherwise nothing changes and the interpreter is merely slower. Returns whether applied."""
+    import inspect
+    names = ("_patch_lang", "_LangPatchScope", "GridExecutor", "tl")
+    if not all(hasattr(ti, n) for n in names) or getattr(ti._patch_lang, "_dsv4_skip_nested", False):
+        return False
+    original, tl = ti._patch_lang, ti.tl
+    patched: list = []  # the language modules the running launch patched (None until its own _patch_lang ran)
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+
+    def patch_lang(fn):
+        if patched and patched[-1] is not None and langs(fn) <= patched[-1]:
+            return ti._LangPatchScope()  # nothing to restore: the launch's own scope restores the modules
+        if patched and patched[-1] is None:  # the launch's own call (GridExecutor.__call__)
+            patched[-1] = langs(fn)
+        return original(fn)
+
+    launch = ti.GridExecutor.__call__
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    patch_lang._dsv4_skip_nested = True
+    ti._patch_lang = patch_lang
+    ti.GridExecutor.__call__ = grid_call
+    return True
 
 
 def _git(*args: str, cwd: Path = ROOT) -> str | None:

@@ -1,0 +1,62 @@
+"""The root conftest's interpreter speed-up (`conftest._skip_nested_lang_patch`) changes no result: a kernel that
+calls nested `@triton.jit` helpers (from its own module and from kernels/) computes what torch computes, the
+language modules are restored after the launch (no patched builtin leaks out of it), and a failing launch leaves
+the bookkeeping clean for the next one."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the speed-up patches the interpreter (TRITON_INTERPRET=1)")
+
+
+from kernels.jit_formats import round_bf16  # noqa: E402  (a nested helper from another module)
+
+
+@triton.jit
+def _twice(x):
+    return x + x
+
+
+@triton.jit
+def _nested_kernel(x_ptr, y_ptr, n, B: tl.constexpr):
+    offs = tl.program_id(0) * B + tl.arange(0, B)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, round_bf16(_twice(_twice(x)) - x), mask=m)
+
+
+@triton.jit
+def _failing_kernel(x_ptr, B: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, B), _twice(tl.load(x_ptr + tl.arange(0, B))) + undefined_name)  # noqa: F821
+
+
+def _builtins_unpatched() -> bool:
+    return all(getattr(f, "__triton_builtin__", False) for f in (tl.program_id, tl.load, tl.store, tl.where,
+                                                                  tl.arange, tl.core.tensor.__add__))
+
+
+def test_nested_helpers_compute_and_the_language_is_restored():
+    import conftest
+    assert conftest._interpreter_patch, "the root conftest did not try its interpreter patch"
+    ti = sys.modules["triton.runtime.interpreter"]
+    assert conftest._interpreter_patch == [getattr(ti._patch_lang, "_dsv4_skip_nested", False)]
+    assert _builtins_unpatched()
+    x = torch.randn(37)
+    y = torch.empty_like(x)
+    _nested_kernel[(3,)](x, y, 37, B=16)
+    assert torch.equal(y, (3 * x).bfloat16().float()), "a kernel with nested helpers computed a wrong value"
+    assert _builtins_unpatched(), "a patched language builtin leaked out of the launch"
+    with pytest.raises(Exception, match="undefined_name"):
+        _failing_kernel[(1,)](torch.ones(16), B=16)
+    assert _builtins_unpatched(), "a failing launch left the language patched"
+    _nested_kernel[(3,)](x, y, 37, B=16)  # the next launch patches and computes again
+    assert torch.equal(y, (3 * x).bfloat16().float())
