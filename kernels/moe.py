@@ -55,7 +55,8 @@ TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_p
 interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
 
 `mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
-interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
+interpreter), "bf16x2" (the default on a GPU: the same operands bitwise, decoded by packed inline PTX,
+`_e2m1_bf16x2`); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
 
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
@@ -325,6 +326,30 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
+    def _e2m1_bf16x2(b8):
+        """Packed e2m1 bytes b8 (int8: low nibble = even input, high = odd) -> (low, high) nibble values as bf16
+        e2m1 * 2^-126, exact, by inline PTX on packed registers: four bytes per 32-bit register (`pack=4`), spread
+        to two bf16 lanes per register by `prmt` (byte k -> bits 16*(k%2) of register k//2), then per register and
+        nibble one shift of the 3 magnitude bits to bf16 bits 6-8 (exponent low bits + mantissa MSB: e2m1's
+        (e, m) is exponent e, mantissa m/2, so 0.5 is the subnormal 2^-127 = 0.5 * 2^-126) and one of the sign to
+        bit 15, masked and joined (`shl`, `and`, `or`: ptxas makes SHF / LOP3 of them) - two weights per integer
+        op, where `_e2m1`'s element-wise route costs ~9 instructions per weight with its conversions (SASS of the
+        tile kernel, sm_90: 2328 -> 1353 instructions per K step of w1 and w3). GPU only: the interpreter runs no
+        PTX (the tile path's MMA 0 decodes through `_e2m1`)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, m, s;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 m, t0, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
+            shl.b32 m, t1, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
+            shl.b32 m, t0, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 $2, m, s;
+            shl.b32 m, t1, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 $3, m, s;
+            }""",
+            "=r,=r,=r,=r,r", [b8], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+    @triton.jit
     def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
         """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
         xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
@@ -496,6 +521,18 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         scales are screened at load), tensor-core dots; MMA 0 (the interpreter, whose bf16 casts and dots are not
         faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
         offs = kh0 + tl.arange(0, BKH)
+        if MMA == 2:  # the packed decode (`_e2m1_bf16x2`), times the group scale as two exact bf16 factors
+            b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
+            sq = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int16)
+            sq = sq & 255
+            m1 = ((tl.minimum(sq, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)  # 2^(min(s, 128) - 1)
+            m2 = tl.where(sq == 255, 0x7FC0, (tl.maximum(sq, 128) - 1) << 7).to(tl.bfloat16, bitcast=True)
+            m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+            m2 = tl.reshape(tl.broadcast_to(m2[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
+            lo, hi = _e2m1_bf16x2(b8)
+            acc = tl.dot(lo * m1 * m2, xe, acc)
+            acc = tl.dot(hi * m1 * m2, xo, acc)
+            return acc
         b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
         sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
         sg = e8m0_to_f32(sg) * 16384.0
@@ -668,13 +705,17 @@ def _chunk(block_kh: int, half_width: int) -> int:
 
 
 def _moe_mma(mma: str | None) -> int:
-    """Dot flavour of the tile path: 1 (bf16 operands, tensor cores) on the GPU for mma None or "bf16", 0 under
-    TRITON_INTERPRET=1 (fp32 "ieee" dots; `kernels.gemm.dot_q_w`). "fp8" is refused: an e4m3 dot would need one dot
-    per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the slow layout this
-    path replaced. Raises ValueError for any other value."""
-    if mma not in (None, "bf16"):
-        _fail("moe_experts", "mma", repr(mma), "None or 'bf16' (the FP4 tile path multiplies exact bf16 operands)")
-    return mma_mode("bf16")
+    """Dot flavour of the tile path: 2 on the GPU for mma None or "bf16x2" (bf16 operands on the tensor cores, the
+    FP4 nibbles decoded two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`), 1 for "bf16" (the same bf16
+    operands bitwise, decoded element-wise through `_e2m1`), 0 under TRITON_INTERPRET=1 for every
+    flavour (fp32 "ieee" dots; `kernels.gemm.dot_q_w`: the interpreter runs no PTX). "fp8" is refused: an e4m3 dot
+    would need one dot per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the
+    slow layout this path replaced. Raises ValueError for any other value."""
+    if mma not in (None, "bf16", "bf16x2"):
+        _fail("moe_experts", "mma", repr(mma),
+              "None, 'bf16' or 'bf16x2' (the FP4 tile path multiplies exact bf16 operands)")
+    mode = mma_mode("bf16")
+    return 2 if mode == 1 and mma in (None, "bf16x2") else mode
 
 
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
@@ -764,8 +805,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     with clamps and routing weight), act-quantize h, the down launch (w2), then the fp32 sum over slots.
 
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E); experts: StackedExperts
-    (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16", the tile path's dot flavour
-    (`_moe_mma`; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
+    (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16" | "bf16x2", the tile path's dot
+    flavour (`_moe_mma`: "bf16x2" decodes the same bf16 operands by packed PTX; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
     `moe_config(T * k, E)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
     (`moe_config(1, E)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
     which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow

@@ -129,9 +129,16 @@ def _specs():
         ("moe._moe_up_tile_kernel", moe._moe_up_tile_kernel,
          dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
               s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1)),
+        ("moe._moe_up_tile_kernel[mma2]", moe._moe_up_tile_kernel,
+         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
+              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=2)),
         ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
          dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BM=32, BN=128, BKH=64, MMA=1)),
+        # the packed PTX decode (mma="bf16x2", `moe._e2m1_bf16x2`): inline PTX assembles for sm_90 and sm_100
+        ("moe._moe_down_tile_kernel[mma2]", moe._moe_down_tile_kernel,
+         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BM=32, BN=128, BKH=64, MMA=2)),
         # the large tiles of moe.TILES_LARGE (64 / 128 token rows, 32-byte K steps)
         ("moe._moe_up_tile_kernel[bm64]", moe._moe_up_tile_kernel,
          dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",

@@ -233,3 +233,38 @@ def test_moe_every_default_config_gpu(seed, T):
     if want == "tiles":
         close_bf16(moe_experts(x, g, idx, ex, 10.0, mma="bf16"), moe_grouped_ref(x, g, idx, ex, 10.0),
                    f"moe y [T{T}, mma bf16]")
+
+
+@pytest.mark.parametrize("T", [64, 1024, 2048, 4096],
+                         ids=["T64-tiles-small", "T1024-tiles-32", "T2048-tiles-64", "T4096-tiles-128"])
+def test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu(seed, T):
+    """mma="bf16x2" (the FP4 nibbles decoded two per 32-bit op by inline PTX, `kernels.moe._e2m1_bf16x2`, the
+    group scale as two exact bf16 factors) gives the same bf16 dot operands as mma="bf16" (`_e2m1` through fp16 /
+    fp32), so the same outputs bit for bit, at every default tile shape (Flash widths). Scale bytes span 60..200:
+    below and above 128, where the second factor 2^(s - 128) takes over (the first is capped at 2^127)."""
+    from kernels.moe import moe_experts
+    E, D, I = GEOM["flash"]
+    ex = make_experts(E, D, I)
+    x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
+    g = torch.rand(T, 6, device="cuda") + 0.1
+    a, b = moe_experts(x, g, idx, ex, 10.0, mma="bf16"), moe_experts(x, g, idx, ex, 10.0, mma="bf16x2")
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
+        f"T{T}: {(a != b).sum().item()} of {a.numel()} outputs differ between the bf16 and bf16x2 decodes"
+    from kernels.moe import TILES_LARGE, StackedExperts
+    E2, D2, I2 = 4, 256, 256
+    parts = {}
+    for n, (o, i) in {"1": (I2, D2), "3": (I2, D2), "2": (D2, I2)}.items():
+        parts["w" + n] = torch.randint(-128, 128, (E2, o, i // 2), dtype=torch.int8, device="cuda")
+        parts["s" + n] = torch.randint(60, 201, (E2, o, i // 32), dtype=torch.uint8,
+                                       device="cuda").view(torch.float8_e8m0fnu)
+    ex2 = StackedExperts(**parts)
+    x2 = (torch.randn(64, D2, device="cuda") * 2.0 ** -40).to(torch.bfloat16)
+    idx2 = torch.rand(64, E2, device="cuda").topk(2, dim=-1).indices
+    g2 = torch.rand(64, 2, device="cuda") + 0.1
+    cfg = TILES_LARGE[0][1]  # the 32-row tiles (block_n divides 256)
+    a2 = moe_experts(x2, g2, idx2, ex2, 0.0, mma="bf16", config=cfg)
+    b2 = moe_experts(x2, g2, idx2, ex2, 0.0, mma="bf16x2", config=cfg)
+    assert bool(torch.isfinite(a2.float()).all()) and float(a2.float().abs().max()) > 0
+    assert torch.equal(a2.view(torch.int16), b2.view(torch.int16)), \
+        f"scales 2^-67..2^73: {(a2 != b2).sum().item()} of {a2.numel()} outputs differ between the decodes"

@@ -768,8 +768,22 @@ def test_moe_names_bad_input():
         moe_grouped_ref(x, g, idx + 6, ex, 10.0)
     with pytest.raises(ValueError, match="mma is 'fp8'"):
         moe_experts(x, g, idx, ex, 10.0, mma="fp8")
+    with pytest.raises(ValueError, match=r"mma is 'bf16x4'; expected None, 'bf16' or 'bf16x2'"):
+        moe_experts(x, g, idx, ex, 10.0, mma="bf16x4")
     with pytest.raises(ValueError, match="config is"):
         moe_experts(x, g, idx, ex, 10.0, config=MoeConfig("tiles", 48, 32, 32, 4, 1))
+
+
+def test_moe_mma_flavours():
+    """The tile path's dot flavours: under the interpreter every accepted flavour runs MMA 0 (fp32 "ieee" dots; no
+    PTX), on a GPU None / "bf16x2" select the packed PTX decode (2) and "bf16" the element-wise one (1) - the
+    GPU test `test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu` holds them bitwise equal."""
+    from unittest import mock
+
+    from kernels import moe
+    assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [0, 0, 0]
+    with mock.patch.object(moe, "mma_mode", lambda name: 1):
+        assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [2, 1, 2]
 
 
 def test_stack_experts_views_and_values():
