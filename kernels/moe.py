@@ -304,6 +304,21 @@ def moe_route(indices: torch.Tensor, n_experts: int, block_m: int) -> MoeRoute:
     return MoeRoute(row_pair, tile_expert, block_m)
 
 
+E2M1_BF16X2_PTX = """{
+.reg .b32 t0, t1, m, s;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 m, t0, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
+shl.b32 m, t1, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
+shl.b32 m, t0, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 $2, m, s;
+shl.b32 m, t1, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 $3, m, s;
+}"""
+"""The packed e2m1 -> bf16 decode of `_e2m1_bf16x2` (inline PTX; $4 = four int8 bytes, $0 / $1 = the low nibbles of
+bytes 0, 1 / 2, 3 as bf16 pairs e2m1 * 2^-126, $2 / $3 the high nibbles). Module level so that the unit tests run it
+on every byte through a small PTX emulator (`tests/unit/test_gemm_moe_kernels.py::test_e2m1_bf16x2_ptx_decodes_every_byte`):
+the interpreter runs no PTX."""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
@@ -325,6 +340,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+    _E2M1_PTX = tl.constexpr(E2M1_BF16X2_PTX)
+
     @triton.jit
     def _e2m1_bf16x2(b8):
         """Packed e2m1 bytes b8 (int8: low nibble = even input, high = odd) -> (low, high) nibble values as bf16
@@ -336,17 +353,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         op, where `_e2m1`'s element-wise route costs ~9 instructions per weight with its conversions (SASS of the
         tile kernel, sm_90: 2328 -> 1353 instructions per K step of w1 and w3). GPU only: the interpreter runs no
         PTX (the tile path's MMA 0 decodes through `_e2m1`)."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 t0, t1, m, s;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            shl.b32 m, t0, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
-            shl.b32 m, t1, 6; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
-            shl.b32 m, t0, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 $2, m, s;
-            shl.b32 m, t1, 2; and.b32 m, m, 0x01C001C0; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 $3, m, s;
-            }""",
-            "=r,=r,=r,=r,r", [b8], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [b8], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
 
 
     @triton.jit
