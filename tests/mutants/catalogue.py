@@ -313,6 +313,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("route_kernel_ties_reversed", "router kernel breaks top-k ties unlike the reference (higher index first)",
            patches.route_kernel_ties_reversed,
            ("tests/unit/test_router_kernel.py::test_route_tie_rule[sqrtsoftplus]",)),
+    # issue 27: the FP4 tile path's packed nibble decode (inline PTX)
+    Mutant("moe_packed_decode_sign_shift", "the packed PTX FP4 decode puts a nibble's sign one bit low",
+           patches.moe_packed_decode_sign_shift,
+           ("tests/unit/test_gemm_moe_kernels.py::test_e2m1_bf16x2_ptx_decodes_every_byte",)),
 ]}
 
 

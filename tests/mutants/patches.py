@@ -1036,3 +1036,14 @@ def topk_key_slot_offset_dropped(mp: MP) -> None:
     from kernels import indexer
 
     _jit_source_mutant(mp, indexer, "_topk_row", "tl.where(slot < kk, idx + OFF, -1)", "tl.where(slot < kk, idx, -1)")
+
+
+def moe_packed_decode_sign_shift(mp: MP) -> None:
+    """The FP4 tile path's packed PTX decode (`kernels.moe.E2M1_BF16X2_PTX`, `_e2m1_bf16x2`: the GPU default
+    mma="bf16x2") shifts the low nibbles' sign of bytes 0 / 1 to bit 14 instead of 15 (the element-wise decode and
+    the references are right). The interpreter runs no PTX: the CPU emulation of the PTX kills it."""
+    from kernels import moe
+
+    old = "shl.b32 s, t0, 12"
+    assert moe.E2M1_BF16X2_PTX.count(old) == 1, "the PTX changed; update the mutant"
+    mp.setattr(moe, "E2M1_BF16X2_PTX", moe.E2M1_BF16X2_PTX.replace(old, "shl.b32 s, t0, 11"))

@@ -774,6 +774,64 @@ def test_moe_names_bad_input():
         moe_experts(x, g, idx, ex, 10.0, config=MoeConfig("tiles", 48, 32, 32, 4, 1))
 
 
+def _run_ptx(ptx: str, regs: dict) -> dict:
+    """A tiny emulator of the PTX subset of `kernels.moe.E2M1_BF16X2_PTX` (b32 prmt in its default mode, shl, and,
+    or; `.reg` declarations; operands registers, $n or integer literals) on uint32 values."""
+    import re
+    val = lambda tok: int(tok, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok) else regs[tok]  # noqa: E731
+    for ins in (i.strip() for i in ptx.strip().strip("{}").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) & 0xFFFFFFFF for t in src]
+        if op == "prmt.b32":
+            pool = (a[0] | (a[1] << 32)).to_bytes(8, "little")
+            regs[d] = int.from_bytes(bytes(pool[(a[2] >> (4 * k)) & 7] for k in range(4)), "little")
+        elif op == "shl.b32":
+            regs[d] = (a[0] << a[1]) & 0xFFFFFFFF
+        elif op == "and.b32":
+            regs[d] = a[0] & a[1]
+        elif op == "or.b32":
+            regs[d] = a[0] | a[1]
+        else:
+            raise AssertionError(f"the emulator does not know {op!r}: extend it with the PTX")
+    return regs
+
+
+def _ptx_decode_errors(ptx: str) -> int:
+    """Bytes (all 256, each in every one of the four positions of a register) whose decoded (low, high) nibble
+    bf16 lanes differ from e2m1 * 2^-126 rounded by torch (exact: 0.5 * 2^-126 is a bf16 subnormal)."""
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    want = {}
+    for nib in range(16):
+        v = (-1.0 if nib & 8 else 1.0) * table[nib & 7] * 2.0 ** -126
+        want[nib] = int(torch.tensor(v, dtype=torch.float32).bfloat16().view(torch.int16)) & 0xFFFF
+    bad = 0
+    for byte in range(256):
+        for pos in range(4):
+            word = (byte << (8 * pos)) | (((byte * 37 + 11) & 0xFF) << (8 * ((pos + 1) % 4)))
+            r = _run_ptx(ptx, {"$4": word})
+            out = [(r[f"${j // 2}"] >> (16 * (j % 2))) & 0xFFFF for j in range(4)]  # low nibbles of bytes 0..3
+            out += [(r[f"${2 + j // 2}"] >> (16 * (j % 2))) & 0xFFFF for j in range(4)]  # high nibbles
+            b = (word >> (8 * pos)) & 0xFF
+            bad += out[pos] != want[b & 15] or out[4 + pos] != want[b >> 4]
+    return bad
+
+
+def test_e2m1_bf16x2_ptx_decodes_every_byte():
+    """The packed decode's PTX (`kernels.moe.E2M1_BF16X2_PTX`, run on the GPU by `_e2m1_bf16x2`; the interpreter
+    runs no PTX) emulated on the CPU: every byte at every position of the packed register gives its low and high
+    nibble as bf16 e2m1 * 2^-126 exactly (sign, both exponent bits, the mantissa bit, 0.5 as the subnormal), in
+    the lanes `inline_asm_elementwise(pack=4)` reads back (element k: register k // 2, half k % 2). Negative
+    controls: a sign shift off by one and a byte selector of the wrong byte are seen."""
+    from kernels.moe import E2M1_BF16X2_PTX as ptx
+    assert _ptx_decode_errors(ptx) == 0
+    assert ptx.count("shl.b32 s, t0, 12") == 1 and ptx.count("0x4342") == 1
+    assert _ptx_decode_errors(ptx.replace("shl.b32 s, t0, 12", "shl.b32 s, t0, 11")) > 0
+    assert _ptx_decode_errors(ptx.replace("0x4342", "0x4341")) > 0
+
+
 def test_moe_mma_flavours():
     """The tile path's dot flavours: under the interpreter every accepted flavour runs MMA 0 (fp32 "ieee" dots; no
     PTX), on a GPU None / "bf16x2" select the packed PTX decode (2) and "bf16" the element-wise one (1) - the
