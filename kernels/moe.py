@@ -61,9 +61,11 @@ interpreter), "bf16x2" (the default on a GPU: the same operands bitwise, decoded
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
 T=4096 13.7 ms (33.8 ms); with the tile size by pairs per expert (`TILES_LARGE`, session of 2026-12-04 (2)) T=2048
-5.8 ms (7.9 with 32-row tiles), T=4096 9.7 ms. Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's integer ops bound
-the decode path. A decode of two nibbles per integer op (uint32 words) is
-written and interpreter-tested in this branch's commit 08b4564 but not yet measured, so not shipped.
+5.8 ms (7.9 with 32-row tiles), T=4096 9.7 ms. Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's
+instructions bound both paths (SASS of the sm_90 tile kernel: ~9 instructions per weight, the tensor cores idle).
+The tile path's default decode on a GPU is now the packed one (`_e2m1_bf16x2`, mma "bf16x2": inline PTX, two
+weights per 32-bit op, the group scale as packed bf16 multiplies; ~5 instructions per weight in SASS, the same
+operands bitwise); its GPU timing is in benchmarks/RESULTS.md ("Session of 2026-12-06"), pending where not run.
 
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
 w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).
