@@ -360,6 +360,28 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
+    def _e2m1_bf16x2_twin(b8):
+        """`_e2m1_bf16x2`'s bit patterns element-wise in plain Triton (int16 shifts and masks, the PTX's constants),
+        as exact fp32 values (`_as_bf16` MMA 3): what the interpreter runs for mma "bf16x2" (MMA 3), so that the
+        unit suite exercises the packed path's scale factors and dots; the PTX itself is checked by its CPU
+        emulation."""
+        b16 = b8.to(tl.int16)  # sign-extended: the high nibble's sign (bit 7) reaches bit 15
+        lo = ((b16 << 6) & 0x01C0) | ((b16 << 12) & -32768)
+        hi = ((b16 << 2) & 0x01C0) | (b16 & -32768)
+        return _as_bf16(lo, 3), _as_bf16(hi, 3)
+
+
+    @triton.jit
+    def _as_bf16(bits, MMA: tl.constexpr):
+        """int16 bf16 bit patterns -> their values: bf16 by a bitcast, or for MMA 3 (the interpreter, whose int16 ->
+        bf16 bitcast, bf16 subnormals and bf16 products are not faithful in triton 3.9) the fp32 whose top half
+        they are (exact), so that the products with the scale factors are the GPU's exact bf16 products."""
+        if MMA == 3:
+            return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return bits.to(tl.bfloat16, bitcast=True)
+
+
+    @triton.jit
     def _fp4_gemv_chunk(w_ptr, s_ptr, rows64, kh0, KH, KS, xe, xo, BN: tl.constexpr, BKH: tl.constexpr):
         """sum over inputs 2*kh0 .. 2*(kh0+BKH) of `xq . W[row]` for the BN FP4 rows `rows64`: [BN] fp32.
         xe / xo [BKH] fp32 are the even / odd inputs of the chunk (matching the low / high nibbles, so the packed
@@ -531,17 +553,22 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         scales are screened at load), tensor-core dots; MMA 0 (the interpreter, whose bf16 casts and dots are not
         faithful in triton 3.9): fp32 dots with input_precision="ieee" on the same values."""
         offs = kh0 + tl.arange(0, BKH)
-        if MMA == 2:  # the packed decode (`_e2m1_bf16x2`), times the group scale as two exact bf16 factors
+        if MMA >= 2:  # the packed decode (`_e2m1_bf16x2`), times the group scale as two exact bf16 factors
             b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
             sq = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int16)
             sq = sq & 255
-            m1 = ((tl.minimum(sq, 128) + 126) << 7).to(tl.bfloat16, bitcast=True)  # 2^(min(s, 128) - 1)
-            m2 = tl.where(sq == 255, 0x7FC0, (tl.maximum(sq, 128) - 1) << 7).to(tl.bfloat16, bitcast=True)
+            m1 = _as_bf16((tl.minimum(sq, 128) + 126) << 7, MMA)  # 2^(min(s, 128) - 1)
+            m2 = _as_bf16(tl.where(sq == 255, 0x7FC0, (tl.maximum(sq, 128) - 1) << 7), MMA)  # 2^(max(s, 128) - 128)
             m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
             m2 = tl.reshape(tl.broadcast_to(m2[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))
-            lo, hi = _e2m1_bf16x2(b8)
-            acc = tl.dot(lo * m1 * m2, xe, acc)
-            acc = tl.dot(hi * m1 * m2, xo, acc)
+            if MMA == 2:
+                lo, hi = _e2m1_bf16x2(b8)
+                acc = tl.dot(lo * m1 * m2, xe, acc)
+                acc = tl.dot(hi * m1 * m2, xo, acc)
+            else:  # MMA 3, the interpreter: the PTX's bits element-wise, the same factors, fp32 "ieee" dots
+                lo, hi = _e2m1_bf16x2_twin(b8)
+                acc += tl.dot(lo * m1 * m2, xe.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(hi * m1 * m2, xo.to(tl.float32), input_precision="ieee")
             return acc
         b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)
         sg = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
@@ -717,15 +744,18 @@ def _chunk(block_kh: int, half_width: int) -> int:
 def _moe_mma(mma: str | None) -> int:
     """Dot flavour of the tile path: 2 on the GPU for mma None or "bf16x2" (bf16 operands on the tensor cores, the
     FP4 nibbles decoded two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`), 1 for "bf16" (the same bf16
-    operands bitwise, decoded element-wise through `_e2m1`), 0 under TRITON_INTERPRET=1 for every
-    flavour (fp32 "ieee" dots; `kernels.gemm.dot_q_w`: the interpreter runs no PTX). "fp8" is refused: an e4m3 dot
+    operands bitwise, decoded element-wise through `_e2m1`); under TRITON_INTERPRET=1 0 for None / "bf16" (fp32
+    "ieee" dots; `kernels.gemm.dot_q_w`) and 3 for "bf16x2" (the packed path's scale factors and fp32 "ieee" dots,
+    the nibbles through `_e2m1_bf16x2_twin`: the interpreter runs no PTX). "fp8" is refused: an e4m3 dot
     would need one dot per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the
     slow layout this path replaced. Raises ValueError for any other value."""
     if mma not in (None, "bf16", "bf16x2"):
         _fail("moe_experts", "mma", repr(mma),
               "None, 'bf16' or 'bf16x2' (the FP4 tile path multiplies exact bf16 operands)")
     mode = mma_mode("bf16")
-    return 2 if mode == 1 and mma in (None, "bf16x2") else mode
+    if mma == "bf16x2" or (mma is None and mode == 1):
+        return 2 if mode == 1 else 3
+    return mode
 
 
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,

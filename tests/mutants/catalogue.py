@@ -317,6 +317,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("moe_packed_decode_sign_shift", "the packed PTX FP4 decode puts a nibble's sign one bit low",
            patches.moe_packed_decode_sign_shift,
            ("tests/unit/test_gemm_moe_kernels.py::test_e2m1_bf16x2_ptx_decodes_every_byte",)),
+    Mutant("moe_packed_scale_factor_off", "the packed FP4 tile path's second scale factor is one binade low",
+           patches.moe_packed_scale_factor_off,
+           ("tests/unit/test_gemm_moe_kernels.py::test_moe_tiles_packed_path_is_bitwise_the_elementwise_one"
+            "[bm16-bn32-kh32]",)),
 ]}
 
 

@@ -1047,3 +1047,12 @@ def moe_packed_decode_sign_shift(mp: MP) -> None:
     old = "shl.b32 s, t0, 12"
     assert moe.E2M1_BF16X2_PTX.count(old) == 1, "the PTX changed; update the mutant"
     mp.setattr(moe, "E2M1_BF16X2_PTX", moe.E2M1_BF16X2_PTX.replace(old, "shl.b32 s, t0, 11"))
+
+
+def moe_packed_scale_factor_off(mp: MP) -> None:
+    """The packed FP4 tile path (mma "bf16x2"; MMA 3 under the interpreter) builds its second scale factor
+    2^(max(s, 128) - 128) one binade low, so every weight is halved (the element-wise decode and the references
+    are right)."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_fp4_tile_dot", "(tl.maximum(sq, 128) - 1) << 7", "(tl.maximum(sq, 128) - 2) << 7")

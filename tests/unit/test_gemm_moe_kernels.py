@@ -839,9 +839,31 @@ def test_moe_mma_flavours():
     from unittest import mock
 
     from kernels import moe
-    assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [0, 0, 0]
+    assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [0, 0, 3]
     with mock.patch.object(moe, "mma_mode", lambda name: 1):
         assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [2, 1, 2]
+
+
+@pytest.mark.parametrize("cfg", [MoeConfig("tiles", 16, 32, 32, 4, 1), MoeConfig("tiles", 32, 64, 64, 4, 1)],
+                         ids=["bm16-bn32-kh32", "bm32-bn64-kh64"])
+def test_moe_tiles_packed_path_is_bitwise_the_elementwise_one(seed, cfg):
+    """mma "bf16x2" (under the interpreter MMA 3: the packed path's two bf16 scale factors 2^(min(s,128)-1) and
+    2^(max(s,128)-128), the nibbles as the PTX's bits element-wise) gives bitwise the outputs of mma "bf16" (the
+    element-wise decode `_e2m1` times the fp32 scale), for scale bytes 100..160 (both factors at work; the outputs
+    finite and non-zero) and for the realistic binades of `make_experts`, whose outputs are checked against the
+    reference too."""
+    g, idx = routing(5, 3, IDX5)
+    x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
+    ex = make_experts()
+    a, b = (moe_experts(x, g, idx, ex, 10.0, mma=m, config=cfg) for m in ("bf16", "bf16x2"))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"{(a != b).sum().item()} outputs differ"
+    close_bf16(b, moe_grouped_ref(x, g, idx, ex, 10.0), f"moe y bf16x2 {cfg}")
+    wide = ex._replace(**{f"s{n}": torch.randint(100, 161, getattr(ex, f"s{n}").shape, dtype=torch.uint8)
+                          .view(torch.float8_e8m0fnu).to(DEV) for n in "123"})
+    xs = (x.float() * 2.0 ** -20).to(torch.bfloat16)
+    a, b = (moe_experts(xs, g, idx, wide, 0.0, mma=m, config=cfg) for m in ("bf16", "bf16x2"))
+    assert bool(torch.isfinite(a.float()).all()) and float(a.float().abs().max()) > 0
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"wide scales: {(a != b).sum().item()} differ"
 
 
 def test_stack_experts_views_and_values():
