@@ -55,17 +55,17 @@ TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_p
 interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
 
 `mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
-interpreter), "bf16x2" (the default on a GPU: the same operands bitwise, decoded by packed inline PTX,
-`_e2m1_bf16x2`); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
+interpreter), "bf16x2" (opt-in: the same operands bitwise, decoded by packed inline PTX, `_e2m1_bf16x2`; not
+yet timed on a GPU); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
 
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
 T=4096 13.7 ms (33.8 ms); with the tile size by pairs per expert (`TILES_LARGE`, session of 2026-12-04 (2)) T=2048
 5.8 ms (7.9 with 32-row tiles), T=4096 9.7 ms. Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's
 instructions bound both paths (SASS of the sm_90 tile kernel: ~9 instructions per weight, the tensor cores idle).
-The tile path's default decode on a GPU is now the packed one (`_e2m1_bf16x2`, mma "bf16x2": inline PTX, two
-weights per 32-bit op, the group scale as packed bf16 multiplies; ~5 instructions per weight in SASS, the same
-operands bitwise); its GPU timing is in benchmarks/RESULTS.md ("Session of 2026-12-06"), pending where not run.
+The packed decode (`_e2m1_bf16x2`, mma "bf16x2": inline PTX, two weights per 32-bit op, the group scale as packed
+bf16 multiplies; ~6.5 instructions per weight in SASS, the same operands bitwise) is opt-in until a GPU times it
+(benchmarks/RESULTS.md, "Session of 2026-12-06"; `benchmarks/moe_tile_decode_probe.py`).
 
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
 w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).
@@ -742,9 +742,10 @@ def _chunk(block_kh: int, half_width: int) -> int:
 
 
 def _moe_mma(mma: str | None) -> int:
-    """Dot flavour of the tile path: 2 on the GPU for mma None or "bf16x2" (bf16 operands on the tensor cores, the
-    FP4 nibbles decoded two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`), 1 for "bf16" (the same bf16
-    operands bitwise, decoded element-wise through `_e2m1`); under TRITON_INTERPRET=1 0 for None / "bf16" (fp32
+    """Dot flavour of the tile path: 1 on the GPU for mma None or "bf16" (bf16 operands on the tensor cores,
+    decoded element-wise through `_e2m1`), 2 for "bf16x2" (the same bf16 operands bitwise, the FP4 nibbles decoded
+    two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`; opt-in until timed and checked on a GPU,
+    benchmarks/RESULTS.md "Session of 2026-12-06"); under TRITON_INTERPRET=1 0 for None / "bf16" (fp32
     "ieee" dots; `kernels.gemm.dot_q_w`) and 3 for "bf16x2" (the packed path's scale factors and fp32 "ieee" dots,
     the nibbles through `_e2m1_bf16x2_twin`: the interpreter runs no PTX). "fp8" is refused: an e4m3 dot
     would need one dot per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the
@@ -753,7 +754,7 @@ def _moe_mma(mma: str | None) -> int:
         _fail("moe_experts", "mma", repr(mma),
               "None, 'bf16' or 'bf16x2' (the FP4 tile path multiplies exact bf16 operands)")
     mode = mma_mode("bf16")
-    if mma == "bf16x2" or (mma is None and mode == 1):
+    if mma == "bf16x2":
         return 2 if mode == 1 else 3
     return mode
 
