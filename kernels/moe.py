@@ -353,8 +353,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         (e, m) is exponent e, mantissa m/2, so 0.5 is the subnormal 2^-127 = 0.5 * 2^-126) and one of the sign to
         bit 15, masked and joined (`shl`, `and`, `or`: ptxas makes SHF / LOP3 of them) - two weights per integer
         op, where `_e2m1`'s element-wise route costs ~9 instructions per weight with its conversions (SASS of the
-        tile kernel, sm_90: 2328 -> 1353 instructions per K step of w1 and w3). GPU only: the interpreter runs no
-        PTX (the tile path's MMA 0 decodes through `_e2m1`)."""
+        tile kernel, sm_90, with the two scale-factor multiplies: 2328 -> 1675 instructions per K step of w1 and
+        w3). GPU only: the interpreter runs no PTX (mma "bf16x2" runs `_e2m1_bf16x2_twin` there, MMA 3)."""
         return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [b8], dtype=(tl.bfloat16, tl.bfloat16),
                                          is_pure=True, pack=4)
 
