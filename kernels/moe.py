@@ -556,7 +556,6 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         if MMA >= 2:  # the packed decode (`_e2m1_bf16x2`), times the group scale as two exact bf16 factors
             b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
             sq = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int16)
-            sq = sq & 255
             m1 = _as_bf16((tl.minimum(sq, 128) + 126) << 7, MMA)  # 2^(min(s, 128) - 1)
             m2 = _as_bf16(tl.where(sq == 255, 0x7FC0, (tl.maximum(sq, 128) - 1) << 7), MMA)  # 2^(max(s, 128) - 128)
             m1 = tl.reshape(tl.broadcast_to(m1[:, :, None], (BN, BKH // 16, 16)), (BN, BKH))

@@ -55,13 +55,14 @@ def test_fp8_linear_gpu(seed, name, K, N, M):
             close_bf16(fp8_linear(x, w, s, out=out, prefill=method, mma=mma), ref, f"y[{method}, {mma}]")
 
 
-def make_experts(E, D, I):
-    """Random on-disk codes (int8 bytes = two e2m1 nibbles) and ue8m0 scales over 2^-9..2^0."""
+def make_experts(E, D, I, s_lo=118, s_hi=128):
+    """Random on-disk codes (int8 bytes = two e2m1 nibbles) and ue8m0 scale bytes in [s_lo, s_hi) (by default
+    2^-9..2^0)."""
     from kernels.moe import StackedExperts
     parts = {}
     for n, (o, i) in {"1": (I, D), "3": (I, D), "2": (D, I)}.items():
         parts["w" + n] = torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
-        parts["s" + n] = torch.randint(118, 128, (E, o, i // 32), dtype=torch.uint8,
+        parts["s" + n] = torch.randint(s_lo, s_hi, (E, o, i // 32), dtype=torch.uint8,
                                        device="cuda").view(torch.float8_e8m0fnu)
     return StackedExperts(**parts)
 
@@ -251,14 +252,9 @@ def test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu(seed, T):
     a, b = moe_experts(x, g, idx, ex, 10.0, mma="bf16"), moe_experts(x, g, idx, ex, 10.0, mma="bf16x2")
     assert torch.equal(a.view(torch.int16), b.view(torch.int16)), \
         f"T{T}: {(a != b).sum().item()} of {a.numel()} outputs differ between the bf16 and bf16x2 decodes"
-    from kernels.moe import TILES_LARGE, StackedExperts
-    E2, D2, I2 = 4, 256, 256
-    parts = {}
-    for n, (o, i) in {"1": (I2, D2), "3": (I2, D2), "2": (D2, I2)}.items():
-        parts["w" + n] = torch.randint(-128, 128, (E2, o, i // 2), dtype=torch.int8, device="cuda")
-        parts["s" + n] = torch.randint(100, 161, (E2, o, i // 32), dtype=torch.uint8,
-                                       device="cuda").view(torch.float8_e8m0fnu)
-    ex2 = StackedExperts(**parts)
+    from kernels.moe import TILES_LARGE
+    E2, D2 = 4, 256
+    ex2 = make_experts(E2, D2, D2, 100, 161)
     x2 = (torch.randn(64, D2, device="cuda") * 2.0 ** -20).to(torch.bfloat16)
     idx2 = torch.rand(64, E2, device="cuda").topk(2, dim=-1).indices
     g2 = torch.rand(64, 2, device="cuda") + 0.1
