@@ -35,6 +35,15 @@ def _nested_kernel(x_ptr, y_ptr, n, B: tl.constexpr):
 
 
 @triton.jit
+def _reduce_kernel(x_ptr, y_ptr, B: tl.constexpr):  # tl.sum / tl.max / tl.zeros: triton.language.standard's
+    x = tl.load(x_ptr + tl.program_id(0) * B + tl.arange(0, B))  # helpers, which see `core`, not `tl`
+    acc = tl.zeros([B], dtype=tl.float32)
+    for _ in range(3):
+        acc += _twice(x) - tl.max(x, axis=0)
+    tl.store(y_ptr + tl.program_id(0), tl.sum(acc, axis=0) + tl.max(acc, axis=0))
+
+
+@triton.jit
 def _failing_kernel(x_ptr, B: tl.constexpr):
     tl.store(x_ptr + tl.arange(0, B), _twice(tl.load(x_ptr + tl.arange(0, B))) + undefined_name)  # noqa: F821
 
@@ -60,3 +69,16 @@ def test_nested_helpers_compute_and_the_language_is_restored():
     assert _builtins_unpatched(), "a failing launch left the language patched"
     _nested_kernel[(3,)](x, y, 37, B=16)  # the next launch patches and computes again
     assert torch.equal(y, (3 * x).bfloat16().float())
+
+
+def test_standard_library_helpers_compute_in_every_launch():
+    """tl.sum / tl.max / tl.zeros are nested jit helpers whose module sees `triton.language.core` (the kernel's
+    sees `tl`): the first such call of a launch patches `core`, the next ones skip the walk - each launch, each
+    program, still computes the reduction."""
+    for _ in range(2):  # two launches: the second starts from a fresh bookkeeping entry
+        x = torch.randn(3, 16)
+        y = torch.empty(3)
+        _reduce_kernel[(3,)](x, y, B=16)
+        acc = 3 * (2 * x - x.max(dim=1, keepdim=True).values)
+        torch.testing.assert_close(y, acc.sum(1) + acc.max(1).values, rtol=1e-6, atol=1e-5)
+    assert _builtins_unpatched()
