@@ -64,9 +64,8 @@ def test_verify_step_equals_single_steps(model):
     (p,), (ids,) = _prompts(3, (7,)), _prompts(4, (3,))
     one = model.new_state(1, 128)
     model(p[None], one)
+    multi = one.copy_row(0)  # the same prefilled state, its buffers copied (one 7-token prefill, not two)
     singles = [model(ids[j].view(1, 1), one)[0] for j in range(3)]
-    multi = model.new_state(1, 128)
-    model(p[None], multi)
     step = model(ids[None], multi, all_logits=True)[0]  # [3, V]: the decode step with s = 3
     assert one.row_pos == multi.row_pos == [10]
     for j in range(3):

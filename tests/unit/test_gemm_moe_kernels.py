@@ -221,12 +221,14 @@ def test_fp8_gemv_swiglu_is_the_two_launches(seed, label, limit):
     `linear_swiglu_ref`. I = 256 (two 128-row scale blocks per half; the v half's rows ~30x the u half's, so a v
     row scaled by a u block is seen), K = 640 (a dead K tail for bkb 2 / 16); limit: the median |u|, |v|, so each
     clamp (v both ways, u from above) bites on some elements and not on others. The one-row-per-program variant
-    runs with the limit only (512 programs: 24 s under the interpreter per case; the unclamped epilogue is the same
-    code in every variant and runs in the other three)."""
+    runs with the limit only, at I = 128 and K = 384 (one program per row: 512 x 5 K blocks took 24 s under the
+    interpreter; its v rows still start at the second scale block, K still has a dead tail for bkb 2, and the
+    unclamped epilogue is the same code in every variant and runs in the other three)."""
     from kernels.gemm import fp8_gemv_swiglu
     from kernels.moe import linear_swiglu_ref, swiglu_joint
     cfg = ROWS_VARIANTS[label]
-    x, (w, s) = make_x(1, 640), make_w8(512, 640)
+    I, K = (128, 384) if cfg.bn == 1 else (256, 640)
+    x, (w, s) = make_x(1, K), make_w8(2 * I, K)
     uv = fp8_linear(x, w, s, gemv=cfg)
     lim = float(uv.float().abs().median()) if limit else 0.0
     got = fp8_gemv_swiglu(x, w, s, lim, gemv=cfg)
@@ -234,8 +236,8 @@ def test_fp8_gemv_swiglu_is_the_two_launches(seed, label, limit):
     if limit:
         u, v = uv.float().chunk(2, -1)
         assert bool((u > lim).any() and (u < lim).any() and (v.abs() > lim).any()), "the clamps never bite"
-    assert got.shape == (1, 256) and torch.equal(got.view(torch.int16), two.view(torch.int16)), \
-        f"{label}: {(got != two).sum().item()} of 256 differ from fp8_linear + swiglu_joint"
+    assert got.shape == (1, I) and torch.equal(got.view(torch.int16), two.view(torch.int16)), \
+        f"{label}: {(got != two).sum().item()} of {I} differ from fp8_linear + swiglu_joint"
     close_bf16(got, linear_swiglu_ref(x, w, s, 128, lim), f"h[{label}]")
 
 
