@@ -58,3 +58,26 @@ def test_a_renamed_test_is_reported(tmp_path):
     (tmp_path / "tests/unit/test_a.py").write_text("def test_here():\n    pass\n")
     (tmp_path / "doc.md").write_text("pinned by `test_a.py::test_here`, `::test_gone` and test_b.py::test_x\n")
     assert missing(tmp_path, ["doc.md"]) == ["doc.md: test_a.py::test_gone", "doc.md: test_b.py::test_x"]
+
+
+def gpu_hardstop_files(root: Path) -> set[str]:
+    """tests/gpu files whose tests are marked `hardstop` (module `pytestmark` or a decorator)."""
+    return {f.name for f in root.glob("tests/gpu/test_*.py") if "mark.hardstop" in f.read_text()}
+
+
+def listed_gpu_hardstops(text: str) -> set[str]:
+    """The test files named in the README's GPU hard-stop sentence ("GPU hard stops ... A failing one ends")."""
+    part = text.split("GPU hard stops (", 1)[1].split("A failing one ends", 1)[0]
+    return set(re.findall(r"test_\w+\.py", part))
+
+
+def test_readme_lists_every_gpu_hard_stop_file():
+    """The README's list of GPU hard-stop files is the set of tests/gpu files marked hardstop (a user runs
+    `pytest tests/gpu -m hardstop` from it; a file left out of the list is a hard stop nobody is told about)."""
+    listed, marked = listed_gpu_hardstops((ROOT / "README.md").read_text()), gpu_hardstop_files(ROOT)
+    assert listed == marked, f"README lists {sorted(listed - marked)} not marked; marked {sorted(marked - listed)} not listed"
+
+
+def test_a_gpu_hard_stop_left_out_is_reported():
+    text = (ROOT / "README.md").read_text()
+    assert listed_gpu_hardstops(text.replace("`test_speculative.py` (MTP", "(MTP")) != gpu_hardstop_files(ROOT)
