@@ -34,11 +34,12 @@ from rich.progress import track
 from safetensors import safe_open
 
 from dsv4 import quant, synth
-from dsv4.config import ModelArgs, SymlinkLoopError, check_not_loop, loads_json, symlink_loop
+from dsv4.config import ModelArgs, SymlinkLoopError, check_has_mtp, check_not_loop, loads_json, symlink_loop
 from dsv4.formats import (CODE_DTYPES, DTYPE_BYTES, INDEX_FILE, PLACEHOLDER_KEY, PROVENANCE_FILE,
                           QUANTIZED_DTYPES, SINGLE_FILE, TORCH_DTYPES, CheckpointError, Inventory,
                           PlaceholderCheckpointError, cast_unquantized, check_values, expected_tensors,
                           find_bad_values, inventory_bytes)
+from dsv4.state import check_device
 from dsv4.synth import SynthSpec, geometry_args, is_synth_source, parse_source, source_provenance, synth_inventory
 
 __all__ = ["Source", "Checkpoint", "SynthCheckpoint", "open_source", "open_for_load", "load_checkpoint",
@@ -596,14 +597,25 @@ def open_for_load(spec: str | Path | Source, *, n_layers: int | None = None, inc
     that is loaded present. Returns (source, `args.with_layers(n_layers)` or `args`, the names to read, sorted:
     the globals, main layers `< n_layers`, `mtp.*` with `include_mtp`; `.scale` only with `quantized`).
 
-    Raises ValueError (n_layers outside 1..args.n_layers), FileNotFoundError, CheckpointError (see `Checkpoint`,
-    `Source.validate`; with `quantized` a checkpoint that holds no FP8/FP4 weight: a bf16 checkpoint has nothing
-    to keep quantized).
+    Raises ValueError (n_layers outside 1..args.n_layers; `NoMTPBlockError` for `include_mtp` when config.json has
+    num_nextn_predict_layers 0), FileNotFoundError, CheckpointError (see `Checkpoint`, `Source.validate`; with
+    `include_mtp` an MTP block config.json lists but no tensor of it is present, named as such; with `quantized` a
+    checkpoint that holds no FP8/FP4 weight: a bf16 checkpoint has nothing to keep quantized).
     """
     src = spec if isinstance(spec, Source) else open_source(spec)
     args = src.args
+    if include_mtp:
+        check_has_mtp(args, f"{src.path}: this checkpoint")
     out_args = args if n_layers is None else args.with_layers(n_layers)
     want = expected_tensors(args, n_layers, include_mtp)
+    for k in range(args.n_mtp_layers if include_mtp else 0):  # a block wholly absent is named as such
+        block = [n for n in want if n.startswith(f"mtp.{k}.")]
+        if not any(n in src for n in block):
+            raise CheckpointError(f"{src.path}: config.json says num_nextn_predict_layers = {args.n_mtp_layers}, "
+                                  f"but the checkpoint holds no tensor of the MTP block mtp.{k} ({len(block)} "
+                                  "expected, e.g. " + block[0] + "); speculative decoding with the MTP drafter "
+                                  "needs it (a checkpoint written without its MTP block must say "
+                                  "num_nextn_predict_layers = 0)")
     src.validate(expected_tensors(args, include_mtp=True), required=set(want))
     if quantized and not any(src.info(n)[1] in QUANTIZED_DTYPES for n in want):
         raise CheckpointError(f"{src.path}: dequantize=False (--weights quantized), but the checkpoint holds no "
@@ -639,9 +651,11 @@ def load_checkpoint(path: str | Path, *, n_layers: int | None = None, include_mt
     [out, in] / int8 [out, in/2]) together with their `.scale` (float8_e8m0fnu), untouched; the rest as above.
 
     Returns: (`args.with_layers(n_layers)` if n_layers is given else `args`, {name: tensor on `device`}).
-    Raises: what `open_for_load` and `Source.load` raise (every loaded tensor is checked by `check_values` in both
-        modes).
+    Raises: ValueError naming a `device` that is not 'cpu', 'cuda' or 'cuda:N' or a CUDA device not visible here
+        (`dsv4.state.check_device`); what `open_for_load` and `Source.load` raise (every loaded tensor is checked by
+        `check_values` in both modes).
     """
+    check_device(device)
     src, out_args, names = open_for_load(path, n_layers=n_layers, include_mtp=include_mtp,
                                          quantized=not dequantize)
     names = sorted(names, key=lambda n: (str(src.info(n)[2]), n))  # shard by shard

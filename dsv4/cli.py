@@ -10,12 +10,19 @@ stderr; exit status 0 = pass / allowed, 2 = bad input, 3 = hard stop / blocked, 
 decisive test could not decide; not a pass), 141 = stdout closed by its
 reader (`| head -1`: the command ends quietly, no traceback, as a writer killed by SIGPIPE would), 130 = Ctrl-C
 (one line, no traceback; a report file gets its failure report, an interrupted make-tiny / make-checkpoint
-directory has no index). Running out of memory is a named error (exit 2), not an allocator traceback.
+directory has no index). Running out of memory is a named error (exit 2), not an allocator traceback, and so is
+every named bad-input error of the library (`dsv4.report.is_user_error`: a request over the model's context, a
+checkpoint or config error, ...); only a bug shows a traceback (exit status 1). Limits that depend on the
+checkpoint (the prompt + `generate --max-tokens` against the model's context) are checked once its config and
+tokenizer are read, before any weight is read or generated (`diagnose` checks its own lengths the same way,
+`dsv4.diagnose.check_lengths`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import importlib.util
 import math
 import os
@@ -24,18 +31,19 @@ import sys
 from pathlib import Path
 
 from dsv4 import __version__  # dsv4/__init__.py imports nothing
+from dsv4.report import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, is_out_of_memory,  # no torch
+                         outcome_of, release_frames, set_command_line)
 
 DEFAULT_PROMPT = "What is the capital of France?"
 DEFAULT_CONTINUE_TOKENS = 32  # = dsv4.diagnose.DEFAULT_CONTINUE_TOKENS (not imported: it would import torch)
 EXIT_CODES = ("exit status: 0 = pass (diagnose) / allowed (gate) / done; 2 = bad input (arguments, environment, "
-              "missing or invalid checkpoint files, git errors); 3 = hard stop (diagnose: a decisive test failed) / "
+              "missing or invalid checkpoint files, a request over a limit such as the model's context, git errors; "
+              "checked before any work where it can be); 3 = hard stop (diagnose: a decisive test failed) / "
               "blocked (gate); 4 = inconclusive (diagnose: no decisive test failed, but one could not decide on this "
               "input, e.g. tolerances that would also pass a model without a final norm: not a pass); 141 = stdout "
               "was closed by its reader (e.g. `| head -1`): the command stops quietly, "
               "as a shell reports a writer ended by SIGPIPE; 130 = interrupted (Ctrl-C): one line on stderr, "
-              "nothing half-written")
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+              "nothing half-written; 1 = a bug in dsv4 (a traceback)")
 ENVIRONMENT = ("environment: DSV4_CKPT = default checkpoint directory; TEST_LAYERS = load and run only the first N "
                "main layers (a canonical integer 1..n_layers); TRITON_INTERPRET=1 = run the triton backend on CPU "
                "(tests); RANK, WORLD_SIZE, LOCAL_RANK = set by torchrun (all three consistent, or none)")
@@ -369,49 +377,119 @@ def _check_report_path(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    from dsv4.report import set_command_line  # the CLI parses before importing torch
+    """Entry point of the `dsv4` console script; returns the process exit status (see EXIT_CODES).
 
+    An exception that reaches here ends the command as `dsv4.report.outcome_of` says: a bad-input error of the
+    library (a limit, a checkpoint, config or launch error: `dsv4.report.is_user_error`) or running out of memory
+    is one line `dsv4 COMMAND: error: ...` and exit status 2, Ctrl-C one line and 130, a closed stdout 141
+    quietly; anything else is a bug and propagates (a traceback, exit status 1). Before the line, a progress bar
+    the failed step left open is finished (`dsv4.report.release_frames`), so nothing is drawn after the error
+    line."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     set_command_line(["dsv4", *argv])  # what reports record as the command line
     args = parse_args(argv)
     problem = _check_launch(args) or _check_report_path(args) or _check_runtime(args)
     if problem is not None:
         build_parser().dsv4_subparsers[args.command].error(problem)
     try:
-        rc = _dispatch(args)
+        with contextlib.redirect_stderr(_BarsEndBeforeErrors(sys.stderr, args.command)):
+            rc = _check_generate(args) if args.command == "generate" else None
+            if rc is None:
+                rc = _dispatch(args)
         sys.stdout.flush()  # a reader that left shows up here at the latest
         return rc
     except BrokenPipeError:  # `dsv4 make-checkpoint ... | head -1`: the reader has what it wanted
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
-    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (reports and output directories see to themselves)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, no traceback (reports and output directories see to themselves)
+        release_frames(e)
         _end_line()
         print(f"dsv4 {args.command}: interrupted (Ctrl-C){_interrupted_note(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except MemoryError as e:
-        print(f"dsv4 {args.command}: error: out of memory ({type(e).__name__}{': ' + str(e) if str(e) else ''}); "
-              "use fewer layers (TEST_LAYERS=N), --weights quantized, or a larger device", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        if not _is_out_of_memory(e):
+    except Exception as e:
+        status, message = outcome_of(e)
+        if status != EXIT_BAD_INPUT:  # a bug: the traceback says where
             raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"dsv4 {args.command}: error: out of memory: {first}; use fewer layers (TEST_LAYERS=N), --weights "
-              "quantized, or a larger device (dsv4.memory_plan gives the weights' bytes)", file=sys.stderr)
-        return 2
+        release_frames(e)
+        print(f"dsv4 {args.command}: error: {message}", file=sys.stderr)
+        return status
     finally:
         _close_process_group()
 
 
-def _is_out_of_memory(e: BaseException) -> bool:
-    """torch's allocator failures: `torch.OutOfMemoryError` (CUDA) and the CPU allocator's RuntimeError."""
-    torch = sys.modules.get("torch")
-    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
-    if oom is not None and isinstance(e, oom):
-        return True
-    text = str(e)
-    return "DefaultCPUAllocator: can't allocate memory" in text or "CUDA out of memory" in text
+class _BarsEndBeforeErrors:
+    """stderr while a command runs: an error line `dsv4 COMMAND: error: ...` written while an exception is being
+    handled (the library's `except ...: print(error line)`) first gets that exception's frames released
+    (`release_frames`), so a progress bar the failed step left open is finished before the line instead of being
+    drawn after it (`loading ... 2%` below the error). Everything else passes through unchanged."""
+
+    def __init__(self, stream, command: str) -> None:
+        self._stream, self._prefix = stream, f"dsv4 {command}: error: "
+
+    def write(self, s: str) -> int:
+        if s.startswith(self._prefix):
+            handling = sys.exc_info()[1]
+            if handling is not None:
+                release_frames(handling)
+        return self._stream.write(s)
+
+    def __getattr__(self, name):  # flush, isatty, fileno, encoding ... of the real stream
+        return getattr(self._stream, name)
+
+
+def _check_generate(args: argparse.Namespace) -> int | None:
+    """`dsv4 generate`, before any weight is read or generated: the prompt (tokenized through the official format,
+    with the checkpoint's tokenizer) + --max-tokens (+ k + 1 with --speculative K) must fit the model's context
+    (`dsv4.memory_plan.check_context`, the rule of `dsv4.generate.generate` and of the speculative decoders).
+    Returns 2 after the one error line when it does not (or the checkpoint, its config, TEST_LAYERS or the
+    tokenizer is unusable: the same line `run_generate` would print after loading); None to go on. For a synthetic
+    source it also says on stderr what is generated, and that it is slow on CPU."""
+    from dsv4.config import layers_from_env  # the CLI parses before importing torch
+    from dsv4.diagnose import synthesis_note  # the CLI parses before importing torch
+    from dsv4.encoding import prompt_ids  # the CLI parses before importing torch
+    from dsv4.generate import resolve_ckpt  # the CLI parses before importing torch
+    from dsv4.launch import launch_from_env  # the CLI parses before importing torch
+    from dsv4.memory_plan import check_context, check_fits  # the CLI parses before importing torch
+    from dsv4.model import STATE_GRAIN  # the CLI parses before importing torch
+    from dsv4.synth import checkpoint_args, is_synth_source, tokenizer_folder  # the CLI parses before importing torch
+    from dsv4.tokenizer import load_tokenizer  # the CLI parses before importing torch
+
+    try:
+        path = resolve_ckpt(args.ckpt)
+        if path is None:  # run_generate names the missing checkpoint
+            return None
+        full = checkpoint_args(path)
+        tok = load_tokenizer(tokenizer_folder(path))
+        log = logging.getLogger("dsv4.encoding")
+        was = log.disabled
+        log.disabled = True  # the special-string warning comes once, from generate's own prompt_ids
+        try:
+            ids = prompt_ids(tok, [{"role": "user", "content": args.prompt}], thinking=args.thinking)
+        finally:
+            log.disabled = was
+        if args.speculative:
+            k = args.speculative
+            check_context(full, prompt_tokens=len(ids), value=args.max_tokens, option="--max-tokens",
+                          overhead=k + 1, overhead_why=f"one verify step of k + 1 tokens, --speculative {k}",
+                          grain=STATE_GRAIN)
+        else:
+            check_context(full, prompt_tokens=len(ids), value=args.max_tokens, option="--max-tokens")
+        if is_synth_source(path):  # every value is computed on load: say what, and that it is slow on CPU
+            n, mtp = layers_from_env(full.n_layers), args.speculative > 0
+            dtype_bytes = {"bf16": 2, "fp32": 4}[args.dtype]
+            if not launch_from_env().distributed:  # a load that cannot fit is refused before the note
+                check_fits(full, n, device=args.device, dtype_bytes=dtype_bytes, weights=args.weights,
+                           include_mtp=mtp)
+            note = synthesis_note(path, n, device=args.device, dtype_bytes=dtype_bytes, weights=args.weights,
+                                  include_mtp=mtp)
+            print(f"dsv4 generate: {note}", file=sys.stderr, flush=True)
+    except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:  # LimitError, and what run_generate reports
+        if isinstance(e, RuntimeError) and is_out_of_memory(e):
+            raise
+        release_frames(e)
+        print(f"dsv4 generate: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return None
 
 
 def _end_line() -> None:
@@ -504,6 +582,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         except BrokenPipeError:
             raise
         except (OSError, ValueError) as e:
+            release_frames(e)
             print(f"dsv4 make-tiny: error: {e}", file=sys.stderr)
             return 2
         print(f"wrote tiny DeepSeek-V4 checkpoint ({args.variant}) to {out}")
@@ -533,6 +612,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # stdout (the progress lines) closed by its reader: `main` ends quietly
         raise
     except (OSError, ValueError) as e:
+        release_frames(e)
         print(f"dsv4 make-checkpoint: error: {e}", file=sys.stderr)
         return 2
     return 0

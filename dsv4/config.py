@@ -27,7 +27,7 @@ from typing import Any
 __all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG", "HFKey", "HF_CONFIG_KEYS", "CONFIG_RANGES", "FP8_BLOCK",
            "FP4_BLOCK", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
            "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json",
-           "SymlinkLoopError", "symlink_loop", "check_not_loop"]
+           "SymlinkLoopError", "symlink_loop", "check_not_loop", "NoMTPBlockError", "check_has_mtp"]
 
 TEST_LAYERS_ENV = "TEST_LAYERS"
 _SCORE_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
@@ -317,7 +317,8 @@ class ModelArgs:
         its type, default and the field it fills come from `HF_CONFIG`.
 
         Raises:
-            FileNotFoundError: the path has no config.json (`SymlinkLoopError`, a FileNotFoundError, when the path
+            FileNotFoundError: the path has no config.json, or its config.json is a directory or not a regular
+                file, each said as such (`SymlinkLoopError`, a FileNotFoundError, when the path or its config.json
                 is a symbolic link loop).
             UnsupportedRevisionError (a ValueError): the config belongs to a known later revision (V4.1, a DSpark
                 re-release such as V4-Flash-0731, or the released layer counts with more `compress_ratios`
@@ -325,8 +326,8 @@ class ModelArgs:
                 differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
-                key); `num_key_value_heads != 1`; `rope_scaling` not YaRN; `compress_ratios` without exactly one
-                entry for each main layer and MTP block; a value `ModelArgs` rejects (its message, prefixed
+                key); `model_type` missing or not 'deepseek_v4'; `num_key_value_heads != 1`; `rope_scaling` not
+                YaRN; `compress_ratios` without exactly one entry for each main layer and MTP block; a value `ModelArgs` rejects (its message, prefixed
                 with the config file when read from one, followed by the config.json key when it is named
                 differently: `HF_CONFIG_KEYS`; out-of-range values: `CONFIG_RANGES`).
         """
@@ -339,8 +340,12 @@ class ModelArgs:
             if p.is_dir():
                 p = p / "config.json"
                 check_not_loop(p, "an HF-style DeepSeek-V4 config.json")
+                if p.is_dir():
+                    raise FileNotFoundError(f"{p}: is a directory, not a file (expected the HF-style DeepSeek-V4 "
+                                            "config.json file)")
             if not p.is_file():
-                raise FileNotFoundError(f"{p}: no config.json (expected an HF-style DeepSeek-V4 config)")
+                what = "no config.json" if not p.exists() else "not a regular file (e.g. a FIFO or device)"
+                raise FileNotFoundError(f"{p}: {what} (expected an HF-style DeepSeek-V4 config)")
             src = str(p)
             cfg = load_json(p)
         if not isinstance(cfg, dict):
@@ -356,8 +361,11 @@ class ModelArgs:
                                  f"{_json_value(want)} ({_json_kind(want)}; the value of the released DeepSeek-V4 "
                                  "configs, compared by type and value); a checkpoint with another value would run "
                                  "a different model")
-        mt = cfg.get("model_type")
-        if mt is not None and mt != "deepseek_v4":
+        if "model_type" not in cfg:  # transformers would guess the model (and print a false tokenizer warning)
+            raise ValueError(f"{src}: missing key 'model_type' (expected 'deepseek_v4', as in every released "
+                             "DeepSeek-V4 config.json; transformers and dsv4 read it to know the model)")
+        mt = cfg["model_type"]
+        if mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
         kv = cfg.get("num_key_value_heads", 1)
         if not isinstance(kv, int) or isinstance(kv, bool):
@@ -621,6 +629,19 @@ def check_not_loop(p: str | os.PathLike, expected: str) -> None:
     if symlink_loop(p):
         raise SymlinkLoopError(f"{p}: symbolic link loop (the link resolves back to itself), expected {expected}; "
                                "fix or remove the link")
+
+
+class NoMTPBlockError(ValueError):
+    """The MTP drafter (or a load of the MTP block) was asked of a checkpoint / `ModelArgs` without one
+    (`num_nextn_predict_layers` 0, e.g. `dsv4 make-checkpoint --no-mtp`)."""
+
+
+def check_has_mtp(args: "ModelArgs", where: str = "this checkpoint") -> None:
+    """Raise `NoMTPBlockError` (a ValueError) naming `where` when `args` has no MTP block
+    (`n_mtp_layers` = config.json `num_nextn_predict_layers` 0): speculative decoding with the MTP drafter needs one."""
+    if args.n_mtp_layers == 0:
+        raise NoMTPBlockError(f"{where} has no MTP block (num_nextn_predict_layers = 0); speculative decoding with "
+                              "the MTP drafter needs it (use a checkpoint with an MTP block, or another drafter)")
 
 
 class DuplicateKeyError(ValueError):

@@ -23,6 +23,8 @@ import hashlib
 import importlib
 import io
 import json
+import logging
+import math
 import os
 import platform
 import shlex
@@ -40,23 +42,28 @@ import dsv4
 import dsv4.final_norm
 import dsv4.generate  # load_model, final_norm_check, make_tiny looked up per call (the run's seams)
 import dsv4.tiny
-from dsv4.checkpoint import placeholder_evidence, read_index
-from dsv4.config import ModelArgs
+from dsv4.checkpoint import expected_tensors, placeholder_evidence, read_index
+from dsv4.config import ModelArgs, layers_from_env
 from dsv4.encoding import (ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER, encode_messages, prompt_ids,
                            special_strings_in_messages)
 from dsv4.final_norm import final_norm_check  # noqa: F401  (dsv4.diagnose.final_norm_check)
 from dsv4.generate import CKPT_ENV, resolve_ckpt
 from dsv4.launch import LaunchEnvError, launch_from_env
+from dsv4.memory_plan import GiB, check_context, check_fits, load_bytes, max_new_tokens
+from dsv4.model import STATE_GRAIN
 from dsv4.speculative import AdversaryDrafter, ContinuationDrafter, speculative_greedy
-from dsv4.report import ReportFile, ReportPathError, SCHEMA_VERSION, command_line
-from dsv4.synth import geometry_config, is_synth_source, parse_source, source_provenance, tokenizer_folder
+from dsv4.report import (EXIT_BAD_INPUT, ReportFile, ReportPathError, SCHEMA_VERSION, command_line, outcome_of,
+                         release_frames)
+from dsv4.synth import (checkpoint_args, geometry_config, is_synth_source, parse_source, source_provenance,
+                        tokenizer_folder)
 from dsv4.tokenizer import load_tokenizer
 
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
            "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
            "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "continuation_verdict",
            "format_continuation_report", "speculative_check", "format_speculative_check", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
-           "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS"]
+           "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS", "check_lengths", "SPECULATIVE_CHECK_K",
+           "synthesis_note"]
 
 DEFAULT_CONTINUE_TOKENS = 32
 
@@ -423,7 +430,10 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
     return Continuation(out, text, "eos" if out[-1] == eos else "max_tokens", loop_measure(body), found)
 
 
-def speculative_check(model, prompt: list[int], plain: Continuation, k: int = 3) -> dict:
+SPECULATIVE_CHECK_K = 3  # drafts per verify step of the oracle drafter in `speculative_check` (the adversary: k - 1)
+
+
+def speculative_check(model, prompt: list[int], plain: Continuation, k: int = SPECULATIVE_CHECK_K) -> dict:
     """Decode the template continuation again with speculative decoding (`dsv4.speculative.speculative_greedy`:
     verify steps of k + 1 tokens and their rollbacks) with two drafters that need no MTP block: the oracle (the
     plain continuation itself: every draft accepted, so every verify window is kept whole) and the adversary
@@ -696,6 +706,75 @@ def format_final_norm_report(r) -> str:
     return "\n".join(lines)
 
 
+def _prompt_lengths(tokenizer, prompt: str, thinking: bool) -> tuple[int, int]:
+    """(hand-rolled, official template) token counts of `prompt`, without the special-string warning of
+    `prompt_ids` (it comes once, when `template_diff` builds the prompt the model is fed)."""
+    log = logging.getLogger("dsv4.encoding")
+    was, log.disabled = log.disabled, True
+    try:
+        fed = prompt_ids(tokenizer, [{"role": "user", "content": prompt}], thinking=thinking)
+    finally:
+        log.disabled = was
+    return len(hand_rolled_ids(tokenizer, prompt)), len(fed)
+
+
+def check_lengths(args: ModelArgs, *, template_tokens: int, hand_rolled_tokens: int, decode_steps: int,
+                  continue_tokens: int, k: int = SPECULATIVE_CHECK_K) -> None:
+    """Refuse, before any model work, a `dsv4 diagnose` run whose rows exceed the model's context
+    (`dsv4.memory_plan.check_context`: the rule of `dsv4.generate.generate`, prompt + generated tokens <=
+    original_seq_len x rope_factor):
+        Test 2            the template prompt + `decode_steps` + 1 generated tokens (one after the prefill, one per
+                          decode step);
+        continuations     each prompt (hand-rolled, template) + `continue_tokens`;
+        speculative check the template prompt + `continue_tokens` + k + 1 (a verify step past the last token), in a
+                          decode state of whole `dsv4.model.STATE_GRAIN` blocks (`dsv4.speculative`).
+    Raises `dsv4.memory_plan.LimitError` naming the option, the numbers and the largest value of it that fits
+    (for --continue-tokens the tightest of its three rows), or that the prompt alone leaves no room."""
+    check_context(args, prompt_tokens=template_tokens, value=decode_steps, option="--decode-steps",
+                  prompt_label="Test 2: the prompt", overhead=1,
+                  overhead_why="the token after the prefill: Test 2 generates --decode-steps + 1 tokens")
+    rows = [dict(prompt_label="Test 1: the hand-rolled prompt", prompt_tokens=hand_rolled_tokens),
+            dict(prompt_label="Test 1: the prompt", prompt_tokens=template_tokens),
+            dict(prompt_label="Test 1: the prompt", prompt_tokens=template_tokens, overhead=k + 1,
+                 overhead_why=f"the speculative decoding check decodes the continuation again in verify steps of "
+                              f"k + 1 = {k + 1} tokens", grain=STATE_GRAIN)]
+    tightest = min(rows, key=lambda r: max_new_tokens(args, r["prompt_tokens"], overhead=r.get("overhead", 0),
+                                                      grain=r.get("grain", 1)))
+    check_context(args, value=continue_tokens, option="--continue-tokens", **tightest)
+
+
+SYNTH_VALUES_PER_S = 1e7  # order of magnitude of dsv4.synth on a few CPU cores (synth:flash:1: 100+ s for embed/head)
+
+
+def synthesis_note(source, n_layers: int, *, device: str, dtype_bytes: int, weights: str,
+                   include_mtp: bool = False) -> str:
+    """The status line printed before a synthetic source (`synth:GEOMETRY[:LAYERS[:SEED]]`) is loaded, by `dsv4
+    diagnose` and `dsv4 generate`: which weights are generated (the canonical spec, the device, tensors, values,
+    main layers, GiB as held by the memory plan) and, on CPU, that it is slow: every value is computed
+    (`dsv4.synth`), roughly SYNTH_VALUES_PER_S values per second, and the first tensors are the largest, so the
+    progress bar shows nothing for a while (`synth:flash:1` once showed no progress for 100+ s).
+    Raises ValueError for a malformed spec or an `n_layers` outside 1..the source's layers."""
+    src = parse_source(source)
+    args = checkpoint_args(source)
+    inv = expected_tensors(args, n_layers, include_mtp)
+    values = sum(math.prod(shape) * (2 if dt == "I8" else 1) for shape, dt in inv.values())  # FP4: 2 per byte
+    tensors = sum(1 for name in inv if weights == "quantized" or not name.endswith(".scale"))  # as the bar counts
+    try:
+        held = load_bytes(args, n_layers, dtype_bytes=dtype_bytes, weights=weights, include_mtp=include_mtp)
+        held = f", {held / GiB:.1f} GiB as held"
+    except ValueError:
+        held = ""
+    text = (f"generating the synthetic weights of {src} on {device} ({tensors} tensors, {values / 1e9:.2f} billion "
+            f"values, {n_layers} main layer(s){', MTP block' if include_mtp else ''}{held}): random values computed "
+            "from (seed, tensor name), nothing is read from a file")
+    if torch.device(device).type == "cpu":
+        est = values / SYNTH_VALUES_PER_S
+        when = f"~{est / 60:.0f} min" if est >= 90 else f"~{max(est, 1):.0f} s"
+        text += (f"; slow on CPU: of the order of {SYNTH_VALUES_PER_S:.0e} values per second on a few cores ({when} "
+                 "here), and no progress shows while the first, largest tensors are generated")
+    return text
+
+
 PROGRESS_EVERY_S = 2.0  # a running step reports on stderr at most this often
 
 
@@ -711,6 +790,10 @@ class Progress:
     def _say(self, text: str) -> None:
         stream = self._stream or sys.stderr
         print(f"dsv4 {self.command}: {text}", file=stream, flush=True)
+
+    def say(self, text: str) -> None:
+        """One status line `dsv4 COMMAND: TEXT` on stderr, outside any step."""
+        self._say(text)
 
     def step(self, label: str):
         @contextlib.contextmanager
@@ -740,7 +823,10 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
     `dsv4.report.check_report_path`, never inside or over the checkpoint read) are checked before any work: exit 2
     with the reason on stderr. The report file is tied to this run (`dsv4.report.ReportFile`): replaced by an
     incomplete report at the start, by the complete report at the end, or by a failure report (`"passed":
-    false`, `"error"`: the run's error line, `"exit_status"`) when the run fails or raises.
+    false`, `"error"`: the run's error line, `"exit_status"`) when the run fails or raises. The failure report's
+    exit status is always the process's: the status returned, or for an exception the one `dsv4.cli.main` ends
+    with (`dsv4.report.outcome_of`: 2 for a named bad-input error or running out of memory, 130 for Ctrl-C, 141 for a
+    closed stdout, 1 for any other exception, which propagates as a traceback).
     """
 
     try:
@@ -769,7 +855,9 @@ def run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: P
         with contextlib.redirect_stderr(err):
             rc = _run_diagnose(*args)
     except BaseException as e:  # an exception, Ctrl-C, a closed stdout: the report must not claim anything
-        _report_failure(report, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, None)
+        status, message = outcome_of(e)  # the status `dsv4.cli.main` ends the process with
+        _report_failure(report, message if status == EXIT_BAD_INPUT else
+                        f"{type(e).__name__}: {e}" if str(e) else type(e).__name__, status)
         raise
     if rc != EXIT_PASS and report.doc is None:  # failed before the report was complete: say why, in the file
         _report_failure(report, err.last_error or f"dsv4 diagnose ended with exit status {rc} before writing its "
@@ -827,9 +915,15 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
     (`continuation_verdict`; `expect` = the answer the prompt should produce, e.g. "Paris"). That verdict is
     reported, not gated: it does not change the exit status (a random tiny checkpoint cannot answer).
 
+    Before any model work (before the tiny checkpoint is built, before any weight is read or generated) the token
+    counts are checked against the model's context (`check_lengths`: the prompt + `decode_steps` for Test 2, the
+    prompt + `continue_tokens` for the continuations and the speculative check). A synthetic source gets a stderr
+    line saying what is generated (`synthesis_note`) before the slow load.
+
     Returns 0 when both tests pass, 3 (EXIT_HARD_STOP) when either fails, 4 (EXIT_INCONCLUSIVE) when neither
     fails but one could not decide (Test 2's power check, Test 1's special-id / control check), 2 for bad input (missing
-    checkpoint, invalid TEST_LAYERS, a later revision, unreadable files), with the reason on stderr.
+    checkpoint, invalid TEST_LAYERS, a later revision, unreadable files, a prompt + token counts over the model's
+    context: `dsv4.memory_plan.LimitError`), with the reason on stderr.
     """
 
     if expect is not None and not expect.strip():
@@ -837,18 +931,36 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
               "(a check that cannot fail); give the answer's text or leave --expect out", file=sys.stderr)
         return EXIT_ERROR
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    progress = Progress("diagnose")
     with tempfile.TemporaryDirectory(prefix="dsv4-tiny-") as tmp:
         try:
             path = resolve_ckpt(ckpt)
             built = path is None
+            if built:  # its config and tokenizer files are known before it is built: the lengths are checked first
+                full, tok = dsv4.tiny.tiny_args(), load_tokenizer(dsv4.tiny.tokenizer_dir())
+            else:
+                ident = _checkpoint_identity(path, built)
+                full = checkpoint_args(path)
+                tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
+            hand_n, fed_n = _prompt_lengths(tok, prompt, thinking)
+            check_lengths(full, template_tokens=fed_n, hand_rolled_tokens=hand_n, decode_steps=decode_steps,
+                          continue_tokens=continue_tokens)
             if built:
                 path = dsv4.tiny.make_tiny(Path(tmp) / "ckpt", variant="fp8", seed=0)
-            ident = _checkpoint_identity(path, built)
-
-            tok = load_tokenizer(tokenizer_folder(path))  # a `synth:` source: the packaged tokenizer files
-            model, n_layers = dsv4.generate.load_model(path, device=device, dtype=torch_dtype, backend=backend,
-                                                       weights=weights, batch_invariant=batch_invariant)
+                ident = _checkpoint_identity(path, built)
+                tok = load_tokenizer(tokenizer_folder(path))
+            load = contextlib.nullcontext()
+            if is_synth_source(path):  # every value is computed: say what, and that it is slow on CPU, first
+                n, dtype_bytes = layers_from_env(full.n_layers), torch.empty((), dtype=torch_dtype).element_size()
+                if not launch_from_env().distributed:  # a load that cannot fit is refused before the note
+                    check_fits(full, n, device=device, dtype_bytes=dtype_bytes, weights=weights)
+                progress.say(synthesis_note(path, n, device=device, dtype_bytes=dtype_bytes, weights=weights))
+                load = progress.step(f"generating the weights of {parse_source(path)}")
+            with load:
+                model, n_layers = dsv4.generate.load_model(path, device=device, dtype=torch_dtype, backend=backend,
+                                                           weights=weights, batch_invariant=batch_invariant)
         except (FileNotFoundError, ValueError, RuntimeError, OSError) as e:
+            release_frames(e)  # a progress bar the failed load left open ends before the line
             print(f"dsv4 diagnose: error: {e}", file=sys.stderr)
             return EXIT_ERROR
         env = environment()
@@ -868,7 +980,6 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         fed = diff.template_ids
         test1_outcome = "HARD STOP" if fed != diff.encoder_ids else diff.outcome
         # Test 2 prefills the fed ids: its first greedy token is the template's top-1 (no second prefill)
-        progress = Progress("diagnose")
         with progress.step(f"Test 2: final norm (prefill {len(fed)} tokens + {decode_steps} decode step(s))"):
             r = dsv4.final_norm.final_norm_check(model, fed, decode_steps=decode_steps, test_layers=n_layers)
         with progress.step(f"Test 1: greedy continuation of the hand-rolled prompt (up to {continue_tokens} "

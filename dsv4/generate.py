@@ -24,14 +24,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 import dsv4.checkpoint  # called as dsv4.checkpoint.load_checkpoint (looked up per call)
-from dsv4.config import layers_from_env
+from dsv4.config import SymlinkLoopError, check_has_mtp, layers_from_env, symlink_loop
 import dsv4.encoding  # prompt_ids / parse_* looked up per call (a seam the tests replace)
 from dsv4.launch import LaunchEnvError, launch_from_env
-from dsv4.memory_plan import LimitError, MAX_BATCH, check_fits, check_serving, max_context
-from dsv4.model import STATE_GRAIN, DecodeState, Transformer
+from dsv4.memory_plan import LimitError, MAX_BATCH, check_fits, max_context
+from dsv4.model import DecodeState, Transformer
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
-from dsv4.speculative import MTPDrafter, speculative_greedy, speculative_sample
+from dsv4.speculative import MTPDrafter, plan_rows, speculative_greedy, speculative_sample
+from dsv4.state import check_device
 from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
 from dsv4.tokenizer import load_tokenizer
 
@@ -171,7 +172,7 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     _check_sampling(temperature, seed)
     ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
     ctx = max_context(model.args)
-    if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.memory_plan.check_serving)
+    if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.speculative.plan_rows)
         raise LimitError(f"the prompt ({len(ids)} tokens) + max_tokens {max_tokens} exceed the model's context of "
                          f"{ctx} tokens per row (original_seq_len x rope_factor); shorten one")
     trace = (trace or ResidualTrace()).bind(model)
@@ -260,8 +261,10 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     memory of a row each); otherwise `chat` is None.
 
     A progress bar on stderr (rich) counts the generated tokens against the most that can be generated; off with
-    progress=False. Limits are checked before any model work (`dsv4.memory_plan.check_serving`: LimitError for a
-    batch over MAX_BATCH, a row over the model's context, a decode state larger than the device has available).
+    progress=False. Limits are checked before any model work (`dsv4.speculative.plan_rows`, then
+    `dsv4.memory_plan.check_serving`): LimitError for a batch over MAX_BATCH, a row over the model's context (the
+    conversation's index and its real total, prompt + max_tokens, never the state's rounded size), a decode state
+    larger than the device has available.
     Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index);
     prompt errors come from `dsv4.encoding` with the conversation's index added."""
     if not isinstance(conversations, (list, tuple)) or not conversations:
@@ -288,15 +291,8 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     plans = [reuse_plan(model, chats[i], prompts[i]) if chats is not None else (0, "fresh") for i in range(n)]
     chat_out: list[ChatState | None] = [None] * n
     rows = min(n, max_batch or min(n, MAX_BATCH))
-    need = max(len(p) + m for p, m in zip(prompts, limits))
-    max_len = -(-need // STATE_GRAIN) * STATE_GRAIN
-    if model.decode_graph_max_len is not None:  # a graph state has the capture's max_len
-        if need > model.decode_graph_max_len:
-            raise LimitError(f"a row needs {need} tokens (prompt + max_tokens); this model decodes through CUDA "
-                             f"graphs of max_len={model.decode_graph_max_len} (use_decode_graphs)")
-        max_len = model.decode_graph_max_len
-    check_serving(model.args, batch=rows, max_len=max_len, device=model.device,
-                  dtype_bytes=torch.empty((), dtype=model.dtype).element_size())
+    max_len = plan_rows(model, rows, [(f"conversations[{i}]", len(p), f"prompt {len(p)} + max_tokens {m}",
+                                       len(p) + m) for i, (p, m) in enumerate(zip(prompts, limits))])
     state = model.new_state(rows, None if model.decode_graph_max_len is not None else max_len)
 
     eos = model.args.eos_token_id
@@ -374,13 +370,17 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     the device of its LOCAL_RANK). Before any weight is read, the memory plan is compared with what the device
     has available: `dsv4.memory_plan.DeviceMemoryError` (a ValueError, with the numbers) when the weights cannot
     fit. Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and `dsv4.parallel.comm_from_env`
-    raise; CheckpointError for weights="quantized" on a bf16 checkpoint. `batch_invariant`: the batch-invariant
-    mode (`Transformer(batch_invariant=True)`, `kernels.invariant`; world size 1 only: ValueError under torchrun,
-    where the all-reduce order is outside its guarantee).
+    raise; CheckpointError for weights="quantized" on a bf16 checkpoint; ValueError naming a `device` that is not
+    'cpu', 'cuda' or 'cuda:N' or a CUDA device not visible here (`dsv4.state.check_device`, as the CLI's --device),
+    and `dsv4.config.NoMTPBlockError` (a ValueError) for mtp=True on a checkpoint without an MTP block
+    (num_nextn_predict_layers 0: speculative decoding with the MTP drafter needs it). `batch_invariant`: the
+    batch-invariant mode (`Transformer(batch_invariant=True)`, `kernels.invariant`; world size 1 only: ValueError
+    under torchrun, where the all-reduce order is outside its guarantee).
     """
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
+    check_device(device)  # before torch's own parse: its error names neither the argument nor dsv4's devices
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if launch_from_env().distributed:
@@ -398,6 +398,8 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
         return model.eval().requires_grad_(False), n
 
     full = checkpoint_args(ckpt)  # config.json, or the geometry of a `synth:` source
+    if mtp:
+        check_has_mtp(full, f"{ckpt}: this checkpoint")
     n = layers_from_env(full.n_layers)
     # the memory plan before any weight is read or generated: a named error with the numbers, not an allocator
     # error minutes later (dsv4.memory_plan.check_fits)
@@ -412,7 +414,9 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def resolve_ckpt(ckpt: Path | None) -> Path | None:
-    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source if it does not exist.
+    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source and the path when it is not a
+    directory, saying why (missing, a broken link, a file); `SymlinkLoopError` (a FileNotFoundError) when it is a
+    symbolic link loop.
     A synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` (`dsv4.synth.parse_source`) is returned as given after
     parsing: ValueError naming the option and the bad field."""
     if ckpt is None and os.environ.get(CKPT_ENV):
@@ -427,7 +431,12 @@ def resolve_ckpt(ckpt: Path | None) -> Path | None:
             raise ValueError(f"{src}: {e}") from None
         return ckpt
     if ckpt is not None and not ckpt.is_dir():
-        raise FileNotFoundError(f"{src}={ckpt}: not a checkpoint directory")
+        if symlink_loop(ckpt):
+            raise SymlinkLoopError(f"{src}={ckpt}: symbolic link loop (the link resolves back to itself), expected "
+                                   "a checkpoint directory; fix or remove the link")
+        what = ("a broken symbolic link (its target does not exist)" if ckpt.is_symlink() else "does not exist") \
+            if not ckpt.exists() else "a file" if ckpt.is_file() else "not a directory"
+        raise FileNotFoundError(f"{src}={ckpt}: not a checkpoint directory ({what})")
     return ckpt
 
 

@@ -30,7 +30,7 @@ from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
 
 __all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB", "DeviceMemoryError",
            "available_bytes", "load_bytes", "check_fits", "MAX_BATCH", "LimitError", "ServingPlan", "max_context",
-           "check_serving"]
+           "check_serving", "max_new_tokens", "check_context"]
 
 RESIDENCY = ("bf16", "quantized")
 GiB = 2 ** 30
@@ -288,6 +288,45 @@ def max_context(args: ModelArgs) -> int:
     return int(args.original_seq_len * args.rope_factor)
 
 
+def max_new_tokens(args: ModelArgs, prompt_tokens: int, *, overhead: int = 0, grain: int = 1) -> int:
+    """The most tokens a row may generate after a prompt of `prompt_tokens` tokens: the model's context
+    (`max_context`), rounded down to a multiple of `grain` where the decode state is held in blocks of `grain`
+    tokens (the speculative decoders' state: `dsv4.model.STATE_GRAIN`), minus the prompt and `overhead` (tokens the
+    row holds beyond prompt + generated, e.g. the k + 1 of one speculative verify step). Less than 1 when the prompt
+    alone leaves no room. Raises ValueError for a negative count or a grain below 1."""
+    if min(prompt_tokens, overhead) < 0 or grain < 1:
+        raise ValueError(f"prompt_tokens={prompt_tokens}, overhead={overhead}, grain={grain}: expected counts >= 0 "
+                         "and a grain >= 1")
+    return max_context(args) // grain * grain - prompt_tokens - overhead
+
+
+def check_context(args: ModelArgs, *, prompt_tokens: int, value: int, option: str, prompt_label: str = "the prompt",
+                  overhead: int = 0, overhead_why: str = "", grain: int = 1) -> None:
+    """Refuse, before any model work, a row of `prompt_tokens` + `value` (+ `overhead`) tokens that does not fit the
+    model's context (`max_new_tokens`: the same rule as `dsv4.generate.generate`, prompt + generated tokens <=
+    original_seq_len x rope_factor). `value` is what the user asked for under the name `option` (`--max-tokens`,
+    `--continue-tokens`, ...); `overhead` tokens are added to it for the reason `overhead_why`.
+
+    Raises LimitError with every number: `{prompt_label} (P tokens) + {option} N [+ overhead (why)] = total tokens
+    exceed the model's context of C tokens per row (...)`, then the largest `{option}` that fits this prompt, or,
+    when none does, how many prompt tokens fit at all."""
+    fits = max_new_tokens(args, prompt_tokens, overhead=overhead, grain=grain)
+    if value <= fits:
+        return
+    ctx = max_context(args)
+    room = ctx // grain * grain
+    where = (f"the model's context of {ctx} tokens per row (original_seq_len {args.original_seq_len} x rope_factor "
+             f"{args.rope_factor})")
+    if room < ctx:
+        where += f", of which a decode state held in blocks of {grain} tokens can use {room}"
+    extra = f" + {overhead} ({overhead_why})" if overhead else ""
+    hint = (f"{option} {fits} or less fits this prompt" if fits >= 1 else
+            f"the prompt alone leaves no room for {option} 1: at most {room - overhead - 1} prompt tokens fit, "
+            "shorten it")
+    raise LimitError(f"{prompt_label} ({prompt_tokens} tokens) + {option} {value}{extra} = "
+                     f"{prompt_tokens + value + overhead} tokens exceed {where}; {hint}")
+
+
 def check_serving(args: ModelArgs, *, batch: int, max_len: int, device: str | torch.device, dtype_bytes: int,
                   ) -> ServingPlan:
     """Check a batch of `batch` rows, each needing up to `max_len` tokens (prompt + generated), against the
@@ -313,9 +352,10 @@ def check_serving(args: ModelArgs, *, batch: int, max_len: int, device: str | to
                          f"{MAX_BATCH} and the rest of the requests wait for a free row")
     ctx = max_context(args)
     if max_len > ctx:
-        raise LimitError(f"a row needs {max_len} tokens (prompt + max_tokens), over the model's context of {ctx} "
-                         f"tokens per row (original_seq_len {args.original_seq_len} x rope_factor "
-                         f"{args.rope_factor}); shorten the prompt or lower max_tokens")
+        raise LimitError(f"a row needs {max_len} tokens (max_len: prompt + max_tokens, as the caller sized the decode "
+                         f"state), over the model's context of {ctx} tokens per row (original_seq_len "
+                         f"{args.original_seq_len} x rope_factor {args.rope_factor}); shorten the prompt or lower "
+                         "max_tokens")
     held = -(-max_len // 128) * 128  # a state holds a multiple of 128 tokens (dsv4.model.STATE_GRAIN)
     row = state_bytes(args, held, 1, dtype_bytes)
     total = state_bytes(args, held, batch, dtype_bytes)

@@ -41,12 +41,12 @@ from torch import nn
 
 from dsv4 import quant
 from dsv4.backend import Backend, get_backend
-from dsv4.config import ModelArgs
+from dsv4.config import ModelArgs, check_has_mtp
 from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
 from dsv4.graph import GraphDecodeState, check_graph_model
 # the decode state (`dsv4.state`)
 from dsv4.resident import check_weights_mode, hold_on_disk
-from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver
+from dsv4.state import CompressorState, DecodeState, LayerState, ResidualObserver, check_device
 from kernels.fp32_linear import fp32_linear_ref  # the router's default (`Gate`), re-exported
 from kernels.attention import step_index_offset, window_slots  # the key slots (spec §5.5), re-exported
 from kernels.indexer import indexer_topk_ref
@@ -61,7 +61,7 @@ REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
 MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "MAX_STEP_TOKENS", "window_slots", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "LOADABLE_DTYPES", "MAX_STEP_TOKENS", "window_slots", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -989,6 +989,22 @@ def held_bf16_names(model: nn.Module) -> set[str]:
             or (isinstance(m, Gate) and m.weight.dtype == torch.bfloat16)}
 
 
+# The dtypes `Transformer.load_weights` accepts for a parameter / buffer of a given dtype, apart from on-disk codes
+# (float8 / int8 buffers take exactly their own dtype): the dtypes the checkpoint readers return for it
+# (`dsv4.checkpoint.load_checkpoint`: F32 / BF16 tensors, FP8 / FP4 weights dequantized to float32 or bfloat16, I64
+# tid2eid). Anything else (an int32 norm weight, a float16 or float64 tensor) is refused by name, never cast.
+LOADABLE_DTYPES: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float32: (torch.float32, torch.bfloat16),
+    torch.bfloat16: (torch.bfloat16, torch.float32),
+    torch.int64: (torch.int64,),
+}
+_LOADABLE_WHY = {
+    torch.float32: "F32 / BF16, or an FP8 / FP4 weight dequantized to float32 or bfloat16",
+    torch.bfloat16: "BF16 / F32, or an FP8 / FP4 weight dequantized to bfloat16 or float32",
+    torch.int64: "I64 expert ids (tid2eid)",
+}
+
+
 class Transformer(nn.Module):
     """DeepSeek-V4 (spec §3): embed -> hc expansion -> blocks -> hc_head -> final RMSNorm `norm` -> `head`.
 
@@ -1009,8 +1025,10 @@ class Transformer(nn.Module):
             Needs backend="triton", dtype=torch.bfloat16, weights="quantized" and FP4 experts the grouped
             kernel takes.
     Raises:
-        ValueError: unsupported dtype, backend or weights mode; weights="quantized" for args whose checkpoint
-            holds no FP8/FP4 weight (a bf16 checkpoint); batch_invariant=True outside what it covers.
+        ValueError: unsupported dtype, device (not cpu / cuda / cuda:N / meta, or a CUDA device not visible:
+            `dsv4.state.check_device`), backend or weights mode; weights="quantized" for args whose checkpoint
+            holds no FP8/FP4 weight (a bf16 checkpoint); batch_invariant=True outside what it covers; mtp=True for
+            args without an MTP block (`dsv4.config.NoMTPBlockError`: num_nextn_predict_layers 0).
     """
 
     def __init__(self, args: ModelArgs, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -1019,6 +1037,7 @@ class Transformer(nn.Module):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
+        check_device(device, allow_meta=True)
         check_weights_mode(weights, args)
         if batch_invariant is True and (dtype != torch.bfloat16 or weights != "quantized"):
             raise ValueError(f"batch_invariant=True needs dtype=torch.bfloat16 and weights='quantized' (got {dtype}, "
@@ -1038,6 +1057,8 @@ class Transformer(nn.Module):
             self.hc_head_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32))
             self.hc_head = HcHead(args)
             # the MTP blocks (spec §10), built only when asked (`mtp.*` is loaded then; plain decoding skips it)
+            if mtp:
+                check_has_mtp(args, "Transformer(mtp=True): the ModelArgs")
             self.mtp = nn.ModuleList(MTPBlock(args, args.n_layers + k, sim, dtype)
                                      for k in range(args.n_mtp_layers)) if mtp else None
         if weights == "quantized":
@@ -1088,11 +1109,14 @@ class Transformer(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load an official-name state dict (from `dsv4.checkpoint.load_checkpoint`; with weights="quantized"
         from `load_checkpoint(..., dequantize=False)`, which adds the `.scale` tensors), casting each
-        floating tensor to the dtype of its parameter. On-disk codes are never cast: a float8 / int8 tensor
+        float32 / bfloat16 tensor to the dtype of its parameter (`LOADABLE_DTYPES`: the dtypes the checkpoint
+        readers return; any other dtype, e.g. an int32 or float16 tensor for a norm weight, or an int32 tid2eid,
+        is refused, never cast). On-disk codes are never cast: a float8 / int8 tensor
         must meet a buffer of exactly its dtype, and a quantized buffer accepts nothing else; a weight held bf16
         as on disk (head, router, compressor wkv / wgate with weights="quantized") accepts only values exact in
         bf16 (`check_bf16_exact`).
-        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, such a dtype mismatch, a
+        Raises RuntimeError listing missing / unexpected keys, a shape mismatch, such a dtype mismatch (naming
+        the tensor, the dtype given and the dtypes expected), a
         floating / bool / complex tensor for an integer buffer (`tid2eid`: never truncated) or a value
         not exact in bf16 (strict); TypeError naming the key of a value that is not a tensor; ValueError naming the tensor, the
         first bad index and the count when a tensor holds a value
@@ -1125,6 +1149,12 @@ class Transformer(nn.Module):
                                                        or v.dtype == torch.bool):
                 raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's integer {own[k].dtype} "
                                    "(a cast would truncate a non-integer value, e.g. 1.7 -> 1; give integer ids)")
+            want = (own[k].dtype,) if own[k].dtype in codes else LOADABLE_DTYPES.get(own[k].dtype, (own[k].dtype,))
+            if v.dtype not in want:  # never cast quietly: an int tensor for a norm weight is a caller's mistake
+                raise RuntimeError(f"{k}: dtype {v.dtype} cannot load into the model's {own[k].dtype} (expected "
+                                   f"{' or '.join(map(str, want))}: what the checkpoint holds for it, "
+                                   f"{_LOADABLE_WHY.get(own[k].dtype, 'as stored')}; another dtype is never cast "
+                                   "silently)")
             if k in held_bf16:
                 check_bf16_exact(k, v)
         cast = {k: v.to(own[k].dtype) for k, v in state_dict.items()}
@@ -1286,7 +1316,8 @@ class Transformer(nn.Module):
         Advances every row by s; a growable state is reallocated first if a row lacks room (`_reserve`), a fixed
         one raises ValueError.
 
-        Raises ValueError for an empty input, a call past a fixed state's max_len, ids outside the vocab, or a
+        Raises ValueError for an empty input, a call past a fixed state's max_len, ids outside the vocab (the first
+        bad id and its [row, position] named), or a
         state this model did not make (another layer count, layer kind, dtype or device: `zip` over the layers
         would otherwise silently run only the common prefix of them); TypeError for a non-tensor input or a
         non-DecodeState state.
@@ -1306,8 +1337,11 @@ class Transformer(nn.Module):
         self._reserve(state, input_ids.shape[1])
         if not (max(state.row_pos) > 0 and state.checks_ids_on_device):  # a graph replay checks them without a sync
             lo, hi = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync
-            if lo < 0 or hi >= self.args.vocab_size:
-                raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): min {lo}, max {hi}")
+            if lo < 0 or hi >= self.args.vocab_size:  # the error path: name the first bad id and its place
+                bad = (input_ids < 0) | (input_ids >= self.args.vocab_size)
+                r, c = bad.nonzero()[0].tolist()
+                raise ValueError(f"input_ids outside [0, {self.args.vocab_size}): input_ids[{r}, {c}]="
+                                 f"{int(input_ids[r, c])} is the first of {int(bad.sum())} (min {lo}, max {hi})")
         rows, s = state.row_pos, input_ids.shape[1]
         stepped = (s == 1 and max(rows) > 0) or (1 < s <= MAX_STEP_TOKENS and min(rows) > 0 and (
             len(set(rows)) > 1 or state.checks_ids_on_device or state.layers[0].trail is not None))

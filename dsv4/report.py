@@ -19,6 +19,10 @@ Rules (`ReportFile`):
   times (UTC), the exit status; and `"schema_version"` (`SCHEMA_VERSION`), raised whenever a field changes
   meaning or shape (2: environment with build tags / CUDA / GPUs / timestamp, labelled alignment rows).
 
+The exit status a failed run records is the process's (`outcome_of`: the status `dsv4.cli.main` ends the command
+with for an exception: 2 for the library's named bad-input errors and for running out of memory, 130 for Ctrl-C,
+141 for a closed stdout, 1 for a bug, which propagates as a traceback); never null.
+
 No torch import: the CLI checks the path before torch loads.
 """
 
@@ -29,12 +33,14 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 import uuid
 from pathlib import Path
 import shlex
 
 __all__ = ["ReportFile", "ReportPathError", "check_report_path", "write_atomically", "SCHEMA_VERSION",
-           "set_command_line", "command_line"]
+           "set_command_line", "command_line", "EXIT_BUG", "EXIT_BAD_INPUT", "EXIT_INTERRUPTED", "EXIT_BROKEN_PIPE",
+           "USER_ERRORS", "is_user_error", "is_out_of_memory", "outcome_of", "release_frames"]
 
 SCHEMA_VERSION = 2
 _COMMAND_LINE: list[str] | None = None
@@ -203,3 +209,83 @@ class ReportFile:
         self.doc["run"]["exit_status"] = exit_status
         self.doc["exit_status"] = exit_status
         self._write(self.doc)
+
+
+# ---------------------------------------------------------------- the exit status of a run that raised
+
+EXIT_BUG = 1  # an exception `dsv4.cli.main` lets through: Python prints the traceback and exits with 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+# The library's named bad-input errors (module, class): the input (arguments, environment, checkpoint files, a
+# request over a limit) is wrong, not dsv4. Looked up in sys.modules, never imported here (the CLI parses before
+# importing torch; a class whose module was never imported cannot have been raised). A plain ValueError /
+# RuntimeError is not among them: raised from inside the library it is a bug, and keeps its traceback.
+USER_ERRORS = (("dsv4.memory_plan", "LimitError"), ("dsv4.memory_plan", "DeviceMemoryError"),
+               ("dsv4.formats", "CheckpointError"), ("dsv4.config", "ModelArgsError"),
+               ("dsv4.config", "UnsupportedRevisionError"), ("dsv4.config", "DuplicateKeyError"),
+               ("dsv4.config", "SymlinkLoopError"), ("dsv4.config", "NoMTPBlockError"),
+               ("dsv4.launch", "LaunchEnvError"), ("dsv4.report", "ReportPathError"),
+               ("dsv4.encoding", "EmptyConversationError"))
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True for the library's named bad-input errors (`USER_ERRORS`: a serving limit such as the model's context,
+    the memory plan, a checkpoint / config / launch / report-path error): a command ends with its one error line
+    and exit status 2, not a traceback."""
+    for module, name in USER_ERRORS:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type) and isinstance(e, cls):
+            return True
+    return False
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's allocator failures: `torch.OutOfMemoryError` (CUDA) and the CPU allocator's RuntimeError."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    if oom is not None and isinstance(e, oom):
+        return True
+    text = str(e)
+    return "DefaultCPUAllocator: can't allocate memory" in text or "CUDA out of memory" in text
+
+
+def outcome_of(e: BaseException) -> tuple[int, str]:
+    """(exit status, message) of a command that raised `e`, as `dsv4.cli.main` ends it: Ctrl-C 130; stdout closed
+    by its reader 141; running out of memory (`MemoryError`, torch's allocator errors: `is_out_of_memory`) and the
+    library's bad-input errors (`is_user_error`) 2, the message being the text of the error line; `SystemExit` its
+    own status; anything else 1 (a bug: `main` lets it through and Python prints the traceback), the message
+    `Type: text`. A report of a run that raised records this status (`dsv4.diagnose.run_diagnose`)."""
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted (Ctrl-C)"
+    if isinstance(e, BrokenPipeError):
+        return EXIT_BROKEN_PIPE, "stdout was closed by its reader"
+    if isinstance(e, SystemExit):
+        code = e.code
+        return (code if isinstance(code, int) else 0 if code is None else 1), f"exit({code!r})"
+    if isinstance(e, MemoryError):
+        return EXIT_BAD_INPUT, (f"out of memory ({type(e).__name__}{': ' + str(e) if str(e) else ''}); use fewer "
+                                "layers (TEST_LAYERS=N), --weights quantized, or a larger device")
+    if isinstance(e, RuntimeError) and is_out_of_memory(e):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return EXIT_BAD_INPUT, (f"out of memory: {first}; use fewer layers (TEST_LAYERS=N), --weights quantized, or "
+                                "a larger device (dsv4.memory_plan gives the weights' bytes)")
+    if is_user_error(e):
+        return EXIT_BAD_INPUT, str(e)
+    return EXIT_BUG, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def release_frames(e: BaseException) -> None:
+    """Before printing the error line for `e`: drop the local variables of the finished frames its traceback (and
+    those of its causes and contexts) holds. A progress bar still open in a suspended generator of those frames
+    (rich's `track` over a load that raised) is then finished at once, before the error line, instead of being
+    drawn after it when the exception is finally released. Never raises."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        try:
+            traceback.clear_frames(e.__traceback__)
+        except Exception:  # a frame that cannot be cleared keeps its bar; the error line still comes
+            pass
+        e = e.__cause__ or e.__context__

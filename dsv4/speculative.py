@@ -28,7 +28,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from dsv4.memory_plan import LimitError, check_serving
+from dsv4.config import check_has_mtp
+from dsv4.memory_plan import LimitError, check_serving, max_context
 from dsv4.model import MAX_STEP_TOKENS, STATE_GRAIN, Transformer
 
 __all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "MTPDrafter", "SpeculativeResult",
@@ -91,12 +92,15 @@ class MTPDrafter:
     the tokens after them). A draft of k chains the block k - 1 times on its own streams, at the positions that
     follow, on a copy of its window ring taken before and put back after (nothing of a draft stays). Its drafts
     on random weights are random: acceptance means nothing there; the output is plain greedy whatever it drafts.
-    Raises ValueError for a model without MTP blocks."""
+    Raises ValueError for a model built without its MTP blocks; `dsv4.config.NoMTPBlockError` (a ValueError) for a
+    model whose checkpoint has none (num_nextn_predict_layers 0)."""
 
     def __init__(self, model: Transformer):
         if getattr(model, "mtp", None) is None:
             raise ValueError("MTPDrafter: the model has no MTP block (build it with Transformer(..., mtp=True) / "
                              "load_model(..., mtp=True))")
+        if len(model.mtp) == 0:
+            check_has_mtp(model.args, "MTPDrafter: this model's checkpoint")
         self.model, self.block = model, model.mtp[0]
         self.st = None
         self.pos = 0
@@ -146,24 +150,38 @@ class SpeculativeResult:
         return (sum(self.accepted) + len(self.accepted)) / len(self.accepted)
 
 
+def _bad_token_ids(ids, V: int, name: str) -> str | None:
+    """Why `ids` is not a non-empty list of token ids in [0, V) (ints; a bool is not one), naming the first bad id
+    and its index; None when it is one."""
+    if not isinstance(ids, (list, tuple)):
+        return f"got {type(ids).__name__}"
+    if not ids:
+        return f"got an empty {type(ids).__name__}"
+    bad = [i for i, t in enumerate(ids) if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V]
+    if not bad:
+        return None
+    t = ids[bad[0]]
+    kind = "" if isinstance(t, int) and not isinstance(t, bool) else f" ({type(t).__name__})"
+    return f"got {name}[{bad[0]}]={t!r}{kind} ({len(bad)} bad of {len(ids)})"
+
+
 def _check_call(model: Transformer, prompt, k, max_tokens, name: str = "prompt") -> None:
-    """ValueError naming the first bad argument of a speculative decode."""
+    """ValueError naming the first bad argument of a speculative decode (a bad prompt id: its value and index)."""
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < MAX_STEP_TOKENS:
         raise ValueError(f"k={k!r}: expected an int in 1..{MAX_STEP_TOKENS - 1} (drafts per verify step)")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens!r}: expected an int >= 1")
     V = model.args.vocab_size
-    if not isinstance(prompt, (list, tuple)) or not prompt or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in prompt):
-        raise ValueError(f"{name}: expected a non-empty list of token ids in [0, {V}) (ints), got "
-                         f"{type(prompt).__name__}")
+    why = _bad_token_ids(prompt, V, name)
+    if why is not None:
+        raise ValueError(f"{name}: expected a non-empty list of token ids in [0, {V}) (ints), {why}")
 
 
 def _check_batch(model: Transformer, prompts, drafters, k, max_tokens) -> list[int]:
     """ValueError naming the first bad argument of a batch speculative decode -> max_tokens per row."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts: expected a non-empty list of prompts (lists of token ids), got "
-                         f"{type(prompts).__name__}")
+                         f"{type(prompts).__name__ if prompts else 'an empty ' + type(prompts).__name__}")
     n = len(prompts)
     limits = [max_tokens] * n if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) else max_tokens
     if not isinstance(limits, (list, tuple)) or len(limits) != n:
@@ -173,10 +191,16 @@ def _check_batch(model: Transformer, prompts, drafters, k, max_tokens) -> list[i
             _check_call(model, p, k, m, f"prompts[{i}]")
         except ValueError as e:
             raise ValueError(f"{e} (row {i})" if str(e).startswith("max_tokens") else str(e)) from None
-    if not isinstance(drafters, (list, tuple)) or len(drafters) != n or any(
-            not callable(getattr(d, "draft", None)) for d in drafters):
-        raise ValueError(f"drafters: expected a list of {n} drafters (objects with draft(context, k)), one per "
-                         f"prompt, got {type(drafters).__name__}")
+    want = f"a list of {n} drafters (objects with draft(context, k)), one per prompt"
+    if not isinstance(drafters, (list, tuple)):
+        raise ValueError(f"drafters: expected {want}, got {type(drafters).__name__}")
+    if len(drafters) != n:
+        raise ValueError(f"drafters: expected {want}, got a {type(drafters).__name__} of {len(drafters)} for "
+                         f"{n} prompt(s)")
+    for j, d in enumerate(drafters):
+        if not callable(getattr(d, "draft", None)):
+            raise ValueError(f"drafters[{j}]: expected a drafter (an object with draft(context, k)), got "
+                             f"{type(d).__name__}")
     stateful = [id(d) for d in drafters if hasattr(d, "begin") or hasattr(d, "accepted")]
     if len(set(stateful)) != len(stateful):
         raise ValueError("drafters: one drafter object serves two rows; a drafter with state of its own "
@@ -184,11 +208,67 @@ def _check_batch(model: Transformer, prompts, drafters, k, max_tokens) -> list[i
     return list(limits)
 
 
-def _check_drafts(drafts, k: int, V: int) -> list[int]:
-    if not isinstance(drafts, (list, tuple)) or len(drafts) != k or any(
-            isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V for t in drafts):
-        raise ValueError(f"drafter returned {drafts!r}: expected a list of {k} token ids (ints) in [0, {V})")
+def _check_eos(model: Transformer, eos) -> int:
+    """The EOS id of a speculative decode: `eos`, the model's when None, -1 for none (every row runs to its
+    max_tokens); ValueError naming any other value than a token id in [0, V) (another id outside the vocabulary
+    would never match either, so a typo would silently run to max_tokens)."""
+    V = model.args.vocab_size
+    if eos is None:
+        return model.args.eos_token_id
+    if isinstance(eos, bool) or not isinstance(eos, int) or not -1 <= eos < V:
+        raise ValueError(f"eos={eos!r}: expected None (the model's EOS, {model.args.eos_token_id}), a token id in "
+                         f"[0, {V}) (an int), or -1 (no EOS: run to max_tokens)")
+    return eos
+
+
+def _check_drafts(drafts, k: int, V: int, row: int = 0) -> list[int]:
+    """The k drafts a drafter returned, as a list; ValueError naming the row and the first bad id (its index)."""
+    if not isinstance(drafts, (list, tuple)) or len(drafts) != k:
+        got = f"a {type(drafts).__name__} of {len(drafts)}" if isinstance(drafts, (list, tuple)) else \
+            type(drafts).__name__
+        raise ValueError(f"drafter returned {drafts!r:.200}: expected a list of {k} token ids (ints) in [0, {V}), "
+                         f"got {got} (row {row})")
+    why = _bad_token_ids(drafts, V, "drafts")
+    if why is not None:
+        raise ValueError(f"drafter returned {drafts!r}: expected a list of {k} token ids (ints) in [0, {V}), {why} "
+                         f"(row {row})")
     return list(drafts)
+
+
+def plan_rows(model: Transformer, batch: int, rows: list[tuple[str, int, str, int]]) -> int:
+    """The max_len of a decode state for `batch` rows of a batched decode (`dsv4.generate.generate_batch`, the
+    speculative decoders), after the serving limits, checked before any model work: `rows` holds one
+    (label, prompt length, what it adds up, tokens it needs) per request. Returns the tokens a row needs, rounded
+    up to a multiple of `STATE_GRAIN` (what the state holds), or the capture's max_len of a model that decodes
+    through CUDA graphs.
+
+    Raises `dsv4.memory_plan.LimitError` naming the request and its real total (not the rounded state size) when
+    a row needs more than the model's context (original_seq_len x rope_factor) or than a CUDA-graph model's
+    max_len; what `check_serving` raises (batch over MAX_BATCH; a decode state larger than the device has
+    available, with the rounded size a row's state holds added when it differs from the real total)."""
+    ctx = max_context(model.args)
+    for label, plen, parts, n in rows:
+        if n > ctx:
+            raise LimitError(f"{label}: a row needs {n} tokens ({parts}), over the model's context of {ctx} tokens "
+                             f"per row (original_seq_len {model.args.original_seq_len} x rope_factor "
+                             f"{model.args.rope_factor}); shorten the prompt ({plen} tokens) or lower max_tokens")
+    label, _, parts, need = max(rows, key=lambda r: r[3])
+    held = -(-need // STATE_GRAIN) * STATE_GRAIN
+    graph = model.decode_graph_max_len
+    if graph is not None:  # a graph state has the capture's max_len
+        if need > graph:
+            raise LimitError(f"{label}: a row needs {need} tokens ({parts}); this model decodes through CUDA graphs "
+                             f"of max_len={graph} (use_decode_graphs)")
+        held = graph
+    try:
+        check_serving(model.args, batch=batch, max_len=need if graph is None else graph, device=model.device,
+                      dtype_bytes=torch.empty((), dtype=model.dtype).element_size())
+    except LimitError as e:
+        if graph is None and held != need and str(e).startswith("the decode state"):
+            raise LimitError(f"{e}; each row's state holds {held} tokens ({need} rounded up to a multiple of "
+                             f"STATE_GRAIN = {STATE_GRAIN})") from None
+        raise
+    return held
 
 
 def _speculate(model: Transformer, prompts: list[list[int]], drafters: list[Drafter], k: int, max_tokens,
@@ -203,18 +283,12 @@ def _speculate(model: Transformer, prompts: list[list[int]], drafters: list[Draf
     keeps nothing (its position is put back each round) and its outputs are not read, so it changes no other
     row's tokens."""
     limits = _check_batch(model, prompts, drafters, k, max_tokens)
-    eos = model.args.eos_token_id if eos is None else eos
+    eos = _check_eos(model, eos)
     V, dev, b = model.args.vocab_size, model.device, len(prompts)
     prompts = [list(p) for p in prompts]
-    need = max(len(p) + m + k + 1 for p, m in zip(prompts, limits))
-    max_len = -(-need // STATE_GRAIN) * STATE_GRAIN
-    if model.decode_graph_max_len is not None:  # a CUDA-graph state has the captures' max_len
-        if need > model.decode_graph_max_len:
-            raise LimitError(f"a row needs {need} tokens (prompt + max_tokens + k + 1); this model decodes through "
-                             f"CUDA graphs of max_len={model.decode_graph_max_len} (use_decode_graphs)")
-        max_len = model.decode_graph_max_len
-    check_serving(model.args, batch=b, max_len=max_len, device=dev,
-                  dtype_bytes=torch.empty((), dtype=model.dtype).element_size())
+    max_len = plan_rows(model, b, [
+        (f"prompts[{i}]", len(p), f"prompt {len(p)} + max_tokens {m} + {k + 1} (k + 1 for the verify step)",
+         len(p) + m + k + 1) for i, (p, m) in enumerate(zip(prompts, limits))])
     state = model.new_state(b, None if model.decode_graph_max_len is not None else max_len)
     if len({len(p) for p in prompts}) == 1:  # one prefill call for rows of one length
         logits, H = model(torch.tensor(prompts, device=dev), state, streams=True)
@@ -229,7 +303,7 @@ def _speculate(model: Transformer, prompts: list[list[int]], drafters: list[Draf
     accepted: list[list[int]] = [[] for _ in range(b)]
     running = [out[i][-1] != eos and len(out[i]) < limits[i] for i in range(b)]
     while any(running):
-        drafts = [_check_drafts(drafters[i].draft(prompts[i] + out[i], k), k, V) if running[i] else [0] * k
+        drafts = [_check_drafts(drafters[i].draft(prompts[i] + out[i], k), k, V, i) if running[i] else [0] * k
                   for i in range(b)]
         ids = torch.tensor([[out[i][-1]] + drafts[i] for i in range(b)], device=dev)
         logits, record = model.verify(ids, state)
@@ -261,8 +335,10 @@ def speculative_greedy(model: Transformer, prompt: list[int], drafter: Drafter, 
                        eos: int | None = None) -> SpeculativeResult:
     """Greedy decoding of `prompt` (token ids) with `k` drafts per verify step (1 <= k < MAX_STEP_TOKENS), batch 1
     (module docstring; `speculative_greedy_batch` of one row). Stops at the model's EOS (`eos`, default the
-    model's) or after max_tokens tokens (a round's tokens past it are dropped). Raises ValueError for k or
-    max_tokens out of range, an empty prompt, or a drafter that returns other than k ints in the vocabulary."""
+    model's; -1: none) or after max_tokens tokens (a round's tokens past it are dropped). Raises ValueError for k
+    or max_tokens out of range, an empty prompt or one holding other than token ids in [0, V) (the first bad id
+    and its index named), an `eos` that is neither such an id nor -1, or a drafter that returns other than k ints
+    in the vocabulary; LimitError as `speculative_greedy_batch`."""
     _check_call(model, prompt, k, max_tokens)
     return speculative_greedy_batch(model, [prompt], [drafter], k=k, max_tokens=max_tokens, eos=eos)[0]
 
@@ -273,9 +349,9 @@ def speculative_greedy_batch(model: Transformer, prompts: list[list[int]], draft
     """Greedy speculative decoding of a batch: `prompts` (b lists of token ids, any lengths: rows sit at their own
     positions), `drafters` (b drafters, one per row: a drafter with state, `MTPDrafter`, may not serve two rows),
     `k` drafts per row per verify step (1 <= k < MAX_STEP_TOKENS), `max_tokens` an int or one per row, `eos`
-    (default the model's). Every round runs ONE verify step of k + 1 tokens for all b rows (`Transformer.verify`,
-    logits fp32 [b, k + 1, V]); row i accepts its own drafts against its own logits (rows accept different
-    lengths) and `Transformer.rollback` keeps each row's prefix. A row stops at its EOS or its max_tokens; a
+    (default the model's; -1: no EOS, every row runs to its max_tokens). Every round runs ONE verify step of
+    k + 1 tokens for all b rows (`Transformer.verify`, logits fp32 [b, k + 1, V]); row i accepts its own drafts
+    against its own logits (rows accept different lengths) and `Transformer.rollback` keeps each row's prefix. A row stops at its EOS or its max_tokens; a
     finished row keeps running in the step on dummy ids and keeps nothing. Returns one `SpeculativeResult` per
     prompt, in order.
 
@@ -283,12 +359,15 @@ def speculative_greedy_batch(model: Transformer, prompts: list[list[int]], draft
     alone, token for token, except from a step where the alone run's top two logits lie within the dtype's
     tolerance (fp32 1e-5 of the largest |logit|: the batched verify step sums in another order), counted.
 
-    Raises ValueError naming the argument for an empty prompt list, a bad prompt (its index), k, max_tokens,
-    drafters not one per prompt (or one stateful drafter shared), or a drafter returning other than k ints in the
-    vocabulary; `dsv4.memory_plan.LimitError` for a batch over MAX_BATCH = 64 rows or a row over the model's
-    context (`check_serving`, before any model work), or over the max_len of a model that decodes through CUDA
-    graphs (`Transformer.use_decode_graphs`: the verify steps then replay a capture, `dsv4.graph`)."""
-    eos_id = model.args.eos_token_id if eos is None else eos
+    Raises ValueError naming the argument for an empty prompt list, a bad prompt (its index, and the first id
+    outside [0, V) with its index), k, max_tokens, an `eos` other than a token id or -1, drafters not one per prompt
+    (the count given and expected; a drafter without draft() by index; one stateful drafter shared), or a drafter
+    returning other than k ints in the vocabulary (its row, the first bad id); `dsv4.memory_plan.LimitError` for a
+    batch over MAX_BATCH = 64 rows or a row over the model's context (the row, its prompt length and what it
+    needs: prompt + max_tokens + k + 1; before any model work, `check_serving`), or over the max_len of a model
+    that decodes through CUDA graphs (`Transformer.use_decode_graphs`: the verify steps then replay a capture,
+    `dsv4.graph`)."""
+    eos_id = _check_eos(model, eos)
 
     def choose(i: int, logits: torch.Tensor, drafts: list[int]) -> list[int]:
         pred = logits.argmax(-1).tolist()  # pred[j]: the model's token after the last token + drafts[:j]
@@ -355,7 +434,7 @@ def speculative_sample_batch(model: Transformer, prompts: list[list[int]], draft
     if not isinstance(seeds, (list, tuple)) or len(seeds) != n or any(
             isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ValueError(f"seed={seed!r}: expected an int or a list of {n} ints (one per prompt)")
-    eos_id = model.args.eos_token_id if eos is None else eos
+    eos_id = _check_eos(model, eos)
     gens = [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
 
     def probs(logits: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,38 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-__all__ = ["CompressorState", "LayerState", "DecodeState", "ResidualObserver"]
+__all__ = ["CompressorState", "LayerState", "DecodeState", "ResidualObserver", "check_device"]
+
+
+def check_device(device, what: str = "device", *, allow_meta: bool = False) -> torch.device:
+    """The torch device `device` (a str or `torch.device`) names, checked as the CLI's --device is: 'cpu', 'cuda'
+    or 'cuda:N' ('meta' too with `allow_meta`: a model without storage, for sizes), and for CUDA a device that is
+    visible here. Raises ValueError naming `what`, the value and what was expected (torch's own error for
+    device="gpu" names neither the argument nor dsv4's devices)."""
+    kinds = "'cpu', 'cuda', 'cuda:N' or 'meta'" if allow_meta else "'cpu', 'cuda' or 'cuda:N'"
+    if isinstance(device, torch.device):
+        ok = device.type in ("cpu", "cuda") or allow_meta and device.type == "meta"
+        dev = device
+    elif isinstance(device, str):
+        ok = re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]*))?" + ("|meta" if allow_meta else ""), device) is not None
+        dev = torch.device(device) if ok else None
+    else:
+        raise ValueError(f"{what}={device!r} ({type(device).__name__}): expected a torch device: {kinds}")
+    if not ok:
+        raise ValueError(f"{what}={device!r}: not a torch device dsv4 runs on (expected {kinds})")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}={device!r}: no CUDA device is visible on this machine (use 'cpu')")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"{what}={device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
 
 
 @dataclass

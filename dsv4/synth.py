@@ -51,6 +51,7 @@ import torch
 from dsv4 import quant
 from dsv4.config import ModelArgs
 from dsv4.formats import DTYPE_BYTES, INDEX_FILE, PLACEHOLDER_KEY, PROVENANCE_FILE, TORCH_DTYPES, expected_tensors
+from dsv4.state import check_device
 from dsv4.tiny import _role as tiny_role
 from dsv4.tiny import check_output_dir, create_output_dir, tiny_args, tokenizer_dir, write_generation_and_tokenizer
 
@@ -475,14 +476,23 @@ def make_checkpoint(out_dir: str | Path, geometry: str = "flash", layers: int | 
     it needs (`log`); `dry_run` writes headers and holes instead of data (needs sparse-file support, checked).
     Files are written in this order: shards (each fsync'ed), then config.json, generation_config.json, tokenizer
     files, `dsv4_synth.json` and the index last, so an interrupted build has no index and fails to open.
+    `include_mtp=False` leaves out the MTP block: no `mtp.*` tensor, and config.json says so
+    (`num_nextn_predict_layers` 0, `compress_ratios` one entry per main layer), so a reader never expects one.
 
     Returns a `BuildReport` (throughput = shard bytes / wall time including fsync).
-    Raises ValueError (geometry / layers / max_shard_bytes), FileExistsError (`out_dir` not empty), OSError (not
-    enough free disk, naming need and free; no sparse files for a dry run; write errors).
+    Raises ValueError (geometry / layers / max_shard_bytes / include_mtp not a bool / a `device` that is not
+    'cpu', 'cuda' or 'cuda:N' or not visible: `dsv4.state.check_device`), FileExistsError (`out_dir`
+    not empty), OSError (not enough free disk, naming need and free; no sparse files for a dry run; write errors).
     """
     say = log or (lambda s: None)
     check_seed(seed)
+    if not isinstance(include_mtp, bool):
+        raise ValueError(f"include_mtp={include_mtp!r}: expected True or False")
+    check_device(device)
     cfg = geometry_config(geometry, layers)
+    if not include_mtp:  # config.json says what the shards hold: no MTP block, no ratio entry for one
+        cfg = dict(cfg, num_nextn_predict_layers=0,
+                   compress_ratios=list(cfg["compress_ratios"][:cfg["num_hidden_layers"]]))
     args = ModelArgs.from_hf_config(cfg)
     plans = plan_shards(args, include_mtp, max_shard_bytes)
     out = Path(out_dir)

@@ -340,3 +340,176 @@ def test_output_dir_that_cannot_be_made_is_named(tmp_path, capsys, command, wher
         why = "Not a directory" if where == "under_a_file" else "No such file or directory"
         assert err == (f"dsv4 {command}: error: {out}: cannot create the output directory ({why}); expected a new "
                        "or empty directory in a writable place")
+
+
+# ------------------------------------------------------------------------------- user trial 2 (one test per class)
+@pytest.fixture(scope="module")
+def no_mtp_ckpt(tmp_path_factory):
+    """`dsv4 make-checkpoint DIR --geometry tiny --no-mtp` (the API it runs)."""
+    from dsv4.synth import make_checkpoint
+
+    d = tmp_path_factory.mktemp("no_mtp") / "ckpt"
+    make_checkpoint(d, "tiny", include_mtp=False, log=None)
+    return d
+
+
+def test_a_checkpoint_without_mtp_says_so_and_speculative_decoding_names_it(no_mtp_ckpt, capsys):
+    """`make-checkpoint --no-mtp` wrote `num_nextn_predict_layers: 1` beside shards without mtp.0.*; then
+    `generate --speculative 2` said `missing tensor mtp.0.attn.attn_sink (... 87 missing in all)`. Now the config
+    says 0 MTP blocks, and asking for the MTP drafter is refused by name at every library entry."""
+    from dsv4.checkpoint import load_checkpoint
+    from dsv4.config import NoMTPBlockError
+    from dsv4.generate import load_model, run_generate
+    from dsv4.model import Transformer
+    from dsv4.speculative import MTPDrafter
+
+    d = no_mtp_ckpt
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 0 and cfg["compress_ratios"] == [0, 4, 128, 4]
+    assert cfg["model_type"] == "deepseek_v4"
+    assert not any(n.startswith("mtp.") for n in Checkpoint(d).keys())
+    want = (rf"^{re.escape(str(d))}: this checkpoint has no MTP block \(num_nextn_predict_layers = 0\); "
+            r"speculative decoding with the MTP drafter needs it")
+    with pytest.raises(NoMTPBlockError, match=want):
+        load_model(d, mtp=True, progress=False)
+    with pytest.raises(NoMTPBlockError, match=want):
+        load_checkpoint(d, include_mtp=True, progress=False)
+    assert run_generate(ckpt=d, prompt="hi", max_tokens=2, temperature=0.0, thinking=False, seed=0, device="cpu",
+                        dtype="fp32", speculative=2) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"dsv4 generate: error: {d}: this checkpoint has no MTP block (num_nextn_predict_layers"
+                          " = 0); speculative decoding with the MTP drafter needs it")
+    m, _ = load_model(d, progress=False)  # plain decoding needs no MTP block
+    with pytest.raises(NoMTPBlockError, match=r"^Transformer\(mtp=True\): the ModelArgs has no MTP block"):
+        Transformer(m.args, mtp=True)
+    with pytest.raises(ValueError, match=r"^MTPDrafter: the model has no MTP block"):
+        MTPDrafter(m)
+
+
+def test_a_config_that_lists_an_mtp_block_the_shards_lack_names_the_block(no_mtp_ckpt, copy_ckpt):
+    """A checkpoint written by the old make-checkpoint --no-mtp (config.json: 1 MTP block, no mtp.* tensor): the
+    MTP load named one tensor of 87 missing; now it names the block and the config key. A plain load still works."""
+    from dsv4.checkpoint import load_checkpoint
+
+    d = copy_ckpt(no_mtp_ckpt)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(num_nextn_predict_layers=1, compress_ratios=cfg["compress_ratios"] + [0])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d))}: config.json says num_nextn_predict_layers = "
+                                              r"1, but the checkpoint holds no tensor of the MTP block mtp.0 \(\d+ "
+                                              r"expected, e.g. mtp.0.\S+\); speculative decoding with the MTP "
+                                              r"drafter needs it"):
+        load_checkpoint(d, include_mtp=True, progress=False)
+    load_checkpoint(d, progress=False)
+
+
+_DEVICES = r"'cpu', 'cuda' or 'cuda:N'|'cpu', 'cuda', 'cuda:N' or 'meta'"  # Transformer also builds on meta
+_DEVICES = f"({_DEVICES})"
+
+
+@pytest.mark.parametrize("device,message", [
+    ("gpu", rf"device='gpu': not a torch device dsv4 runs on \(expected {_DEVICES}\)$"),
+    ("cuda:x", rf"device='cuda:x': not a torch device dsv4 runs on \(expected {_DEVICES}\)$"),
+    (torch.device("mps"), rf"device=device\(type='mps'\): not a torch device dsv4 runs on \(expected {_DEVICES}\)$"),
+    (0, rf"device=0 \(int\): expected a torch device: {_DEVICES}$"),
+    ("cuda:99", r"device='cuda:99': (no CUDA device is visible on this machine|only \d+ CUDA device\(s\) visible)"),
+], ids=["gpu", "cuda_x", "mps", "int", "cuda99"])
+def test_a_bad_device_is_named_by_every_api_entry(tmp_path, device, message):
+    """`load_model("tiny", device="gpu")` raised torch's raw `RuntimeError: Expected one of cpu, cuda, ...`; the
+    API now checks the device as the CLI's --device is checked, naming the argument and the value."""
+    from dsv4.checkpoint import load_checkpoint
+    from dsv4.generate import load_model
+    from dsv4.model import Transformer
+    from dsv4.synth import make_checkpoint
+
+    for call in (lambda: load_model("tiny", device=device), lambda: Transformer(tiny_args(), device=device),
+                 lambda: load_checkpoint("synth:tiny", device=device, progress=False),
+                 lambda: make_checkpoint(tmp_path / "x", "tiny", device=device, log=None)):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            call()
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name,dtype", [("norm.weight", torch.int32), ("norm.weight", torch.float16),
+                                        ("layers.0.attn.attn_sink", torch.float64),
+                                        ("layers.0.ffn.gate.tid2eid", torch.int32)])
+def test_load_weights_refuses_a_dtype_the_checkpoint_never_holds(tiny_ckpt, name, dtype):
+    """`load_weights` cast an int32 `norm.weight` (and any float16 / float64 tensor, an int32 tid2eid) silently.
+    Now: refused naming the tensor, the dtype given and the ones expected. Negative controls: the checkpoint's
+    own state dict, and one read in bfloat16 (the other model dtype), load."""
+    from dsv4.checkpoint import load_checkpoint
+    from dsv4.generate import load_model
+
+    m, _ = load_model(tiny_ckpt, progress=False)
+    _, sd = load_checkpoint(tiny_ckpt, progress=False)
+    own = m.state_dict()[name].dtype
+    want = "torch.int64" if own == torch.int64 else "torch.float32 or torch.bfloat16"
+    with pytest.raises(RuntimeError, match=rf"^{re.escape(name)}: dtype {dtype} cannot load into the model's {own} "
+                                           rf"\(expected {want}: what the checkpoint holds for it"):
+        m.load_weights({**sd, name: sd[name].to(dtype)})
+    m.load_weights(sd)
+    m.load_weights(load_checkpoint(tiny_ckpt, dtype=torch.bfloat16, progress=False)[1])
+
+
+def test_forward_names_the_first_token_id_outside_the_vocabulary(small_models):
+    """`forward` said only `min -1, max V`; it now names the first bad id and its [row, position]."""
+    m = small_models[0]
+    V = m.args.vocab_size
+    with pytest.raises(ValueError, match=rf"^input_ids outside \[0, {V}\): input_ids\[1, 2\]={V} is the first of 2 "
+                                         rf"\(min -1, max {V}\)$"):
+        m(torch.tensor([[1, 2, 3, 4], [5, 6, V, -1]]), m.new_state(2))
+
+
+def test_ckpt_that_is_a_loop_a_file_or_missing_says_which(tmp_path, monkeypatch):
+    """`--ckpt` at a symbolic-link loop said `not a checkpoint directory` (loops inside were named as loops); a
+    config.json that is a directory said `x/config.json: no config.json`. Each is now named for what it is."""
+    from dsv4.config import SymlinkLoopError
+    from dsv4.generate import CKPT_ENV, resolve_ckpt
+
+    monkeypatch.delenv(CKPT_ENV, raising=False)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(SymlinkLoopError, match=rf"^--ckpt={re.escape(str(loop))}: symbolic link loop \(the link "
+                                               r"resolves back to itself\), expected a checkpoint directory"):
+        resolve_ckpt(loop)
+    f = tmp_path / "file"
+    f.write_text("x")
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for p, why in ((tmp_path / "missing", "does not exist"), (f, "a file"),
+                   (dangling, "a broken symbolic link (its target does not exist)")):
+        with pytest.raises(FileNotFoundError, match=rf"^--ckpt={re.escape(str(p))}: not a checkpoint directory "
+                                                    rf"\({re.escape(why)}\)$"):
+            resolve_ckpt(p)
+    monkeypatch.setenv(CKPT_ENV, str(loop))
+    with pytest.raises(SymlinkLoopError, match=rf"^\${CKPT_ENV}={re.escape(str(loop))}: symbolic link loop"):
+        resolve_ckpt(None)
+    d = tmp_path / "ck"
+    (d / "config.json").mkdir(parents=True)
+    for call in (lambda: ModelArgs.from_hf_config(d), lambda: Checkpoint(d)):
+        with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(d / 'config.json'))}: is a directory, not a "
+                                                    r"file \(expected the HF-style DeepSeek-V4 config.json file\)$"):
+            call()
+
+
+def test_config_without_model_type_is_refused_and_every_shipped_config_has_it(tiny_ckpt, copy_ckpt, no_mtp_ckpt):
+    """A config.json without `model_type` loaded silently (transformers then printed a false tokenizer-regex
+    warning); a wrong one was already refused. Every config dsv4 ships or writes has it (checked first)."""
+    from dsv4.synth import CONFIG_DIR, GEOMETRIES, geometry_config
+
+    shipped = {p.name: json.loads(p.read_text()) for p in sorted(CONFIG_DIR.glob("*.json"))}
+    assert len(shipped) >= 2
+    written = {f"geometry {g}": geometry_config(g) for g in GEOMETRIES}
+    written |= {"tiny_args": tiny_args().to_hf_config(), "make-tiny": json.loads((tiny_ckpt / "config.json")
+                .read_text()), "make-checkpoint --no-mtp": json.loads((no_mtp_ckpt / "config.json").read_text())}
+    for what, cfg in (shipped | written).items():
+        assert cfg.get("model_type") == "deepseek_v4", what
+    d = copy_ckpt(tiny_ckpt)
+    p = _edit_config(d, lambda t: json.dumps({k: v for k, v in json.loads(t).items() if k != "model_type"}))
+    want = rf"^{re.escape(str(p))}: missing key 'model_type' \(expected 'deepseek_v4'"
+    with pytest.raises(ValueError, match=want):
+        ModelArgs.from_hf_config(d)
+    with pytest.raises(ValueError, match=want):
+        Checkpoint(d)
+    with pytest.raises(ValueError, match=r"^<dict>: missing key 'model_type' \(expected 'deepseek_v4'"):
+        ModelArgs.from_hf_config({k: v for k, v in tiny_args().to_hf_config().items() if k != "model_type"})

@@ -340,8 +340,8 @@ def test_report_during_the_run_and_after_an_exception(tiny_ckpt, tmp_path, capsy
     assert seen[0]["passed"] is False and seen[0]["status"] == "incomplete", seen
     rep = json.loads(report.read_text())
     assert (rep["passed"], rep["status"], rep["error"], rep["exit_status"]) == (False, "failed", "KeyError: 'boom'",
-                                                                                 None)
-    assert rep["run"]["id"] == seen[0]["run"]["id"]
+                                                                                 1)  # null before: the traceback's 1
+    assert rep["run"]["exit_status"] == 1 and rep["run"]["id"] == seen[0]["run"]["id"]
 
 
 def test_report_writes_are_atomic(tmp_path, monkeypatch):
@@ -363,3 +363,119 @@ def test_report_writes_are_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         write_atomically(p, "newer")
     assert p.read_text() == "new" and [x.name for x in tmp_path.iterdir()] == ["r.json"]
+
+
+# ---------------------------------------------------------- limits and library errors: one line, not a traceback
+
+def _no_weights(monkeypatch):
+    """Fail the test if a weight is read or generated, or a tiny checkpoint built."""
+    import dsv4.checkpoint
+    import dsv4.generate
+    import dsv4.tiny
+
+    def no_work(*a, **k):
+        pytest.fail("the run did work (a load or a build) before refusing its input")
+
+    monkeypatch.setattr(dsv4.generate, "load_model", no_work)
+    monkeypatch.setattr(dsv4.checkpoint, "load_checkpoint", no_work)
+    monkeypatch.setattr(dsv4.tiny, "make_tiny", no_work)
+
+
+_CTX = "the model's context of 1024 tokens per row (original_seq_len 64 x rope_factor 16.0)"
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--prompt", "hi", "--max-tokens", "1100"],
+     f"the prompt (5 tokens) + --max-tokens 1100 = 1105 tokens exceed {_CTX}; --max-tokens 1019 or less fits this "
+     "prompt"),
+    (["--prompt", "hello " * 1500],
+     f"the prompt (1505 tokens) + --max-tokens 64 = 1569 tokens exceed {_CTX}; the prompt alone leaves no room for "
+     "--max-tokens 1: at most 1023 prompt tokens fit, shorten it"),
+    (["--prompt", "hi", "--speculative", "3", "--max-tokens", "1017"],
+     f"the prompt (5 tokens) + --max-tokens 1017 + 4 (one verify step of k + 1 tokens, --speculative 3) = 1026 "
+     f"tokens exceed {_CTX}; --max-tokens 1015 or less fits this prompt"),
+], ids=["max-tokens", "long-prompt", "speculative"])
+def test_generate_over_the_context_is_one_line_before_any_weight(tiny_ckpt, capsys, monkeypatch, extra, line):
+    """User trial: `generate --max-tokens 1100` on the tiny model (context 1024) loaded it, then ended in a
+    LimitError traceback, exit 1. Now one line naming the numbers and the largest value that fits, exit 2, before
+    any weight is read."""
+    monkeypatch.delenv("TEST_LAYERS", raising=False)
+    _no_weights(monkeypatch)
+    assert main(["generate", "--ckpt", str(tiny_ckpt), *extra]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"dsv4 generate: error: {line}"]
+
+
+@pytest.mark.parametrize("extra", [["--max-tokens", "1019"], ["--speculative", "3", "--max-tokens", "1015"]])
+def test_generate_at_the_context_limit_goes_on(tiny_ckpt, capsys, monkeypatch, extra):
+    """The largest value the error line offers is accepted (the run itself is replaced: 1,019 tokens take minutes)."""
+    import dsv4.generate
+
+    calls = []
+    monkeypatch.setattr(dsv4.generate, "run_generate", lambda **kw: calls.append(kw) or 0)
+    assert main(["generate", "--ckpt", str(tiny_ckpt), "--prompt", "hi", *extra]) == 0
+    assert calls and calls[0]["max_tokens"] == int(extra[-1]) and capsys.readouterr().err == ""
+
+
+def test_library_input_errors_are_one_line_and_bugs_keep_their_traceback(tiny_ckpt, capsys, monkeypatch):
+    """A named bad-input error of the library raised while a command runs (a serving limit, a checkpoint error) is
+    the one error line with exit status 2; a plain ValueError from inside dsv4 is a bug: it propagates (traceback)."""
+    import dsv4.generate
+    from dsv4.formats import CheckpointError
+    from dsv4.memory_plan import LimitError
+
+    argv = ["generate", "--ckpt", str(tiny_ckpt), "--prompt", "hi", "--dtype", "fp32", "--max-tokens", "1"]
+    for exc in (LimitError("the decode state of 1 row(s) x 128 tokens needs 9 GiB"),
+                CheckpointError("shard 2: truncated")):
+        def raise_it(*a, **k):
+            raise exc
+        monkeypatch.setattr(dsv4.generate, "generate", raise_it)
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"dsv4 generate: error: {exc}"
+
+    def bug(*a, **k):
+        raise ValueError("an internal invariant broke")
+    monkeypatch.setattr(dsv4.generate, "generate", bug)
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(argv)
+
+
+def test_outcome_of_gives_the_process_exit_status():
+    from dsv4.report import outcome_of
+    from dsv4.config import ModelArgsError
+    from dsv4.memory_plan import DeviceMemoryError, LimitError
+
+    assert outcome_of(KeyboardInterrupt()) == (130, "interrupted (Ctrl-C)")
+    assert outcome_of(BrokenPipeError())[0] == 141
+    assert outcome_of(LimitError("over")) == (2, "over")
+    assert outcome_of(DeviceMemoryError("too big")) == (2, "too big")
+    assert outcome_of(ModelArgsError("dim", "bad config")) == (2, "bad config")
+    assert outcome_of(MemoryError())[0] == 2
+    assert outcome_of(RuntimeError("DefaultCPUAllocator: can't allocate memory: 1 TiB"))[0] == 2
+    assert outcome_of(RuntimeError("shape mismatch")) == (1, "RuntimeError: shape mismatch")
+    assert outcome_of(ValueError("internal")) == (1, "ValueError: internal")
+    assert outcome_of(KeyError("k")) == (1, "KeyError: 'k'")
+    assert outcome_of(SystemExit(3))[0] == 3
+
+
+@pytest.mark.parametrize("command", ["generate", "diagnose"])
+def test_no_progress_bar_is_drawn_after_the_error_line(tiny_ckpt, capsys, monkeypatch, command):
+    """User trial: a load that failed at 2% printed its error line, then the half-drawn bar (`loading ... 2%`) below
+    it (the bar's generator was closed only when the exception was released). Now the bar ends first."""
+    import dsv4.checkpoint
+
+    real, count = dsv4.checkpoint.Source.load, [0]
+
+    def load(self, *a, **k):
+        count[0] += 1
+        if count[0] == 5:
+            raise dsv4.checkpoint.CheckpointError("tensor 5: corrupt (simulated)")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(dsv4.checkpoint.Source, "load", load)
+    argv = [command, "--ckpt", str(tiny_ckpt), "--dtype", "fp32"] + (["--prompt", "hi"] if command == "generate"
+                                                                     else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    error = f"dsv4 {command}: error: tensor 5: corrupt (simulated)"
+    assert err[-1] == error, err
+    assert any("loading " in ln for ln in err[:-1]), err  # the bar was drawn, and ended before the line

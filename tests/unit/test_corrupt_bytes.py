@@ -171,17 +171,21 @@ def test_load_weights_refuses_a_non_finite_state_dict(tiny_ckpt, name, weights, 
 
 
 def test_load_weights_names_a_value_that_overflows_in_the_cast(tiny_ckpt):
-    """A finite value beyond bf16's range (here float64 1e39) becomes inf in the cast to a bf16 parameter: refused,
-    saying so."""
+    """A finite value beyond bf16's range (here float32 3.4e38, above bf16's largest 3.39e38) becomes inf in the
+    cast to a bf16 parameter: refused, saying so. (A float64 tensor, the old way to reach this, is refused by its
+    dtype before any cast: `Transformer.load_weights` takes the checkpoint's float32 / bfloat16 only.)"""
     model, sd = _model_and_sd(tiny_ckpt, torch.bfloat16, "dequantized")
     name = "layers.0.attn.wkv.weight"
-    t = sd[name].double()
+    t = sd[name].float()
     index = _random_index(list(t.shape), random.Random())
-    t[index] = 1e39
+    t[index] = 3.4e38
     with pytest.raises(ValueError, match=rf"tensor {name} \(torch.bfloat16, .*non-finite value \(NaN / inf\) at "
-                                         rf"index {re.escape(str(list(index)))} .*the given torch.float64 value "
-                                         r"1e\+39 overflows torch.bfloat16"):
+                                         rf"index {re.escape(str(list(index)))} .*the given torch.float32 value "
+                                         r"3.4\d*e\+38 overflows torch.bfloat16"):
         model.load_weights({**sd, name: t})
+    with pytest.raises(RuntimeError, match=rf"^{name}: dtype torch.float64 cannot load into the model's "
+                                           r"torch.bfloat16 \(expected torch.bfloat16 or torch.float32"):
+        model.load_weights({**sd, name: t.double()})
 
 
 def test_load_weights_names_a_value_that_is_not_a_tensor(tiny_ckpt):

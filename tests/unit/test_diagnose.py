@@ -188,3 +188,134 @@ def test_speculative_check_reports_a_rollback_bug(tiny_ckpt, capsys, monkeypatch
     monkeypatch.setattr(Transformer, "rollback", no_rollback)
     status, out = _run(capsys, "--ckpt", str(tiny_ckpt))
     assert "DIFFERS from the plain continuation" in out and "adversary drafter, k=2: first difference" in out
+
+
+# ------------------------------------------------------------------ token counts against the model's context
+
+_CTX = "the model's context of 1024 tokens per row (original_seq_len 64 x rope_factor 16.0)"
+
+
+@pytest.mark.parametrize("extra,line", [
+    (["--continue-tokens", "2000"],
+     f"Test 1: the prompt (11 tokens) + --continue-tokens 2000 + 4 (the speculative decoding check decodes the "
+     f"continuation again in verify steps of k + 1 = 4 tokens) = 2015 tokens exceed {_CTX}; --continue-tokens 1009 "
+     "or less fits this prompt"),
+    (["--decode-steps", "2000"],
+     f"Test 2: the prompt (11 tokens) + --decode-steps 2000 + 1 (the token after the prefill: Test 2 generates "
+     f"--decode-steps + 1 tokens) = 2012 tokens exceed {_CTX}; --decode-steps 1012 or less fits this prompt"),
+    (["--prompt", "hello " * 1500],
+     f"Test 2: the prompt (1505 tokens) + --decode-steps 2 + 1 (the token after the prefill: Test 2 generates "
+     f"--decode-steps + 1 tokens) = 1508 tokens exceed {_CTX}; the prompt alone leaves no room for --decode-steps "
+     "1: at most 1022 prompt tokens fit, shorten it"),
+], ids=["continue-tokens", "decode-steps", "long-prompt"])
+@pytest.mark.parametrize("given", [True, False], ids=["ckpt", "built"])
+def test_diagnose_refuses_lengths_over_the_context_before_any_work(tiny_ckpt, tmp_path, capsys, monkeypatch, extra,
+                                                                   line, given):
+    """User trial: `--continue-tokens 2000` ran Test 2 and both continuations past the 1,024-token context (~48 s)
+    and crashed in speculative_check (JSON exit_status null); `--decode-steps 2000` and a 1,505-token prompt ran
+    and PASSED. Now each is refused before any work (no load, no tiny checkpoint built): one line naming the
+    numbers and the largest value that fits, exit 2, and the report says so with exit_status 2."""
+    import dsv4.generate
+    import dsv4.tiny
+
+    def no_work(*a, **k):
+        pytest.fail("the run did work (a load or a build) before refusing its input")
+
+    monkeypatch.setattr(dsv4.generate, "load_model", no_work)
+    monkeypatch.setattr(dsv4.tiny, "make_tiny", no_work)
+    monkeypatch.delenv("DSV4_CKPT", raising=False)
+    rep = tmp_path / "r.json"
+    status = main(["diagnose", *(["--ckpt", str(tiny_ckpt)] if given else []), "--json", str(rep), *extra])
+    assert status == EXIT_ERROR
+    assert capsys.readouterr().err.splitlines() == [f"dsv4 diagnose: error: {line}"]
+    doc = json.loads(rep.read_text())
+    assert (doc["status"], doc["error"], doc["exit_status"], doc["run"]["exit_status"]) == ("failed", line, 2, 2)
+
+
+def test_check_lengths_takes_the_tightest_row_and_the_state_grain():
+    """--continue-tokens is bounded by three rows (hand-rolled, template, the speculative check's verify step in
+    whole 128-token blocks); the error names the tightest and its largest value. A context that is not a multiple of
+    128 leaves the speculative check only the whole blocks."""
+    import dataclasses
+
+    from dsv4.diagnose import check_lengths
+    from dsv4.memory_plan import LimitError
+    from dsv4.tiny import tiny_args
+
+    args = tiny_args()
+    check_lengths(args, template_tokens=10, hand_rolled_tokens=20, decode_steps=1013, continue_tokens=1004)
+    with pytest.raises(LimitError) as e:
+        check_lengths(args, template_tokens=10, hand_rolled_tokens=20, decode_steps=1, continue_tokens=1005)
+    assert str(e.value) == (f"Test 1: the hand-rolled prompt (20 tokens) + --continue-tokens 1005 = 1025 tokens "
+                            f"exceed {_CTX}; --continue-tokens 1004 or less fits this prompt")
+    with pytest.raises(LimitError, match=r"\+ --decode-steps 1014 \+ 1 .* --decode-steps 1013 or less fits"):
+        check_lengths(args, template_tokens=10, hand_rolled_tokens=20, decode_steps=1014, continue_tokens=1)
+    odd = dataclasses.replace(args, rope_factor=15.625)  # context 1000: the state holds 7 blocks of 128 = 896
+    check_lengths(odd, template_tokens=10, hand_rolled_tokens=10, decode_steps=1, continue_tokens=882)
+    with pytest.raises(LimitError) as e:
+        check_lengths(odd, template_tokens=10, hand_rolled_tokens=10, decode_steps=1, continue_tokens=883)
+    assert ("exceed the model's context of 1000 tokens per row (original_seq_len 64 x rope_factor 15.625), of which "
+            "a decode state held in blocks of 128 tokens can use 896; --continue-tokens 882 or less fits"
+            ) in str(e.value)
+
+
+def test_diagnose_runs_at_the_context_limit_and_refuses_one_more(tiny_ckpt, copy_ckpt, capsys):
+    """The limits are the library's own: on a model of context 128 (rope factor 2) a prompt that leaves a few
+    tokens runs Test 2 and Test 1 (continuations and the speculative check) at the largest values the check
+    allows without any limit error, and one token more is refused before the load."""
+    from dsv4.diagnose import _prompt_lengths, check_lengths
+    from dsv4.memory_plan import max_context
+    from dsv4.synth import checkpoint_args
+    from dsv4.tokenizer import load_tokenizer
+
+    d = copy_ckpt(tiny_ckpt)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"]["factor"] = 2.0
+    (d / "config.json").write_text(json.dumps(cfg))
+    args = checkpoint_args(d)
+    assert max_context(args) == 128
+    prompt = "hello " * 110
+    hand, fed = _prompt_lengths(load_tokenizer(d), prompt, True)
+    steps, cont = 128 - fed - 1, min(128 - hand, 128 - fed - 4)
+    assert fed == 115 and steps == 12 and cont == 9
+    check_lengths(args, template_tokens=fed, hand_rolled_tokens=hand, decode_steps=steps, continue_tokens=cont)
+    base = ["--ckpt", str(d), "--prompt", prompt, "--dtype", "fp32"]
+    status, out = _run(capsys, *base, "--decode-steps", str(steps), "--continue-tokens", str(cont))
+    assert status == EXIT_PASS, out
+    assert "Test 2 PASS" in out  # and the speculative check ran its whole continuation, up to the context's end
+    assert f"speculative decoding check (verify steps + rollback; the template continuation, {cont} tokens" in out
+    for option, fits in (("--decode-steps", steps), ("--continue-tokens", cont)):
+        assert main(["diagnose", *base, option, str(fits + 1)]) == EXIT_ERROR
+        assert capsys.readouterr().err.splitlines()[-1].endswith(f"{option} {fits} or less fits this prompt")
+
+
+def test_synthetic_source_says_what_is_generated_before_the_slow_load(tiny_ckpt, capsys, monkeypatch):
+    """User trial: `diagnose --ckpt synth:flash:1` on CPU showed nothing for 100+ s while the first tensors were
+    generated. Now a line says what is generated (spec, device, tensors, values, GiB) and that it is slow on CPU,
+    before the load starts (here the load is replaced: it takes minutes)."""
+    import re
+
+    import dsv4.generate
+    from dsv4 import memory_plan
+    from dsv4.formats import CheckpointError
+
+    monkeypatch.setattr(memory_plan, "available_bytes", lambda device: (1 << 40, "test: 1 TiB"))
+    monkeypatch.delenv("TEST_LAYERS", raising=False)
+
+    def stop(*a, **k):
+        raise CheckpointError("load replaced by the test")
+
+    monkeypatch.setattr(dsv4.generate, "load_model", stop)
+    note = (r"generating the synthetic weights of synth:flash:1:0 on cpu \(\d+ tensors, \d+\.\d\d billion values, 1 "
+            r"main layer\(s\){mtp}, \d+\.\d GiB as held\): random values computed from \(seed, tensor name\), nothing "
+            r"is read from a file; slow on CPU: of the order of 1e\+07 values per second on a few cores \(~\d+ min "
+            r"here\), and no progress shows while the first, largest tensors are generated")
+    assert main(["diagnose", "--ckpt", "synth:flash:1"]) == EXIT_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch("dsv4 diagnose: " + note.format(mtp=""), err[0]), err
+    assert err[1:] == ["dsv4 diagnose: generating the weights of synth:flash:1:0 ...",
+                       "dsv4 diagnose: error: load replaced by the test"]
+    assert main(["generate", "--ckpt", "synth:flash:1", "--prompt", "hi", "--speculative", "1"]) == EXIT_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert re.fullmatch("dsv4 generate: " + note.format(mtp=", MTP block"), err[0]), err
+    assert err[1:] == ["dsv4 generate: error: load replaced by the test"]

@@ -105,8 +105,10 @@ def test_generate_batch_limits_are_named_errors_before_any_work(model_tok, monke
     with pytest.raises(LimitError, match=f"over the model's context of {ctx} tokens per row"):
         generate_batch(model, tok, [CONVS[1]], max_tokens=ctx, progress=False)
     monkeypatch.setattr(memory_plan, "available_bytes", lambda device: (1000, "a test's device"))
-    with pytest.raises(LimitError, match=r"decode state of 2 row\(s\) x 128 tokens needs .* GiB available "
-                       r"\(a test's device\); about 0 row\(s\)"):
+    # the rows' real length (prompt + max_tokens), then the rounded size a row's state holds
+    with pytest.raises(LimitError, match=r"decode state of 2 row\(s\) x (\d+) tokens needs .* GiB available "
+                       r"\(a test's device\); about 0 row\(s\) of this length would fit; each row's state holds "
+                       r"128 tokens \(\1 rounded up to a multiple of STATE_GRAIN = 128\)$"):
         generate_batch(model, tok, CONVS[:2], max_tokens=4, progress=False)
     with pytest.raises(ValueError, match=r"max_tokens\[1\]=0: expected an int >= 1"):
         generate_batch(model, tok, CONVS[:2], max_tokens=[3, 0], progress=False)
@@ -155,3 +157,18 @@ def test_generate_batch_continues_chats_where_the_ids_extend_them(model_tok, mon
     assert all(torch.equal(b, r.chat.state.layers[1].keys) for b, r in zip(before, r1)), "the chats were changed"
     with pytest.raises(ValueError, match="chats: expected None or a list of 3"):
         generate_batch(model, tok, convs2, chats=[None], progress=False)
+
+
+def test_generate_batch_names_the_real_row_length_not_the_rounded_state(model_tok):
+    """A row over the context said `a row needs 1152 tokens (prompt + max_tokens)` when prompt + max_tokens was
+    1,035: it reported the state's size rounded up to 128. Now: the conversation, its real total and its parts."""
+    import dsv4.encoding
+
+    model, tok = model_tok
+    ctx = max_context(model.args)
+    p = len(dsv4.encoding.prompt_ids(tok, CONVS[1], thinking=True))
+    m = ctx - p + 11  # 11 over the context: rounded up it would read ctx + 128
+    with pytest.raises(LimitError, match=rf"^conversations\[1\]: a row needs {ctx + 11} tokens \(prompt {p} \+ "
+                                         rf"max_tokens {m}\), over the model's context of {ctx} tokens per row "
+                                         r"\(original_seq_len \d+ x rope_factor [\d.]+\); shorten the prompt"):
+        generate_batch(model, tok, [CONVS[0], CONVS[1]], max_tokens=[4, m], progress=False)

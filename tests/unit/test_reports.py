@@ -13,6 +13,7 @@ import pytest
 
 from dsv4.cli import main
 from dsv4.diagnose import EXIT_PASS, environment, format_template_report, template_diff
+from dsv4.memory_plan import LimitError
 
 FAST = ["--continue-tokens", "2", "--dtype", "fp32", "--decode-steps", "1"]
 
@@ -255,6 +256,37 @@ def test_ctrl_c_in_diagnose_one_line_130_failure_report(tiny_ckpt, tmp_path, mon
     assert err[-1].startswith("dsv4 diagnose: interrupted (Ctrl-C)") and "Traceback" not in "".join(err)
     doc = json.loads(rep.read_text())
     assert doc["status"] == "failed" and doc["passed"] is False and doc["error"] == "KeyboardInterrupt"
+    assert doc["exit_status"] == doc["run"]["exit_status"] == 130  # null before, though the process exits 130
+
+
+@pytest.mark.parametrize("exc,status,error", [
+    (LimitError("the decode state needs 9 GiB"), 2, "the decode state needs 9 GiB"),
+    (RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 GiB"), 2, None),
+    (ZeroDivisionError("a bug"), 1, "ZeroDivisionError: a bug"),
+], ids=["limit", "out-of-memory", "bug"])
+def test_report_exit_status_is_the_process_status_when_the_run_raises(tiny_ckpt, tmp_path, monkeypatch, capsys,
+                                                                      exc, status, error):
+    """An exception in the middle of a diagnose run (here from the speculative check): the report's exit_status was
+    null whatever the process then exited with. Now it is the process's status: 2 with the error line for a
+    named input error or running out of memory, 1 for a bug (the traceback)."""
+    def raise_it(*a, **k):
+        raise exc
+
+    monkeypatch.setattr("dsv4.diagnose.speculative_check", raise_it)
+    rep = tmp_path / "r.json"
+    argv = ["diagnose", "--ckpt", str(tiny_ckpt), "--json", str(rep), *FAST]
+    if status == 1:
+        with pytest.raises(ZeroDivisionError):
+            main(argv)
+    else:
+        assert main(argv) == status
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert line.startswith("dsv4 diagnose: error: ")
+        error = error or line.removeprefix("dsv4 diagnose: error: ")
+        assert line == f"dsv4 diagnose: error: {error}"
+    doc = json.loads(rep.read_text())
+    assert (doc["status"], doc["error"], doc["exit_status"], doc["run"]["exit_status"]) == ("failed", error, status,
+                                                                                           status)
 
 
 def test_ctrl_c_in_generate(tiny_ckpt, monkeypatch, capsys):

@@ -529,3 +529,43 @@ def test_speculative_sampling_end_to_end_draws_plain_samplings_distribution(smal
         bstat, bcrit = _gof(_first_three(m, prompt, make, seeds), P)
         assert bstat > bcrit, f"control {bad.__name__}: chi2 {bstat:.1f} <= {bcrit:.1f} (the test has no power)"
     print(f"{drafter}: chi2 {stat:.1f} < {crit:.1f}; controls rejected (last: {bstat:.1f})")
+
+
+def test_speculative_misuse_names_the_value_its_index_and_the_count(run):
+    """User trial: `speculative_greedy(model, [0, 999999], ...)` said `... got list` without the bad id or its
+    place; a short `drafters` list said `got list` without its length; an `eos` outside the vocabulary never
+    matched (the decode silently ran to max_tokens); a row over the context reported the state's rounded size."""
+    from dsv4.memory_plan import LimitError, max_context
+    from dsv4.speculative import speculative_greedy_batch, speculative_sample
+
+    m = run[0]
+    d = RandomDrafter(VOCAB)
+    with pytest.raises(ValueError, match=r"^prompt: expected a non-empty list of token ids in \[0, 512\) \(ints\), "
+                                         r"got prompt\[1\]=999999 \(1 bad of 2\)$"):
+        speculative_greedy(m, [0, 999999], d, k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^prompt: .*, got prompt\[2\]=True \(bool\) \(2 bad of 4\)$"):
+        speculative_sample(m, [0, 1, True, -3], d, k=2, max_tokens=4, temperature=1.0)
+    with pytest.raises(ValueError, match=r"^prompt: .*, got an empty list$"):
+        speculative_greedy(m, [], d, k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^prompts\[1\]: .*, got prompts\[1\]\[0\]=512 \(1 bad of 1\)$"):
+        speculative_greedy_batch(m, [[1], [VOCAB]], [d, d], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^drafters: expected a list of 3 drafters \(objects with draft\(context, "
+                                         r"k\)\), one per prompt, got a list of 1 for 3 prompt\(s\)$"):
+        speculative_greedy_batch(m, [[1], [2], [3]], [d], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^drafters\[1\]: expected a drafter \(an object with draft\(context, k\)\), "
+                                         r"got str$"):
+        speculative_greedy_batch(m, [[1], [2]], [d, "d"], k=2, max_tokens=4)
+    with pytest.raises(ValueError, match=r"^drafter returned \[1, 600\]: expected a list of 2 token ids \(ints\) in "
+                                         r"\[0, 512\), got drafts\[1\]=600 \(1 bad of 2\) \(row 1\)$"):
+        speculative_greedy_batch(m, [[1, 2], [3, 4]], [d, ContinuationDrafter(3, [1, 600] * 8)], k=2,
+                                 max_tokens=4)
+    for eos in (VOCAB, -2, 1.0):
+        with pytest.raises(ValueError, match=rf"^eos={eos!r}: expected None \(the model's EOS, 1\), a token id in "
+                                             r"\[0, 512\) \(an int\), or -1 \(no EOS: run to max_tokens\)$"):
+            speculative_greedy(m, [1, 2], d, k=2, max_tokens=4, eos=eos)
+    ctx = max_context(m.args)
+    n = ctx - 5 - 3 + 7  # prompt 5 + max_tokens n + k + 1 = 3: 7 over the context (rounded up: ctx + 128)
+    with pytest.raises(LimitError, match=rf"^prompts\[0\]: a row needs {ctx + 7} tokens \(prompt 5 \+ max_tokens "
+                                         rf"{n} \+ 3 \(k \+ 1 for the verify step\)\), over the model's context of "
+                                         rf"{ctx} tokens per row"):
+        speculative_greedy(m, [1, 2, 3, 4, 5], d, k=2, max_tokens=n)
