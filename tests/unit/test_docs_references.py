@@ -81,3 +81,14 @@ def test_readme_lists_every_gpu_hard_stop_file():
 def test_a_gpu_hard_stop_left_out_is_reported():
     text = (ROOT / "README.md").read_text()
     assert listed_gpu_hardstops(text.replace("`test_speculative.py` (MTP", "(MTP")) != gpu_hardstop_files(ROOT)
+
+
+def test_gate_help_lists_every_gpu_hard_stop_file():
+    """`dsv4 gate --help` names the GPU hard-stop files it does not run: the same set as the tests/gpu files marked
+    hardstop."""
+    from dsv4.cli import build_parser
+    gate = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "gate")[1]
+    part = gate.description.split("files:", 1)[1]
+    listed = {n + ".py" for n in re.findall(r"test_\w+", part)}
+    marked = gpu_hardstop_files(ROOT)
+    assert listed == marked, f"gate --help lists {sorted(listed - marked)} not marked; marked {sorted(marked - listed)} not listed"
