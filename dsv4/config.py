@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ModelArgs", "ModelArgsError", "HF_CONFIG", "HFKey", "HF_CONFIG_KEYS", "CONFIG_RANGES", "FP8_BLOCK",
+__all__ = ["ModelArgs", "ModelArgsError", "LimitError", "HF_CONFIG", "HFKey", "HF_CONFIG_KEYS", "CONFIG_RANGES", "FP8_BLOCK",
            "FP4_BLOCK", "layers_from_env", "TEST_LAYERS_ENV", "UnsupportedRevisionError", "detect_revision",
            "IMPLEMENTED_RELEASE", "FIXED_CONFIG_VALUES", "NO_DEFAULT_CONFIG_KEYS", "loads_json", "load_json",
            "SymlinkLoopError", "symlink_loop", "check_not_loop", "NoMTPBlockError", "check_has_mtp"]
@@ -54,6 +54,12 @@ FP4_BLOCK = 32
 _NUM = (int, float)  # a JSON number
 _INTEGRAL = "integral"  # a JSON number with an integral value (65536 or 65536.0), read as int
 _REQUIRED = ...
+
+
+class LimitError(ValueError):
+    """A request exceeds a stated serving limit (`dsv4.memory_plan.MAX_BATCH`, the model's context per row, the
+    memory of the decode state); raised before any model work, with the limit's name, its value and what was asked.
+    Defined here (the lowest layer) so that `dsv4.model` raises it too; `dsv4.memory_plan` re-exports it."""
 
 
 @dataclass(frozen=True)

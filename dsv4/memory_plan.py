@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4.checkpoint import DTYPE_BYTES, expected_tensors
-from dsv4.config import ModelArgs
+from dsv4.config import LimitError, ModelArgs
 from dsv4.parallel import Comm, attention_args, expert_range, shard_rule
 
 __all__ = ["RankMemory", "rank_memory", "state_bytes", "memory_table", "RESIDENCY", "GiB", "DeviceMemoryError",
@@ -261,9 +261,7 @@ def check_fits(args: ModelArgs, n_layers: int, *, device: str, dtype_bytes: int,
 MAX_BATCH = 64  # rows of one decode state: the batch sizes the gate runs the kernels at (1..64)
 
 
-class LimitError(ValueError):
-    """A request exceeds a stated serving limit (`MAX_BATCH`, the model's context per row, the memory of the decode
-    state); raised before any model work, with the limit's name, its value and what was asked."""
+# LimitError (a request over a stated serving limit) is defined in dsv4.config, re-exported here
 
 
 @dataclass(frozen=True)

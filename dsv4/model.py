@@ -41,7 +41,7 @@ from torch import nn
 
 from dsv4 import quant
 from dsv4.backend import Backend, get_backend
-from dsv4.config import ModelArgs, check_has_mtp
+from dsv4.config import LimitError, ModelArgs, check_has_mtp
 from dsv4.formats import check_bf16_exact, check_dequantized_range, check_loaded_values  # the load-time value checks
 from dsv4.graph import GraphDecodeState, check_graph_model
 # the decode state (`dsv4.state`)
@@ -1191,10 +1191,16 @@ class Transformer(nn.Module):
     def _reserve(self, state: DecodeState, n: int) -> None:
         """Make room for n more tokens in every row: a growable state whose furthest row p lacks room for p + n
         is reallocated (contents copied) to max(p + n, 2 * max_len) rounded up to `STATE_GRAIN`; a fixed one
-        (a row view of a batch state included) raises ValueError. Row views taken before a reallocation are
+        (a row view of a batch state included) raises ValueError. Raises `LimitError` when p + n exceeds the model's
+        context (original_seq_len x rope_factor), whatever the state holds. Row views taken before a reallocation are
         stale (refused by `_check_state`)."""
         p = max(state.row_pos)
         need = p + n
+        ctx = int(self.args.original_seq_len * self.args.rope_factor)  # = dsv4.memory_plan.max_context
+        if need > ctx:  # past the positions YaRN covers (spec §5.2); the official caches hold max_seq_len
+            raise LimitError(f"position {p} + {n} new token(s) needs {need} positions, over the model's context of "
+                             f"{ctx} tokens per row (original_seq_len {self.args.original_seq_len} x rope_factor "
+                             f"{self.args.rope_factor}); start a new sequence or shorten this one")
         if need <= state.max_len:
             return
         if not state.growable:
@@ -1203,7 +1209,7 @@ class Transformer(nn.Module):
                    else "make it with a larger new_state(batch, max_len)")
             raise ValueError(f"decode state holds max_len={state.max_len} tokens; position {p} + {n} "
                              f"new token(s) needs {need} ({fix})")
-        new_len = -(-max(need, 2 * state.max_len) // STATE_GRAIN) * STATE_GRAIN
+        new_len = -(-max(need, min(2 * state.max_len, ctx)) // STATE_GRAIN) * STATE_GRAIN  # never far past the context
         grown = self.layer_states(state.batch, new_len)
         for old, new in zip(state.layers, grown):
             if p:  # at position 0 the old buffers hold nothing yet (the fresh zeros of the new ones)
@@ -1314,7 +1320,7 @@ class Transformer(nn.Module):
         agree); more tokens per row, or a row not yet prefilled, run each row's `extend` on its row view
         (`DecodeState.row`).
         Advances every row by s; a growable state is reallocated first if a row lacks room (`_reserve`), a fixed
-        one raises ValueError.
+        one raises ValueError; a call past the model's context (original_seq_len x rope_factor) raises LimitError.
 
         Raises ValueError for an empty input, a call past a fixed state's max_len, ids outside the vocab (the first
         bad id and its [row, position] named), or a

@@ -513,3 +513,29 @@ def test_config_without_model_type_is_refused_and_every_shipped_config_has_it(ti
         Checkpoint(d)
     with pytest.raises(ValueError, match=r"^<dict>: missing key 'model_type' \(expected 'deepseek_v4'"):
         ModelArgs.from_hf_config({k: v for k, v in tiny_args().to_hf_config().items() if k != "model_type"})
+
+
+def test_forward_refuses_positions_past_the_context():
+    """A sequence may hold original_seq_len x rope_factor positions (YaRN's range, spec §5.2; tiny: 64 x 2 = 128
+    here): the call that would pass it raises LimitError naming the numbers - at the prefill, at a decode step and
+    at an appended chunk - while the call that ends exactly at the context runs."""
+    from dsv4.config import LimitError
+    from dsv4.model import Transformer
+    from dsv4.tiny import random_state_dict, tiny_args
+    args = tiny_args(vocab_size=256, original_seq_len=64, rope_factor=2.0)
+    m = Transformer(args)
+    m.load_weights(random_state_dict(args, seed=3, include_mtp=False))
+    with pytest.raises(LimitError, match=r"position 0 \+ 129 new token\(s\) needs 129 positions, over the model's "
+                                         r"context of 128 tokens per row \(original_seq_len 64 x rope_factor 2.0\)"):
+        m(torch.randint(0, 256, (1, 129)), m.new_state(1, 128))
+    st = m.new_state(1, 128)
+    m(torch.randint(0, 256, (1, 126)), st)
+    m(torch.randint(0, 256, (1, 1)), st)  # position 126: the 127th token
+    m(torch.randint(0, 256, (1, 1)), st)  # the 128th: exactly the context
+    with pytest.raises(LimitError, match=r"position 128 \+ 1 new token\(s\) needs 129"):
+        m(torch.randint(0, 256, (1, 1)), st)
+    st = m.new_state(1, 128)
+    m(torch.randint(0, 256, (1, 125)), st)
+    with pytest.raises(LimitError, match=r"position 125 \+ 4 new token\(s\) needs 129"):
+        m(torch.randint(0, 256, (1, 4)), st)
+    assert st.row_pos == [125], "a refused call must not advance the state"
