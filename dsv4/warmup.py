@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4.config import LimitError
 from dsv4.graph import check_graph_model
 from dsv4.model import MAX_STEP_TOKENS
 from kernels.compiles import CompileLog
@@ -102,16 +103,24 @@ def _span(xs: list[int]) -> str:
     return f"{min(xs)}..{max(xs)}" if xs else "none"
 
 
-def warmup(model, *, max_len: int = DEFAULT_MAX_LEN, max_batch: int = DEFAULT_MAX_BATCH, graphs: bool = True,
+def warmup(model, *, max_len: int | None = None, max_batch: int = DEFAULT_MAX_BATCH, graphs: bool = True,
            log=None) -> WarmupReport:
     """Run `model` (a `dsv4.model.Transformer`, any backend) through every kernel variant it can need for
     prefill lengths 1..max_len at batch 1, decode at any position < max_len and batch 1..max_batch, and (graphs
     and the model supports them) CUDA-graph decode states of batch 1..max_batch (module docstring).
 
-    `log`: a callable taking one line (progress), or None. Returns a `WarmupReport` (its `compiles` counts the
-    Triton builds on CUDA). Raises ValueError for max_len < 8 or max_batch < 1 (named)."""
-    if not isinstance(max_len, int) or max_len < 8:
+    `max_len` None: DEFAULT_MAX_LEN (65536) or the model's context (original_seq_len x rope_factor) where that is
+    smaller. `log`: a callable taking one line (progress), or None. Returns a `WarmupReport` (its `compiles` counts
+    the Triton builds on CUDA). Raises ValueError for max_len < 8 or max_batch < 1 (named); LimitError (a
+    ValueError) for a max_len over the model's context, which the model refuses to run."""
+    ctx = int(model.args.original_seq_len * model.args.rope_factor)  # = dsv4.memory_plan.max_context
+    if max_len is None:
+        max_len = min(DEFAULT_MAX_LEN, ctx)
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 8:
         raise ValueError(f"warmup: max_len={max_len!r}; expected an int >= 8")
+    if max_len > ctx:
+        raise LimitError(f"warmup: max_len={max_len} is over the model's context of {ctx} tokens per row "
+                         f"(original_seq_len {model.args.original_seq_len} x rope_factor {model.args.rope_factor})")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"warmup: max_batch={max_batch!r}; expected an int >= 1")
     say = log or (lambda line: None)

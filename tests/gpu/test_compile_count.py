@@ -32,7 +32,7 @@ def _model(kind: str):
     from dsv4.testing import fill_random_quantized_
     from dsv4.tiny import tiny_args
     if kind == "tiny":
-        args = tiny_args()
+        args = tiny_args(rope_factor=64.0)  # a context of 64 x 64 = 4096 = MAX_LEN["tiny"] (the model refuses more)
     else:
         args = ModelArgs.from_hf_config(ROOT / "fixtures/configs/deepseek_v4_flash.config.json").with_layers(4)
     m = Transformer(args, dtype=torch.bfloat16, device="cuda", backend="triton", weights="quantized")

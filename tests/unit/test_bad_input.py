@@ -539,3 +539,18 @@ def test_forward_refuses_positions_past_the_context():
     with pytest.raises(LimitError, match=r"position 125 \+ 4 new token\(s\) needs 129"):
         m(torch.randint(0, 256, (1, 4)), st)
     assert st.row_pos == [125], "a refused call must not advance the state"
+
+
+def test_warmup_refuses_a_max_len_over_the_context():
+    """`dsv4.warmup.warmup` runs prefills up to max_len: over the model's context (tiny: 64 x 16 = 1024) the model
+    would refuse them, so warmup refuses first, naming both numbers; before any work."""
+    from dsv4.config import LimitError
+    from dsv4.model import Transformer
+    from dsv4.tiny import tiny_args
+    from dsv4.warmup import warmup
+    m = Transformer(tiny_args(vocab_size=256))
+    with pytest.raises(LimitError, match=r"warmup: max_len=1025 is over the model's context of 1024 tokens per row "
+                                         r"\(original_seq_len 64 x rope_factor 16.0\)"):
+        warmup(m, max_len=1025)
+    with pytest.raises(ValueError, match=r"warmup: max_len=True; expected an int >= 8"):
+        warmup(m, max_len=True)
