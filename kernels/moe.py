@@ -373,12 +373,14 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit
     def _as_bf16(bits, MMA: tl.constexpr):
-        """int16 bf16 bit patterns -> their values: bf16 by a bitcast, or for MMA 3 (the interpreter, whose int16 ->
-        bf16 bitcast, bf16 subnormals and bf16 products are not faithful in triton 3.9) the fp32 whose top half
-        they are (exact), so that the products with the scale factors are the GPU's exact bf16 products."""
+        """bf16 bit patterns (in the low 16 bits of an integer tensor) -> their values: bf16 by a bitcast of the
+        int16 (the explicit narrowing matters: triton 3.6 promotes int16 arithmetic with literals to int32, and a
+        32 -> 16-bit bitcast does not compile - found on the H200 at 88f9915), or for MMA 3 (the interpreter, whose
+        int16 -> bf16 bitcast, bf16 subnormals and bf16 products are not faithful in triton 3.9) the fp32 whose top
+        half they are (exact), so that the products with the scale factors are the GPU's exact bf16 products."""
         if MMA == 3:
-            return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        return bits.to(tl.bfloat16, bitcast=True)
+            return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
     @triton.jit
@@ -741,19 +743,20 @@ def _chunk(block_kh: int, half_width: int) -> int:
 
 
 def _moe_mma(mma: str | None) -> int:
-    """Dot flavour of the tile path: 1 on the GPU for mma None or "bf16" (bf16 operands on the tensor cores,
-    decoded element-wise through `_e2m1`), 2 for "bf16x2" (the same bf16 operands bitwise, the FP4 nibbles decoded
-    two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`; opt-in until timed and checked on a GPU,
-    benchmarks/RESULTS.md "Session of 2026-12-06"); under TRITON_INTERPRET=1 0 for None / "bf16" (fp32
-    "ieee" dots; `kernels.gemm.dot_q_w`) and 3 for "bf16x2" (the packed path's scale factors and fp32 "ieee" dots,
-    the nibbles through `_e2m1_bf16x2_twin`: the interpreter runs no PTX). "fp8" is refused: an e4m3 dot
+    """Dot flavour of the tile path: on the GPU 2 for mma None (the default) or "bf16x2" (bf16 operands on the
+    tensor cores, the FP4 nibbles decoded two per 32-bit integer op by inline PTX: `_e2m1_bf16x2`; bitwise the
+    element-wise decode's operands and outputs on the H200, 1.08-1.27x faster per call at Flash / Pro T = 1024 /
+    4096: benchmarks/RESULTS.md, second session of 2026-12-06), 1 for "bf16" (the element-wise decode through
+    `_e2m1`); under TRITON_INTERPRET=1 3 for None / "bf16x2" (the packed path's bit patterns element-wise through
+    `_e2m1_bf16x2_twin`, its scale factors, fp32 "ieee" dots: the interpreter runs no PTX) and 0 for "bf16" (fp32
+    "ieee" dots on the element-wise values; `kernels.gemm.dot_q_w`). "fp8" is refused: an e4m3 dot
     would need one dot per 32-input group (the per-32 weight scales are not powers of two of one 128 block), the
     slow layout this path replaced. Raises ValueError for any other value."""
     if mma not in (None, "bf16", "bf16x2"):
         _fail("moe_experts", "mma", repr(mma),
               "None, 'bf16' or 'bf16x2' (the FP4 tile path multiplies exact bf16 operands)")
     mode = mma_mode("bf16")
-    if mma == "bf16x2":
+    if mma in (None, "bf16x2"):
         return 2 if mode == 1 else 3
     return mode
 

@@ -835,15 +835,17 @@ def test_e2m1_bf16x2_ptx_decodes_every_byte():
 
 
 def test_moe_mma_flavours():
-    """The tile path's dot flavours: under the interpreter None / "bf16" run MMA 0 (fp32 "ieee" dots) and "bf16x2"
-    MMA 3 (its scale factors and the PTX's bits element-wise: no PTX runs), on a GPU "bf16x2" selects the packed PTX decode (2) and None / "bf16" the element-wise one (1) - the
-    GPU test `test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu` holds them bitwise equal."""
+    """The tile path's dot flavours: the default (None) is the packed decode - on a GPU the PTX (2), under the
+    interpreter its twin (3: its scale factors and the PTX's bits element-wise, no PTX runs), so the CPU gate runs
+    the default's structure; "bf16" selects the element-wise decode (1 on a GPU, 0 under the interpreter: fp32
+    "ieee" dots). The GPU test `test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu` holds them bitwise
+    equal (4 passed on the H200 at the fix of `_as_bf16`, second session of 2026-12-06)."""
     from unittest import mock
 
     from kernels import moe
-    assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [0, 0, 3]
+    assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [3, 0, 3]
     with mock.patch.object(moe, "mma_mode", lambda name: 1):
-        assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [1, 1, 2]
+        assert [moe._moe_mma(m) for m in (None, "bf16", "bf16x2")] == [2, 1, 2]
 
 
 @pytest.mark.parametrize("cfg", [MoeConfig("tiles", 16, 32, 32, 4, 1), MoeConfig("tiles", 32, 64, 64, 4, 1)],
