@@ -1,5 +1,5 @@
 """Probe (issue 27, prefill): the FP4 tile path of `kernels.moe.moe_experts` with the packed PTX nibble decode
-(mma="bf16x2", `_e2m1_bf16x2`) against the default decode (mma="bf16"), Flash and Pro width, T = 1024 / 4096 tokens
+(mma="bf16x2", `_e2m1_bf16x2`) (the default since the second session of 2026-12-06) against the element-wise decode (mma="bf16"), Flash and Pro width, T = 1024 / 4096 tokens
 (6 experts per token): µs per call in a CUDA graph and whether the outputs are bitwise equal.
 
 Run: `python benchmarks/moe_tile_decode_probe.py` on a GPU.

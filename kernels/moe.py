@@ -54,9 +54,11 @@ the two sums: 1 bf16 ulp, in a small fraction of elements (tests/unit/test_gemm_
 TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_precision="ieee" (triton 3.9's
 interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
 
-`mma` now names only the tile path's dot flavour: None / "bf16" (bf16 tensor cores; fp32 "ieee" dots under the
-interpreter), "bf16x2" (opt-in: the same operands bitwise, decoded by packed inline PTX, `_e2m1_bf16x2`; not
-yet timed on a GPU); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
+`mma` now names only the tile path's dot flavour: None (the default) / "bf16x2" (bf16 tensor cores, the FP4 nibbles
+decoded two per 32-bit op by packed inline PTX, `_e2m1_bf16x2`: bitwise the element-wise decode's operands and
+outputs on the H200, 1.08-1.27x faster per MoE call; its interpreter twin under TRITON_INTERPRET=1), "bf16" (the
+element-wise decode `_e2m1`; fp32 "ieee" dots under the interpreter); "fp8" is refused (`_moe_mma`: the per-32
+weight scales have no exact one-dot e4m3 form).
 
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
@@ -64,8 +66,9 @@ T=4096 13.7 ms (33.8 ms); with the tile size by pairs per expert (`TILES_LARGE`,
 5.8 ms (7.9 with 32-row tiles), T=4096 9.7 ms. Both miss issue 13's targets (40 µs, 2.1 ms); the nibble decode's
 instructions bound both paths (SASS of the sm_90 tile kernel: ~9 instructions per weight, the tensor cores idle).
 The packed decode (`_e2m1_bf16x2`, mma "bf16x2": inline PTX, two weights per 32-bit op, the group scale as packed
-bf16 multiplies; ~6.5 instructions per weight in SASS, the same operands bitwise) is opt-in until a GPU times it
-(benchmarks/RESULTS.md, "Session of 2026-12-06"; `benchmarks/moe_tile_decode_probe.py`).
+bf16 multiplies; ~6.5 instructions per weight in SASS, the same operands bitwise) is the default since the H200
+checked and timed it: Flash T = 1024 / 4096 4.29 -> 3.55 / 9.74 -> 8.99 ms per call, Pro 15.2 -> 12.6 / 31.0 ->
+24.5 ms (benchmarks/RESULTS.md, second session of 2026-12-06; `benchmarks/moe_tile_decode_probe.py`).
 
 Dimension legend: T tokens, k slots per token (top-k), P = T*k pairs, E experts, D model width (w1/w3 input,
 w2 output), I = moe_inter_dim; D and I multiples of 128 (act_quant blocks).

@@ -677,11 +677,14 @@ def gemv_tuned_split_drops_k_blocks(mp: MP) -> None:
 
 def moe_tiles_nibbles_swapped(mp: MP) -> None:
     """The MoE tile kernels (`_fp4_tile_dot`, the prefill path) decode the high nibble as the even input and the
-    low one as the odd input; the gemv path and the references keep the on-disk order."""
+    low one as the odd input in their default decode (the packed one: the PTX on a GPU, MMA 2, and its interpreter
+    twin, MMA 3); the gemv path and the references keep the on-disk order."""
     from kernels import moe
 
-    _jit_source_mutant(mp, moe, "_fp4_tile_dot", "lo = _e2m1(b, False) * s\n    hi = _e2m1(b, True) * s",
-                       "lo = _e2m1(b, True) * s  # MUTANT: nibbles swapped\n    hi = _e2m1(b, False) * s")
+    _jit_source_mutant(mp, moe, "_fp4_tile_dot", "lo, hi = _e2m1_bf16x2(b8)",
+                       "hi, lo = _e2m1_bf16x2(b8)  # MUTANT: nibbles swapped")
+    _jit_source_mutant(mp, moe, "_fp4_tile_dot", "lo, hi = _e2m1_bf16x2_twin(b8)",
+                       "hi, lo = _e2m1_bf16x2_twin(b8)  # MUTANT: nibbles swapped")
 
 
 def graph_rope_stale_position(mp: MP) -> None:
