@@ -33,10 +33,12 @@ CLEAN = "<clean>"
 NODE = re.compile(r"^(tests/unit/test_\w+\.py)::(\w+)(\[[^\]]+\])?$")
 
 
-def _run(mutant: str | None, nodeids: list[str], out_dir: Path) -> dict:
-    """Run `nodeids` in a fresh pytest process with `mutant` applied (None = clean); the plugin's report."""
+def _run(mutant: str | None, nodeids: list[str], out_dir: Path, base_env: dict[str, str]) -> dict:
+    """Run `nodeids` in a fresh pytest process with `mutant` applied (None = clean); the plugin's report.
+    `base_env` is the environment snapshot taken in pytest's main thread: this runs in a worker thread, and
+    reading os.environ here raced pytest's own updates of PYTEST_CURRENT_TEST (KeyError while copying it)."""
     report = out_dir / f"{mutant or 'clean'}.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "DSV4_MUTANT": mutant or "", "DSV4_MUTANT_REPORT": str(report)}
+    env = {**base_env, "TRITON_INTERPRET": "1", "DSV4_MUTANT": mutant or "", "DSV4_MUTANT_REPORT": str(report)}
     cmd = [sys.executable, "-m", "pytest", "-p", "tests.mutants.plugin", "-p", "no:cacheprovider", "-q",
            "--no-header", *nodeids]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -57,10 +59,11 @@ def runs(request, tmp_path_factory) -> dict[str, Future]:
     out = tmp_path_factory.mktemp("mutant_runs")
     pool = ThreadPoolExecutor(WORKERS)
     request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
-    futures = {CLEAN: pool.submit(_run, None, killers, out)}
+    env = {k: v for k, v in os.environ.copy().items() if k != "PYTEST_CURRENT_TEST"}  # main thread: no race
+    futures = {CLEAN: pool.submit(_run, None, killers, out, env)}
     # most killers first: the transformers-parity runs are the slow ones, start them early
     for name in sorted(names, key=lambda n: -len(MUTANTS[n].killers)):
-        futures[name] = pool.submit(_run, name, list(MUTANTS[name].killers), out)
+        futures[name] = pool.submit(_run, name, list(MUTANTS[name].killers), out, env)
     return futures
 
 
