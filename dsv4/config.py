@@ -298,6 +298,12 @@ class ModelArgs:
 
     # ------------------------------------------------------------------ derived
     @property
+    def max_context(self) -> int:
+        """Tokens one row may hold: original_seq_len x rope_factor (YaRN, spec §5.2; = max_position_embeddings).
+        The one place of this rule: `dsv4.memory_plan.max_context`, `Transformer.forward` and `dsv4.warmup` read it."""
+        return int(self.original_seq_len * self.rope_factor)
+
+    @property
     def nope_head_dim(self) -> int:
         """`head_dim - rope_head_dim` (448 for the released models)."""
         return self.head_dim - self.rope_head_dim

@@ -283,7 +283,7 @@ class ServingPlan:
 
 def max_context(args: ModelArgs) -> int:
     """Tokens one row may hold: original_seq_len x rope_factor (YaRN, spec §5.2; = max_position_embeddings)."""
-    return int(args.original_seq_len * args.rope_factor)
+    return args.max_context
 
 
 def max_new_tokens(args: ModelArgs, prompt_tokens: int, *, overhead: int = 0, grain: int = 1) -> int:

@@ -1196,7 +1196,7 @@ class Transformer(nn.Module):
         stale (refused by `_check_state`)."""
         p = max(state.row_pos)
         need = p + n
-        ctx = int(self.args.original_seq_len * self.args.rope_factor)  # = dsv4.memory_plan.max_context
+        ctx = self.args.max_context
         if need > ctx:  # past the positions YaRN covers (spec §5.2); the official caches hold max_seq_len
             raise LimitError(f"position {p} + {n} new token(s) needs {need} positions, over the model's context of "
                              f"{ctx} tokens per row (original_seq_len {self.args.original_seq_len} x rope_factor "

@@ -113,7 +113,7 @@ def warmup(model, *, max_len: int | None = None, max_batch: int = DEFAULT_MAX_BA
     smaller. `log`: a callable taking one line (progress), or None. Returns a `WarmupReport` (its `compiles` counts
     the Triton builds on CUDA). Raises ValueError for max_len < 8 or max_batch < 1 (named); LimitError (a
     ValueError) for a max_len over the model's context, which the model refuses to run."""
-    ctx = int(model.args.original_seq_len * model.args.rope_factor)  # = dsv4.memory_plan.max_context
+    ctx = model.args.max_context
     if max_len is None:
         max_len = min(DEFAULT_MAX_LEN, ctx)
     if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 8:
