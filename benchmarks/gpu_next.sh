@@ -1,10 +1,10 @@
 #!/bin/bash
 # The first GPU call of a session (issue 27), within one `run` (10 min cap), in the order that matters most if the
 # call is cut short: 1. the per-layer rows of bench_model (4 and 8 layers: decode b=1/8/32, prefill 1k/4k, floors,
-# ratios, launches) at this tree - issue 27's "done when"; 2. the packed FP4 decode's bitwise GPU test; 3. its
-# timing against the element-wise decode (flip the default in kernels.moe._moe_mma only if both say so); 4. the GPU
-# tests of the kernels fused on 2026-12-05 (bitwise claims made under the interpreter). Outputs under $OUT (the
-# device tool's folder) or /tmp/gpu_next; each stage writes as it goes.
+# ratios, launches) at this tree - issue 27's "done when"; 2. the GPU tests of the kernels fused on 2026-12-05 and
+# of the packed FP4 tile decode (bitwise claims made under the interpreter); 3. the MoE gemv / tiles crossover at
+# decode batch sizes (GEMV_MAX_PAIRS) with the packed tiles; 4. three unit tests on the GPU without the interpreter.
+# Outputs under $OUT (the device tool's folder) or /tmp/gpu_next; each stage writes as it goes.
 #     PYTHONPATH=/tmp/site:$PWD DSV4_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_next.sh
 set -u
 O=${OUT:-/tmp/gpu_next}; mkdir -p "$O"
@@ -12,10 +12,12 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 230 python3 benchmarks/bench_model.py --geometry flash --flash-layers 4,8 --prefill 1024,4096 \
   --batches 1,8,32 --reps 3 --warmup 1 --backends triton --markdown "$O/bench.md" > "$O/bench.log" 2>&1
 echo "bench rc=$?"; head -40 "$O/bench.md"; tail -5 "$O/bench.log"
-timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemm_moe_kernels.py -k packed_decode \
-  > "$O/packed.txt" 2>&1; echo "packed test rc=$?"; tail -3 "$O/packed.txt"
-timeout 90 python3 benchmarks/moe_tile_decode_probe.py > "$O/probe.md" 2>&1; echo "probe rc=$?"; cat "$O/probe.md"
 timeout 170 python3 -m pytest -n 4 -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
   tests/gpu/test_gemm_moe_kernels.py tests/gpu/test_model_backends.py tests/gpu/test_graph_decode.py \
   tests/gpu/test_batch_invariant.py -k "not real" > "$O/gpu_check.txt" 2>&1
 echo "gpu check rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$O/gpu_check.txt" | tail -12
+timeout 130 python3 benchmarks/bench_gemm.py --quick --sections moe_crossover > "$O/crossover.md" 2>&1
+echo "crossover rc=$?"; grep -E "^\| flash|Traceback|Error" "$O/crossover.md" | head -12
+timeout 40 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/test_gemm_moe_kernels.py \
+  tests/unit/test_norm_kernel.py -k "names_bad_fields or test_moe_names_bad_input or norms_run_the_kernel" > "$O/unit_gpu.txt" 2>&1
+echo "unit-on-gpu rc=$?"; grep -E "FAILED|Error|passed|failed" "$O/unit_gpu.txt" | tail -8
