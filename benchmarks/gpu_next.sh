@@ -1,9 +1,10 @@
 #!/bin/bash
 # The first GPU call of a session (issue 27), within one `run` (10 min cap), in the order that matters most if the
 # call is cut short: 1. the per-layer rows of bench_model (4 and 8 layers: decode b=1/8/32, prefill 1k/4k, floors,
-# ratios, launches) at this tree - issue 27's "done when"; 2. the GPU tests of the kernels fused on 2026-12-05 and
-# of the packed FP4 tile decode (bitwise claims made under the interpreter); 3. the MoE gemv / tiles crossover at
-# decode batch sizes (GEMV_MAX_PAIRS) with the packed tiles; 4. three unit tests on the GPU without the interpreter.
+# ratios, launches) at this tree - issue 27's "done when"; 2. the MoE decode probe (input forms / nibble decodes
+# of the gemv path side by side: GEMV_CODES); 3. the GPU tests of the kernels fused on 2026-12-05 and
+# of the packed FP4 decodes (bitwise claims made under the interpreter); 4. the MoE gemv / tiles crossover at
+# decode batch sizes (GEMV_MAX_PAIRS) with the packed tiles; 5. three unit tests on the GPU without the interpreter.
 # Outputs under $OUT (the device tool's folder) or /tmp/gpu_next; each stage writes as it goes.
 #     PYTHONPATH=/tmp/site:$PWD DSV4_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_next.sh
 set -u
@@ -12,6 +13,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 230 python3 benchmarks/bench_model.py --geometry flash --flash-layers 4,8 --prefill 1024,4096 \
   --batches 1,8,32 --reps 3 --warmup 1 --backends triton --markdown "$O/bench.md" > "$O/bench.log" 2>&1
 echo "bench rc=$?"; head -40 "$O/bench.md"; tail -5 "$O/bench.log"
+timeout 100 python3 benchmarks/moe_decode_probe.py > "$O/probe.md" 2>&1; echo "probe rc=$?"; cat "$O/probe.md"
 timeout 170 python3 -m pytest -n 4 -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
   tests/gpu/test_gemm_moe_kernels.py tests/gpu/test_model_backends.py tests/gpu/test_graph_decode.py \
   tests/gpu/test_batch_invariant.py -k "not real" > "$O/gpu_check.txt" 2>&1

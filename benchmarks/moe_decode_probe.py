@@ -1,8 +1,14 @@
-"""Probe (issue 27): the routed experts of one decode step (`kernels.moe.moe_experts`, default launch) at Flash
-and Pro width for T = 1 / 8 / 32 tokens, µs per call in a CUDA graph over 8 routings (top-6 of random scores).
-Run it in two trees (PYTHONPATH) for an A/B of the decode kernels; also prints launches per call.
+"""Probe (issue 27): the routed experts of one decode step (`kernels.moe.moe_experts`, gemv path) at Flash and Pro
+width for T = 1 / 8 / 32 tokens, µs per call in a CUDA graph over 8 routings (top-6 of random scores), for the
+decode kernels' input forms and nibble decodes side by side in one process:
 
-Run: `python benchmarks/moe_decode_probe.py` on a GPU.
+- "sim / fp16": act_quant_sim values and the fp16 decode route (`kernels.moe.GEMV_CODES = False`; at T = 1 the
+  in-kernel quantization is used regardless, GEMV_QUANT_MAX_T);
+- "codes / int": act_quant's codes and scales (T > 1) or the in-kernel quantization (T = 1), nibbles decoded by
+  element-wise integer ops (mma "bf16");
+- "codes / packed": the same with the packed PTX decode (the default).
+
+Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 """
 from __future__ import annotations
 
@@ -12,20 +18,31 @@ import sys
 import torch
 
 sys.path.insert(0, os.getcwd())
+import kernels.moe as km  # noqa: E402
 from benchmarks.bench_gemm import gpu_time, moe_inputs  # noqa: E402
 from kernels.moe import moe_experts  # noqa: E402
+
+VARIANTS = (("sim / fp16", False, "bf16"), ("codes / int", True, "bf16"), ("codes / packed", True, None))
 
 
 def main() -> int:
     torch.manual_seed(0)
+    print("| geometry | T | " + " | ".join(f"{v[0]} µs" for v in VARIANTS) + " | bitwise equal |")
+    print("|---|---:|" + "---:|" * len(VARIANTS) + "---|")
     for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
         ex = moe_inputs(E, D, I)
         for T in (1, 8, 32):
             x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
             idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
             g = torch.rand(T, 6, device="cuda") + 0.1
-            us = gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=16, reps=5)
-            print(f"| {geom} | {T} | {us:.1f} |", flush=True)
+            us, outs = [], []
+            for _, codes, mma in VARIANTS:
+                km.GEMV_CODES = codes
+                outs.append(moe_experts(x, g, idxs[0], ex, 10.0, mma=mma))
+                us.append(gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma=mma), iters=16, reps=5))
+            km.GEMV_CODES = True
+            same = all(torch.equal(outs[0], o) for o in outs[1:])
+            print(f"| {geom} | {T} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |", flush=True)
         del ex
         torch.cuda.empty_cache()
     return 0

@@ -89,7 +89,7 @@ except ImportError:  # triton is optional: the references stay importable withou
 
 from kernels import gemm, numerics
 from kernels.gemm import act_quant, mma_mode
-from kernels.launch import check_layout
+from kernels.launch import check_layout, interpreting
 from kernels.launch import fail as _fail
 
 
@@ -401,7 +401,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
-    def _fp4_gemv_codes(w_ptr, s_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN: tl.constexpr, BKH: tl.constexpr):
+    def _fp4_gemv_codes(w_ptr, s_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN: tl.constexpr, BKH: tl.constexpr,
+                        DEC: tl.constexpr = 1):
         """`_fp4_gemv_chunk` on act-quantized inputs given as e4m3 CODE values qe / qo [BKH] (even / odd inputs) and
         their blocks' scales sx [BKH / 64] (`act_quant_codes_pairs`): the same [BN] fp32 result, bitwise, with no
         float conversion in the nibble decode. Each nibble goes straight to the fp32 bits of e2m1 * 2^-126 (3
@@ -412,11 +413,24 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         kernels - the GPU test at real widths would see a flush as zero rows); above, fp32 rounds relative to the
         magnitude exactly as for the products times 2^(126 + k): the group sum times 2^126, then the weight's group
         scale, then the block's 2^k (each a power of two, in that order: no intermediate overflow before the true
-        value's) is the fp16 route's value bitwise."""
+        value's) is the fp16 route's value bitwise.
+        DEC: how the nibbles become those fp32 values - 0 / 1 element-wise integer ops on each byte widened to 32
+        bits (~3 integer ops per weight, SASS); 2 the packed PTX decode of the tile path (`_e2m1_bf16x2`: the same
+        values as bf16, two weights per integer op, then the exact bf16 -> fp32 widening; GPU only); 3 its plain
+        Triton twin (`_e2m1_bf16x2_twin`, exact fp32: the interpreter's stand-in for 2). All four give the same
+        fp32 values bit for bit (tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise)."""
         offs = kh0 + tl.arange(0, BKH)
-        b = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]).to(tl.int32)  # sign-extended: bit 7 -> bit 31
-        lo = (((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)).to(tl.float32, bitcast=True)
-        hi = (((b << 18) & 0x01C00000) | (b & -2147483648)).to(tl.float32, bitcast=True)
+        b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
+        if DEC == 2:
+            lo16, hi16 = _e2m1_bf16x2(b8)
+            lo = lo16.to(tl.float32)
+            hi = hi16.to(tl.float32)
+        elif DEC == 3:
+            lo, hi = _e2m1_bf16x2_twin(b8)
+        else:
+            b = b8.to(tl.int32)  # sign-extended: bit 7 -> bit 31
+            lo = (((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)).to(tl.float32, bitcast=True)
+            hi = (((b << 18) & 0x01C00000) | (b & -2147483648)).to(tl.float32, bitcast=True)
         p = lo * qe[None, :] + hi * qo[None, :]
         grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 8.507059173023462e37  # 2^126
         s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
@@ -425,17 +439,33 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
-    def _moe_up_gemv_kernel(xq_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
+    def _load_codes(ptr, FP8_NAN: tl.constexpr):
+        """e4m3 codes at ptr -> fp32 values (exact). FP8_NAN: restore the NaN codes (0x7F / 0xFF) afterwards - the
+        interpreter's fp8 -> fp32 conversion turns them into numbers (seen in triton 3.9), the GPU's keeps them."""
+        raw = tl.load(ptr)
+        v = raw.to(tl.float32)
+        if FP8_NAN:
+            v = tl.where((raw.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), v)
+        return v
+
+
+    @triton.jit
+    def _moe_up_gemv_kernel(xq_ptr, sx_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit,
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
-                            SORTED: tl.constexpr = True, QUANT: tl.constexpr = False):
+                            SORTED: tl.constexpr = True, QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1,
+                            FP8_NAN: tl.constexpr = False):
         """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
         in expert order, so programs reading one expert's rows run side by side and share them through L2).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
         reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False: pair = program id (no
-        order array; one token's pairs, whose experts are distinct anyway). QUANT: xq_ptr holds x itself (bf16),
+        order array; one token's pairs, whose experts are distinct anyway). QUANT 0: xq_ptr holds act_quant_sim(x)
+        (bf16 values; the fp16 decode route `_fp4_gemv_chunk`; sx_ptr unused); 1: xq_ptr holds x itself (bf16),
         act-quantized here per 128-input block in registers (`act_quant_codes_pairs`: the same exact values as the
-        act_quant_sim launch it replaces, kept as codes and scales for `_fp4_gemv_codes`; BKH a multiple of 64)."""
+        act_quant_sim launch it replaces, kept as codes and scales for `_fp4_gemv_codes`; BKH a multiple of 64);
+        2: xq_ptr holds `kernels.gemm.act_quant(x)`'s e4m3 codes [T, D] and sx_ptr its fp32 scales [T, D / 128]
+        (the codes route without re-quantizing x in every program; BKH a multiple of 64). DEC: the codes route's
+        nibble decode (`_fp4_gemv_codes`)."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -452,12 +482,20 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         u = tl.zeros((BN,), dtype=tl.float32)
         v = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
-            xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
-            if QUANT:
-                qe, qo, sx = act_quant_codes_pairs(xe, xo, BKH // 64)
-                u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
-                v += _fp4_gemv_codes(w3_ptr, s3_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
+            if QUANT == 2:
+                xe = _load_codes(xq_ptr + tok * D + 2 * (kh0 + offs_j), FP8_NAN)
+                xo = _load_codes(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1, FP8_NAN)
+            else:
+                xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
+                xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            if QUANT != 0:
+                if QUANT == 1:
+                    qe, qo, sx = act_quant_codes_pairs(xe, xo, BKH // 64)
+                else:
+                    qe, qo = xe, xo
+                    sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + tl.arange(0, BKH // 64))
+                u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
+                v += _fp4_gemv_codes(w3_ptr, s3_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
             else:
                 u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
                 v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
@@ -467,12 +505,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
-    def _moe_down_gemv_kernel(hq_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
+    def _moe_down_gemv_kernel(hq_ptr, sh_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
                               BN: tl.constexpr, BKH: tl.constexpr, SORTED: tl.constexpr = True,
-                              QUANT: tl.constexpr = False):
+                              QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1, FP8_NAN: tl.constexpr = False):
         """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
-        exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN). QUANT: hq_ptr holds
-        h itself, act-quantized here as in the up kernel."""
+        exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN). QUANT 1: hq_ptr
+        holds h itself, act-quantized here as in the up kernel; 2: hq_ptr holds act_quant(h)'s e4m3 codes [P, I]
+        and sh_ptr its scales [P, I / 128]; DEC as in the up kernel."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -487,11 +526,19 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         offs_j = tl.arange(0, BKH)
         acc = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
-            ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
-            if QUANT:
-                qe, qo, sx = act_quant_codes_pairs(he, ho, BKH // 64)
-                acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH)
+            if QUANT == 2:
+                he = _load_codes(hq_ptr + pair * I + 2 * (kh0 + offs_j), FP8_NAN)
+                ho = _load_codes(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1, FP8_NAN)
+            else:
+                he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
+                ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            if QUANT != 0:
+                if QUANT == 1:
+                    qe, qo, sx = act_quant_codes_pairs(he, ho, BKH // 64)
+                else:
+                    qe, qo = he, ho
+                    sx = tl.load(sh_ptr + pair * (I // 128) + kh0 // 64 + tl.arange(0, BKH // 64))
+                acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
             else:
                 acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
         acc = tl.where(bad, float("nan"), acc)
@@ -682,6 +729,13 @@ program of a row re-quantizes its whole input, so the work grows with the progra
 two launches: Flash T = 1 69.1 / 70.0 µs, T = 8 473.5 / 440.1, T = 32 1790.6 / 1650.9; Pro T = 1 180.2 / 172.8,
 T = 8 1203.6 / 1102.3. Kept at one token: in the model's CUDA graph each launch also costs a kernel boundary."""
 
+GEMV_CODES = True
+"""Above GEMV_QUANT_MAX_T tokens, whether the decode kernels take x and h as act_quant's e4m3 codes and scales
+(one quantization launch each, as before; the code-value products of `_fp4_gemv_codes` with the packed nibble
+decode: 874 instructions per K step of the up kernel against 1047 for the fp16 route of act_quant_sim's values,
+SASS of sm_90, `benchmarks/sass_count.py`) - the same outputs bitwise. False: the fp16 route (kept for the A/B of
+`benchmarks/moe_decode_probe.py`)."""
+
 TILES_SMALL_MAX_PAIRS = 768
 """Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
 µs for 32 x 128); above, the large tiles of `TILES_LARGE` by pairs per expert. Crossover between 768 and 6144
@@ -764,42 +818,68 @@ def _moe_mma(mma: str | None) -> int:
     return mode
 
 
+def _gemv_input(op: str, xq: torch.Tensor, sx: torch.Tensor | None, quant: bool, width: int, name: str,
+                cfg: MoeConfig) -> int:
+    """Checks the gemv launchers' input mode (module docstring of `moe_up_gemv`); returns the kernels' QUANT."""
+    if sx is None:
+        mode = 1 if quant else 0
+    elif quant:
+        _fail(op, "quant", "True with sx given", "quant=False when xq holds act_quant's codes (sx)")
+    else:
+        mode = 2
+        if xq.dtype != torch.float8_e4m3fn:
+            _fail(op, name, f"dtype {xq.dtype} with sx given", "float8_e4m3fn codes of kernels.gemm.act_quant")
+        want = (xq.shape[0], width // 128)
+        if sx.dtype != torch.float32 or tuple(sx.shape) != want:
+            _fail(op, "sx", f"{sx.dtype} shape {tuple(sx.shape)}", f"float32 scales of shape {want}")
+        check_layout(op, {name: xq, "sx": sx})
+    if mode and _chunk(cfg.block_kh, width // 2) % 64:
+        _fail(op, "block_kh", cfg.block_kh, "a chunk of >= 64 bytes (whole 128-input blocks) with quant or sx")
+    return mode
+
+
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
-                experts: StackedExperts, limit: float, cfg: MoeConfig, *, quant: bool = False) -> torch.Tensor:
-    """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`; xq [T, D] bf16 act-quantized x
-    (quant=False), or x itself (quant=True: act-quantized in the kernel, the same values; no act_quant launch),
+                experts: StackedExperts, limit: float, cfg: MoeConfig, *, quant: bool = False,
+                sx: torch.Tensor | None = None, mma: str | None = None) -> torch.Tensor:
+    """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`. The input, one of three forms
+    with the same values: xq [T, D] bf16 act_quant_sim(x) (quant=False, sx None: the fp16 decode route); x itself
+    (quant=True: act-quantized in every program, no act_quant launch); or `kernels.gemm.act_quant(x)`: xq the
+    float8_e4m3fn codes [T, D] and sx their float32 scales [T, D / 128] (the codes route, x quantized once).
     order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
-    in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct)."""
+    in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct).
+    mma: the codes route's nibble decode, as `moe_experts`' mma (None / "bf16x2": the packed PTX decode; "bf16":
+    element-wise); every choice gives the same values. Raises ValueError on a bad block or input form."""
     E, D, I = _check_experts("moe_up_gemv", experts)
     P = indices.numel()
     if I % cfg.block_n:
         _fail("moe_up_gemv", "block_n", cfg.block_n, f"a divisor of I = {I}")
-    if quant and _chunk(cfg.block_kh, D // 2) % 64:
-        _fail("moe_up_gemv", "block_kh", cfg.block_kh, "a chunk of >= 64 bytes (whole 128-input blocks) with quant")
+    mode = _gemv_input("moe_up_gemv", xq, sx, quant, D, "xq", cfg)
     h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
-        xq, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
+        xq, sx, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
         u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
-        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=quant, num_warps=cfg.num_warps)
+        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=mode, DEC=_moe_mma(mma),
+        FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
     return h
 
 
 def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, experts: StackedExperts,
-                  cfg: MoeConfig, *, quant: bool = False) -> torch.Tensor:
-    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] bf16 act-quantized h (quant=False)
-    or h itself (quant=True: act-quantized in the kernel); order as `moe_up_gemv`."""
+                  cfg: MoeConfig, *, quant: bool = False, sx: torch.Tensor | None = None,
+                  mma: str | None = None) -> torch.Tensor:
+    """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] in one of `moe_up_gemv`'s three
+    input forms (act_quant_sim(h); h itself with quant=True; act_quant(h)'s codes with sx [P, I / 128]); order
+    and mma as `moe_up_gemv`."""
     E, D, I = _check_experts("moe_down_gemv", experts)
     P = indices.numel()
     if D % cfg.block_n:
         _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
-    if quant and _chunk(cfg.block_kh, I // 2) % 64:
-        _fail("moe_down_gemv", "block_kh", cfg.block_kh, "a chunk of >= 64 bytes (whole 128-input blocks) with quant")
+    mode = _gemv_input("moe_down_gemv", hq, sx, quant, I, "hq", cfg)
     y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
-        hq, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
-        BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=quant,
-        num_warps=cfg.num_warps)
+        hq, sx, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
+        BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=mode,
+        DEC=_moe_mma(mma), FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
     return y
 
 
@@ -890,15 +970,29 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         return y0 if shared is None else moe_combine(y0, shared)
     if cfg.path == "gemv":
         # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
-        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). x and h are
-        # act-quantized inside the gemv kernels up to GEMV_QUANT_MAX_T tokens where the K chunk holds whole
-        # 128-input blocks (two launches fewer; the same values), else by the act_quant launch.
+        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). Where the K
+        # chunk holds whole 128-input blocks, the code-value products of `_fp4_gemv_codes` (packed nibble decode
+        # by default): x and h act-quantized inside the gemv kernels up to GEMV_QUANT_MAX_T tokens (two launches
+        # fewer), else by one act_quant launch each that writes the e4m3 codes and scales (x quantized once, not
+        # in every program); other chunks take the act_quant_sim values and the fp16 decode route. Same values.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-        qu = T <= GEMV_QUANT_MAX_T and _chunk(cfg.block_kh, D // 2) % 64 == 0
-        qd = T <= GEMV_QUANT_MAX_T and _chunk(cfg.block_kh, I // 2) % 64 == 0
-        h = moe_up_gemv(x if qu else act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg,
-                        quant=qu)
-        y = moe_down_gemv(h if qd else act_quant(h, sim=True)[0], indices, order, experts, cfg, quant=qd)
+        inner = T <= GEMV_QUANT_MAX_T
+        cu = _chunk(cfg.block_kh, D // 2) % 64 == 0 and (inner or GEMV_CODES)
+        cd = _chunk(cfg.block_kh, I // 2) % 64 == 0 and (inner or GEMV_CODES)
+        if cu and inner:
+            h = moe_up_gemv(x, weights, indices, order, experts, limit, cfg, quant=True, mma=mma)
+        elif cu:
+            xq, sx = act_quant(x)
+            h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg, sx=sx, mma=mma)
+        else:
+            h = moe_up_gemv(act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg)
+        if cd and inner:
+            y = moe_down_gemv(h, indices, order, experts, cfg, quant=True, mma=mma)
+        elif cd:
+            hq, sh = act_quant(h)
+            y = moe_down_gemv(hq, indices, order, experts, cfg, sx=sh, mma=mma)
+        else:
+            y = moe_down_gemv(act_quant(h, sim=True)[0], indices, order, experts, cfg)
     else:
         xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)

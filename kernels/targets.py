@@ -13,6 +13,7 @@ subprocess. Module state: none.
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 
@@ -121,10 +122,10 @@ def _specs():
         ("quant._quant_sim_kernel", quant._quant_sim_kernel, dict(x_ptr=bf, y_ptr=bf), [],
          dict(FP4=True, B=32, BR=16)),
         ("moe._moe_up_gemv_kernel", moe._moe_up_gemv_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+         dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
               h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=True)),
         ("moe._moe_down_gemv_kernel", moe._moe_down_gemv_kernel,
-         dict(hq_ptr=bf, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(hq_ptr=bf, sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BN=16, BKH=256, SORTED=True)),
         ("moe._moe_up_tile_kernel", moe._moe_up_tile_kernel,
          dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
@@ -176,8 +177,27 @@ def _specs():
         ("moe._sum_slots_kernel", moe._sum_slots_kernel, dict(y_ptr=bf, s_ptr=bf, out_ptr=f32), [],
          dict(K=6, HAS_SHARED=False, BD=1024)),
         ("moe._moe_up_gemv_kernel[unsorted]", moe._moe_up_gemv_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+         dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
               h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False)),
+        # T = 1 (decode batch 1): x and h act-quantized inside the gemv kernels (moe.GEMV_QUANT_MAX_T)
+        ("moe._moe_up_gemv_kernel[quant]", moe._moe_up_gemv_kernel,
+         dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False, QUANT=1, DEC=2)),
+        ("moe._moe_down_gemv_kernel[quant]", moe._moe_down_gemv_kernel,
+         dict(hq_ptr=bf, sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BN=16, BKH=256, SORTED=False, QUANT=1, DEC=2)),
+        # T > 1: x and h quantized once by act_quant (e4m3 codes + scales), the packed nibble decode
+        ("moe._moe_up_gemv_kernel[codes]", moe._moe_up_gemv_kernel,
+         dict(xq_ptr="*fp8e4nv", sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8,
+              w3_ptr="*i8", s3_ptr=u8, h_ptr=bf), ["limit"],
+         dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=True, QUANT=2, DEC=2)),
+        ("moe._moe_down_gemv_kernel[codes]", moe._moe_down_gemv_kernel,
+         dict(hq_ptr="*fp8e4nv", sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BN=16, BKH=256, SORTED=True, QUANT=2, DEC=2)),
+        ("moe._moe_up_gemv_kernel[codes-int]", moe._moe_up_gemv_kernel,
+         dict(xq_ptr="*fp8e4nv", sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8,
+              w3_ptr="*i8", s3_ptr=u8, h_ptr=bf), ["limit"],
+         dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=True, QUANT=2, DEC=1)),
         ("attention._step_index_kernel", attention._step_index_kernel, dict(P="*i64", COMP="*i64", IDX="*i64"),
          [], dict(INPLACE=True, MODE=1, BLOCK=256)),
         ("indexer._rotate_fp4_kernel", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64,
@@ -190,6 +210,14 @@ def _specs():
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)
     return specs
+
+
+def constexprs(fn, consts: dict) -> dict:
+    """The spec's constexpr values plus the defaults of the constexpr parameters it leaves out: the values a real
+    launch gets (a left-out constexpr would otherwise compile as an i32 argument, both branches of its `if`s)."""
+    out = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    out.update(consts)
+    return out
 
 
 def compile_all(capability: int, names: list[str] | None = None) -> dict[str, dict]:
@@ -210,6 +238,7 @@ def compile_all(capability: int, names: list[str] | None = None) -> dict[str, di
     for name, fn, ptrs, floats, consts in _specs():
         if names is not None and name not in names:
             continue
+        consts = constexprs(fn, consts)
         sig = {}
         for arg in fn.arg_names:
             sig[arg] = "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")

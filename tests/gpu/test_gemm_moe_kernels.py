@@ -264,3 +264,33 @@ def test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu(seed, T):
     assert bool(torch.isfinite(a2.float()).all()) and float(a2.float().abs().max()) > 0
     assert torch.equal(a2.view(torch.int16), b2.view(torch.int16)), \
         f"scales 2^-27..2^33: {(a2 != b2).sum().item()} of {a2.numel()} outputs differ between the decodes"
+
+
+@pytest.mark.parametrize("geom", ["flash", "pro"])
+def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatch):
+    """The decode path's three input forms (act_quant_sim values through the fp16 route; x quantized in the
+    kernels; act_quant's e4m3 codes and scales, the default above GEMV_QUANT_MAX_T tokens) with both nibble
+    decodes of the code-value route (the packed PTX, `_e2m1_bf16x2`, the default; element-wise, mma "bf16") give
+    the same outputs bit for bit on the GPU at Flash / Pro width, T = 1 / 8 / 32; one token's x holds a NaN and
+    another an inf (the GPU's e4m3 -> fp32 conversion keeps the NaN code, which the interpreter does not)."""
+    import kernels.moe as km
+    E, D, I = GEOM[geom]
+    ex = make_experts(E, D, I)
+    for T in (1, 8, 32):
+        x = (torch.randn(T, D, device="cuda") * torch.logspace(-3, 3, D // 128, device="cuda")
+             .repeat_interleave(128)).to(torch.bfloat16)
+        if T > 1:
+            x[0, 7], x[1, 300] = float("nan"), float("inf")
+        idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
+        g = torch.rand(T, 6, device="cuda") + 0.1
+        outs = {}
+        for codes, mma in ((False, "bf16"), (True, "bf16"), (True, None)):
+            monkeypatch.setattr(km, "GEMV_CODES", codes)
+            outs[(codes, mma)] = km.moe_experts(x, g, idx, ex, 10.0, mma=mma)
+        ref = outs[(False, "bf16")]
+        assert bool(ref[-1].isfinite().all()) and float(ref[-1].abs().max()) > 0
+        if T > 1:
+            assert bool(ref[0].isnan().any()), "the NaN token must stay NaN"
+        for key, y in outs.items():
+            same = torch.equal(ref.isnan(), y.isnan()) and torch.equal(ref.nan_to_num(), y.nan_to_num())
+            assert same, f"{geom} T{T}: GEMV_CODES={key[0]} mma={key[1]} differs from the fp16 route"

@@ -1059,3 +1059,28 @@ def moe_packed_scale_factor_off(mp: MP) -> None:
     from kernels import moe
 
     _jit_source_mutant(mp, moe, "_fp4_tile_dot", "(tl.maximum(sq, 128) - 1) << 7", "(tl.maximum(sq, 128) - 2) << 7")
+
+
+def moe_gemv_codes_scales_reversed(mp: MP) -> None:
+    """The MoE decode up kernel, fed act_quant's codes and scales (QUANT 2: what `moe_experts` launches above
+    GEMV_QUANT_MAX_T tokens), reads the act_quant block scales of a K chunk in reverse order (each 128-input
+    block scaled by another block's 2^k); the in-kernel quantization, the fp16 route and the references are
+    right."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_moe_up_gemv_kernel",
+                       "sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + tl.arange(0, BKH // 64))",
+                       "sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + (BKH // 64 - 1 - tl.arange(0, BKH // 64)))"
+                       "  # MUTANT")
+
+
+def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
+    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) with the packed nibble decode (DEC 2 on a
+    GPU, its twin DEC 3 under the interpreter: the default) take the high nibble as the even input; the
+    element-wise decode (mma "bf16"), the tile path and the references keep the on-disk order."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_fp4_gemv_codes", "lo16, hi16 = _e2m1_bf16x2(b8)",
+                       "hi16, lo16 = _e2m1_bf16x2(b8)  # MUTANT: nibbles swapped")
+    _jit_source_mutant(mp, moe, "_fp4_gemv_codes", "lo, hi = _e2m1_bf16x2_twin(b8)",
+                       "hi, lo = _e2m1_bf16x2_twin(b8)  # MUTANT: nibbles swapped")

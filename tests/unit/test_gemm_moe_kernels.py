@@ -673,6 +673,65 @@ def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
 
 
 @needs_triton
+@pytest.mark.parametrize("mma", [None, "bf16"])
+def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
+    """The decode kernels' three input forms - act_quant_sim values (fp16 decode route), x quantized in every
+    program (quant=True), act_quant's e4m3 codes and scales (sx, what `moe_experts` launches above
+    GEMV_QUANT_MAX_T tokens) - give bitwise the same h and y, with either nibble decode of the codes route (mma
+    None: the packed decode's bit patterns, `_e2m1_bf16x2_twin` under the interpreter / the PTX on a GPU; "bf16":
+    element-wise integer ops). x's 128-blocks 10^6 apart in magnitude (each block's scale matters) with an inf
+    (k = 0) and a NaN; then `moe_experts` at T = 5 with GEMV_CODES on and off: the same output bitwise."""
+    import kernels.moe as km
+    from kernels.gemm import act_quant
+    from kernels.moe import moe_down_gemv
+    from kernels.quant import act_quant_sim
+    ex = make_experts()
+    g, idx = routing(5, 3, IDX5)
+    x = torch.randn(5, D) * torch.logspace(-3, 3, D // 128).repeat_interleave(128)
+    x[1, 130] = float("inf")
+    x[2, 5] = float("nan")
+    x = x.to(torch.bfloat16).to(DEV)
+    cfg = moe_config(15, E)
+    order = torch.sort(idx.reshape(-1), stable=True).indices.to(torch.int32)
+    xq, sx = act_quant(x)
+    a = moe_up_gemv(act_quant_sim(x, 128), g, idx, order, ex, 10.0, cfg)
+    b = moe_up_gemv(x, g, idx, order, ex, 10.0, cfg, quant=True, mma=mma)
+    c = moe_up_gemv(xq, g, idx, order, ex, 10.0, cfg, sx=sx, mma=mma)
+    for other, what in ((b, "in-kernel quant"), (c, "act_quant codes")):
+        assert torch.equal(a.isnan(), other.isnan()) and torch.equal(a.nan_to_num(), other.nan_to_num()), what
+    assert bool(a.isnan().any()) and bool((~a.isnan()).any()) and float(a.nan_to_num().abs().max()) > 0
+    h = (torch.randn(15, I) * torch.logspace(-2, 2, I // 128).repeat_interleave(128)).to(torch.bfloat16).to(DEV)
+    hq, sh = act_quant(h)
+    ya = moe_down_gemv(act_quant_sim(h, 128), idx, order, ex, cfg)
+    assert torch.equal(ya, moe_down_gemv(h, idx, order, ex, cfg, quant=True, mma=mma)), "down: in-kernel quant"
+    assert torch.equal(ya, moe_down_gemv(hq, idx, order, ex, cfg, sx=sh, mma=mma)), "down: act_quant codes"
+    xf = x.nan_to_num(posinf=0.0)
+    y_codes = moe_experts(xf, g, idx, ex, 10.0, mma=mma)
+    monkeypatch.setattr(km, "GEMV_CODES", False)
+    assert torch.equal(y_codes, moe_experts(xf, g, idx, ex, 10.0, mma=mma)), "moe_experts: GEMV_CODES on / off"
+
+
+@needs_triton
+def test_moe_gemv_input_forms_refused():
+    """The gemv launchers name a wrong input form: codes with quant=True, codes that are not e4m3, scales of the
+    wrong shape or dtype."""
+    from kernels.gemm import act_quant
+    ex = make_experts()
+    g, idx = routing(2, 3, [[0, 2, 3], [5, 1, 2]])
+    x = torch.randn(2, D).to(torch.bfloat16).to(DEV)
+    xq, sx = act_quant(x)
+    cfg = moe_config(6, E)
+    with pytest.raises(ValueError, match="quant"):
+        moe_up_gemv(xq, g, idx, None, ex, 10.0, cfg, quant=True, sx=sx)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        moe_up_gemv(x, g, idx, None, ex, 10.0, cfg, sx=sx)
+    with pytest.raises(ValueError, match=r"sx.*\(2, 2\)"):
+        moe_up_gemv(xq, g, idx, None, ex, 10.0, cfg, sx=sx[:, :1])
+    with pytest.raises(ValueError, match="float32"):
+        moe_up_gemv(xq, g, idx, None, ex, 10.0, cfg, sx=sx.double())
+
+
+@needs_triton
 @pytest.mark.parametrize("T", [1, 5])
 def test_moe_default_gemv_matches_reference(seed, T):
     """The default decode launch (`moe_config`: 512-input K chunks, so x's two 128-blocks of D = 256 share a chunk;
