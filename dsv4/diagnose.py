@@ -362,10 +362,13 @@ def loop_measure(ids: list[int]) -> LoopMeasure:
     Args:
         ids: generated token ids (ints), EOS already removed. O(n^2) in len(ids); n is tens of tokens.
     Raises:
-        ValueError: `ids` is not a list of ints.
+        ValueError: `ids` is not a list of ints (the message names the first bad entry's index).
     """
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"ids: expected a list of int token ids, got {ids!r:.80}")
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"ids: expected a list of int token ids, got {type(ids).__name__}")
+    for j, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise ValueError(f"ids[{j}] is {t!r} ({type(t).__name__}); expected an int token id")
     n = len(ids)
     best_len, best_p = 0, 0
     for p in range(1, n // 2 + 1):

@@ -92,6 +92,11 @@ class ChatState:
     ids: list[int]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ids, list):
+            raise ValueError(f"ChatState.ids: expected a list of int token ids, got {type(self.ids).__name__}")
+        for i, t in enumerate(self.ids):
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"ChatState.ids[{i}] is {t!r}; expected a token id, an int >= 0")
         if self.state.pos != len(self.ids):
             raise ValueError(f"ChatState: the state is at position {self.state.pos} but holds {len(self.ids)} ids")
 
@@ -107,6 +112,11 @@ def reuse_plan(model: Transformer, chat: ChatState | None, new_ids: list[int]) -
         return 0, "rebuilt: the chat state belongs to another model instance"
     if chat.state.batch != 1:
         return 0, f"rebuilt: the chat state has batch {chat.state.batch}, generate runs batch 1"
+    V = model.args.vocab_size
+    bad = next((i for i, t in enumerate(chat.ids) if t >= V), None)
+    if bad is not None:
+        raise ValueError(f"ChatState.ids[{bad}] is {chat.ids[bad]}; expected a token id in 0..{V - 1} (this "
+                         "model's vocab_size): the chat state was not made by this model's generate")
     old = chat.ids
     common = next((i for i, (a, b) in enumerate(zip(old, new_ids)) if a != b), min(len(old), len(new_ids)))
     if common < len(old):

@@ -66,8 +66,15 @@ def test_thresholds_at_their_edges():
 
 
 def test_loop_measure_rejects_non_ids():
-    with pytest.raises(ValueError, match="expected a list of int token ids"):
+    """Not a list, or a list with a non-int entry (a long list's bad entry is named by its index, not cut off)."""
+    with pytest.raises(ValueError, match="expected a list of int token ids, got str"):
+        loop_measure("ab")
+    with pytest.raises(ValueError, match=r"ids\[0\] is 'a' \(str\)"):
         loop_measure(["a", "b"])
+    with pytest.raises(ValueError, match=r"ids\[40\] is 2.0 \(float\)"):
+        loop_measure(list(range(40)) + [2.0])
+    with pytest.raises(ValueError, match=r"ids\[1\] is True \(bool\)"):
+        loop_measure([1, True])
 
 
 # ---------------------------------------------------------------- the verdict rule

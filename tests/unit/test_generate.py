@@ -140,3 +140,11 @@ def test_multi_turn_refuses_a_state_it_cannot_continue(model_tok, tiny_ckpt):
     assert reuse_plan(model, ChatState(st, ids), ids + [9]) == (len(ids), f"reused {len(ids)} tokens, appended 1")
     with pytest.raises(ValueError, match="position"):
         ChatState(st, ids + [9])
+    # ids that are not token ids: named by index, never a silent rebuild
+    with pytest.raises(ValueError, match=r"ChatState.ids\[2\] is -1"):
+        ChatState(st, ids[:2] + [-1] + ids[3:])
+    with pytest.raises(ValueError, match=r"ChatState.ids\[1\] is True"):
+        ChatState(st, ids[:1] + [True] + ids[2:])
+    V = model.args.vocab_size
+    with pytest.raises(ValueError, match=rf"ChatState.ids\[0\] is {V}; expected a token id in 0..{V - 1}"):
+        reuse_plan(model, ChatState(st, [V] + ids[1:]), ids + [9])
