@@ -14,7 +14,8 @@ timeout 230 python3 benchmarks/bench_model.py --geometry flash --flash-layers 4,
   --batches 1,8,32 --reps 3 --warmup 1 --backends triton --markdown "$O/bench.md" > "$O/bench.log" 2>&1
 echo "bench rc=$?"; head -40 "$O/bench.md"; tail -5 "$O/bench.log"
 timeout 100 python3 benchmarks/moe_decode_probe.py > "$O/probe.md" 2>&1; echo "probe rc=$?"; cat "$O/probe.md"
-timeout 170 python3 -m pytest -n 4 -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
+# -n 4 needs the H200's memory (on an H100 the Flash-width graph tests run out of it): GPU_NEXT_WORKERS=1 there
+timeout 300 python3 -m pytest -n "${GPU_NEXT_WORKERS:-4}" -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
   tests/gpu/test_gemm_moe_kernels.py tests/gpu/test_model_backends.py tests/gpu/test_graph_decode.py \
   tests/gpu/test_batch_invariant.py -k "not real" > "$O/gpu_check.txt" 2>&1
 echo "gpu check rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$O/gpu_check.txt" | tail -12
@@ -23,3 +24,5 @@ echo "crossover rc=$?"; grep -E "^\| flash|Traceback|Error" "$O/crossover.md" | 
 timeout 40 python3 -m pytest -q -p no:cacheprovider -rf tests/unit/test_gemm_moe_kernels.py \
   tests/unit/test_norm_kernel.py -k "names_bad_fields or test_moe_names_bad_input or norms_run_the_kernel" > "$O/unit_gpu.txt" 2>&1
 echo "unit-on-gpu rc=$?"; grep -E "FAILED|Error|passed|failed" "$O/unit_gpu.txt" | tail -8
+timeout 200 python3 benchmarks/bench_model.py --quick --geometry flash --backends reference,triton,transformers \
+  --markdown "$O/bench_cols.md" > "$O/bench_cols.log" 2>&1; echo "columns rc=$?"; head -14 "$O/bench_cols.md"

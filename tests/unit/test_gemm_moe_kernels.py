@@ -357,8 +357,8 @@ def test_gemv_config_takes_the_measured_entry_on_sm90(monkeypatch):
 def test_gemv_config_names_bad_fields():
     """A launch config outside what the kernel supports is refused by name (never silently replaced)."""
     from kernels.gemm import fp8_grouped_gemv, gemv_config
-    x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16), make_w8(128, 256)
-    w, s = w.cpu(), s.cpu()
+    x, (w, s) = torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV), make_w8(128, 256)
+    w, s = w.to(DEV), s.to(DEV)  # DEV: on a GPU without the interpreter the config is checked, not the device
     assert gemv_config(1, 1024, 4096, 1, torch.device("cpu")) == RowsConfig()
     assert gemv_config(2, 1024, 4096, 1, torch.device("cpu")) == GemvConfig()
     assert gemv_config(32, 1024, 4096, 1, torch.device("cpu")).bn == 32
@@ -370,13 +370,13 @@ def test_gemv_config_names_bad_fields():
         with pytest.raises(ValueError, match=match):
             fp8_linear(x, w, s, gemv=bad)
     with pytest.raises(ValueError, match="gemv.dot is False with M = 17"):
-        fp8_linear(torch.zeros(17, 256, dtype=torch.bfloat16), w, s, gemv=GemvConfig(dot=False))
+        fp8_linear(torch.zeros(17, 256, dtype=torch.bfloat16, device=DEV), w, s, gemv=GemvConfig(dot=False))
     with pytest.raises(ValueError, match=r"gemv is .*; expected None for M = 70"):  # forced where no GEMV runs
-        fp8_linear(torch.zeros(70, 256, dtype=torch.bfloat16), w, s, gemv=GemvConfig())
+        fp8_linear(torch.zeros(70, 256, dtype=torch.bfloat16, device=DEV), w, s, gemv=GemvConfig())
     with pytest.raises(ValueError, match=r"prefill is 'triton'; expected None for M = 2"):
         fp8_linear(x, w, s, prefill="triton")
     with pytest.raises(ValueError, match="gemv.prequant is True"):
-        fp8_grouped_gemv(torch.zeros(2, 512, dtype=torch.bfloat16), torch.cat([w, w]), torch.cat([s, s]), 2,
+        fp8_grouped_gemv(torch.zeros(2, 512, dtype=torch.bfloat16, device=DEV), torch.cat([w, w]), torch.cat([s, s]), 2,
                          gemv=GemvConfig(prequant=True))
 
 
@@ -818,9 +818,9 @@ def test_moe_experts_reads_nothing_back_to_the_host(seed):
 
 
 def test_moe_names_bad_input():
-    ex = StackedExperts(*(t.cpu() for t in make_experts()))
-    x = torch.zeros(2, D, dtype=torch.bfloat16)
-    g, idx = torch.ones(2, 3), torch.zeros(2, 3, dtype=torch.int64)
+    ex = make_experts()  # on DEV: a GPU run without the interpreter checks the arguments, not the device rule
+    x = torch.zeros(2, D, dtype=torch.bfloat16, device=DEV)
+    g, idx = torch.ones(2, 3, device=DEV), torch.zeros(2, 3, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="s2 is dtype torch.uint8"):
         moe_grouped_ref(x, g, idx, ex._replace(s2=ex.s2.view(torch.uint8)), 10.0)
     with pytest.raises(ValueError, match="weights is torch.float64"):

@@ -98,7 +98,7 @@ def test_triton_backend_norms_run_the_kernel():
     from kernels.norm import rms_norm_op
     args = tiny_args(n_layers=2, compress_ratios=(0, 4, 0))
     for backend, entry in (("triton", rms_norm_op), ("reference", rms_norm_ref)):
-        m = Transformer(args, dtype=torch.bfloat16, backend=backend)
+        m = Transformer(args, dtype=torch.bfloat16, backend=backend, device=DEV)  # DEV: CUDA off the interpreter
         norms = [n for n in m.modules() if isinstance(n, RMSNorm)]
         assert len(norms) >= 7 and all(n.kernel is entry for n in norms), backend
 
