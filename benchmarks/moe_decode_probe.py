@@ -6,7 +6,8 @@ decode kernels' input forms and nibble decodes side by side in one process:
   in-kernel quantization is used regardless, GEMV_QUANT_MAX_T);
 - "codes / int": act_quant's codes and scales (T > 1) or the in-kernel quantization (T = 1), nibbles decoded by
   element-wise integer ops (mma "bf16");
-- "codes / packed": the same with the packed PTX decode (the default).
+- "codes / packed": the same with the packed PTX decode (mma "bf16x2");
+- "default": mma None (packed, except element-wise at T = 1 below `GEMV_QUANT_PACKED_MIN_D`).
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 """
@@ -22,7 +23,8 @@ import kernels.moe as km  # noqa: E402
 from benchmarks.bench_gemm import gpu_time, moe_inputs  # noqa: E402
 from kernels.moe import moe_experts  # noqa: E402
 
-VARIANTS = (("sim / fp16", False, "bf16"), ("codes / int", True, "bf16"), ("codes / packed", True, None))
+VARIANTS = (("sim / fp16", False, "bf16"), ("codes / int", True, "bf16"), ("codes / packed", True, "bf16x2"),
+            ("default", True, None))
 
 
 def main() -> int:

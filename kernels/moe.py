@@ -729,6 +729,13 @@ program of a row re-quantizes its whole input, so the work grows with the progra
 two launches: Flash T = 1 69.1 / 70.0 µs, T = 8 473.5 / 440.1, T = 32 1790.6 / 1650.9; Pro T = 1 180.2 / 172.8,
 T = 8 1203.6 / 1102.3. Kept at one token: in the model's CUDA graph each launch also costs a kernel boundary."""
 
+GEMV_QUANT_PACKED_MIN_D = 7168
+"""Model width D from which the in-kernel quantization route (T <= GEMV_QUANT_MAX_T) decodes the nibbles packed
+(`_fp4_gemv_codes` DEC 2) when mma is None; below it element-wise (DEC 1). Measured on one H100 (whole call in a
+CUDA graph, `benchmarks/moe_decode_probe.py`, RESULTS.md session of 2026-12-06 (3), two runs): Flash (D 4096)
+element-wise 69.0 / 69.4 µs against packed 76.0 / 76.3; Pro (D 7168) 182.0 / 183.2 against 162.3 / 162.9. Above
+one token the packed decode is faster at both widths (GEMV_CODES). Same values either way."""
+
 GEMV_CODES = True
 """Above GEMV_QUANT_MAX_T tokens, whether the decode kernels take x and h as act_quant's e4m3 codes and scales
 (one quantization launch each, as before; the code-value products of `_fp4_gemv_codes` with the packed nibble
@@ -979,15 +986,16 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         inner = T <= GEMV_QUANT_MAX_T
         cu = _chunk(cfg.block_kh, D // 2) % 64 == 0 and (inner or GEMV_CODES)
         cd = _chunk(cfg.block_kh, I // 2) % 64 == 0 and (inner or GEMV_CODES)
+        mma1 = "bf16" if mma is None and D < GEMV_QUANT_PACKED_MIN_D else mma  # T = 1: measured per width
         if cu and inner:
-            h = moe_up_gemv(x, weights, indices, order, experts, limit, cfg, quant=True, mma=mma)
+            h = moe_up_gemv(x, weights, indices, order, experts, limit, cfg, quant=True, mma=mma1)
         elif cu:
             xq, sx = act_quant(x)
             h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg, sx=sx, mma=mma)
         else:
             h = moe_up_gemv(act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg)
         if cd and inner:
-            y = moe_down_gemv(h, indices, order, experts, cfg, quant=True, mma=mma)
+            y = moe_down_gemv(h, indices, order, experts, cfg, quant=True, mma=mma1)
         elif cd:
             hq, sh = act_quant(h)
             y = moe_down_gemv(hq, indices, order, experts, cfg, sx=sh, mma=mma)

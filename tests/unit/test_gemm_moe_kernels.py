@@ -712,6 +712,28 @@ def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
 
 
 @needs_triton
+def test_moe_decode_picks_the_measured_nibble_decode(monkeypatch):
+    """`moe_experts`' launch choice of the gemv kernels' nibble decode (mma None): element-wise at one token below
+    GEMV_QUANT_PACKED_MIN_D (Flash width, measured faster there), packed at one token from it and at every width
+    above one token (act_quant's codes); an explicit mma is passed through unchanged."""
+    import kernels.moe as km
+    seen = []
+    real_up, real_down = km.moe_up_gemv, km.moe_down_gemv
+    monkeypatch.setattr(km, "moe_up_gemv", lambda *a, **k: seen.append(("up", k.get("quant", False), k.get("mma")))
+                        or real_up(*a, **k))
+    monkeypatch.setattr(km, "moe_down_gemv", lambda *a, **k: seen.append(("down", k.get("quant", False), k.get("mma")))
+                        or real_down(*a, **k))
+    ex = make_experts()
+    for T, floor, mma, want in ((1, 7168, None, "bf16"), (1, D, None, None), (3, 7168, None, None),
+                                (1, 7168, "bf16x2", "bf16x2"), (3, D, "bf16", "bf16")):
+        monkeypatch.setattr(km, "GEMV_QUANT_PACKED_MIN_D", floor)
+        g, idx = routing(T, 2)
+        seen.clear()
+        km.moe_experts(torch.randn(T, D).to(torch.bfloat16).to(DEV), g, idx, ex, 10.0, mma=mma)
+        assert seen == [("up", T == 1, want), ("down", T == 1, want)], (T, floor, mma, seen)
+
+
+@needs_triton
 def test_moe_gemv_input_forms_refused():
     """The gemv launchers name a wrong input form: codes with quant=True, codes that are not e4m3, scales of the
     wrong shape or dtype."""
