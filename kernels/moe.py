@@ -24,17 +24,21 @@ Reading order (STYLE §1): the references (`swiglu`, `moe_routed_ref`, `moe_grou
 plain torch, sync-free), the kernels, the launchers, `stack_experts` / `stackable`, the triton backend's entry
 `moe_routed`.
 
-Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once
-(`kernels.gemm.act_quant(sim=True)`: bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
-`act_quant_sim`), h likewise after the up launch; the kernels read those exact values. Two paths, chosen by
+Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once (the tile path:
+`kernels.gemm.act_quant(sim=True)`, bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
+`act_quant_sim`; the gemv path: below), h likewise after the up launch; the kernels read those exact values. Two paths, chosen by
 P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
   * decode, "gemv": `_moe_up_gemv_kernel` / `_moe_down_gemv_kernel`, grid (P, out / BN): one short program per
     (pair, BN output rows), pairs visited in expert order (stable `torch.sort` of the flattened ids, on the
     device) so programs that read one expert's rows run side by side and share them through L2. Each program
     runs the whole K loop in chunks of 2*BKH inputs on CUDA cores: packed bytes [BN, BKH] decoded to exact fp32
-    e2m1 * 2^-14 (`_e2m1`: 4 integer ops through an fp16 bit pattern, low nibble = even input, high = odd; x is
-    loaded as its even / odd inputs instead of interleaving the weights), FMA with x, a sum per 32-input group
-    times that group's 2^(s-127) * 2^14, then the SwiGLU epilogue (`_swiglu`).
+    values (low nibble = even input, high = odd; x is loaded as its even / odd inputs instead of interleaving the
+    weights), FMA with x, a sum per 32-input group times that group's scale, then the SwiGLU epilogue
+    (`_swiglu`). The input takes one of three forms with the same values (`moe_up_gemv`): at one token x itself,
+    act-quantized in the kernel (`GEMV_QUANT_MAX_T`, two launches fewer); above, act_quant's e4m3 codes and block
+    scales (`GEMV_CODES`: x quantized once); both multiply e4m3 code values by e2m1 * 2^-126 (`_fp4_gemv_codes`,
+    nibbles decoded packed by PTX or element-wise: `GEMV_QUANT_PACKED_MIN_D`); the third, act_quant_sim's values
+    through an fp16 bit pattern (`_fp4_gemv_chunk`), is what K chunks of less than one 128-input block take.
   * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
     shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (tiles, out / BN): per chunk of
     2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
