@@ -6,6 +6,7 @@ are byte-wise and the codegen is not a real launch's), disassembles the cubin wi
 -sass`, and counts the instructions of each loop (a backward branch and its target), by opcode.
 
     TRITON_INTERPRET= python benchmarks/sass_count.py "moe._moe_up_gemv_kernel" --cap 90 --div D,I,E
+    TRITON_INTERPRET= python benchmarks/sass_count.py "moe._moe_up_gemv_kernel[codes]" --const DEC=1
 
 Prints, per kernel and loop: instructions per iteration and the 10 most frequent opcodes. Divide by the weights a
 thread handles per iteration (the kernel's block shape / threads) for instructions per weight. Must run without
@@ -26,8 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def sass_of(name: str, cap: int, div: list[str]) -> str:
-    """SASS text of the `kernels.targets` spec `name` compiled for sm_`cap` (pointers and `div` args 16-aligned)."""
+def sass_of(name: str, cap: int, div: list[str], const: dict | None = None) -> str:
+    """SASS text of the `kernels.targets` spec `name` compiled for sm_`cap` (pointers and `div` args 16-aligned),
+    with the constexprs in `const` replacing the spec's (e.g. {"DEC": 1})."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,7 +39,7 @@ def sass_of(name: str, cap: int, div: list[str]) -> str:
     if name not in specs:
         raise SystemExit(f"sass_count: no spec {name!r} in kernels.targets (known: {', '.join(sorted(specs))})")
     _, fn, ptrs, floats, consts = specs[name]
-    consts = targets.constexprs(fn, consts)
+    consts = targets.constexprs(fn, {**consts, **(const or {})})
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         sig[arg] = "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")
@@ -77,11 +79,13 @@ def main() -> None:
     ap.add_argument("names", nargs="+", help="kernels.targets spec names")
     ap.add_argument("--cap", type=int, default=90)
     ap.add_argument("--div", default="D,I,E,KH,N,K", help="i32 arguments taken as multiples of 16")
+    ap.add_argument("--const", default="", help="constexpr overrides, e.g. DEC=1,BN=32 (ints)")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("sass_count: unset TRITON_INTERPRET (the interpreter cannot compile)")
     for name in a.names:
-        for label, cnt in loops(sass_of(name, a.cap, a.div.split(","))):
+        const = {k: int(v) for k, v in (kv.split("=") for kv in a.const.split(",") if kv)}
+        for label, cnt in loops(sass_of(name, a.cap, a.div.split(","), const)):
             top = ", ".join(f"{op} {n}" for op, n in cnt.most_common(10))
             print(f"{name} sm_{a.cap} loop {label}: {sum(cnt.values())} instructions per iteration; {top}")
 
