@@ -6,7 +6,8 @@ decode kernels' input forms and nibble decodes side by side in one process:
   in-kernel quantization is used regardless, GEMV_QUANT_MAX_T);
 - "codes / int": act_quant's codes and scales (T > 1) or the in-kernel quantization (T = 1), nibbles decoded by
   element-wise integer ops (mma "bf16");
-- "codes / packed": the same with the packed PTX decode (mma "bf16x2");
+- "codes / packed": the same with the packed PTX decode (mma "bf16x2"), bf16 lanes;
+- "codes / packed f16": the packed decode in fp16 lanes (`kernels.moe.GEMV_PACKED_F16`);
 - "default": mma None (packed, except element-wise at T = 1 below `GEMV_QUANT_PACKED_MIN_D`).
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
@@ -23,8 +24,9 @@ import kernels.moe as km  # noqa: E402
 from benchmarks.bench_gemm import gpu_time, moe_inputs  # noqa: E402
 from kernels.moe import moe_experts  # noqa: E402
 
-VARIANTS = (("sim / fp16", False, "bf16"), ("codes / int", True, "bf16"), ("codes / packed", True, "bf16x2"),
-            ("default", True, None))
+VARIANTS = (("sim / fp16", False, "bf16", False), ("codes / int", True, "bf16", False),
+            ("codes / packed", True, "bf16x2", False), ("codes / packed f16", True, "bf16x2", True),
+            ("default", True, None, None))
 
 
 def main() -> int:
@@ -38,11 +40,13 @@ def main() -> int:
             idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
             g = torch.rand(T, 6, device="cuda") + 0.1
             us, outs = [], []
-            for _, codes, mma in VARIANTS:
+            f16_default = km.GEMV_PACKED_F16
+            for _, codes, mma, f16 in VARIANTS:
                 km.GEMV_CODES = codes
+                km.GEMV_PACKED_F16 = f16_default if f16 is None else f16
                 outs.append(moe_experts(x, g, idxs[0], ex, 10.0, mma=mma))
                 us.append(gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, mma=mma), iters=16, reps=5))
-            km.GEMV_CODES = True
+            km.GEMV_CODES, km.GEMV_PACKED_F16 = True, f16_default
             same = all(torch.equal(outs[0], o) for o in outs[1:])
             print(f"| {geom} | {T} | " + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |", flush=True)
         del ex

@@ -328,6 +328,21 @@ on every byte through a small PTX emulator (`tests/unit/test_gemm_moe_kernels.py
 the interpreter runs no PTX."""
 
 
+E2M1_F16X2_PTX = """{
+.reg .b32 t0, t1, m, s;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shl.b32 m, t0, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, t0, 12; and.b32 s, s, 0x80008000; or.b32 $0, m, s;
+shl.b32 m, t1, 9; and.b32 m, m, 0x0E000E00; shl.b32 s, t1, 12; and.b32 s, s, 0x80008000; or.b32 $1, m, s;
+shl.b32 m, t0, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, t0, 8; and.b32 s, s, 0x80008000; or.b32 $2, m, s;
+shl.b32 m, t1, 5; and.b32 m, m, 0x0E000E00; shl.b32 s, t1, 8; and.b32 s, s, 0x80008000; or.b32 $3, m, s;
+}"""
+"""`E2M1_BF16X2_PTX` with fp16 lanes: the 3 magnitude bits to fp16 bits 9-11 and the sign to bit 15, so each lane is
+the fp16 number e2m1 * 2^-14 (0.5 the subnormal 2^-15; `_e2m1`'s values), whose widening to fp32 is one
+`HADD2.F32` per lane (a bf16 lane's high half costs a `PRMT` and an `IMAD.U32`). The gemv path's decode when
+`GEMV_PACKED_F16` (`_e2m1_f16x2`); emulated on the CPU for every byte like the bf16 PTX."""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
@@ -363,6 +378,17 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         tile kernel, sm_90, with the two scale-factor multiplies: 2328 -> 1675 instructions per K step of w1 and
         w3). GPU only: the interpreter runs no PTX (mma "bf16x2" runs `_e2m1_bf16x2_twin` there, MMA 3)."""
         return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r", [b8], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
+
+
+    _E2M1_F16_PTX = tl.constexpr(E2M1_F16X2_PTX)
+
+    @triton.jit
+    def _e2m1_f16x2(b8):
+        """Packed e2m1 bytes b8 (int8) -> (low, high) nibble values as fp16 e2m1 * 2^-14, exact, by inline PTX
+        (`E2M1_F16X2_PTX`, two weights per integer op as `_e2m1_bf16x2`). GPU only; under the interpreter the
+        element-wise `_e2m1` gives the same values (`_fp4_gemv_codes` DEC 5)."""
+        return tl.inline_asm_elementwise(_E2M1_F16_PTX, "=r,=r,=r,=r,r", [b8], dtype=(tl.float16, tl.float16),
                                          is_pure=True, pack=4)
 
 
@@ -421,8 +447,14 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         DEC: how the nibbles become those fp32 values - 0 / 1 element-wise integer ops on each byte widened to 32
         bits (~3 integer ops per weight, SASS); 2 the packed PTX decode of the tile path (`_e2m1_bf16x2`: the same
         values as bf16, two weights per integer op, then the exact bf16 -> fp32 widening; GPU only); 3 its plain
-        Triton twin (`_e2m1_bf16x2_twin`, exact fp32: the interpreter's stand-in for 2). All four give the same
-        fp32 values bit for bit (tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise)."""
+        Triton twin (`_e2m1_bf16x2_twin`, exact fp32: the interpreter's stand-in for 2); 4 the packed PTX with fp16
+        lanes (`_e2m1_f16x2`: e2m1 * 2^-14, widened by one `HADD2.F32` per weight; `GEMV_PACKED_F16`), 5 the same
+        values element-wise (`_e2m1`, its interpreter stand-in). With 4 / 5 every product and partial sum is 2^112
+        times its DEC 0-3 value and the group sum is scaled by 2^14 instead of 2^126: the products are >= 2^-24
+        (0.5 * 2^-14 * 2^-9, the smallest e4m3 code), so no value is denormal; a sum below 2^-14 is a multiple of
+        2^-24 under 2^10 of them (exact, as the DEC 0-3 sums below 2^-126 are), and above, rounding relative to the
+        magnitude commutes with the power-of-two factor. All six give the same outputs bit for bit
+        (tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise)."""
         offs = kh0 + tl.arange(0, BKH)
         b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
         if DEC == 2:
@@ -431,12 +463,23 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             hi = hi16.to(tl.float32)
         elif DEC == 3:
             lo, hi = _e2m1_bf16x2_twin(b8)
+        elif DEC == 4:  # e2m1 * 2^-14 (fp16 lanes): products >= 2^-24, no denormal; the group sum times 2^14 below
+            lo16, hi16 = _e2m1_f16x2(b8)
+            lo = lo16.to(tl.float32)
+            hi = hi16.to(tl.float32)
+        elif DEC == 5:
+            b5 = b8.to(tl.int32)
+            lo = _e2m1(b5, False)
+            hi = _e2m1(b5, True)
         else:
             b = b8.to(tl.int32)  # sign-extended: bit 7 -> bit 31
             lo = (((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)).to(tl.float32, bitcast=True)
             hi = (((b << 18) & 0x01C00000) | (b & -2147483648)).to(tl.float32, bitcast=True)
         p = lo * qe[None, :] + hi * qo[None, :]
-        grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 8.507059173023462e37  # 2^126
+        if DEC >= 4:
+            grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 16384.0  # 2^14
+        else:
+            grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 8.507059173023462e37  # 2^126
         s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
         sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))  # 4 groups per 128 block
         return tl.sum(grp * e8m0_to_f32(s) * sxg[None, :], axis=1)
@@ -740,6 +783,13 @@ CUDA graph, `benchmarks/moe_decode_probe.py`, RESULTS.md session of 2026-12-06 (
 element-wise 69.0 / 69.4 µs against packed 76.0 / 76.3; Pro (D 7168) 182.0 / 183.2 against 162.3 / 162.9. Above
 one token the packed decode is faster at both widths (GEMV_CODES). Same values either way."""
 
+GEMV_PACKED_F16 = False
+"""Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
+`_fp4_gemv_codes` DEC 4; DEC 5 under the interpreter) instead of the tile path's bf16 lanes (DEC 2 / 3): one
+instruction per weight fewer in the widening to fp32 by the SASS count; the same outputs bitwise. Off until a GPU
+has run `tests/gpu/test_gemm_moe_kernels.py::test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu` with it and
+`benchmarks/moe_decode_probe.py` has timed it."""
+
 GEMV_CODES = True
 """Above GEMV_QUANT_MAX_T tokens, whether the decode kernels take x and h as act_quant's e4m3 codes and scales
 (one quantization launch each, as before; the code-value products of `_fp4_gemv_codes` with the packed nibble
@@ -849,6 +899,13 @@ def _gemv_input(op: str, xq: torch.Tensor, sx: torch.Tensor | None, quant: bool,
     return mode
 
 
+def _gemv_dec(mma: str | None) -> int:
+    """`_fp4_gemv_codes`' DEC for the gemv kernels: `_moe_mma`'s flavour, the packed one (2 / 3) in fp16 lanes
+    (4 / 5) when GEMV_PACKED_F16."""
+    dec = _moe_mma(mma)
+    return dec + 2 if GEMV_PACKED_F16 and dec in (2, 3) else dec
+
+
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
                 experts: StackedExperts, limit: float, cfg: MoeConfig, *, quant: bool = False,
                 sx: torch.Tensor | None = None, mma: str | None = None) -> torch.Tensor:
@@ -870,7 +927,7 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
         xq, sx, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
         u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
-        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=mode, DEC=_moe_mma(mma),
+        BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=mode, DEC=_gemv_dec(mma),
         FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
     return h
 
@@ -890,7 +947,7 @@ def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, 
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
         hq, sx, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
         BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=mode,
-        DEC=_moe_mma(mma), FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
+        DEC=_gemv_dec(mma), FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
     return y
 
 

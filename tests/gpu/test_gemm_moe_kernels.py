@@ -269,8 +269,9 @@ def test_moe_tiles_packed_decode_is_bitwise_the_bf16_decode_gpu(seed, T):
 @pytest.mark.parametrize("geom", ["flash", "pro"])
 def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatch):
     """The decode path's three input forms (act_quant_sim values through the fp16 route; x quantized in the
-    kernels; act_quant's e4m3 codes and scales, the default above GEMV_QUANT_MAX_T tokens) with both nibble
-    decodes of the code-value route (the packed PTX, `_e2m1_bf16x2`, the default; element-wise, mma "bf16") give
+    kernels; act_quant's e4m3 codes and scales, the default above GEMV_QUANT_MAX_T tokens) with the nibble
+    decodes of the code-value route (the packed PTX in bf16 lanes, `_e2m1_bf16x2`, or fp16 lanes, `_e2m1_f16x2`
+    with GEMV_PACKED_F16; element-wise, mma "bf16") give
     the same outputs bit for bit on the GPU at Flash / Pro width, T = 1 / 8 / 32; one token's x holds a NaN and
     another an inf (the GPU's e4m3 -> fp32 conversion keeps the NaN code, which the interpreter does not)."""
     import kernels.moe as km
@@ -284,13 +285,15 @@ def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatc
         idx = torch.rand(T, E, device="cuda").topk(6, dim=-1).indices
         g = torch.rand(T, 6, device="cuda") + 0.1
         outs = {}
-        for codes, mma in ((False, "bf16"), (True, "bf16"), (True, None)):
+        for codes, mma, f16 in ((False, "bf16", False), (True, "bf16", False), (True, "bf16x2", False),
+                                (True, "bf16x2", True)):
             monkeypatch.setattr(km, "GEMV_CODES", codes)
-            outs[(codes, mma)] = km.moe_experts(x, g, idx, ex, 10.0, mma=mma)
-        ref = outs[(False, "bf16")]
+            monkeypatch.setattr(km, "GEMV_PACKED_F16", f16)
+            outs[(codes, mma, f16)] = km.moe_experts(x, g, idx, ex, 10.0, mma=mma)
+        ref = outs[(False, "bf16", False)]
         assert bool(ref[-1].isfinite().all()) and float(ref[-1].abs().max()) > 0
         if T > 1:
             assert bool(ref[0].isnan().any()), "the NaN token must stay NaN"
         for key, y in outs.items():
             same = torch.equal(ref.isnan(), y.isnan()) and torch.equal(ref.nan_to_num(), y.nan_to_num())
-            assert same, f"{geom} T{T}: GEMV_CODES={key[0]} mma={key[1]} differs from the fp16 route"
+            assert same, f"{geom} T{T}: GEMV_CODES={key[0]} mma={key[1]} GEMV_PACKED_F16={key[2]} differs"

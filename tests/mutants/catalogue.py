@@ -327,7 +327,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[None]",)),
     Mutant("moe_gemv_packed_nibbles_swapped", "the MoE decode kernels' packed FP4 decode swaps the nibbles",
            patches.moe_gemv_packed_nibbles_swapped,
-           ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[None]",)),
+           ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-bf16]",
+            "tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-f16]")),
 ]}
 
 

@@ -1075,12 +1075,15 @@ def moe_gemv_codes_scales_reversed(mp: MP) -> None:
 
 
 def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
-    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) with the packed nibble decode (DEC 2 on a
-    GPU, its twin DEC 3 under the interpreter: the default) take the high nibble as the even input; the
-    element-wise decode (mma "bf16"), the tile path and the references keep the on-disk order."""
+    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) with the packed nibble decode (bf16 lanes:
+    DEC 2 on a GPU, its twin DEC 3 under the interpreter; fp16 lanes: DEC 4, its stand-in DEC 5) take the high
+    nibble as the even input; the element-wise decode (mma "bf16"), the tile path and the references keep the
+    on-disk order."""
     from kernels import moe
 
-    _jit_source_mutant(mp, moe, "_fp4_gemv_codes", "lo16, hi16 = _e2m1_bf16x2(b8)",
-                       "hi16, lo16 = _e2m1_bf16x2(b8)  # MUTANT: nibbles swapped")
-    _jit_source_mutant(mp, moe, "_fp4_gemv_codes", "lo, hi = _e2m1_bf16x2_twin(b8)",
-                       "hi, lo = _e2m1_bf16x2_twin(b8)  # MUTANT: nibbles swapped")
+    src = ("lo16, hi16 = _e2m1_bf16x2(b8)", "lo, hi = _e2m1_bf16x2_twin(b8)", "lo16, hi16 = _e2m1_f16x2(b8)",
+           "hi = _e2m1(b5, True)", "lo = _e2m1(b5, False)")
+    dst = ("hi16, lo16 = _e2m1_bf16x2(b8)", "hi, lo = _e2m1_bf16x2_twin(b8)", "hi16, lo16 = _e2m1_f16x2(b8)",
+           "hi = _e2m1(b5, False)", "lo = _e2m1(b5, True)")
+    for old, new in zip(src, dst):  # every packed flavour (bf16 / fp16 lanes: GEMV_PACKED_F16) and its stand-in
+        _jit_source_mutant(mp, moe, "_fp4_gemv_codes", old, new + "  # MUTANT: nibbles swapped")

@@ -673,18 +673,22 @@ def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("mma", [None, "bf16"])
+@pytest.mark.parametrize("mma", [None, "bf16", "packed-bf16", "packed-f16"])
 def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
     """The decode kernels' three input forms - act_quant_sim values (fp16 decode route), x quantized in every
     program (quant=True), act_quant's e4m3 codes and scales (sx, what `moe_experts` launches above
     GEMV_QUANT_MAX_T tokens) - give bitwise the same h and y, with either nibble decode of the codes route (mma
     None: the packed decode's bit patterns, `_e2m1_bf16x2_twin` under the interpreter / the PTX on a GPU; "bf16":
-    element-wise integer ops). x's 128-blocks 10^6 apart in magnitude (each block's scale matters) with an inf
-    (k = 0) and a NaN; then `moe_experts` at T = 5 with GEMV_CODES on and off: the same output bitwise."""
+    element-wise integer ops; "packed-bf16" / "packed-f16": the packed decode in bf16 or fp16 lanes whatever
+    GEMV_PACKED_F16's default - the fp16 lanes' products are 2^112 times larger). x's 128-blocks 10^6 apart in magnitude (each block's scale matters) with an inf (k = 0) and a
+    NaN; then `moe_experts` at T = 5 with GEMV_CODES on and off: the same output bitwise."""
     import kernels.moe as km
     from kernels.gemm import act_quant
     from kernels.moe import moe_down_gemv
     from kernels.quant import act_quant_sim
+    if mma is not None and mma.startswith("packed-"):  # the packed decode in either lanes, whatever the default
+        monkeypatch.setattr(km, "GEMV_PACKED_F16", mma == "packed-f16")  # fp16: `_e2m1` under the interpreter
+        mma = None
     ex = make_experts()
     g, idx = routing(5, 3, IDX5)
     x = torch.randn(5, D) * torch.logspace(-3, 3, D // 128).repeat_interleave(128)
@@ -882,14 +886,16 @@ def _run_ptx(ptx: str, regs: dict) -> dict:
     return regs
 
 
-def _ptx_decode_errors(ptx: str) -> int:
+def _ptx_decode_errors(ptx: str, lane: torch.dtype = torch.bfloat16) -> int:
     """Bytes (all 256, each in every one of the four positions of a register) whose decoded (low, high) nibble
-    bf16 lanes differ from e2m1 * 2^-126 rounded by torch (exact: 0.5 * 2^-126 is a bf16 subnormal)."""
+    lanes differ from e2m1 * 2^-126 as bf16 (lane bf16: exact, 0.5 * 2^-126 is a bf16 subnormal) or e2m1 * 2^-14
+    as fp16 (lane float16: exact, 0.5 * 2^-14 is an fp16 subnormal), rounded by torch."""
     table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    scale = 2.0 ** -126 if lane == torch.bfloat16 else 2.0 ** -14
     want = {}
     for nib in range(16):
-        v = (-1.0 if nib & 8 else 1.0) * table[nib & 7] * 2.0 ** -126
-        want[nib] = int(torch.tensor(v, dtype=torch.float32).bfloat16().view(torch.int16)) & 0xFFFF
+        v = (-1.0 if nib & 8 else 1.0) * table[nib & 7] * scale
+        want[nib] = int(torch.tensor(v, dtype=torch.float32).to(lane).view(torch.int16)) & 0xFFFF
     bad = 0
     for byte in range(256):
         for pos in range(4):
@@ -913,6 +919,30 @@ def test_e2m1_bf16x2_ptx_decodes_every_byte():
     assert ptx.count("shl.b32 s, t0, 12") == 1 and ptx.count("0x4342") == 1
     assert _ptx_decode_errors(ptx.replace("shl.b32 s, t0, 12", "shl.b32 s, t0, 11")) > 0
     assert _ptx_decode_errors(ptx.replace("0x4342", "0x4341")) > 0
+
+
+def test_e2m1_f16x2_ptx_decodes_every_byte():
+    """The gemv path's packed decode in fp16 lanes (`kernels.moe.E2M1_F16X2_PTX`, `_e2m1_f16x2`) emulated on the
+    CPU: every byte at every register position gives its nibbles as fp16 e2m1 * 2^-14 exactly (0.5 the
+    subnormal 2^-15). Negative controls: the bf16 PTX's magnitude shift, a sign shift off by one."""
+    from kernels.moe import E2M1_F16X2_PTX as ptx
+    assert _ptx_decode_errors(ptx, torch.float16) == 0
+    assert ptx.count("shl.b32 m, t0, 9;") == 1 and ptx.count("shl.b32 s, t1, 8;") == 1
+    assert _ptx_decode_errors(ptx.replace("shl.b32 m, t0, 9;", "shl.b32 m, t0, 6;"), torch.float16) > 0
+    assert _ptx_decode_errors(ptx.replace("shl.b32 s, t1, 8;", "shl.b32 s, t1, 7;"), torch.float16) > 0
+
+
+def test_gemv_decode_flavours(monkeypatch):
+    """The gemv kernels' DEC from mma: the packed decode (None / "bf16x2": 2 on a GPU, 3 under the interpreter)
+    moves to fp16 lanes (4 / 5) with GEMV_PACKED_F16; the element-wise one ("bf16": 1 / 0) never does."""
+    from unittest import mock
+
+    from kernels import moe
+    for f16, want_gpu, want_interp in ((False, [2, 1, 2], [3, 0, 3]), (True, [4, 1, 4], [5, 0, 5])):
+        monkeypatch.setattr(moe, "GEMV_PACKED_F16", f16)
+        assert [moe._gemv_dec(m) for m in (None, "bf16", "bf16x2")] == want_interp
+        with mock.patch.object(moe, "mma_mode", lambda name: 1):
+            assert [moe._gemv_dec(m) for m in (None, "bf16", "bf16x2")] == want_gpu
 
 
 def test_moe_mma_flavours():
