@@ -783,12 +783,13 @@ CUDA graph, `benchmarks/moe_decode_probe.py`, RESULTS.md session of 2026-12-06 (
 element-wise 69.0 / 69.4 µs against packed 76.0 / 76.3; Pro (D 7168) 182.0 / 183.2 against 162.3 / 162.9. Above
 one token the packed decode is faster at both widths (GEMV_CODES). Same values either way."""
 
-GEMV_PACKED_F16 = False
+GEMV_PACKED_F16 = True
 """Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
-`_fp4_gemv_codes` DEC 4; DEC 5 under the interpreter) instead of the tile path's bf16 lanes (DEC 2 / 3): one
-instruction per weight fewer in the widening to fp32 by the SASS count; the same outputs bitwise. Off until a GPU
-has run `tests/gpu/test_gemm_moe_kernels.py::test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu` with it and
-`benchmarks/moe_decode_probe.py` has timed it."""
+`_fp4_gemv_codes` DEC 4; DEC 5 under the interpreter) instead of the tile path's bf16 lanes (DEC 2 / 3): the
+widening to fp32 is one `HADD2.F32` per weight (874 -> 807 instructions per K step of the up kernel, 477 -> 445 of
+the down kernel, SASS of sm_90, `benchmarks/sass_count.py`); the same outputs bitwise. GPU check and timing
+(`tests/gpu/test_gemm_moe_kernels.py::test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu`,
+`benchmarks/moe_decode_probe.py`): benchmarks/RESULTS.md, third session of 2026-12-06."""
 
 GEMV_CODES = True
 """Above GEMV_QUANT_MAX_T tokens, whether the decode kernels take x and h as act_quant's e4m3 codes and scales
