@@ -26,8 +26,8 @@ plain torch, sync-free), the kernels, the launchers, `stack_experts` / `stackabl
 
 Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once (the tile path:
 `kernels.gemm.act_quant(sim=True)`, bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
-`act_quant_sim`; the gemv path: below), h likewise after the up launch; the kernels read those exact values. Two paths, chosen by
-P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
+`act_quant_sim`; the gemv path: below), h likewise after the up launch; the kernels read those exact values.
+Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
   * decode, "gemv": `_moe_up_gemv_kernel` / `_moe_down_gemv_kernel`, grid (P, out / BN): one short program per
     (pair, BN output rows), pairs visited in expert order (stable `torch.sort` of the flattened ids, on the
     device) so programs that read one expert's rows run side by side and share them through L2. Each program
@@ -58,11 +58,11 @@ the two sums: 1 bf16 ulp, in a small fraction of elements (tests/unit/test_gemm_
 TRITON_INTERPRET=1 the tile path multiplies the same values as fp32 with input_precision="ieee" (triton 3.9's
 interpreter bf16 casts and dots are not faithful), and bf16 stores round through `round_bf16`.
 
-`mma` now names only the tile path's dot flavour: None (the default) / "bf16x2" (bf16 tensor cores, the FP4 nibbles
-decoded two per 32-bit op by packed inline PTX, `_e2m1_bf16x2`: bitwise the element-wise decode's operands and
-outputs on the H200, 1.08-1.27x faster per MoE call; its interpreter twin under TRITON_INTERPRET=1), "bf16" (the
-element-wise decode `_e2m1`; fp32 "ieee" dots under the interpreter); "fp8" is refused (`_moe_mma`: the per-32
-weight scales have no exact one-dot e4m3 form).
+`mma` names the nibble decode: None (the default) / "bf16x2" (the FP4 nibbles decoded two per 32-bit op by packed
+inline PTX; the tile path: `_e2m1_bf16x2`, bf16 tensor cores, bitwise the element-wise decode's operands and
+outputs on the H200, 1.08-1.27x faster per MoE call; the gemv path: fp16 lanes, `_e2m1_f16x2`, `GEMV_PACKED_F16`;
+interpreter stand-ins under TRITON_INTERPRET=1), "bf16" (the element-wise decode `_e2m1`; fp32 "ieee" dots under
+the interpreter); "fp8" is refused (`_moe_mma`: the per-32 weight scales have no exact one-dot e4m3 form).
 
 Measured on one H200 (benchmarks/RESULTS.md, "Grouped FP4 MoE rewrite" and "swapped tile"): Flash T=1 90 µs per
 call (78.5 µs of kernels; 364 µs before), T=1024 4.4 ms (10.2 ms with the untransposed tile, 21 ms before),
@@ -778,10 +778,11 @@ T = 8 1203.6 / 1102.3. Kept at one token: in the model's CUDA graph each launch 
 
 GEMV_QUANT_PACKED_MIN_D = 7168
 """Model width D from which the in-kernel quantization route (T <= GEMV_QUANT_MAX_T) decodes the nibbles packed
-(`_fp4_gemv_codes` DEC 2) when mma is None; below it element-wise (DEC 1). Measured on one H100 (whole call in a
-CUDA graph, `benchmarks/moe_decode_probe.py`, RESULTS.md session of 2026-12-06 (3), two runs): Flash (D 4096)
-element-wise 69.0 / 69.4 µs against packed 76.0 / 76.3; Pro (D 7168) 182.0 / 183.2 against 162.3 / 162.9. Above
-one token the packed decode is faster at both widths (GEMV_CODES). Same values either way."""
+(`_fp4_gemv_codes` DEC 2, or 4 with GEMV_PACKED_F16) when mma is None; below it element-wise (DEC 1). Measured on
+one H100 (whole call in a CUDA graph, `benchmarks/moe_decode_probe.py`, RESULTS.md third session of 2026-12-06,
+four runs): Flash (D 4096) element-wise 68.8-69.4 µs against packed 75.8-76.3 (bf16 lanes) and 76.1 (fp16 lanes);
+Pro (D 7168) 181.8-183.2 against 162.3-163.4 and 162.7. Above one token the packed decode is faster at both widths
+(GEMV_CODES). Same values either way."""
 
 GEMV_PACKED_F16 = True
 """Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
@@ -794,9 +795,9 @@ the down kernel, SASS of sm_90, `benchmarks/sass_count.py`); the same outputs bi
 GEMV_CODES = True
 """Above GEMV_QUANT_MAX_T tokens, whether the decode kernels take x and h as act_quant's e4m3 codes and scales
 (one quantization launch each, as before; the code-value products of `_fp4_gemv_codes` with the packed nibble
-decode: 874 instructions per K step of the up kernel against 1047 for the fp16 route of act_quant_sim's values,
-SASS of sm_90, `benchmarks/sass_count.py`) - the same outputs bitwise. False: the fp16 route (kept for the A/B of
-`benchmarks/moe_decode_probe.py`)."""
+decode: 807 instructions per K step of the up kernel against 1047 for the fp16 route of act_quant_sim's values,
+SASS of sm_90, `benchmarks/sass_count.py`; -21 % / -23 % per Flash MoE call at T = 8 / 32 on the H100) - the same
+outputs bitwise. False: the fp16 route (kept for the A/B of `benchmarks/moe_decode_probe.py`)."""
 
 TILES_SMALL_MAX_PAIRS = 768
 """Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
@@ -916,8 +917,9 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     float8_e4m3fn codes [T, D] and sx their float32 scales [T, D / 128] (the codes route, x quantized once).
     order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
     in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct).
-    mma: the codes route's nibble decode, as `moe_experts`' mma (None / "bf16x2": the packed PTX decode; "bf16":
-    element-wise); every choice gives the same values. Raises ValueError on a bad block or input form."""
+    mma: the codes route's nibble decode, as `moe_experts`' mma (None / "bf16x2": the packed PTX decode, in fp16
+    lanes when GEMV_PACKED_F16; "bf16": element-wise; `_gemv_dec`); every choice gives the same values. Raises
+    ValueError on a bad block or input form."""
     E, D, I = _check_experts("moe_up_gemv", experts)
     P = indices.numel()
     if I % cfg.block_n:
@@ -1000,8 +1002,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     with clamps and routing weight), act-quantize h, the down launch (w2), then the fp32 sum over slots.
 
     Args: x [T, D] bf16; weights [T, k] fp32; indices [T, k] int32/int64 in [0, E); experts: StackedExperts
-    (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16" | "bf16x2", the tile path's dot
-    flavour (`_moe_mma`: "bf16x2" decodes the same bf16 operands by packed PTX; "fp8" is refused); config: a MoeConfig to force a path / tiles (tests, benchmarks), default
+    (`stack_experts`); limit: swiglu_limit (0 = no clamp); mma: None | "bf16" | "bf16x2", the nibble decode
+    (`_moe_mma`: "bf16x2" decodes the same values by packed PTX, "bf16" element-wise; "fp8" is refused) - the tile
+    path's dot flavour, and the gemv path's decode (`_gemv_dec`; None at one token below
+    GEMV_QUANT_PACKED_MIN_D takes the element-wise decode, measured faster there); config: a MoeConfig to force
+    a path / tiles (tests, benchmarks), default
     `moe_config(T * k, E)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
     (`moe_config(1, E)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
     which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
