@@ -673,20 +673,21 @@ def test_moe_gemv_quantizes_in_the_kernel_bitwise(seed):
 
 
 @needs_triton
-@pytest.mark.parametrize("mma", [None, "bf16", "packed-bf16", "packed-f16"])
+@pytest.mark.parametrize("mma", ["bf16", "packed-bf16", "packed-f16"])
 def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
     """The decode kernels' three input forms - act_quant_sim values (fp16 decode route), x quantized in every
     program (quant=True), act_quant's e4m3 codes and scales (sx, what `moe_experts` launches above
-    GEMV_QUANT_MAX_T tokens) - give bitwise the same h and y, with either nibble decode of the codes route (mma
-    None: the packed decode's bit patterns, `_e2m1_bf16x2_twin` under the interpreter / the PTX on a GPU; "bf16":
-    element-wise integer ops; "packed-bf16" / "packed-f16": the packed decode in bf16 or fp16 lanes whatever
-    GEMV_PACKED_F16's default - the fp16 lanes' products are 2^112 times larger). x's 128-blocks 10^6 apart in magnitude (each block's scale matters) with an inf (k = 0) and a
-    NaN; then `moe_experts` at T = 5 with GEMV_CODES on and off: the same output bitwise."""
+    GEMV_QUANT_MAX_T tokens) - give bitwise the same h and y, with every nibble decode of the codes route ("bf16":
+    element-wise integer ops; "packed-bf16" / "packed-f16": the packed decode in bf16 lanes - `_e2m1_bf16x2_twin`
+    under the interpreter, the PTX on a GPU - or fp16 lanes, whose products are 2^112 times larger; mma None is
+    one of the two packed cases, by GEMV_PACKED_F16). x's 128-blocks 10^6 apart in magnitude (each block's scale
+    matters) with an inf (k = 0) and a NaN; then `moe_experts` at T = 5 with GEMV_CODES on and off: the same
+    output bitwise."""
     import kernels.moe as km
     from kernels.gemm import act_quant
     from kernels.moe import moe_down_gemv
     from kernels.quant import act_quant_sim
-    if mma is not None and mma.startswith("packed-"):  # the packed decode in either lanes, whatever the default
+    if mma.startswith("packed-"):  # the packed decode in either lanes, whatever the default
         monkeypatch.setattr(km, "GEMV_PACKED_F16", mma == "packed-f16")  # fp16: `_e2m1` under the interpreter
         mma = None
     ex = make_experts()
