@@ -6,7 +6,10 @@
 # of the packed FP4 decodes (bitwise claims made under the interpreter); 4. the MoE gemv / tiles crossover at
 # decode batch sizes (GEMV_MAX_PAIRS) with the packed tiles; 5. three unit tests on the GPU without the interpreter.
 # Outputs under $OUT (the device tool's folder) or /tmp/gpu_next; each stage writes as it goes.
-#     PYTHONPATH=/tmp/site:$PWD DSV4_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_next.sh
+#     PYTHONPATH=/tmp/site:$PWD DSV4_COMMIT=<the local HEAD> bash benchmarks/gpu_next.sh
+# On the device tool's machine: do not run git there (no `git checkout -- .`, no `git rev-parse`): its copy of the
+# working tree carries a stale .git of its own, and a checkout reverts the sent files to that old commit (it cost
+# a call on 2026-12-06, benchmarks/RESULTS.md); pass the local commit in DSV4_COMMIT instead.
 set -u
 O=${OUT:-/tmp/gpu_next}; mkdir -p "$O"
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -14,8 +17,10 @@ timeout 230 python3 benchmarks/bench_model.py --geometry flash --flash-layers 4,
   --batches 1,8,32 --reps 3 --warmup 1 --backends triton --markdown "$O/bench.md" > "$O/bench.log" 2>&1
 echo "bench rc=$?"; head -40 "$O/bench.md"; tail -5 "$O/bench.log"
 timeout 100 python3 benchmarks/moe_decode_probe.py > "$O/probe.md" 2>&1; echo "probe rc=$?"; cat "$O/probe.md"
-# -n 4 needs the H200's memory (on an H100 the Flash-width graph tests run out of it): GPU_NEXT_WORKERS=1 there
-timeout 300 python3 -m pytest -n "${GPU_NEXT_WORKERS:-4}" -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
+# -n 4 needs the H200's memory (on an 80 GB H100 the Flash-width graph tests run out of it: one worker there)
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+W=${GPU_NEXT_WORKERS:-$([ "${MEM:-0}" -ge 120000 ] && echo 4 || echo 1)}; echo "gpu check workers: $W (${MEM} MiB)"
+timeout 300 python3 -m pytest -n "$W" -q -rf -p no:cacheprovider tests/gpu/test_mhc_kernels.py \
   tests/gpu/test_gemm_moe_kernels.py tests/gpu/test_model_backends.py tests/gpu/test_graph_decode.py \
   tests/gpu/test_batch_invariant.py -k "not real" > "$O/gpu_check.txt" 2>&1
 echo "gpu check rc=$?"; grep -E "FAILED|ERROR|passed|failed" "$O/gpu_check.txt" | tail -12
