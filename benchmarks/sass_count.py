@@ -40,11 +40,8 @@ def sass_of(name: str, cap: int, div: list[str], const: dict | None = None) -> s
         raise SystemExit(f"sass_count: no spec {name!r} in kernels.targets (known: {', '.join(sorted(specs))})")
     _, fn, ptrs, floats, consts = specs[name]
     consts = targets.constexprs(fn, {**consts, **(const or {})})
-    sig, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        sig[arg] = "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")
-        if arg in ptrs or arg in div:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig = targets.signature(fn, ptrs, floats, consts)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names) if arg in ptrs or arg in div}
     cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts), attrs=attrs),
                         target=GPUTarget("cuda", cap, 32))
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

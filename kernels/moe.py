@@ -497,6 +497,29 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
 
     @triton.jit
+    def _gemv_chunk_input(row_ptr, s_ptr, s_row, kh0, BKH: tl.constexpr, QUANT: tl.constexpr,
+                          FP8_NAN: tl.constexpr):
+        """The decode kernels' input for the K chunk at packed byte kh0 of one row (x of a token, h of a pair):
+        (even inputs, odd inputs) [BKH] fp32 and the chunk's act_quant block scales [BKH / 64]. row_ptr: the row
+        of act_quant_sim values (QUANT 0; the scales are unused), of the raw bf16 row (1: quantized here,
+        `act_quant_codes_pairs`) or of act_quant's e4m3 codes (2: its scales at s_ptr + s_row; s_ptr is None for
+        the other forms and is only touched here)."""
+        offs = 2 * (kh0 + tl.arange(0, BKH))
+        if QUANT == 2:
+            e = _load_codes(row_ptr + offs, FP8_NAN)
+            o = _load_codes(row_ptr + offs + 1, FP8_NAN)
+            sx = tl.load(s_ptr + s_row + kh0 // 64 + tl.arange(0, BKH // 64))
+        else:
+            e = tl.load(row_ptr + offs).to(tl.float32)
+            o = tl.load(row_ptr + offs + 1).to(tl.float32)
+            if QUANT == 1:
+                e, o, sx = act_quant_codes_pairs(e, o, BKH // 64)
+            else:
+                sx = tl.zeros((1,), dtype=tl.float32)  # unused by the fp16 route (BKH may be < 64 there)
+        return e, o, sx
+
+
+    @triton.jit
     def _moe_up_gemv_kernel(xq_ptr, sx_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit,
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
@@ -525,24 +548,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         rows64 = e * I + offs_n
         KH = D // 2
         KS = D // 32
-        offs_j = tl.arange(0, BKH)
         u = tl.zeros((BN,), dtype=tl.float32)
         v = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            if QUANT == 2:
-                xe = _load_codes(xq_ptr + tok * D + 2 * (kh0 + offs_j), FP8_NAN)
-                xo = _load_codes(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1, FP8_NAN)
-            else:
-                xe = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j)).to(tl.float32)
-                xo = tl.load(xq_ptr + tok * D + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            xe, xo, sx = _gemv_chunk_input(xq_ptr + tok * D, sx_ptr, tok * (D // 128), kh0, BKH, QUANT, FP8_NAN)
             if QUANT != 0:
-                if QUANT == 1:
-                    qe, qo, sx = act_quant_codes_pairs(xe, xo, BKH // 64)
-                else:
-                    qe, qo = xe, xo
-                    sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + tl.arange(0, BKH // 64))
-                u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
-                v += _fp4_gemv_codes(w3_ptr, s3_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
+                u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, sx, BN, BKH, DEC)
+                v += _fp4_gemv_codes(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, sx, BN, BKH, DEC)
             else:
                 u += _fp4_gemv_chunk(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
                 v += _fp4_gemv_chunk(w3_ptr, s3_ptr, rows64, kh0, KH, KS, xe, xo, BN, BKH)
@@ -570,22 +582,11 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         rows64 = e * D + offs_n
         KH = I // 2
         KS = I // 32
-        offs_j = tl.arange(0, BKH)
         acc = tl.zeros((BN,), dtype=tl.float32)
         for kh0 in range(0, KH, BKH):
-            if QUANT == 2:
-                he = _load_codes(hq_ptr + pair * I + 2 * (kh0 + offs_j), FP8_NAN)
-                ho = _load_codes(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1, FP8_NAN)
-            else:
-                he = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j)).to(tl.float32)
-                ho = tl.load(hq_ptr + pair * I + 2 * (kh0 + offs_j) + 1).to(tl.float32)
+            he, ho, sx = _gemv_chunk_input(hq_ptr + pair * I, sh_ptr, pair * (I // 128), kh0, BKH, QUANT, FP8_NAN)
             if QUANT != 0:
-                if QUANT == 1:
-                    qe, qo, sx = act_quant_codes_pairs(he, ho, BKH // 64)
-                else:
-                    qe, qo = he, ho
-                    sx = tl.load(sh_ptr + pair * (I // 128) + kh0 // 64 + tl.arange(0, BKH // 64))
-                acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, qe, qo, sx, BN, BKH, DEC)
+                acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, sx, BN, BKH, DEC)
             else:
                 acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
         acc = tl.where(bad, float("nan"), acc)
@@ -901,6 +902,21 @@ def _gemv_input(op: str, xq: torch.Tensor, sx: torch.Tensor | None, quant: bool,
     return mode
 
 
+def _gemv_operand(t: torch.Tensor, cfg: MoeConfig, mma: str | None, T: int, D: int) -> tuple[torch.Tensor, dict]:
+    """The gemv launchers' input for t [rows, width] (x, then h) of a T-token call and its keywords, by
+    `moe_experts`' rule: K chunks of whole 128-input blocks take the code-value products - t itself, quantized in
+    the kernels, up to GEMV_QUANT_MAX_T tokens (nibbles element-wise below GEMV_QUANT_PACKED_MIN_D model width D
+    when mma is None: measured faster there), else act_quant's codes and scales (GEMV_CODES); other chunks
+    act_quant_sim's values (the fp16 route). Every form gives the same values."""
+    if _chunk(cfg.block_kh, t.shape[1] // 2) % 64 == 0:
+        if T <= GEMV_QUANT_MAX_T:
+            return t, dict(quant=True, mma="bf16" if mma is None and D < GEMV_QUANT_PACKED_MIN_D else mma)
+        if GEMV_CODES:
+            q, s = act_quant(t)
+            return q, dict(sx=s, mma=mma)
+    return act_quant(t, sim=True)[0], {}
+
+
 def _gemv_dec(mma: str | None) -> int:
     """`_fp4_gemv_codes`' DEC for the gemv kernels: `_moe_mma`'s flavour, the packed one (2 / 3) in fp16 lanes
     (4 / 5) when GEMV_PACKED_F16."""
@@ -1050,24 +1066,10 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         # fewer), else by one act_quant launch each that writes the e4m3 codes and scales (x quantized once, not
         # in every program); other chunks take the act_quant_sim values and the fp16 decode route. Same values.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-        inner = T <= GEMV_QUANT_MAX_T
-        cu = _chunk(cfg.block_kh, D // 2) % 64 == 0 and (inner or GEMV_CODES)
-        cd = _chunk(cfg.block_kh, I // 2) % 64 == 0 and (inner or GEMV_CODES)
-        mma1 = "bf16" if mma is None and D < GEMV_QUANT_PACKED_MIN_D else mma  # T = 1: measured per width
-        if cu and inner:
-            h = moe_up_gemv(x, weights, indices, order, experts, limit, cfg, quant=True, mma=mma1)
-        elif cu:
-            xq, sx = act_quant(x)
-            h = moe_up_gemv(xq, weights, indices, order, experts, limit, cfg, sx=sx, mma=mma)
-        else:
-            h = moe_up_gemv(act_quant(x, sim=True)[0], weights, indices, order, experts, limit, cfg)
-        if cd and inner:
-            y = moe_down_gemv(h, indices, order, experts, cfg, quant=True, mma=mma1)
-        elif cd:
-            hq, sh = act_quant(h)
-            y = moe_down_gemv(hq, indices, order, experts, cfg, sx=sh, mma=mma)
-        else:
-            y = moe_down_gemv(act_quant(h, sim=True)[0], indices, order, experts, cfg)
+        xin, xkw = _gemv_operand(x, cfg, mma, T, D)
+        h = moe_up_gemv(xin, weights, indices, order, experts, limit, cfg, **xkw)
+        hin, hkw = _gemv_operand(h, cfg, mma, T, D)
+        y = moe_down_gemv(hin, indices, order, experts, cfg, **hkw)
     else:
         xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)

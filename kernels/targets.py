@@ -220,6 +220,12 @@ def constexprs(fn, consts: dict) -> dict:
     return out
 
 
+def signature(fn, ptrs: dict, floats: list, consts: dict) -> dict:
+    """Triton's signature of a spec: constexpr / the pointer dtype / fp32 for `floats` / i32 for the rest."""
+    return {arg: "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")
+            for arg in fn.arg_names}
+
+
 def compile_all(capability: int, names: list[str] | None = None) -> dict[str, dict]:
     """Compile every kernel (or those in `names`) for `GPUTarget("cuda", capability, 32)`.
 
@@ -239,9 +245,7 @@ def compile_all(capability: int, names: list[str] | None = None) -> dict[str, di
         if names is not None and name not in names:
             continue
         consts = constexprs(fn, consts)
-        sig = {}
-        for arg in fn.arg_names:
-            sig[arg] = "constexpr" if arg in consts else ptrs.get(arg, "fp32" if arg in floats else "i32")
+        sig = signature(fn, ptrs, floats, consts)
         try:
             cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts)), target=target)
             ptx = cc.asm["ptx"]

@@ -322,7 +322,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_tiles_packed_path_is_bitwise_the_elementwise_one"
             "[bm16-bn32-kh32]",)),
     # issue 27: the MoE decode kernels on act_quant's codes above one token, the packed decode in the gemv path
-    Mutant("moe_gemv_codes_scales_reversed", "the MoE decode kernel reads act_quant's block scales in reverse order",
+    Mutant("moe_gemv_codes_scales_reversed", "the MoE decode kernels read act_quant's block scales in reverse order",
            patches.moe_gemv_codes_scales_reversed,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-f16]",)),
     Mutant("moe_gemv_packed_nibbles_swapped", "the MoE decode kernels' packed FP4 decode swaps the nibbles",

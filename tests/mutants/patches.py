@@ -1062,16 +1062,15 @@ def moe_packed_scale_factor_off(mp: MP) -> None:
 
 
 def moe_gemv_codes_scales_reversed(mp: MP) -> None:
-    """The MoE decode up kernel, fed act_quant's codes and scales (QUANT 2: what `moe_experts` launches above
-    GEMV_QUANT_MAX_T tokens), reads the act_quant block scales of a K chunk in reverse order (each 128-input
-    block scaled by another block's 2^k); the in-kernel quantization, the fp16 route and the references are
-    right."""
+    """The MoE decode kernels, fed act_quant's codes and scales (QUANT 2: what `moe_experts` launches above
+    GEMV_QUANT_MAX_T tokens), read the act_quant block scales of a K chunk in reverse order (`_gemv_chunk_input`:
+    each 128-input block scaled by another block's 2^k); the in-kernel quantization, the fp16 route and the
+    references are right."""
     from kernels import moe
 
-    _jit_source_mutant(mp, moe, "_moe_up_gemv_kernel",
-                       "sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + tl.arange(0, BKH // 64))",
-                       "sx = tl.load(sx_ptr + tok * (D // 128) + kh0 // 64 + (BKH // 64 - 1 - tl.arange(0, BKH // 64)))"
-                       "  # MUTANT")
+    _jit_source_mutant(mp, moe, "_gemv_chunk_input",
+                       "sx = tl.load(s_ptr + s_row + kh0 // 64 + tl.arange(0, BKH // 64))",
+                       "sx = tl.load(s_ptr + s_row + kh0 // 64 + (BKH // 64 - 1 - tl.arange(0, BKH // 64)))  # MUTANT")
 
 
 def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
