@@ -758,6 +758,72 @@ def test_moe_gemv_input_forms_refused():
         moe_up_gemv(xq, g, idx, None, ex, 10.0, cfg, sx=sx.double())
 
 
+# runs of 6 / 5 / 2 / 2 / 1 / 1 pairs per expert in expert order (token 0 sends two slots to expert 2), and one
+# id outside [0, E) (6: its pair's rows are NaN)
+IDX_RUNS = [[2, 0, 2], [2, 0, 5], [3, 2, 0], [0, 5, 2], [2, 3, 0], [1, 4, 6]]
+
+
+@needs_triton
+@pytest.mark.parametrize("group", [2, 4])
+def test_moe_gemv_grouped_is_the_pairwise_kernel(seed, group, monkeypatch):
+    """The grouped decode kernels (each expert's weight chunk decoded once for the pairs that share it, `group`
+    pairs per pass: runs longer than a pass, shorter, and of one pair) give bitwise the pairwise kernels' h and
+    y: x's 128-blocks 10^6 apart, an inf and a NaN, an out-of-range expert id (NaN rows on both sides); then
+    `moe_experts` with the grouping forced on (GEMV_GROUP_MIN_PAIRS 0) and off (GEMV_GROUP 1)."""
+    import kernels.moe as km
+    from kernels.gemm import act_quant
+    from kernels.moe import moe_down_gemv
+    ex = make_experts()
+    T, k = len(IDX_RUNS), len(IDX_RUNS[0])
+    g, idx = routing(T, k, IDX_RUNS)
+    x = torch.randn(T, D) * torch.logspace(-3, 3, D // 128).repeat_interleave(128)
+    x[1, 130] = float("inf")
+    x[3, 5] = float("nan")
+    x = x.to(torch.bfloat16).to(DEV)
+    cfg = moe_config(T * k, E)
+    order = torch.sort(idx.reshape(-1), stable=True).indices.to(torch.int32)
+    xq, sx = act_quant(x)
+    a = moe_up_gemv(xq, g, idx, order, ex, 10.0, cfg, sx=sx)
+    b = moe_up_gemv(xq, g, idx, order, ex, 10.0, cfg, sx=sx, group=group)
+    assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), "up: grouped"
+    assert bool(a[-1].isnan().all()) and bool(a[:-1].isnan().any()) and bool((~a.isnan()).any())
+    assert float(a.nan_to_num().abs().max()) > 0
+    h = (torch.randn(T * k, I) * torch.logspace(-2, 2, I // 128).repeat_interleave(128)).to(torch.bfloat16).to(DEV)
+    hq, sh = act_quant(h)
+    ya = moe_down_gemv(hq, idx, order, ex, cfg, sx=sh)
+    yb = moe_down_gemv(hq, idx, order, ex, cfg, sx=sh, group=group)
+    assert torch.equal(ya.isnan(), yb.isnan()) and torch.equal(ya.nan_to_num(), yb.nan_to_num()), "down: grouped"
+    assert bool(ya[-1].isnan().all()) and int(ya.isnan().any(1).sum()) == 1
+    ok = idx[:, :].clone()
+    ok[-1, -1] = 4  # moe_experts' tile path would assert on a bad id; the gemv path keeps the NaN rows anyway
+    xf = x.nan_to_num(posinf=0.0)
+    monkeypatch.setattr(km, "GEMV_GROUP", group)
+    monkeypatch.setattr(km, "GEMV_GROUP_MIN_PAIRS", 0)
+    y_grouped = km.moe_experts(xf, g, ok, ex, 10.0)
+    monkeypatch.setattr(km, "GEMV_GROUP", 1)
+    assert torch.equal(y_grouped, km.moe_experts(xf, g, ok, ex, 10.0)), "moe_experts: grouping on / off"
+
+
+@needs_triton
+def test_moe_gemv_group_refused():
+    """The gemv launchers name a bad group: not a power of two in 1..16, or > 1 without the pairs' order or
+    without act_quant's codes."""
+    from kernels.gemm import act_quant
+    ex = make_experts()
+    g, idx = routing(2, 3, [[0, 2, 3], [5, 1, 2]])
+    x = torch.randn(2, D).to(torch.bfloat16).to(DEV)
+    xq, sx = act_quant(x)
+    cfg = moe_config(6, E)
+    order = torch.sort(idx.reshape(-1), stable=True).indices.to(torch.int32)
+    for bad in (0, 3, 32, True, 2.0):
+        with pytest.raises(ValueError, match="group"):
+            moe_up_gemv(xq, g, idx, order, ex, 10.0, cfg, sx=sx, group=bad)
+    with pytest.raises(ValueError, match="order is given"):
+        moe_up_gemv(xq, g, idx, None, ex, 10.0, cfg, sx=sx, group=2)
+    with pytest.raises(ValueError, match="codes"):
+        moe_up_gemv(x, g, idx, order, ex, 10.0, cfg, quant=True, group=2)
+
+
 @needs_triton
 @pytest.mark.parametrize("T", [1, 5])
 def test_moe_default_gemv_matches_reference(seed, T):
