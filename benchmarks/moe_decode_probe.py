@@ -11,11 +11,6 @@ decode kernels' input forms and nibble decodes side by side in one process:
 - "default": mma None (packed, except element-wise at T = 1 below `GEMV_QUANT_PACKED_MIN_D`).
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
-
-`--section group`: the pairs that share an expert decoded once (`kernels.moe.GEMV_GROUP` pairs per pass of the
-grouped kernels) against one program per pair (GEMV_GROUP 1), T = 8 / 16 / 32, routings of uniform random scores
-and of skewed ones (scores plus a per-expert bias ~ N(0, 0.5^2): some experts take many tokens, as a trained
-router's loads do); the grouping forced on at every pair count (GEMV_GROUP_MIN_PAIRS 0).
 """
 from __future__ import annotations
 
@@ -34,44 +29,7 @@ VARIANTS = (("sim / fp16", False, "bf16", False), ("codes / int", True, "bf16", 
             ("default", True, None, None))
 
 
-GROUPS = (1, 2, 4, 8)
-
-
-def grouping() -> int:
-    torch.manual_seed(0)
-    print("| geometry | routing | T | pairs per expert run (mean / max) | "
-          + " | ".join(f"G = {g} µs" for g in GROUPS) + " | bitwise equal |")
-    print("|---|---|---:|---|" + "---:|" * len(GROUPS) + "---|")
-    floor, group0 = km.GEMV_GROUP_MIN_PAIRS, km.GEMV_GROUP
-    km.GEMV_GROUP_MIN_PAIRS = 0
-    for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
-        ex = moe_inputs(E, D, I)
-        for routing in ("uniform", "skewed"):
-            for T in (8, 16, 32):
-                x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
-                bias = torch.randn(E, device="cuda") * 0.5 if routing == "skewed" else torch.zeros(E, device="cuda")
-                idxs = [(torch.rand(T, E, device="cuda") + bias).topk(6, dim=-1).indices for _ in range(8)]
-                g = torch.rand(T, 6, device="cuda") + 0.1
-                runs = torch.stack([torch.bincount(i.flatten(), minlength=E) for i in idxs]).float()
-                used = runs[runs > 0]
-                us, outs = [], []
-                for G in GROUPS:
-                    km.GEMV_GROUP = G
-                    outs.append(moe_experts(x, g, idxs[0], ex, 10.0))
-                    us.append(gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=16, reps=5))
-                km.GEMV_GROUP = group0
-                same = all(torch.equal(outs[0], o) for o in outs[1:])
-                print(f"| {geom} | {routing} | {T} | {float(used.mean()):.2f} / {int(used.max())} | "
-                      + " | ".join(f"{u:.1f}" for u in us) + f" | {same} |", flush=True)
-        del ex
-        torch.cuda.empty_cache()
-    km.GEMV_GROUP_MIN_PAIRS = floor
-    return 0
-
-
 def main() -> int:
-    if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "group":
-        return grouping()
     torch.manual_seed(0)
     print("| geometry | T | " + " | ".join(f"{v[0]} µs" for v in VARIANTS) + " | bitwise equal |")
     print("|---|---:|" + "---:|" * len(VARIANTS) + "---|")

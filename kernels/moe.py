@@ -456,15 +456,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         magnitude commutes with the power-of-two factor. All six give the same outputs bit for bit
         (tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise)."""
         offs = kh0 + tl.arange(0, BKH)
-        lo, hi = _gemv_decode(tl.load(w_ptr + rows64[:, None] * KH + offs[None, :]), DEC)
-        s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
-        return _gemv_codes_dot(lo, hi, e8m0_to_f32(s), qe, qo, sx, BN, BKH, DEC)
-
-
-    @triton.jit
-    def _gemv_decode(b8, DEC: tl.constexpr):
-        """`_fp4_gemv_codes`' nibble decode: packed e2m1 bytes b8 [BN, BKH] (int8) -> (low, high) nibble values
-        [BN, BKH] fp32, e2m1 * 2^-126 (DEC 0-3) or e2m1 * 2^-14 (DEC 4 / 5), exact (DEC: `_fp4_gemv_codes`)."""
+        b8 = tl.load(w_ptr + rows64[:, None] * KH + offs[None, :])
         if DEC == 2:
             lo16, hi16 = _e2m1_bf16x2(b8)
             lo = lo16.to(tl.float32)
@@ -483,22 +475,14 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             b = b8.to(tl.int32)  # sign-extended: bit 7 -> bit 31
             lo = (((b << 22) & 0x01C00000) | ((b << 28) & -2147483648)).to(tl.float32, bitcast=True)
             hi = (((b << 18) & 0x01C00000) | (b & -2147483648)).to(tl.float32, bitcast=True)
-        return lo, hi
-
-
-    @triton.jit
-    def _gemv_codes_dot(lo, hi, sw, qe, qo, sx, BN: tl.constexpr, BKH: tl.constexpr, DEC: tl.constexpr):
-        """`_fp4_gemv_codes`' products and sums for one input row: lo / hi [BN, BKH] the decoded nibbles
-        (`_gemv_decode`), sw [BN, BKH / 16] the weight groups' scales 2^(s-127) (fp32), qe / qo [BKH] the row's
-        e4m3 code values (even / odd inputs), sx [BKH / 64] their blocks' scales -> [BN] fp32. The same ops in the
-        same order whether the decode is shared by several rows (`_moe_up_gemv_kernel` G > 1) or not."""
         p = lo * qe[None, :] + hi * qo[None, :]
         if DEC >= 4:
             grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 16384.0  # 2^14
         else:
             grp = tl.sum(tl.reshape(p, (BN, BKH // 16, 16)), axis=2) * 8.507059173023462e37  # 2^126
+        s = tl.load(s_ptr + rows64[:, None] * KS + kh0 // 16 + tl.arange(0, BKH // 16)[None, :]).to(tl.int32)
         sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))  # 4 groups per 128 block
-        return tl.sum(grp * sw * sxg[None, :], axis=1)
+        return tl.sum(grp * e8m0_to_f32(s) * sxg[None, :], axis=1)
 
 
     @triton.jit
@@ -607,110 +591,6 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                 acc += _fp4_gemv_chunk(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, BN, BKH)
         acc = tl.where(bad, float("nan"), acc)
         tl.store(y_ptr + pair * D + offs_n, round_bf16(acc).to(tl.bfloat16))
-
-
-    @triton.jit
-    def _expert_run(order_ptr, ids_ptr):
-        """For program i of a grid over the P pairs in expert order (`order`): (e, n) - the expert id of pair
-        order[i] (int64, unchecked) and, when i starts a run of pairs of one expert (i = 0 or pair order[i - 1]
-        has another expert), the run's length, else 0 (the run's first program computes it)."""
-        i = tl.program_id(0)
-        P = tl.num_programs(0)
-        e = tl.load(ids_ptr + tl.load(order_ptr + i)).to(tl.int64)
-        prev = tl.load(ids_ptr + tl.load(order_ptr + tl.maximum(i - 1, 0))).to(tl.int64)
-        lead = (i == 0) | (prev != e)
-        n = tl.where(lead, 1, 0)
-        go = lead & (i + 1 < P)
-        while go:
-            same = tl.load(ids_ptr + tl.load(order_ptr + i + n)).to(tl.int64) == e
-            n = tl.where(same, n + 1, n)
-            go = same & (i + n < P)
-        return e, n
-
-
-    @triton.jit
-    def _moe_up_gemv_grouped_kernel(xq_ptr, sx_ptr, g_ptr, order_ptr, ids_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr,
-                                    h_ptr, E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BN: tl.constexpr,
-                                    BKH: tl.constexpr, G: tl.constexpr, DEC: tl.constexpr = 4,
-                                    FP8_NAN: tl.constexpr = False):
-        """`_moe_up_gemv_kernel` (SORTED, QUANT 2: act_quant's codes) with each expert's weight chunk decoded once
-        for the pairs that share the expert: grid (P, I / BN) over the pairs in expert order; the program at the
-        start of a run of pairs of one expert (`_expert_run`) computes the whole run, G pairs at a time, and the
-        others do nothing. Per pair the products and sums are `_gemv_codes_dot`'s, in the same order as the
-        one-pair kernel's: the same h bitwise whatever the grouping (`tests/unit/test_gemm_moe_kernels.py::
-        test_moe_gemv_grouped_is_the_pairwise_kernel`) - a pair's output still depends on its own token and expert
-        only (the batch-invariant mode holds)."""
-        i = tl.program_id(0)
-        e, n_run = _expert_run(order_ptr, ids_ptr)
-        bad = (e < 0) | (e >= E)
-        e = tl.where(bad, 0, e)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        rows64 = e * I + offs_n
-        KH = D // 2
-        KS = D // 32
-        gi = tl.arange(0, G)
-        for c0 in range(0, n_run, G):
-            live = c0 + gi < n_run
-            pairs = tl.load(order_ptr + i + c0 + gi, mask=live, other=0).to(tl.int64)
-            u = tl.zeros((G, BN), dtype=tl.float32)
-            v = tl.zeros((G, BN), dtype=tl.float32)
-            for kh0 in range(0, KH, BKH):
-                offs = kh0 + tl.arange(0, BKH)
-                soffs = kh0 // 16 + tl.arange(0, BKH // 16)
-                lo1, hi1 = _gemv_decode(tl.load(w1_ptr + rows64[:, None] * KH + offs[None, :]), DEC)
-                sw1 = e8m0_to_f32(tl.load(s1_ptr + rows64[:, None] * KS + soffs[None, :]).to(tl.int32))
-                lo3, hi3 = _gemv_decode(tl.load(w3_ptr + rows64[:, None] * KH + offs[None, :]), DEC)
-                sw3 = e8m0_to_f32(tl.load(s3_ptr + rows64[:, None] * KS + soffs[None, :]).to(tl.int32))
-                for g in tl.static_range(G):
-                    if c0 + g < n_run:
-                        tok = tl.load(order_ptr + i + c0 + g).to(tl.int64) // K_SLOTS
-                        xe, xo, sx = _gemv_chunk_input(xq_ptr + tok * D, sx_ptr, tok * (D // 128), kh0, BKH, 2,
-                                                       FP8_NAN)
-                        r = _gemv_codes_dot(lo1, hi1, sw1, xe, xo, sx, BN, BKH, DEC)
-                        u = tl.where(gi[:, None] == g, u + r[None, :], u)
-                        r = _gemv_codes_dot(lo3, hi3, sw3, xe, xo, sx, BN, BKH, DEC)
-                        v = tl.where(gi[:, None] == g, v + r[None, :], v)
-            gw = tl.load(g_ptr + pairs, mask=live, other=0.0)
-            h = _swiglu(u, v, gw[:, None], limit, HAS_LIMIT)
-            h = tl.where(bad, float("nan"), h)
-            tl.store(h_ptr + pairs[:, None] * I + offs_n[None, :], round_bf16(h).to(tl.bfloat16),
-                     mask=live[:, None])
-
-
-    @triton.jit
-    def _moe_down_gemv_grouped_kernel(hq_ptr, sh_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
-                                      BN: tl.constexpr, BKH: tl.constexpr, G: tl.constexpr, DEC: tl.constexpr = 4,
-                                      FP8_NAN: tl.constexpr = False):
-        """`_moe_down_gemv_kernel` (SORTED, QUANT 2) with each expert's weight chunk decoded once for the pairs
-        that share it, as `_moe_up_gemv_grouped_kernel`: the same y_pair bitwise."""
-        i = tl.program_id(0)
-        e, n_run = _expert_run(order_ptr, ids_ptr)
-        bad = (e < 0) | (e >= E)
-        e = tl.where(bad, 0, e)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-        rows64 = e * D + offs_n
-        KH = I // 2
-        KS = I // 32
-        gi = tl.arange(0, G)
-        for c0 in range(0, n_run, G):
-            live = c0 + gi < n_run
-            pairs = tl.load(order_ptr + i + c0 + gi, mask=live, other=0).to(tl.int64)
-            acc = tl.zeros((G, BN), dtype=tl.float32)
-            for kh0 in range(0, KH, BKH):
-                offs = kh0 + tl.arange(0, BKH)
-                soffs = kh0 // 16 + tl.arange(0, BKH // 16)
-                lo, hi = _gemv_decode(tl.load(w2_ptr + rows64[:, None] * KH + offs[None, :]), DEC)
-                sw = e8m0_to_f32(tl.load(s2_ptr + rows64[:, None] * KS + soffs[None, :]).to(tl.int32))
-                for g in tl.static_range(G):
-                    if c0 + g < n_run:
-                        pair = tl.load(order_ptr + i + c0 + g).to(tl.int64)
-                        he, ho, sx = _gemv_chunk_input(hq_ptr + pair * I, sh_ptr, pair * (I // 128), kh0, BKH, 2,
-                                                       FP8_NAN)
-                        r = _gemv_codes_dot(lo, hi, sw, he, ho, sx, BN, BKH, DEC)
-                        acc = tl.where(gi[:, None] == g, acc + r[None, :], acc)
-            acc = tl.where(bad, float("nan"), acc)
-            tl.store(y_ptr + pairs[:, None] * D + offs_n[None, :], round_bf16(acc).to(tl.bfloat16),
-                     mask=live[:, None])
 
 
     @triton.jit
@@ -920,17 +800,6 @@ decode: 807 instructions per K step of the up kernel against 1047 for the fp16 r
 SASS of sm_90, `benchmarks/sass_count.py`; -21 % / -23 % per Flash MoE call at T = 8 / 32 on the H100) - the same
 outputs bitwise. False: the fp16 route (kept for the A/B of `benchmarks/moe_decode_probe.py`)."""
 
-GEMV_GROUP = 4
-"""Pairs per pass of the grouped decode kernels (`_moe_up_gemv_grouped_kernel`, `_moe_down_gemv_grouped_kernel`):
-above GEMV_QUANT_MAX_T tokens (act_quant's codes) and from GEMV_GROUP_MIN_PAIRS pairs, the pairs that share an
-expert read and decode its weight chunk once, G at a time. SASS of sm_90 (`benchmarks/sass_count.py`, up kernel,
-per K step): 849 / 1290 / 2079 instructions for runs of 1 / 2 / 4 pairs against 807 per pair for the pairwise
-kernel. Same outputs bitwise. 1 turns the grouping off."""
-
-GEMV_GROUP_MIN_PAIRS = 96
-"""Pairs from which `moe_experts` groups the decode kernels' pairs by expert (GEMV_GROUP): below, most experts
-hold one pair of the step and a run of one costs ~5 % more than the pairwise kernel (SASS above)."""
-
 TILES_SMALL_MAX_PAIRS = 768
 """Pairs up to which the tile path uses 16-row x 64-column tiles (T = 64 / 128: 2485 / 3018 µs against 3133 / 3808
 µs for 32 x 128); above, the large tiles of `TILES_LARGE` by pairs per expert. Crossover between 768 and 6144
@@ -1048,14 +917,6 @@ def _gemv_operand(t: torch.Tensor, cfg: MoeConfig, mma: str | None, T: int, D: i
     return act_quant(t, sim=True)[0], {}
 
 
-def _gemv_group(op: str, group, order, mode: int) -> None:
-    """Checks the gemv launchers' group (pairs per pass of the grouped kernels)."""
-    if not isinstance(group, int) or isinstance(group, bool) or not 1 <= group <= 16 or group & (group - 1):
-        _fail(op, "group", repr(group), "a power of two from 1 to 16 (pairs per pass of the grouped kernel)")
-    if group > 1 and (order is None or mode != 2):
-        _fail(op, "group", group, "1 unless order is given and the input is act_quant's codes (sx)")
-
-
 def _gemv_dec(mma: str | None) -> int:
     """`_fp4_gemv_codes`' DEC for the gemv kernels: `_moe_mma`'s flavour, the packed one (2 / 3) in fp16 lanes
     (4 / 5) when GEMV_PACKED_F16."""
@@ -1065,7 +926,7 @@ def _gemv_dec(mma: str | None) -> int:
 
 def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, order: torch.Tensor,
                 experts: StackedExperts, limit: float, cfg: MoeConfig, *, quant: bool = False,
-                sx: torch.Tensor | None = None, mma: str | None = None, group: int = 1) -> torch.Tensor:
+                sx: torch.Tensor | None = None, mma: str | None = None) -> torch.Tensor:
     """h [P, I] bf16 in pair order (pair = t * k + j) of `_moe_up_gemv_kernel`. The input, one of three forms
     with the same values: xq [T, D] bf16 act_quant_sim(x) (quant=False, sx None: the fp16 decode route); x itself
     (quant=True: act-quantized in every program, no act_quant launch); or `kernels.gemm.act_quant(x)`: xq the
@@ -1073,24 +934,15 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
     in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct).
     mma: the codes route's nibble decode, as `moe_experts`' mma (None / "bf16x2": the packed PTX decode, in fp16
-    lanes when GEMV_PACKED_F16; "bf16": element-wise; `_gemv_dec`); every choice gives the same values.
-    group: pairs per pass of the grouped kernel (`_moe_up_gemv_grouped_kernel`: each expert's weights decoded
-    once for the pairs that share it; needs order and the codes form), 1 = one program per pair; the same values.
-    Raises ValueError on a bad block, input form or group."""
+    lanes when GEMV_PACKED_F16; "bf16": element-wise; `_gemv_dec`); every choice gives the same values. Raises
+    ValueError on a bad block or input form."""
     E, D, I = _check_experts("moe_up_gemv", experts)
     P = indices.numel()
     if I % cfg.block_n:
         _fail("moe_up_gemv", "block_n", cfg.block_n, f"a divisor of I = {I}")
     mode = _gemv_input("moe_up_gemv", xq, sx, quant, D, "xq", cfg)
-    _gemv_group("moe_up_gemv", group, order, mode)
     h = torch.empty(P, I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
-    if group > 1 and P:
-        _moe_up_gemv_grouped_kernel[(P, I // cfg.block_n)](
-            xq, sx, weights, order, indices, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h, E, D, I,
-            indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, D // 2),
-            G=group, DEC=_gemv_dec(mma), FP8_NAN=interpreting(), num_warps=cfg.num_warps)
-        return h
     _moe_up_gemv_kernel[(P, I // cfg.block_n)](
         xq, sx, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
         u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
@@ -1101,23 +953,16 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
 
 def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, experts: StackedExperts,
                   cfg: MoeConfig, *, quant: bool = False, sx: torch.Tensor | None = None,
-                  mma: str | None = None, group: int = 1) -> torch.Tensor:
+                  mma: str | None = None) -> torch.Tensor:
     """y_pair [P, D] bf16 in pair order of `_moe_down_gemv_kernel`; hq [P, I] in one of `moe_up_gemv`'s three
-    input forms (act_quant_sim(h); h itself with quant=True; act_quant(h)'s codes with sx [P, I / 128]); order,
-    mma and group as `moe_up_gemv` (`_moe_down_gemv_grouped_kernel`)."""
+    input forms (act_quant_sim(h); h itself with quant=True; act_quant(h)'s codes with sx [P, I / 128]); order
+    and mma as `moe_up_gemv`."""
     E, D, I = _check_experts("moe_down_gemv", experts)
     P = indices.numel()
     if D % cfg.block_n:
         _fail("moe_down_gemv", "block_n", cfg.block_n, f"a divisor of D = {D}")
     mode = _gemv_input("moe_down_gemv", hq, sx, quant, I, "hq", cfg)
-    _gemv_group("moe_down_gemv", group, order, mode)
     y = torch.empty(P, D, dtype=torch.bfloat16, device=hq.device)
-    if group > 1 and P:
-        _moe_down_gemv_grouped_kernel[(P, D // cfg.block_n)](
-            hq, sx, order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I, BN=cfg.block_n,
-            BKH=_chunk(cfg.block_kh, I // 2), G=group, DEC=_gemv_dec(mma), FP8_NAN=interpreting(),
-            num_warps=cfg.num_warps)
-        return y
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
         hq, sx, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
         BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=mode,
@@ -1222,10 +1067,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         # in every program); other chunks take the act_quant_sim values and the fp16 decode route. Same values.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
         xin, xkw = _gemv_operand(x, cfg, mma, T, D)
-        group = GEMV_GROUP if "sx" in xkw and P >= GEMV_GROUP_MIN_PAIRS else 1
-        h = moe_up_gemv(xin, weights, indices, order, experts, limit, cfg, group=group, **xkw)
+        h = moe_up_gemv(xin, weights, indices, order, experts, limit, cfg, **xkw)
         hin, hkw = _gemv_operand(h, cfg, mma, T, D)
-        y = moe_down_gemv(hin, indices, order, experts, cfg, group=group if "sx" in hkw else 1, **hkw)
+        y = moe_down_gemv(hin, indices, order, experts, cfg, **hkw)
     else:
         xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)

@@ -195,13 +195,6 @@ def _specs():
          dict(xq_ptr="*fp8e4nv", sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8,
               w3_ptr="*i8", s3_ptr=u8, h_ptr=bf), ["limit"],
          dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=True, QUANT=2, DEC=4)),
-        # T > 1: each expert's weights decoded once for the pairs that share it (moe.GEMV_GROUP)
-        ("moe._moe_up_gemv_grouped_kernel", moe._moe_up_gemv_grouped_kernel,
-         dict(xq_ptr="*fp8e4nv", sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8,
-              w3_ptr="*i8", s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, G=4, DEC=4)),
-        ("moe._moe_down_gemv_grouped_kernel", moe._moe_down_gemv_grouped_kernel,
-         dict(hq_ptr="*fp8e4nv", sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BN=16, BKH=256, G=4, DEC=4)),
         ("moe._moe_down_gemv_kernel[codes]", moe._moe_down_gemv_kernel,
          dict(hq_ptr="*fp8e4nv", sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BN=16, BKH=256, SORTED=True, QUANT=2, DEC=2)),

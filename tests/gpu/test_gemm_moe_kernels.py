@@ -297,34 +297,3 @@ def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatc
         for key, y in outs.items():
             same = torch.equal(ref.isnan(), y.isnan()) and torch.equal(ref.nan_to_num(), y.nan_to_num())
             assert same, f"{geom} T{T}: GEMV_CODES={key[0]} mma={key[1]} GEMV_PACKED_F16={key[2]} differs"
-
-
-@pytest.mark.parametrize("geom", ["flash", "pro"])
-def test_moe_gemv_grouped_is_the_pairwise_kernel_gpu(seed, geom, monkeypatch):
-    """The grouped decode kernels (`kernels.moe.GEMV_GROUP` pairs of one expert per pass, the expert's weight chunk
-    decoded once) against one program per pair (GEMV_GROUP 1), bit for bit on the GPU at Flash / Pro width, T = 8 /
-    32, uniform and skewed routings (runs of one expert up to ~10 pairs: several passes), every pass size; one
-    token's x holds a NaN and another an inf, as in the input-form test above."""
-    import kernels.moe as km
-    E, D, I = GEOM[geom]
-    ex = make_experts(E, D, I)
-    monkeypatch.setattr(km, "GEMV_GROUP_MIN_PAIRS", 0)
-    for T in (8, 32):
-        for skew in (0.0, 1.0):
-            x = (torch.randn(T, D, device="cuda") * torch.logspace(-3, 3, D // 128, device="cuda")
-                 .repeat_interleave(128)).to(torch.bfloat16)
-            x[0, 7], x[1, 300] = float("nan"), float("inf")
-            idx = (torch.rand(T, E, device="cuda") + torch.randn(E, device="cuda") * skew).topk(6, dim=-1).indices
-            g = torch.rand(T, 6, device="cuda") + 0.1
-            runs = torch.bincount(idx.flatten(), minlength=E)
-            assert int(runs.max()) >= 2, "some expert must hold several pairs"
-            monkeypatch.setattr(km, "GEMV_GROUP", 1)
-            ref = km.moe_experts(x, g, idx, ex, 10.0)
-            assert bool(ref[-1].isfinite().all()) and float(ref[-1].abs().max()) > 0
-            assert bool(ref[0].isnan().any()), "the NaN token must stay NaN"
-            for G in (2, 4, 8):
-                monkeypatch.setattr(km, "GEMV_GROUP", G)
-                y = km.moe_experts(x, g, idx, ex, 10.0)
-                same = torch.equal(ref.isnan(), y.isnan()) and torch.equal(ref.nan_to_num(), y.nan_to_num())
-                assert same, f"{geom} T{T} skew {skew} G{G}: grouped differs from pairwise " \
-                             f"(max run {int(runs.max())})"

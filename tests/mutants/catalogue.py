@@ -329,10 +329,6 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.moe_gemv_packed_nibbles_swapped,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-bf16]",
             "tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-f16]")),
-    Mutant("moe_gemv_grouped_first_token", "the MoE decode kernel that shares an expert's decode across pairs "
-           "gives every pair the first pair's token", patches.moe_gemv_grouped_first_token,
-           ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_grouped_is_the_pairwise_kernel[2]",
-            "tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_grouped_is_the_pairwise_kernel[4]")),
 ]}
 
 

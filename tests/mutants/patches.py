@@ -944,12 +944,12 @@ def fp8_gemv_rows_act_scale_dropped(mp: MP) -> None:
 
 
 def moe_gemv_block_scale_misaligned(mp: MP) -> None:
-    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`, its sums `_gemv_codes_dot`) scale every 32-input
-    group of a K chunk by the chunk's largest act_quant block scale instead of its own block's (the in-register
-    act_quant's scales misaligned with the groups); the fp16 route, the tile path and the references are right."""
+    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) scale every 32-input group of a K chunk by
+    the chunk's largest act_quant block scale instead of its own block's (the in-register act_quant's scales
+    misaligned with the groups); the fp16 route, the tile path and the references are right."""
     from kernels import moe
 
-    _jit_source_mutant(mp, moe, "_gemv_codes_dot",
+    _jit_source_mutant(mp, moe, "_fp4_gemv_codes",
                        "sxg = tl.reshape(tl.broadcast_to(sx[:, None], (BKH // 64, 4)), (BKH // 16,))",
                        "sxg = tl.reshape(tl.broadcast_to(tl.max(sx, axis=0) + 0.0 * sx[:, None], (BKH // 64, 4)),"
                        " (BKH // 16,))  # MUTANT")
@@ -1074,10 +1074,10 @@ def moe_gemv_codes_scales_reversed(mp: MP) -> None:
 
 
 def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
-    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`, its decode `_gemv_decode`) with the packed
-    nibble decode (bf16 lanes: DEC 2 on a GPU, its twin DEC 3 under the interpreter; fp16 lanes: DEC 4, its stand-in
-    DEC 5) take the high nibble as the even input; the element-wise decode (mma "bf16"), the tile path and the
-    references keep the on-disk order."""
+    """The MoE decode kernels' code-value products (`_fp4_gemv_codes`) with the packed nibble decode (bf16 lanes:
+    DEC 2 on a GPU, its twin DEC 3 under the interpreter; fp16 lanes: DEC 4, its stand-in DEC 5) take the high
+    nibble as the even input; the element-wise decode (mma "bf16"), the tile path and the references keep the
+    on-disk order."""
     from kernels import moe
 
     src = ("lo16, hi16 = _e2m1_bf16x2(b8)", "lo, hi = _e2m1_bf16x2_twin(b8)", "lo16, hi16 = _e2m1_f16x2(b8)",
@@ -1085,16 +1085,4 @@ def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
     dst = ("hi16, lo16 = _e2m1_bf16x2(b8)", "hi, lo = _e2m1_bf16x2_twin(b8)", "hi16, lo16 = _e2m1_f16x2(b8)",
            "hi = _e2m1(b5, False)", "lo = _e2m1(b5, True)")
     for old, new in zip(src, dst):  # every packed flavour (bf16 / fp16 lanes: GEMV_PACKED_F16) and its stand-in
-        _jit_source_mutant(mp, moe, "_gemv_decode", old, new + "  # MUTANT: nibbles swapped")
-
-
-def moe_gemv_grouped_first_token(mp: MP) -> None:
-    """The grouped MoE decode up kernel (`_moe_up_gemv_grouped_kernel`: an expert's weight chunk decoded once for
-    the pairs that share it) multiplies every pair of a pass by the pass's first pair's token; the pairwise
-    kernels, the tiles and the references are right (a bug of the shared decode's bookkeeping that runs of one
-    pair never show)."""
-    from kernels import moe
-
-    _jit_source_mutant(mp, moe, "_moe_up_gemv_grouped_kernel",
-                       "tok = tl.load(order_ptr + i + c0 + g).to(tl.int64) // K_SLOTS",
-                       "tok = tl.load(order_ptr + i + c0).to(tl.int64) // K_SLOTS  # MUTANT: first token")
+        _jit_source_mutant(mp, moe, "_fp4_gemv_codes", old, new + "  # MUTANT: nibbles swapped")
