@@ -11,6 +11,12 @@ decode kernels' input forms and nibble decodes side by side in one process:
 - "default": mma None (packed, except element-wise at T = 1 below `GEMV_QUANT_PACKED_MIN_D`).
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
+
+`--section configs`: the up and the down decode kernel each alone (`moe_up_gemv` / `moe_down_gemv` with the
+default input form of that T: x quantized in the kernels at T = 1, act_quant's codes above), µs per call in a
+CUDA graph, for launch shapes (block_n, block_kh, num_warps) around the default `moe_config(P, E)`; per (geometry,
+T, kernel) the five fastest and the default, with max |y - y_default| / max |y_default| (block_kh sets the fp32
+summation order, so other shapes are not bitwise the default).
 """
 from __future__ import annotations
 
@@ -29,7 +35,59 @@ VARIANTS = (("sim / fp16", False, "bf16", False), ("codes / int", True, "bf16", 
             ("default", True, None, None))
 
 
+CONFIG_SWEEP = [(bn, bkh, w) for bn in (8, 16, 32) for bkh in (128, 256, 512) for w in (2, 4, 8)]
+
+
+def configs() -> int:
+    from kernels.gemm import act_quant
+    from kernels.moe import MoeConfig, moe_config, moe_down_gemv, moe_up_gemv
+    torch.manual_seed(0)
+    print("| geometry | T | kernel | default (BN, BKH, warps) µs | five fastest (BN, BKH, warps): µs, rel err |")
+    print("|---|---:|---|---|---|")
+    for geom, (E, D, I), Ts in (("flash", (256, 4096, 2048), (1, 8, 32)), ("pro", (384, 7168, 3072), (1, 32))):
+        ex = moe_inputs(E, D, I)
+        for T in Ts:
+            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+            orders = [None if T == 1 else torch.sort(i.reshape(-1), stable=True).indices.to(torch.int32)
+                      for i in idxs]
+            g = torch.rand(T, 6, device="cuda") + 0.1
+            h = (torch.randn(T * 6, I, device="cuda") * 0.3).to(torch.bfloat16)
+            if T == 1:
+                xin, xkw, hin, hkw = x, dict(quant=True), h, dict(quant=True)
+            else:
+                xq, sx = act_quant(x)
+                hq, sh = act_quant(h)
+                xin, xkw, hin, hkw = xq, dict(sx=sx), hq, dict(sx=sh)
+            default = moe_config(6 * T, E)
+            for kernel in ("up", "down"):
+                def call(i, cfg):
+                    if kernel == "up":
+                        return moe_up_gemv(xin, g, idxs[i % 8], orders[i % 8], ex, 10.0, cfg, **xkw)
+                    return moe_down_gemv(hin, idxs[i % 8], orders[i % 8], ex, cfg, **hkw)
+                ref = call(0, default)
+                t_def = gpu_time(lambda i: call(i, default), iters=16, reps=5)
+                rows = []
+                for bn, bkh, w in CONFIG_SWEEP:
+                    cfg = MoeConfig("gemv", 1, bn, bkh, w, 1)
+                    try:
+                        y = call(0, cfg)
+                        err = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+                        rows.append((gpu_time(lambda i: call(i, cfg), iters=16, reps=5), (bn, bkh, w), err))
+                    except Exception as e:  # noqa: BLE001 - a shape that does not build is reported, not fatal
+                        print(f"  [{(bn, bkh, w)}: {type(e).__name__}: {str(e).splitlines()[0][:120]}]", file=sys.stderr)
+                rows.sort()
+                best = "; ".join(f"{c}: {u:.1f}, {e:.0e}" for u, c, e in rows[:5])
+                print(f"| {geom} | {T} | {kernel} | {(default.block_n, default.block_kh, default.num_warps)} "
+                      f"{t_def:.1f} | {best} |", flush=True)
+        del ex
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
+    if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "configs":
+        return configs()
     torch.manual_seed(0)
     print("| geometry | T | " + " | ".join(f"{v[0]} µs" for v in VARIANTS) + " | bitwise equal |")
     print("|---|---:|" + "---:|" * len(VARIANTS) + "---|")

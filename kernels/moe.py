@@ -785,6 +785,20 @@ four runs): Flash (D 4096) element-wise 68.8-69.4 µs against packed 75.8-76.3 (
 Pro (D 7168) 181.8-183.2 against 162.3-163.4 and 162.7. Above one token the packed decode is faster at both widths
 (GEMV_CODES). Same values either way."""
 
+GEMV_SHAPES = ((MoeConfig("gemv", 1, 32, 256, 4, 1), MoeConfig("gemv", 1, 32, 128, 4, 1)),
+               (MoeConfig("gemv", 1, 16, 256, 4, 1), MoeConfig("gemv", 1, 32, 128, 4, 1)),
+               (MoeConfig("gemv", 1, 8, 512, 2, 1), MoeConfig("gemv", 1, 32, 128, 2, 1)))
+"""`moe_experts`' default launch shapes (block_n, block_kh, num_warps) of the (up, down) decode kernels on the gemv
+path: at one token with the element-wise nibble decode (below GEMV_QUANT_PACKED_MIN_D), at one token with the
+packed decode, and above one token (act_quant's codes). Measured on one H100 (`benchmarks/moe_decode_probe.py
+--section configs`: each kernel alone in a CUDA graph, 27 shapes, 8 routings of top-6 of random scores;
+benchmarks/RESULTS.md, first session of 2026-12-07), µs per call, the shape before (16, 256, 4 for both) -> this:
+Flash T = 1 up 49.3 -> 40.6, down 25.0 -> 22.2; T = 8 up 212.1 -> 197.6, down 114.8 -> 103.4; T = 32 up 793.2 ->
+752.6, down 438.9 -> 377.3; Pro T = 1 up 101.1 (kept), down 59.3 -> 54.6; T = 32 up 2104.1 -> 1944.1, down 1119.0
+-> 972.4. block_kh sets the fp32 summation order of a row (outputs within ~1e-3 of the old shapes' relative to
+their largest); a shape that does not divide the layer's D and I is not used (`gemv_shapes`). The batch-invariant
+mode and a forced `config` keep one shape for both kernels."""
+
 GEMV_PACKED_F16 = True
 """Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
 `_fp4_gemv_codes` DEC 4; DEC 5 under the interpreter) instead of the tile path's bf16 lanes (DEC 2 / 3): the
@@ -1001,6 +1015,21 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
     return y
 
 
+def gemv_shapes(T: int, D: int, I: int, mma: str | None) -> tuple[MoeConfig, MoeConfig]:
+    """The (up, down) launch shapes of `moe_experts`' decode kernels for a T-token call at model width D and expert
+    width I (GEMV_SHAPES: one token with the element-wise nibble decode - mma "bf16", or None below
+    GEMV_QUANT_PACKED_MIN_D -, one token packed, more tokens); a shape whose block_n does not divide I (up) or D
+    (down) is replaced by `moe_config(1, 1)`'s."""
+    if T > GEMV_QUANT_MAX_T:
+        up, down = GEMV_SHAPES[2]
+    elif mma == "bf16" or (mma is None and D < GEMV_QUANT_PACKED_MIN_D):
+        up, down = GEMV_SHAPES[0]
+    else:
+        up, down = GEMV_SHAPES[1]
+    base = moe_config(1, 1)
+    return (up if I % up.block_n == 0 else base), (down if D % down.block_n == 0 else base)
+
+
 def _check_config(cfg, D: int, I: int) -> None:
     ok = isinstance(cfg, MoeConfig) and cfg.path in ("gemv", "tiles") and cfg.block_n >= 1 and \
         D % cfg.block_n == 0 and I % cfg.block_n == 0 and cfg.block_kh >= 16 and \
@@ -1022,8 +1051,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     (`_moe_mma`: "bf16x2" decodes the same values by packed PTX, "bf16" element-wise; "fp8" is refused) - the tile
     path's dot flavour, and the gemv path's decode (`_gemv_dec`; None at one token below
     GEMV_QUANT_PACKED_MIN_D takes the element-wise decode, measured faster there); config: a MoeConfig to force
-    a path / tiles (tests, benchmarks), default
-    `moe_config(T * k, E)`; invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
+    a path / tiles (tests, benchmarks; one shape for both kernels), default `moe_config(T * k, E)`, the gemv
+    path's up and down kernels then launched with `gemv_shapes(T, D, I, mma)` (measured per kernel); invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
     (`moe_config(1, E)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
     which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
     the pair count), and the k slots summed left to right by elementwise adds (no reduction kernel whose
@@ -1066,10 +1095,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         # fewer), else by one act_quant launch each that writes the e4m3 codes and scales (x quantized once, not
         # in every program); other chunks take the act_quant_sim values and the fp16 decode route. Same values.
         order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
-        xin, xkw = _gemv_operand(x, cfg, mma, T, D)
-        h = moe_up_gemv(xin, weights, indices, order, experts, limit, cfg, **xkw)
-        hin, hkw = _gemv_operand(h, cfg, mma, T, D)
-        y = moe_down_gemv(hin, indices, order, experts, cfg, **hkw)
+        up_cfg, down_cfg = (cfg, cfg) if invariant or config is not None else gemv_shapes(T, D, I, mma)
+        xin, xkw = _gemv_operand(x, up_cfg, mma, T, D)
+        h = moe_up_gemv(xin, weights, indices, order, experts, limit, up_cfg, **xkw)
+        hin, hkw = _gemv_operand(h, down_cfg, mma, T, D)
+        y = moe_down_gemv(hin, indices, order, experts, down_cfg, **hkw)
     else:
         xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)

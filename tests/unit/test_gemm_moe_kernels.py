@@ -717,6 +717,35 @@ def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
 
 
 @needs_triton
+def test_moe_decode_launches_the_measured_shapes(monkeypatch):
+    """`moe_experts`' gemv path launches the up and the down kernel with `gemv_shapes`' measured shapes (one
+    token element-wise / packed, more tokens: GEMV_SHAPES), replaced by `moe_config(1, 1)`'s where a block_n does
+    not divide the layer; a forced config and the batch-invariant mode keep one shape for both; every choice
+    against the reference."""
+    import kernels.moe as km
+    from kernels.moe import GEMV_SHAPES, gemv_shapes
+    seen = []
+    real_up, real_down = km.moe_up_gemv, km.moe_down_gemv
+    monkeypatch.setattr(km, "moe_up_gemv", lambda *a, **k: seen.append(("up", a[6])) or real_up(*a, **k))
+    monkeypatch.setattr(km, "moe_down_gemv", lambda *a, **k: seen.append(("down", a[4])) or real_down(*a, **k))
+    ex = make_experts()
+    forced = MoeConfig("gemv", 1, 64, 32, 4, 1)
+    for T, floor, mma, kw, want in ((1, 7168, None, {}, GEMV_SHAPES[0]), (1, D, None, {}, GEMV_SHAPES[1]),
+                                    (1, D, "bf16", {}, GEMV_SHAPES[0]), (3, 7168, None, {}, GEMV_SHAPES[2]),
+                                    (3, D, None, dict(config=forced), (forced, forced)),
+                                    (3, D, None, dict(invariant=True), (moe_config(1, E),) * 2)):
+        monkeypatch.setattr(km, "GEMV_QUANT_PACKED_MIN_D", floor)
+        g, idx = routing(T, 2)
+        x = torch.randn(T, D).to(torch.bfloat16).to(DEV)
+        seen.clear()
+        y = km.moe_experts(x, g, idx, ex, 10.0, mma=mma, **kw)
+        assert seen == [("up", want[0]), ("down", want[1])], (T, floor, mma, kw, seen)
+        close_bf16(y, moe_grouped_ref(x, g, idx, ex, 10.0), f"moe y T{T} mma {mma} {kw}")
+    assert gemv_shapes(1, 7168, 48, None) == (moe_config(1, 1), GEMV_SHAPES[0][1])  # 32 does not divide I = 48
+    assert gemv_shapes(5, 4096, 2048, None) == GEMV_SHAPES[2]
+
+
+@needs_triton
 def test_moe_decode_picks_the_measured_nibble_decode(monkeypatch):
     """`moe_experts`' launch choice of the gemv kernels' nibble decode (mma None): element-wise at one token below
     GEMV_QUANT_PACKED_MIN_D (Flash width, measured faster there), packed at one token from it and at every width
