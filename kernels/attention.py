@@ -416,11 +416,16 @@ def _num_sms(device: torch.device) -> int:
 # program"): 64 heads per program (a [64, 512] fp32 accumulator is 128 registers per thread at 8 warps; 128
 # heads would need 256); its default k-split fills one wave of one program per SM. When b*s*ceil(h/64) <=
 # DECODE_DV_MAX_PROGRAMS (Flash batch <= 16, Pro batch <= 8) the output columns are split too: DECODE_DV columns
-# per program at 4 warps (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs
-# is faster with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured).
+# per program (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs is faster
+# with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured), at DECODE_DV_WARPS warps.
+# DECODE_DV_WARPS = 8 (was 4), measured on one H100 (`benchmarks/attn_decode_probe.py`, the call with its RoPE
+# epilogue in a CUDA graph, Flash 64 heads at a 4096 context; RESULTS.md, first session of 2026-12-07), µs 4 -> 8
+# warps: b 1 CSA 36.6 -> 29.4, HCA 26.9 -> 21.4, SWA 26.2 -> 20.9; b 8 CSA 34.1 -> 32.0, HCA (4 splits) 27.9 ->
+# 24.5, SWA 27.4 -> 22.8; the same outputs (the warps change no summation order).
 DECODE_BLOCK_H = 64
 DECODE_DV = 128
 DECODE_DV_MAX_PROGRAMS = 16
+DECODE_DV_WARPS = 8
 
 
 def default_path(b: int, s: int, h: int, hd: int) -> str:
@@ -479,10 +484,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
             merged equals the unsplit kernel's o = acc / (l + 2^(sink - m)).
         block_h: heads per program (default 16 "blocks" / 64 "heads"; a power of two >= 16 for tensor cores);
         block_n: slots per tile (default 32; 16 for fp32 on the "heads" path: shared memory); num_warps
-        (default 4 "blocks", 8 "heads", 4 with the default column split); num_stages: Triton software-pipeline
-        depth (default: Triton's on "blocks", see below on "heads").
+        (default 4 "blocks", 8 "heads", DECODE_DV_WARPS with the default column split); num_stages: Triton
+        software-pipeline depth (default: Triton's on "blocks", see below on "heads").
         path: "blocks", "heads" or None (default_path). dv ("heads" only): output columns per program, a
-            power of two >= 16 dividing hd (default: DECODE_DV = 128 at 4 warps when b*s*ceil(h/block_h) <=
+            power of two >= 16 dividing hd (default: DECODE_DV = 128 when b*s*ceil(h/block_h) <=
             DECODE_DV_MAX_PROGRAMS and hd >= 256, else hd: no column split). prefetch ("heads" only): True = the
             kernel loads the indices one tile ahead, so the rows' gather does not wait on an index load in the
             same iteration and Triton's pipeliner keeps num_stages - 1 row tiles in flight (measured: without
@@ -525,7 +530,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
         few = heads_path and hd >= 2 * DECODE_DV and b * s * triton.cdiv(h, block_h) <= DECODE_DV_MAX_PROGRAMS \
             and rd_rope <= DECODE_DV  # a rope tail wider than one column slice: no column split
         dv = DECODE_DV if few else hd
-        num_warps = num_warps or (4 if few else None)
+        num_warps = num_warps or (DECODE_DV_WARPS if few else None)
     num_warps = num_warps or (8 if heads_path else 4)
     if not heads_path and dv != hd:
         raise ValueError(f"{where}: dv (output column split) needs path='heads', got dv={dv} with path={path!r}")

@@ -268,6 +268,32 @@ def test_all_heads_kernel_default_column_split(seed):
                  dtype=torch.bfloat16)
 
 
+@needs_triton
+def test_all_heads_kernel_default_warps(seed, monkeypatch):
+    """The "heads" launcher's default warps: DECODE_DV_WARPS with the default column split (few programs; the
+    measured choice, RESULTS.md), 8 with full columns; an explicit num_warps is passed through."""
+    from kernels import attention
+    dev = "cuda" if not INTERPRET else "cpu"
+    real = attention._sparse_decode_kernel
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((kw["DV"], kw["num_warps"]))
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(attention, "_sparse_decode_kernel", Spy())
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 4, 256, 30, 20, torch.bfloat16))
+    for kw, want in (({}, (attention.DECODE_DV, attention.DECODE_DV_WARPS)), (dict(dv=256), (256, 8)),
+                     (dict(num_warps=4), (attention.DECODE_DV, 4))):
+        seen.clear()
+        got = attention.sparse_attn(q, kv, sink, idx, 256 ** -0.5, path="heads", block_n=16, **kw)
+        assert seen == [want], (kw, seen)
+        assert_close(got, sparse_attn_ref(q, kv, sink, idx, 256 ** -0.5), f"sparse_attn heads {kw}",
+                     dtype=torch.bfloat16)
+
+
 # ------------------------------------------------------------------ the decode step's index set (issue 27)
 def _step_index_oracle(P, W, comp, ratio, n_entries):
     """Python loops over each query, from the key layout alone (`dsv4.model.Attention.step`): s == 1, keys
