@@ -4,7 +4,7 @@
 # tree. On the device tool's machine: PYTHONPATH=/tmp/site DSV4_COMMIT=<local HEAD> bash benchmarks/ab_decode2.sh <base>
 B=$1
 O=${OUT:-/tmp/ab}; mkdir -p "$O"
-ARGS="--geometry flash --flash-layers 4,8 --prefill=${AB_PREFILL:-} --batches 1,8,32 --reps 5 --warmup 2 --backends triton"
+ARGS="--geometry flash --flash-layers 4,8 --prefill=${AB_PREFILL:-} --batches ${AB_BATCHES:-1,8,32} --reps 5 --warmup 2 --backends triton"
 for t in base head base2 head2; do
   case $t in base*) d=.bases/$B; c=$B;; *) d=.; c=$DSV4_COMMIT;; esac
   (cd $d && DSV4_COMMIT=$c PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benchmarks/bench_model.py $ARGS \
