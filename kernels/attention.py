@@ -419,7 +419,7 @@ def _num_sms(device: torch.device) -> int:
 # per program (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs is faster
 # with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured), at DECODE_DV_WARPS warps.
 # DECODE_DV_WARPS = 8 (was 4), measured on one H100 (`benchmarks/attn_decode_probe.py`, the call with its RoPE
-# epilogue in a CUDA graph, Flash 64 heads at a 4096 context; RESULTS.md, first session of 2026-12-07), µs 4 -> 8
+# epilogue in a CUDA graph, Flash 64 heads at a 4096 context; RESULTS.md, fourth session of 2026-12-06), µs 4 -> 8
 # warps: b 1 CSA 36.6 -> 29.4, HCA 26.9 -> 21.4, SWA 26.2 -> 20.9; b 8 CSA 34.1 -> 32.0, HCA (4 splits) 27.9 ->
 # 24.5, SWA 27.4 -> 22.8; the same outputs (the warps change no summation order).
 DECODE_BLOCK_H = 64

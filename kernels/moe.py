@@ -792,7 +792,7 @@ GEMV_SHAPES = ((MoeConfig("gemv", 1, 32, 256, 4, 1), MoeConfig("gemv", 1, 32, 12
 path: at one token with the element-wise nibble decode (below GEMV_QUANT_PACKED_MIN_D), at one token with the
 packed decode, and above one token (act_quant's codes). Measured on one H100 (`benchmarks/moe_decode_probe.py
 --section configs`: each kernel alone in a CUDA graph, 27 shapes, 8 routings of top-6 of random scores;
-benchmarks/RESULTS.md, first session of 2026-12-07), µs per call, the shape before (16, 256, 4 for both) -> this:
+benchmarks/RESULTS.md, fourth session of 2026-12-06), µs per call, the shape before (16, 256, 4 for both) -> this:
 Flash T = 1 up 49.3 -> 40.6, down 25.0 -> 22.2; T = 8 up 212.1 -> 197.6, down 114.8 -> 103.4; T = 32 up 793.2 ->
 752.6, down 438.9 -> 377.3; Pro T = 1 up 101.1 (kept), down 59.3 -> 54.6; T = 32 up 2104.1 -> 1944.1, down 1119.0
 -> 972.4. block_kh sets the fp32 summation order of a row (outputs within ~1e-3 of the old shapes' relative to
