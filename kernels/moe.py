@@ -1052,10 +1052,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
     path's dot flavour, and the gemv path's decode (`_gemv_dec`; None at one token below
     GEMV_QUANT_PACKED_MIN_D takes the element-wise decode, measured faster there); config: a MoeConfig to force
     a path / tiles (tests, benchmarks; one shape for both kernels), default `moe_config(T * k, E)`, the gemv
-    path's up and down kernels then launched with `gemv_shapes(T, D, I, mma)` (measured per kernel); invariant: the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path
-    (`moe_config(1, E)`) up to INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on
-    which other pairs share its expert, nor on T on either side; the default's path, tile shape and padding follow
-    the pair count), and the k slots summed left to right by elementwise adds (no reduction kernel whose
+    path's up and down kernels then launched with `gemv_shapes(T, D, I, mma)` (measured per kernel); invariant:
+    the batch-invariant mode (README "Batch-invariant mode"): the "gemv" path (`moe_config(1, E)`) up to
+    INVARIANT_GEMV_MAX_T tokens, INVARIANT_TILES above (a pair's output never depends on which other pairs share
+    its expert, nor on T on either side; the default's path, tile shape and padding follow the pair count), and
+    the k slots summed left to right by elementwise adds (no reduction kernel whose
     configuration follows T); config must be None.
     shared: the shared expert's output [T, D] (bf16 / fp32, contiguous) or None: the slot sum then adds it and
     rounds to shared.dtype in the same launch (`moe_combine` of the routed sum, bitwise; issue 27).
