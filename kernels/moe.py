@@ -916,15 +916,20 @@ def _gemv_input(op: str, xq: torch.Tensor, sx: torch.Tensor | None, quant: bool,
     return mode
 
 
+def _one_token_mma(mma: str | None, D: int) -> str | None:
+    """The nibble decode of the in-kernel quantization route (up to GEMV_QUANT_MAX_T tokens) at model width D:
+    mma None is element-wise ("bf16") below GEMV_QUANT_PACKED_MIN_D (measured faster there), else mma itself."""
+    return "bf16" if mma is None and D < GEMV_QUANT_PACKED_MIN_D else mma
+
+
 def _gemv_operand(t: torch.Tensor, cfg: MoeConfig, mma: str | None, T: int, D: int) -> tuple[torch.Tensor, dict]:
     """The gemv launchers' input for t [rows, width] (x, then h) of a T-token call and its keywords, by
     `moe_experts`' rule: K chunks of whole 128-input blocks take the code-value products - t itself, quantized in
-    the kernels, up to GEMV_QUANT_MAX_T tokens (nibbles element-wise below GEMV_QUANT_PACKED_MIN_D model width D
-    when mma is None: measured faster there), else act_quant's codes and scales (GEMV_CODES); other chunks
-    act_quant_sim's values (the fp16 route). Every form gives the same values."""
+    the kernels, up to GEMV_QUANT_MAX_T tokens (nibble decode `_one_token_mma`), else act_quant's codes and
+    scales (GEMV_CODES); other chunks act_quant_sim's values (the fp16 route). Every form gives the same values."""
     if _chunk(cfg.block_kh, t.shape[1] // 2) % 64 == 0:
         if T <= GEMV_QUANT_MAX_T:
-            return t, dict(quant=True, mma="bf16" if mma is None and D < GEMV_QUANT_PACKED_MIN_D else mma)
+            return t, dict(quant=True, mma=_one_token_mma(mma, D))
         if GEMV_CODES:
             q, s = act_quant(t)
             return q, dict(sx=s, mma=mma)
@@ -1017,17 +1022,17 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
 
 def gemv_shapes(T: int, D: int, I: int, mma: str | None) -> tuple[MoeConfig, MoeConfig]:
     """The (up, down) launch shapes of `moe_experts`' decode kernels for a T-token call at model width D and expert
-    width I (GEMV_SHAPES: one token with the element-wise nibble decode - mma "bf16", or None below
-    GEMV_QUANT_PACKED_MIN_D -, one token packed, more tokens); a shape whose block_n does not divide I (up) or D
-    (down) is replaced by `moe_config(1, 1)`'s."""
+    width I (GEMV_SHAPES: one token with the element-wise nibble decode - `_one_token_mma` "bf16" -, one token
+    packed, more tokens); a shape whose block_n does not divide I (up) or D (down) is replaced by
+    `moe_config(1, 1)`'s."""
     if T > GEMV_QUANT_MAX_T:
         up, down = GEMV_SHAPES[2]
-    elif mma == "bf16" or (mma is None and D < GEMV_QUANT_PACKED_MIN_D):
-        up, down = GEMV_SHAPES[0]
     else:
-        up, down = GEMV_SHAPES[1]
-    base = moe_config(1, 1)
-    return (up if I % up.block_n == 0 else base), (down if D % down.block_n == 0 else base)
+        up, down = GEMV_SHAPES[0 if _one_token_mma(mma, D) == "bf16" else 1]
+    if I % up.block_n or D % down.block_n:
+        base = moe_config(1, 1)
+        up, down = (up if I % up.block_n == 0 else base), (down if D % down.block_n == 0 else base)
+    return up, down
 
 
 def _check_config(cfg, D: int, I: int) -> None:

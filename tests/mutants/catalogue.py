@@ -329,6 +329,13 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.moe_gemv_packed_nibbles_swapped,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-bf16]",
             "tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_decodes_agree_bitwise[packed-f16]")),
+    # measured launch choices (issue 27): a tuned default that is silently not applied
+    Mutant("moe_gemv_shapes_ignored", "the MoE decode launches ignore their measured per-kernel shapes",
+           patches.moe_gemv_shapes_ignored,
+           ("tests/unit/test_gemm_moe_kernels.py::test_moe_decode_launches_the_measured_shapes",)),
+    Mutant("sparse_decode_dv_warps_ignored", "the split sparse decode attention ignores its measured warp count",
+           patches.sparse_decode_dv_warps_ignored,
+           ("tests/unit/test_attention_kernels.py::test_all_heads_kernel_default_warps",)),
 ]}
 
 

@@ -1086,3 +1086,20 @@ def moe_gemv_packed_nibbles_swapped(mp: MP) -> None:
            "hi = _e2m1(b5, False)", "lo = _e2m1(b5, True)")
     for old, new in zip(src, dst):  # every packed flavour (bf16 / fp16 lanes: GEMV_PACKED_F16) and its stand-in
         _jit_source_mutant(mp, moe, "_fp4_gemv_codes", old, new + "  # MUTANT: nibbles swapped")
+
+
+def moe_gemv_shapes_ignored(mp: MP) -> None:
+    """`moe_experts`' gemv path launches both decode kernels with `moe_config`'s one shape, not the measured
+    per-kernel shapes of `gemv_shapes` (a tuned launch choice silently not applied: the same values, slower)."""
+    from kernels import moe
+
+    _source_mutant(mp, moe, "moe_experts", "else gemv_shapes(T, D, I, mma)", "else (cfg, cfg)  # MUTANT")
+
+
+def sparse_decode_dv_warps_ignored(mp: MP) -> None:
+    """The "heads" sparse decode launcher runs its column-split programs at 4 warps instead of DECODE_DV_WARPS
+    (the measured choice silently not applied: the same values, slower)."""
+    from kernels import attention
+
+    _source_mutant(mp, attention, "sparse_attn", "num_warps or (DECODE_DV_WARPS if few else None)",
+                   "num_warps or (4 if few else None)  # MUTANT")

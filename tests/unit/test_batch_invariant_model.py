@@ -45,11 +45,11 @@ def _prompts(seed: int, lengths):
 
 def test_row_alone_equals_row_in_ragged_batch(model):
     (p0, p1, p2), feeds = _prompts(1, (6, 10, 3)), _prompts(2, (3, 3, 3))
+    alone = model.new_state(1, 128)
+    got_alone = [model(p0[None], alone)[0]]
     batch = model.new_state(3, 256)
-    for i, p in enumerate((p0, p1, p2)):  # each row's prefill is its own call (batch.row(i): a batch-1 view)
-        model(p[None], batch.row(i))
-    alone = batch.copy_row(0)  # row 0's prefilled state as a batch-1 state of its own (one prefill fewer)
-    got_alone, got_batch = [None], [None]
+    first = [model(p[None], batch.row(i))[0] for i, p in enumerate((p0, p1, p2))]
+    got_batch = [first[0]]
     for j in range(3):  # row 0 at positions 6..8: a ratio-4 window completes at 7, the ring (window 8) wraps at 8;
         # row 1 (past its ring's wrap) completes one at 11, row 2 at 3
         got_alone.append(model(feeds[0][j].view(1, 1), alone)[0])

@@ -717,7 +717,7 @@ def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
 
 
 @needs_triton
-def test_moe_decode_launches_the_measured_shapes(monkeypatch):
+def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
     """`moe_experts`' gemv path launches the up and the down kernel with `gemv_shapes`' measured shapes (one
     token element-wise / packed, more tokens: GEMV_SHAPES), replaced by `moe_config(1, 1)`'s where a block_n does
     not divide the layer; a forced config and the batch-invariant mode keep one shape for both; every choice
