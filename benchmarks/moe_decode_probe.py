@@ -12,6 +12,10 @@ decode kernels' input forms and nibble decodes side by side in one process:
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 
+`--section shapes`: the whole `moe_experts` call with its default launch shapes (`gemv_shapes`) against the one
+shape before them (`config=moe_config(P, E)`, both kernels alike) at T = 1 / 2 / 4 / 8 / 16 / 32, Flash and Pro:
+is the new default slower anywhere?
+
 `--section configs`: the up and the down decode kernel each alone (`moe_up_gemv` / `moe_down_gemv` with the
 default input form of that T: x quantized in the kernels at T = 1, act_quant's codes above), µs per call in a
 CUDA graph, for launch shapes (block_n, block_kh, num_warps) around the default `moe_config(P, E)`; per (geometry,
@@ -85,9 +89,33 @@ def configs() -> int:
     return 0
 
 
+def shapes() -> int:
+    from kernels.moe import moe_config
+    torch.manual_seed(0)
+    print("| geometry | T | one shape (before) µs | gemv_shapes µs | ratio | rel err |\n|---|---:|---:|---:|---:|---:|")
+    for geom, (E, D, I) in {"flash": (256, 4096, 2048), "pro": (384, 7168, 3072)}.items():
+        ex = moe_inputs(E, D, I)
+        for T in (1, 2, 4, 8, 16, 32):
+            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+            g = torch.rand(T, 6, device="cuda") + 0.1
+            old = moe_config(6 * T, E)
+            y0 = moe_experts(x, g, idxs[0], ex, 10.0, config=old)
+            y1 = moe_experts(x, g, idxs[0], ex, 10.0)
+            err = float((y1 - y0).abs().max() / y0.abs().max())
+            t0 = gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0, config=old), iters=16, reps=5)
+            t1 = gpu_time(lambda i: moe_experts(x, g, idxs[i % 8], ex, 10.0), iters=16, reps=5)
+            print(f"| {geom} | {T} | {t0:.1f} | {t1:.1f} | {t1 / t0:.3f} | {err:.0e} |", flush=True)
+        del ex
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "configs":
         return configs()
+    if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "shapes":
+        return shapes()
     torch.manual_seed(0)
     print("| geometry | T | " + " | ".join(f"{v[0]} µs" for v in VARIANTS) + " | bitwise equal |")
     print("|---|---:|" + "---:|" * len(VARIANTS) + "---|")
