@@ -428,6 +428,16 @@ DECODE_DV_MAX_PROGRAMS = 16
 DECODE_DV_WARPS = 8
 
 
+def decode_min_split_tiles(block_h: int, dv: int, hd: int, block_n: int, kv_bytes: int) -> int:
+    """Key tiles a split of the "heads" path must hold by default (>= 1): a split writes a partial of block_h x dv
+    fp32 (and its merge reads it back) beside the block_n x hd keys per tile it reads, so a split shorter than
+    block_h * dv * 4 / (block_n * hd * kv_bytes) tiles moves more partial bytes than key bytes. Flash at hd 512,
+    64 heads, bf16 keys in tiles of 32: 4 tiles with all columns (dv 512), 1 with the column split (dv 128, batch
+    <= 16: unchanged). Measured on one H100 (`benchmarks/decode_knobs_probe.py --section attn`, RESULTS.md, fifth
+    session of 2026-12-06): batch 32, HCA (160 keys) and SWA (128), 3-4 splits before, 1 now."""
+    return max(1, triton.cdiv(block_h * dv * 4, block_n * hd * kv_bytes))
+
+
 def default_path(b: int, s: int, h: int, hd: int) -> str:
     """The kernel `sparse_attn` runs when `path` is None: "heads" (`_sparse_decode_kernel`) for decode (s == 1)
     with at least DECODE_BLOCK_H heads, else "blocks" (`_sparse_attn_kernel`). Chosen by measurement, see the
@@ -554,8 +564,10 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
                              f"{split_size!r}")
         num_splits = n_tiles  # replaced below by cdiv(k, chunk)
     if num_splits is None:
-        if heads_path:  # one wave: one program per SM (shared memory), never more programs than SMs
-            num_splits = max(1, min(n_tiles, _num_sms(q.device) // programs))
+        if heads_path:  # one wave: one program per SM (shared memory), never more programs than SMs, and
+            # never a split whose partials outweigh the keys it reads (`decode_min_split_tiles`)
+            num_splits = max(1, min(n_tiles // decode_min_split_tiles(block_h, dv, hd, block_n, kv.element_size()),
+                                    _num_sms(q.device) // programs))
         else:
             num_splits = max(1, min(n_tiles, triton.cdiv(2 * _num_sms(q.device), programs)))
     if not isinstance(num_splits, int) or num_splits < 1:

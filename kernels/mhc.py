@@ -503,9 +503,20 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
     return out
 
 
-ONE_LAUNCH_MAX_T = 64  # hc_pre / hc_head use the one-launch kernel up to this many tokens (decode)
-POST_PRE_ONE_LAUNCH_MAX_T = 4  # hc_post_pre fuses up to this many tokens; beyond, hc_post + hc_pre were faster
-                               # on H200 (RESULTS.md, issue 14: T 8 equal or slower, T 64 2-4x slower)
+# The one-launch kernels' default range: none. hc_pre / hc_head run mix + finish (+ the site's RMSNorm launch) and
+# hc_post_pre runs hc_post then that hc_pre at every T: measured on one H100 (`benchmarks/decode_knobs_probe.py
+# --section mhc`, µs per call in a CUDA graph, Flash width, RESULTS.md, fifth session of 2026-12-06): hc_pre with
+# its norm, one launch -> two launches + norm: T 1 16.0 -> 11.3, T 8 20.1 -> 11.7, T 32 35.5 -> 12.7, T 64 47.4 ->
+# 14.5 (the fused kernel's last-arriving program collapses its tokens' D columns alone; the finish launch splits
+# D over 4 programs); hc_post_pre one launch 16.7 / 19.9 at T 1 / 8 against ~13 / ~14 for hc_post + the two-launch
+# hc_pre. (On an H200 at issue 14, before the fused norm, one launch was measured faster up to T 64 / T 4.) The
+# fused kernels stay for `one_launch=True` (tests, benchmarks).
+ONE_LAUNCH_MAX_T = 0  # hc_pre / hc_head use the one-launch kernel up to this many tokens by default
+POST_PRE_ONE_LAUNCH_MAX_T = 0  # hc_post_pre fuses up to this many tokens by default (0: `Transformer` never defers)
+
+
+ONE_LAUNCH_TOK = 2  # tokens per block of the one-launch hc_pre / hc_head: each last-arriving program collapses
+                    # only these tokens (many programs share the collapses; fn is re-read once per block)
 
 
 SPLIT_MAX = 128  # most K splits of the mHC projection; also the finish's partial width SP (issue 29: one build)
@@ -565,7 +576,7 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
     # Builds per process: `_hc_mix_kernel` one per tile set (PREFILL_TILES_SHORT / _LONG) and site kind,
     # `_hc_finish_kernel` one per site kind (hc_pre, hc_head), `_hc_fused_kernel` likewise.
     if one_launch:
-        TOK = 2  # tokens per block: each last-arriving program collapses only 2 tokens
+        TOK = ONE_LAUNCH_TOK
         n_tb = triton.cdiv(T, TOK)
         sem, ws = workspace(H.device, n_tb, T * S * (np_ + 1))
         _hc_fused_kernel[(n_tb, S)](H, fn, base, scale, x, post, comb, ws, sem, x if norm is None else norm[0],
@@ -588,7 +599,7 @@ def _one_launch(op: str, one_launch, T: int) -> bool:
     if one_launch is None:
         return T <= ONE_LAUNCH_MAX_T
     if not isinstance(one_launch, bool):
-        _fail(op, "one_launch", repr(one_launch), "None (automatic: T <= 64) or a bool")
+        _fail(op, "one_launch", repr(one_launch), f"None (automatic: T <= ONE_LAUNCH_MAX_T = {ONE_LAUNCH_MAX_T}) or a bool")
     return one_launch
 
 
@@ -599,7 +610,7 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1), hc a power of two; fn, base, scale as
     in `hc_pre_ref`, fp32 contiguous on H's device. `out=(x, post, comb)` optionally supplies the outputs
-    (checked like inputs). `one_launch`: None = one fused launch when T <= ONE_LAUNCH_MAX_T (64, decode), else
+    (checked like inputs). `one_launch`: None = one fused launch when T <= ONE_LAUNCH_MAX_T (0: never, measured), else
     split-K mix + finish (two launches); True/False forces a path (tests). No host-device sync; the one-launch
     path uses the stream's cached workspace (`kernels.launch.workspace`). `invariant`: the batch-invariant mode's
     tiles and split (`_mix_sites`): each token's outputs bitwise independent of T. `norm` as `hc_pre_ref` (x leaves
@@ -680,7 +691,7 @@ def hc_post_pre(a: torch.Tensor, H: torch.Tensor, post: torch.Tensor, comb: torc
 
     a `[T, D]`, H `[T, hc, D]`, post `[T, hc]`, comb `[T, hc, hc]` as `hc_post`; fn, base, scale the next
     site's, as `hc_pre`. `out=(H_new, x, post_next, comb_next)` optionally supplies the outputs (H_new must not
-    alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= POST_PRE_ONE_LAUNCH_MAX_T (4),
+    alias H). `one_launch`: None = ONE launch (`_hc_post_pre_kernel`) when T <= POST_PRE_ONE_LAUNCH_MAX_T (0: never, measured),
     else `hc_post` then `hc_pre` (its own path choice); True/False forces a path. Equal to the two launches
     within the dtype tolerance (the projection's partial sums are split differently). No host-device sync.
     Tuning: `num_warps` of the fused kernel, `block_d` its collapse width (default min(1024, D)). `norm` as

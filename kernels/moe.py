@@ -29,8 +29,10 @@ Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-qu
 `act_quant_sim`; the gemv path: below), h likewise after the up launch; the kernels read those exact values.
 Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
   * decode, "gemv": `_moe_up_gemv_kernel` / `_moe_down_gemv_kernel`, grid (P, out / BN): one short program per
-    (pair, BN output rows), pairs visited in expert order (stable `torch.sort` of the flattened ids, on the
-    device) so programs that read one expert's rows run side by side and share them through L2. Each program
+    (pair, BN output rows), pairs in pair order: the pair is the grid's fastest axis, so the programs of all pairs
+    for one BN block run side by side and pairs that share an expert share its rows through L2 in any order (the
+    stable `torch.sort` of the ids that put them in expert order cost 12-31 µs per layer and saved nothing:
+    `benchmarks/decode_knobs_probe.py --section order`, RESULTS.md; `order` still accepted). Each program
     runs the whole K loop in chunks of 2*BKH inputs on CUDA cores: packed bytes [BN, BKH] decoded to exact fp32
     values (low nibble = even input, high = odd; x is loaded as its even / odd inputs instead of interleaving the
     weights), FMA with x, a sum per 32-input group times that group's scale, then the SwiGLU epilogue
@@ -752,7 +754,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 # ---------------------------------------------------------------------------------------------------------
 
 class MoeConfig(NamedTuple):
-    """Launch choice of `moe_experts`: path "gemv" (decode kernels, pairs in expert order) or "tiles" (prefill
+    """Launch choice of `moe_experts`: path "gemv" (decode kernels, one program per pair and block) or "tiles" (prefill
     kernels on `moe_route`'s padded tiles); block_m rows per tile (tiles only; 16, 32, 64 or 128), block_n weight
     rows per program, block_kh packed bytes per K step (2 * block_kh inputs; a power of two >= 16, reduced to
     divide D/2 and I/2), num_warps, num_stages (tiles only)."""
@@ -950,8 +952,8 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
     with the same values: xq [T, D] bf16 act_quant_sim(x) (quant=False, sx None: the fp16 decode route); x itself
     (quant=True: act-quantized in every program, no act_quant launch); or `kernels.gemm.act_quant(x)`: xq the
     float8_e4m3fn codes [T, D] and sx their float32 scales [T, D / 128] (the codes route, x quantized once).
-    order [P] the pairs in expert order (`torch.sort(..., stable=True)` of the flattened ids), or None: programs
-    in pair order (the same values; what `moe_experts` passes for one token, whose k experts are distinct).
+    order [P] the pairs in the order the programs visit them (e.g. expert order, `torch.sort(..., stable=True)` of
+    the flattened ids), or None: pair order (the same values; what `moe_experts` passes: measured as fast).
     mma: the codes route's nibble decode, as `moe_experts`' mma (None / "bf16x2": the packed PTX decode, in fp16
     lanes when GEMV_PACKED_F16; "bf16": element-wise; `_gemv_dec`); every choice gives the same values. Raises
     ValueError on a bad block or input form."""
@@ -1094,18 +1096,17 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         y0 = torch.zeros(T, D, dtype=torch.float32, device=x.device)
         return y0 if shared is None else moe_combine(y0, shared)
     if cfg.path == "gemv":
-        # pairs in expert order, so programs reading one expert's rows run side by side (L2); one token's k
-        # experts are distinct: no sort (two launches fewer per decode layer at batch 1, issue 27). Where the K
+        # pairs in pair order at every T (module docstring: the pair is the grid's fastest axis, so pairs of one
+        # expert share its rows through L2 without a sort; the sort cost 12-31 µs and saved nothing). Where the K
         # chunk holds whole 128-input blocks, the code-value products of `_fp4_gemv_codes` (packed nibble decode
         # by default): x and h act-quantized inside the gemv kernels up to GEMV_QUANT_MAX_T tokens (two launches
         # fewer), else by one act_quant launch each that writes the e4m3 codes and scales (x quantized once, not
         # in every program); other chunks take the act_quant_sim values and the fp16 decode route. Same values.
-        order = None if T == 1 else torch.sort(indices.reshape(-1), stable=True).indices.to(torch.int32)
         up_cfg, down_cfg = (cfg, cfg) if invariant or config is not None else gemv_shapes(T, D, I, mma)
         xin, xkw = _gemv_operand(x, up_cfg, mma, T, D)
-        h = moe_up_gemv(xin, weights, indices, order, experts, limit, up_cfg, **xkw)
+        h = moe_up_gemv(xin, weights, indices, None, experts, limit, up_cfg, **xkw)
         hin, hkw = _gemv_operand(h, down_cfg, mma, T, D)
-        y = moe_down_gemv(hin, indices, order, experts, down_cfg, **hkw)
+        y = moe_down_gemv(hin, indices, None, experts, down_cfg, **hkw)
     else:
         xq, _ = act_quant(x, sim=True)
         route = moe_route(indices, E, cfg.block_m)
