@@ -26,6 +26,11 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     One row (M = 1, batch-1 decode): `_fp8_gemv_rows_kernel` instead, a `RowsConfig` - a few weight rows x all of
     K per program, no split-K and no merge (the merge's latency made the split launch 1.6-2.5x slower at Flash's
     shapes: benchmarks/gemv_probe.py, RESULTS.md session of 2026-12-04 (2)); the same exact products.
+    DECODE_TILES_MIN_M rows and more (9 <= M <= GEMV_MAX_M, batch 16 / 32 / 64 decode): no GEMV but `act_quant` +
+    `_fp8_gemm_kernel` on DECODE_TILE (64-row tiles: Hopper's wgmma; each weight tile read once, no split-K) -
+    measured 1.2-7x faster than the GEMV at M = 32 and 64 at every Flash shape (`benchmarks/decode_knobs_probe.py
+    --section fp8`, RESULTS.md, fifth session of 2026-12-06); at M = 8 the GEMV stays (faster on 2 of 6 shapes,
+    even on the others within 10 % but one). An explicit `gemv=` keeps the GEMV at any M.
   * prefill, M > GEMV_MAX_M: `prefill=` one of
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
@@ -63,6 +68,8 @@ from kernels.launch import fail as _fail
 
 BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
+DECODE_TILES_MIN_M = 9  # from this many rows the decode path runs the 64-row tiles, not the GEMV (module docstring)
+DECODE_TILE = dict(BM=64, BN=64, GROUP_M=8, num_warps=4, num_stages=4)  # their launch (the probe's 64 x 64 column)
 PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
 MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
 
@@ -718,7 +725,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         out: optional [M, N] bf16 output (written completely).
         prefill: M > GEMV_MAX_M only: "dequant" | "scaled_mm" | "triton" (default `prefill_method`; module doc).
         mma: dot flavour of the Triton kernels, "fp8" | "bf16" (default MMA_DEFAULT; `mma_mode`); same result.
-        gemv: M <= GEMV_MAX_M only: the decode launch (default `gemv_config`; `GemvConfig`, or `RowsConfig` at M = 1).
+        gemv: M <= GEMV_MAX_M only: the decode launch (default: `gemv_config` below DECODE_TILES_MIN_M rows, the
+            DECODE_TILE tiles from there; a `GemvConfig`, or `RowsConfig` at M = 1, forces the GEMV).
         invariant: the batch-invariant mode (README "Batch-invariant mode"): M <= GEMV_MAX_M runs
             `_invariant_gemv` (`invariant_config`, 16-row tiles, `invariant_split`), so a decode row's output is
             bitwise independent of M and of the other rows; M > GEMV_MAX_M (a prefill) the "triton" tiles, whose
@@ -756,6 +764,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return out
     if invariant:
         method = "triton"  # the prefill tiles: one fixed tile shape, no split-K (below)
+    if M <= GEMV_MAX_M and gemv is None and M >= DECODE_TILES_MIN_M:
+        q, sx = act_quant(x)
+        _fp8_gemm_kernel[(triton.cdiv(N, DECODE_TILE["BN"]),)](q, sx, weight, ws, out, M, N, K, KB, MMA=mma,
+                                                               **DECODE_TILE)
+        return out
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)
         _gemv_launch(x, weight, ws, out, M, N, K, 1, mma, True, cfg)

@@ -336,6 +336,12 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
     Mutant("sparse_decode_dv_warps_ignored", "the split sparse decode attention ignores its measured warp count",
            patches.sparse_decode_dv_warps_ignored,
            ("tests/unit/test_attention_kernels.py::test_all_heads_kernel_default_warps",)),
+    Mutant("sparse_decode_min_split_ignored", "the sparse decode attention splits shorter than its partials",
+           patches.sparse_decode_min_split_ignored,
+           ("tests/unit/test_attention_kernels.py::test_heads_default_split_never_outweighs_its_keys",)),
+    Mutant("fp8_decode_tiles_ignored", "the FP8 decode linear never takes its measured 64-row tiles",
+           patches.fp8_decode_tiles_ignored,
+           ("tests/unit/test_gemm_moe_kernels.py::test_fp8_linear_decode_launch_choice",)),
 ]}
 
 

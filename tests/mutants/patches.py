@@ -1103,3 +1103,22 @@ def sparse_decode_dv_warps_ignored(mp: MP) -> None:
 
     _source_mutant(mp, attention, "sparse_attn", "num_warps or (DECODE_DV_WARPS if few else None)",
                    "num_warps or (4 if few else None)  # MUTANT")
+
+
+def sparse_decode_min_split_ignored(mp: MP) -> None:
+    """The "heads" sparse decode launcher's default split count ignores `decode_min_split_tiles` (the one-wave rule
+    alone: splits whose partials outweigh their keys - the same values within the split-merge rounding, slower)."""
+    from kernels import attention
+
+    _source_mutant(mp, attention, "sparse_attn",
+                   "n_tiles // decode_min_split_tiles(block_h, dv, hd, block_n, kv.element_size())",
+                   "n_tiles // 1")  # MUTANT
+
+
+def fp8_decode_tiles_ignored(mp: MP) -> None:
+    """`fp8_linear`'s decode path never takes the 64-row tiles (DECODE_TILES_MIN_M silently not applied: the GEMV at
+    every decode row count - the same values within the summation order, slower from batch 16 up)."""
+    from kernels import gemm
+
+    _source_mutant(mp, gemm, "fp8_linear", "gemv is None and M >= DECODE_TILES_MIN_M",
+                   "gemv is None and M > GEMV_MAX_M")  # MUTANT

@@ -294,6 +294,41 @@ def test_all_heads_kernel_default_warps(seed, monkeypatch):
                      dtype=torch.bfloat16)
 
 
+
+def test_heads_default_split_never_outweighs_its_keys(seed, monkeypatch):
+    """The "heads" launcher's default split count: one wave (SMs // programs) and never a split of fewer key
+    tiles than `decode_min_split_tiles` (a split's block_h x dv fp32 partial against the block_n x hd keys of a
+    tile: the measured b = 32 HCA / SWA case, RESULTS.md). Here (interpreter: 4 SMs; h 4 in one 64-head block,
+    hd 256, 160 keys in tiles of 16, bf16): all columns (dv 256) need 8 tiles a split, so 10 tiles run as ONE split
+    (the one-wave rule alone: 4); the default column split (dv 128, 2 programs) needs 4, so 2 splits (as before).
+    Each result against the reference."""
+    from kernels import attention
+    real = attention._sparse_decode_kernel
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append((kw["DV"], grid[2]))
+                return real[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(attention, "_sparse_decode_kernel", Spy())
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 4, 256, 200, 160, torch.bfloat16))
+    assert attention.decode_min_split_tiles(64, 256, 256, 16, 2) == 8
+    assert attention.decode_min_split_tiles(64, 128, 256, 16, 2) == 4
+    assert attention.decode_min_split_tiles(64, 128, 512, 32, 2) == 1  # Flash's column split: unchanged
+    sms = attention._num_sms(q.device)
+    for kw, dv, per in ((dict(dv=256), 256, 8), ({}, attention.DECODE_DV, 4)):
+        seen.clear()
+        got = attention.sparse_attn(q, kv, sink, idx, 256 ** -0.5, path="heads", block_n=16, **kw)
+        want = max(1, min(10 // per, sms // (256 // dv)))
+        if sms == 4:  # the interpreter: the docstring's numbers (the one-wave rule alone gives 4 for dv 256)
+            assert want == {256: 1, 128: 2}[dv]
+        assert seen == [(dv, want)], (kw, seen, want)
+        assert_close(got, sparse_attn_ref(q, kv, sink, idx, 256 ** -0.5), f"sparse_attn heads {kw}",
+                     dtype=torch.bfloat16)
+
 # ------------------------------------------------------------------ the decode step's index set (issue 27)
 def _step_index_oracle(P, W, comp, ratio, n_entries):
     """Python loops over each query, from the key layout alone (`dsv4.model.Attention.step`): s == 1, keys

@@ -98,6 +98,39 @@ def test_fp8_linear_decode(seed, M, N, K):
 
 
 @needs_triton
+def test_fp8_linear_decode_launch_choice(seed, monkeypatch):
+    """The decode path's kernel by row count (measured, `kernels.gemm` docstring): below DECODE_TILES_MIN_M rows the
+    GEMV (one row: the rows kernel), from there up to GEMV_MAX_M act_quant + `_fp8_gemm_kernel` on DECODE_TILE (64-row
+    tiles), and an explicit `gemv=` keeps the GEMV; each result against the reference (one bf16 rounding)."""
+    from kernels import gemm
+    seen = []
+
+    def spy(name):
+        real = getattr(gemm, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    seen.append((name, kw.get("BM"), kw.get("BN")))
+                    return real[grid](*a, **kw)
+                return launch
+        monkeypatch.setattr(gemm, name, Spy())
+    for name in ("_fp8_gemv_kernel", "_fp8_gemv_rows_kernel", "_fp8_gemm_kernel"):
+        spy(name)
+    tile = ("_fp8_gemm_kernel", gemm.DECODE_TILE["BM"], gemm.DECODE_TILE["BN"])
+    assert gemm.DECODE_TILES_MIN_M == 9 and tile[1:] == (64, 64)
+    w, s = make_w8(192, 256)
+    for M, kw, want in ((1, {}, "_fp8_gemv_rows_kernel"), (gemm.DECODE_TILES_MIN_M - 1, {}, "_fp8_gemv_kernel"),
+                        (gemm.DECODE_TILES_MIN_M, {}, tile), (gemm.GEMV_MAX_M, {}, tile),
+                        (33, dict(gemv=gemm.GemvConfig()), "_fp8_gemv_kernel")):
+        x = make_x(M, 256)
+        seen.clear()
+        y = fp8_linear(x, w, s, **kw)
+        assert [t if t == tile else t[0] for t in seen] == [want], (M, kw, seen)
+        rounded_once(y, fp8_linear_ref(x, w, s), f"y M={M} {kw}")
+
+
+@needs_triton
 @pytest.mark.parametrize("method", ["dequant", "triton"])
 def test_fp8_linear_prefill(seed, method):
     x, (w, s) = make_x(70, 256), make_w8(136, 256)
