@@ -10,8 +10,7 @@ process, µs per call in a CUDA graph (`bench_gemm.gpu_time`), Flash width (and 
     against pair order (order None), and the sort itself (sort + int32 cast), Flash and Pro.
 `--section fp8`: the FP8 linears of a Flash layer at M = 8 / 32 / 64 rows (the decode GEMV `fp8_linear` default,
     `gemv_config`) against act_quant + torch's blockwise `F.scaled_mm` (CUTLASS, what a user would run) and act_quant
-    + the prefill tile kernel `_fp8_gemm_kernel` at 64-row tiles (wgmma), and those tiles quantizing x inside
-    (QUANT_X, one launch: the default from DECODE_TILES_MIN_M rows), over weight copies that L2 cannot hold,
+    + the prefill tile kernel `_fp8_gemm_kernel` at 64-row tiles (wgmma), over weight copies that L2 cannot hold,
     with the byte floor (weight bytes / the measured copy bandwidth).
 `--section mhc`: `hc_pre` with the fused RMSNorm: the one-launch kernel at ONE_LAUNCH_TOK tokens per block 1 / 2 /
     4 / 8 / 16 against the two-launch path (mix + finish, then the norm); and `hc_post_pre`'s one launch against
@@ -106,8 +105,7 @@ def fp8() -> None:
     bw = 2 * src.numel() / gpu_time(lambda i: dst.copy_(src), iters=10, reps=5) / 1e3  # GB/s
     del src, dst
     print(f"\ncopy bandwidth {bw:.0f} GB/s\n\n| linear | K->N | M | floor µs | gemv (default) µs | scaled_mm µs | "
-          "tiles 64x128 µs | tiles 64x64 µs | tiles 64x64, x quantized inside µs | rel err scaled_mm / tiles / inside "
-          "|\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "tiles 64x128 µs | tiles 64x64 µs | rel err scaled_mm / tiles |\n|---|---|---:|---:|---:|---:|---:|---:|---|")
     for name, K, N in (("wqkv_a", 4096, 1536), ("wq_b", 1024, 32768), ("wo_b", 8192, 4096), ("w13", 4096, 4096),
                        ("w2", 2048, 4096), ("idx wq_b", 1024, 8192)):
         R = max(2, int(160e6 / (N * K)) + 1)
@@ -129,22 +127,14 @@ def fp8() -> None:
                     q, sx, ws[i % R], ss[i % R].view(torch.uint8), out, M, N, K, K // 128, BM=64, BN=BN, GROUP_M=8,
                     MMA=2, num_warps=4, num_stages=4)
                 return out
-
-            def fused(i):  # x quantized in the kernel (QUANT_X: no act_quant launch)
-                _fp8_gemm_kernel[(triton.cdiv(M, 64) * triton.cdiv(N, 64),)](
-                    x, x, ws[i % R], ss[i % R].view(torch.uint8), out, M, N, K, K // 128, BM=64, BN=64, GROUP_M=8,
-                    MMA=2, QUANT_X=True, num_warps=4, num_stages=4)
-                return out
             t_def = gpu_time(lambda i: fp8_linear(x, ws[i % R], ss[i % R]), iters=20, reps=5)
             e_s = _err(smm(0), ref)
             t_s = gpu_time(smm, iters=20, reps=5)
             e_t = _err(tiles(0, 128), ref)
             t_t = gpu_time(lambda i: tiles(i, 128), iters=20, reps=5)
             t_t2 = gpu_time(lambda i: tiles(i, 64), iters=20, reps=5)
-            e_f = _err(fused(0), ref)
-            t_f = gpu_time(fused, iters=20, reps=5)
             print(f"| {name} | {K}->{N} | {M} | {N * K / bw / 1e3:.1f} | {t_def:.1f} | {t_s:.1f} | {t_t:.1f} | "
-                  f"{t_t2:.1f} | {t_f:.1f} | {e_s:.0e} / {e_t:.0e} / {e_f:.0e} |", flush=True)
+                  f"{t_t2:.1f} | {e_s:.0e} / {e_t:.0e} |", flush=True)
         del ws, ss
         torch.cuda.empty_cache()
 

@@ -26,9 +26,8 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     One row (M = 1, batch-1 decode): `_fp8_gemv_rows_kernel` instead, a `RowsConfig` - a few weight rows x all of
     K per program, no split-K and no merge (the merge's latency made the split launch 1.6-2.5x slower at Flash's
     shapes: benchmarks/gemv_probe.py, RESULTS.md session of 2026-12-04 (2)); the same exact products.
-    DECODE_TILES_MIN_M rows and more (9 <= M <= GEMV_MAX_M, batch 16 / 32 / 64 decode): no GEMV but
-    `_fp8_gemm_kernel` on DECODE_TILE (64-row tiles: Hopper's wgmma; each weight tile read once, no split-K; x
-    quantized per 128 block in every program, QUANT_X, as the GEMV does: no act_quant launch) -
+    DECODE_TILES_MIN_M rows and more (9 <= M <= GEMV_MAX_M, batch 16 / 32 / 64 decode): no GEMV but `act_quant` +
+    `_fp8_gemm_kernel` on DECODE_TILE (64-row tiles: Hopper's wgmma; each weight tile read once, no split-K) -
     measured 1.2-7x faster than the GEMV at M = 32 and 64 at every Flash shape (`benchmarks/decode_knobs_probe.py
     --section fp8`, RESULTS.md, fifth session of 2026-12-06); at M = 8 the GEMV stays (faster on 2 of 6 shapes,
     even on the others within 10 % but one). An explicit `gemv=` keeps the GEMV at any M.
@@ -387,14 +386,10 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
 
     @triton.jit(do_not_specialize=["M"])  # issue 29
     def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
-                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr,
-                         QUANT_X: tl.constexpr = False):
-        """FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
+                         BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
+        """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
         cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
-        `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`.
-        QUANT_X (the decode tiles, `DECODE_TILE`): q_ptr holds x itself (bf16 [M, K]; sx_ptr unused), quantized per
-        128 block in registers by every program (`act_quant_block`, exactly the official act_quant: the same codes
-        and scales as the `act_quant` launch it replaces); rows past M load zeros and are not stored."""
+        `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
         pid = tl.program_id(0)
         n_m = tl.cdiv(M, BM)
         n_n = tl.cdiv(N, BN)
@@ -415,13 +410,9 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         for kb in range(0, KB):
             a = tl.load(q_ptr + m64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_m[:, None], other=0.0)
             b = tl.load(w_ptr + n64[:, None] * K + kb * 128 + offs_k[None, :], mask=mask_n[:, None], other=0.0)
+            blk = dot_w_w(a, b, MMA)
+            sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
             sw = e8m0_to_f32(tl.load(ws_ptr + srow * KB + kb).to(tl.int32))
-            if QUANT_X:
-                q, sx = act_quant_block(a.to(tl.float32))
-                blk = dot_q_w(q, b, MMA)
-            else:
-                blk = dot_w_w(a, b, MMA)
-                sx = tl.load(sx_ptr + m64 * KB + kb, mask=mask_m, other=0.0)
             acc += blk * (sx * sw)[:, None]
         tl.store(y_ptr + m64[:, None] * N + n64[None, :], round_bf16(acc).to(tl.bfloat16),
                  mask=mask_m[:, None] & mask_n[None, :])
@@ -773,9 +764,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return out
     if invariant:
         method = "triton"  # the prefill tiles: one fixed tile shape, no split-K (below)
-    if M <= GEMV_MAX_M and gemv is None and M >= DECODE_TILES_MIN_M:  # x quantized in the kernel: one launch
-        _fp8_gemm_kernel[(triton.cdiv(N, DECODE_TILE["BN"]),)](x, x, weight, ws, out, M, N, K, KB, MMA=mma,
-                                                               QUANT_X=True, **DECODE_TILE)
+    if M <= GEMV_MAX_M and gemv is None and M >= DECODE_TILES_MIN_M:
+        q, sx = act_quant(x)
+        _fp8_gemm_kernel[(triton.cdiv(N, DECODE_TILE["BN"]),)](q, sx, weight, ws, out, M, N, K, KB, MMA=mma,
+                                                               **DECODE_TILE)
         return out
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)

@@ -107,9 +107,8 @@ def _specs():
          dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [], dict(BM=128, BN=128, GROUP_M=8, MMA=2)),
         # the decode tiles of 9..64 rows (`kernels.gemm.DECODE_TILE`)
         ("gemm._fp8_gemm_kernel[decode]", gemm._fp8_gemm_kernel,
-         dict(q_ptr=bf, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [],
-         dict(BM=gemm.DECODE_TILE["BM"], BN=gemm.DECODE_TILE["BN"], GROUP_M=gemm.DECODE_TILE["GROUP_M"], MMA=2,
-              QUANT_X=True)),
+         dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [],
+         dict(BM=gemm.DECODE_TILE["BM"], BN=gemm.DECODE_TILE["BN"], GROUP_M=gemm.DECODE_TILE["GROUP_M"], MMA=2)),
         ("compressor._compress_pool_kernel", compressor._compress_pool_kernel,
          dict(a_ptr=f32, z_ptr=f32, ape_ptr=f32, pos_ptr=i64, kv_ptr=f32, sc_ptr=f32, out_ptr=f32), [],
          dict(OVERLAP=True, BN=8, BD=512)),
