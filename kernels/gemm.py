@@ -29,8 +29,8 @@ Paths of `fp8_linear` (chosen by M, never by a silent fallback):
     DECODE_TILES_MIN_M rows and more (9 <= M <= GEMV_MAX_M, batch 16 / 32 / 64 decode): no GEMV but `act_quant` +
     `_fp8_gemm_kernel` on DECODE_TILE (64-row tiles: Hopper's wgmma; each weight tile read once, no split-K) -
     measured 1.2-7x faster than the GEMV at M = 32 and 64 at every Flash shape (`benchmarks/decode_knobs_probe.py
-    --section fp8`, RESULTS.md, fifth session of 2026-12-06); at M = 8 the GEMV stays (faster on 2 of 6 shapes,
-    even on the others within 10 % but one). An explicit `gemv=` keeps the GEMV at any M.
+    --section fp8`, RESULTS.md, fifth session of 2026-12-06); at M = 8 the GEMV stays (faster on 2 of the 6 shapes,
+    the same sum over a layer's linears: 88 vs 89 µs). An explicit `gemv=` keeps the GEMV at any M.
   * prefill, M > GEMV_MAX_M: `prefill=` one of
       "dequant"   `act_quant` kernel (bf16 quantize->dequantize) + `_fp8_dequant_kernel` (W -> bf16) + cuBLAS bf16
                   `torch.mm` (fp32 accumulation, bf16 out);
