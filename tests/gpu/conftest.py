@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +39,18 @@ def real_ckpt(tmp_path_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
-FLASH_WIDTH_SLOTS = int(os.environ.get("DSV4_FLASH_WIDTH_SLOTS", "2"))
+def _flash_width_slots() -> int:
+    """Flash-width modules at once: DSV4_FLASH_WIDTH_SLOTS, else 2 on a GPU of >= 120 GiB (H200: 140 GiB) and 1 below
+    (an H100's 80 GiB: test_graph_decode.py alone holds ~65 GiB - two such modules under `-n 2` ran out of memory
+    in the fifth session of 2026-12-06)."""
+    if "DSV4_FLASH_WIDTH_SLOTS" in os.environ:
+        return int(os.environ["DSV4_FLASH_WIDTH_SLOTS"])
+    if not torch.cuda.is_available():
+        return 1
+    return 2 if torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30 else 1
+
+
+FLASH_WIDTH_SLOTS = _flash_width_slots()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,8 +58,8 @@ def _flash_width_modules_share_the_gpu(request):
     """Modules marked `flash_width` hold Flash-width models (4 layers: ~15 GiB each in bf16; test_graph_decode.py
     ~65 GiB) for their whole run. Under pytest-xdist (`pytest -n 4 tests/gpu`) three or four at once exceed one
     H200's 140 GiB (seen: out of memory while building a model, an error that is not the code's), so each takes
-    one of FLASH_WIDTH_SLOTS exclusive file locks (per visible-device set; default 2, `DSV4_FLASH_WIDTH_SLOTS=1`
-    on smaller GPUs) for its duration and returns its cached memory to the driver before releasing it; other
+    one of FLASH_WIDTH_SLOTS exclusive file locks (per visible-device set; `_flash_width_slots`: 2 on a GPU of
+    >= 120 GiB, else 1) for its duration and returns its cached memory to the driver before releasing it; other
     modules run alongside. Serial runs take a slot uncontended."""
     if request.node.get_closest_marker("flash_width") is None:
         yield

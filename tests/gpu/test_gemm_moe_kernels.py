@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hardstop,  # kernel / backend vs refe
 # (name, in, out): Flash (D 4096) and Pro (D 7168) FP8 linears
 SHAPES = [("wq_a", 4096, 1024), ("wq_b", 1024, 32768), ("wkv", 4096, 512), ("wo_b", 8192, 4096),
           ("shared_w1", 4096, 2048), ("shared_w2", 2048, 4096), ("pro_wq_a", 7168, 1536), ("pro_w2", 3072, 7168)]
-MS = [1, 8, 32, 1024]
+MS = [1, 8, 9, 32, 64, 1024]  # 9 and 64: the first and last row counts of the decode tiles (`DECODE_TILES_MIN_M`)
 
 
 @pytest.fixture(autouse=True)

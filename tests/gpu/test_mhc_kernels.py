@@ -46,11 +46,13 @@ def test_hc_pre_gpu(seed, T, D):
 
     H, fn, base, scale = make(T, D, (2 + HC) * HC, 3)
     kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
-    x, post, comb = hc_pre(H, fn, base, scale, out=(nan(T, D, dtype=H.dtype), nan(T, HC), nan(T, HC, HC)), **kw)
     rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, **kw)
-    assert_close(x, rx, "x")
-    assert_close(post, rpost, "post")
-    assert_close(comb, rcomb, "comb")
+    for one in (None, True):  # the default (two launches) and the fused kernel (`one_launch=True`)
+        x, post, comb = hc_pre(H, fn, base, scale, out=(nan(T, D, dtype=H.dtype), nan(T, HC), nan(T, HC, HC)),
+                               one_launch=one, **kw)
+        assert_close(x, rx, f"x (one_launch={one})")
+        assert_close(post, rpost, f"post (one_launch={one})")
+        assert_close(comb, rcomb, f"comb (one_launch={one})")
 
 
 @pytest.mark.parametrize("D", DS, ids=[f"D{d}" for d in DS])
@@ -59,8 +61,10 @@ def test_hc_head_gpu(seed, T, D):
     from kernels.mhc import hc_head, hc_head_ref
 
     H, fn, base, scale = make(T, D, HC, 1)
-    y = hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS, out=nan(T, D, dtype=H.dtype))
-    assert_close(y, hc_head_ref(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS), "y")
+    ref = hc_head_ref(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS)
+    for one in (None, True):  # the default (two launches) and the fused kernel (`one_launch=True`)
+        y = hc_head(H, fn, base, scale, hc_eps=EPS, norm_eps=EPS, out=nan(T, D, dtype=H.dtype), one_launch=one)
+        assert_close(y, ref, f"y (one_launch={one})")
 
 
 @pytest.mark.parametrize("D", DS, ids=[f"D{d}" for d in DS])

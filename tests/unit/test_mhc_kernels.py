@@ -213,25 +213,28 @@ def site_norm(D: int, device):
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("T,D", SHAPES, ids=[f"T{t}-D{d}" for t, d in SHAPES])
 def test_hc_pre_triton(seed, T, D, norm):
-    """x / post / comb against `hc_pre_ref`; norm: x leaves as the site's RMSNorm (fused into the one-launch
-    kernel at T <= 64, `kernels.norm.rms_norm` after the two launches above), against `rms_norm_ref` of the
-    reference row. One token's row is scaled by 1e-3 so eps (and the mean of squares) matter there."""
+    """x / post / comb against `hc_pre_ref`, by both paths: the default (mix + finish, two launches: ONE_LAUNCH_MAX_T
+    = 0, measured faster) and the one fused launch (`one_launch=True`); norm: x leaves as the site's RMSNorm
+    (`kernels.norm.rms_norm` after the two launches; fused into the one launch's collapse), against `rms_norm_ref`
+    of the reference row. One token's row is scaled by 1e-3 so eps (and the mean of squares) matter there."""
     H, fn, base, scale = make_pre(T, D, device=DEV)
     H[0] = (H[0].float() * 1e-3).to(H.dtype)
     kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
     nrm = site_norm(D, DEV) if norm else None
-    out = (torch.full((T, D), float("nan"), dtype=H.dtype, device=DEV),
-           torch.full((T, HC), float("nan"), device=DEV), torch.full((T, HC, HC), float("nan"), device=DEV))
-    x, post, comb = hc_pre(H, fn, base, scale, out=out, norm=nrm, **kw)
     rx, rpost, rcomb = hc_pre_ref(H, fn, base, scale, norm=nrm, **kw)
-    assert x.data_ptr() == out[0].data_ptr()
-    assert_close(x, rx, "x")
-    assert_mostly_bitwise(x, rx, "x (one bf16 rounding)")
-    assert_close(post, rpost, "post")
-    assert_close(comb, rcomb, "comb")
-    if norm:  # the norm is really applied: the rms of each normed row / weight is ~1 (not row 0: eps decides)
-        rms = ((x[1:].float() / nrm.weight.detach()) ** 2).mean(-1).sqrt()
-        assert_close(rms, torch.ones_like(rms), "normed rows' rms", rtol=0, atol=2e-2)
+    for one_launch in (None, True):
+        out = (torch.full((T, D), float("nan"), dtype=H.dtype, device=DEV),
+               torch.full((T, HC), float("nan"), device=DEV), torch.full((T, HC, HC), float("nan"), device=DEV))
+        x, post, comb = hc_pre(H, fn, base, scale, out=out, norm=nrm, one_launch=one_launch, **kw)
+        what = f"(one_launch={one_launch})"
+        assert x.data_ptr() == out[0].data_ptr()
+        assert_close(x, rx, f"x {what}")
+        assert_mostly_bitwise(x, rx, f"x (one bf16 rounding) {what}")
+        assert_close(post, rpost, f"post {what}")
+        assert_close(comb, rcomb, f"comb {what}")
+        if norm:  # the norm is really applied: the rms of each normed row / weight is ~1 (not row 0: eps decides)
+            rms = ((x[1:].float() / nrm.weight.detach()) ** 2).mean(-1).sqrt()
+            assert_close(rms, torch.ones_like(rms), f"normed rows' rms {what}", rtol=0, atol=2e-2)
 
 
 @needs_triton
@@ -302,7 +305,8 @@ def test_launchers_name_the_bad_value():
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("T,D", [(1, 96), (3, 200), (5, 64)], ids=["T1-D96", "T3-D200", "T5-D64"])
 def test_hc_post_pre_triton(seed, T, D, dtype, norm):
-    """One launch: H_new against hc_post_ref, (x, post, comb) against hc_pre_ref of the kernel's own H_new
+    """One launch (forced: the default runs hc_post + hc_pre, `POST_PRE_ONE_LAUNCH_MAX_T` = 0): H_new against
+    hc_post_ref, (x, post, comb) against hc_pre_ref of the kernel's own H_new
     (H_new may differ from the reference by one rounding, which the next projection would amplify past the
     fp32 tolerance of post/comb), and against the two-launch path. All outputs NaN-poisoned. norm: the next
     site's RMSNorm on x (fused into the one launch; `site_norm`)."""
@@ -318,7 +322,7 @@ def test_hc_post_pre_triton(seed, T, D, dtype, norm):
         return torch.full(shape, float("nan"), dtype=dt, device=DEV)
 
     got = hc_post_pre(a, H, post, comb, fn, base, scale, out=(nan(T, HC, D, dt=dtype), nan(T, D, dt=dtype),
-                                                              nan(T, HC), nan(T, HC, HC)), **kw)
+                                                              nan(T, HC), nan(T, HC, HC)), one_launch=True, **kw)
     assert_close(got[0], hc_post_ref(a, H, post, comb), "H_new")
     if dtype == torch.bfloat16:  # fp32 outputs carry the summation order in their last bit
         assert_mostly_bitwise(got[0], hc_post_ref(a, H, post, comb), "H_new (one bf16 rounding)")
