@@ -6,10 +6,10 @@ process, µs per call in a CUDA graph (`bench_gemm.gpu_time`), Flash width (and 
     split shorter than `kernels.attention.decode_min_split_tiles`) against the rule before it (one wave only:
     `num_splits = min(tiles, SMs // programs)`, given explicitly), Flash (64 heads) and Pro (128 heads).
 `--section order`: the routed experts' two gemv kernels (`moe_up_gemv` + `moe_down_gemv`, default shapes and input
-    form of that T) with the pairs in expert order (the `torch.sort` of the ids, as `moe_experts` runs them at T > 1)
+    form of that T) with the pairs in expert order (the `torch.sort` of the ids, as `moe_experts` ran them at T > 1 before the fifth session of 2026-12-06)
     against pair order (order None), and the sort itself (sort + int32 cast), Flash and Pro.
-`--section fp8`: the FP8 linears of a Flash layer at M = 8 / 32 / 64 rows (the decode GEMV `fp8_linear` default,
-    `gemv_config`) against act_quant + torch's blockwise `F.scaled_mm` (CUTLASS, what a user would run) and act_quant
+`--section fp8`: the FP8 linears of a Flash layer at M = 8 / 32 / 64 rows (the decode GEMV, `fp8_linear` with
+    `gemv=gemv_config(...)`: its default below DECODE_TILES_MIN_M rows) against act_quant + torch's blockwise `F.scaled_mm` (CUTLASS, what a user would run) and act_quant
     + the prefill tile kernel `_fp8_gemm_kernel` at 64-row tiles (wgmma), over weight copies that L2 cannot hold,
     with the byte floor (weight bytes / the measured copy bandwidth).
 `--section mhc`: `hc_pre` with the fused RMSNorm: the one-launch kernel at ONE_LAUNCH_TOK tokens per block 1 / 2 /
@@ -99,7 +99,7 @@ def order() -> None:
 
 
 def fp8() -> None:
-    from kernels.gemm import _fp8_gemm_kernel, _scaled_mm, act_quant, fp8_linear, fp8_linear_ref
+    from kernels.gemm import _fp8_gemm_kernel, _scaled_mm, act_quant, fp8_linear, fp8_linear_ref, gemv_config
     src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     bw = 2 * src.numel() / gpu_time(lambda i: dst.copy_(src), iters=10, reps=5) / 1e3  # GB/s
@@ -127,7 +127,8 @@ def fp8() -> None:
                     q, sx, ws[i % R], ss[i % R].view(torch.uint8), out, M, N, K, K // 128, BM=64, BN=BN, GROUP_M=8,
                     MMA=2, num_warps=4, num_stages=4)
                 return out
-            t_def = gpu_time(lambda i: fp8_linear(x, ws[i % R], ss[i % R]), iters=20, reps=5)
+            gcfg = gemv_config(M, N, K, 1, x.device)  # the GEMV (the default below DECODE_TILES_MIN_M rows only)
+            t_def = gpu_time(lambda i: fp8_linear(x, ws[i % R], ss[i % R], gemv=gcfg), iters=20, reps=5)
             e_s = _err(smm(0), ref)
             t_s = gpu_time(smm, iters=20, reps=5)
             e_t = _err(tiles(0, 128), ref)

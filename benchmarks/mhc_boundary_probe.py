@@ -1,4 +1,5 @@
-"""Probe (issue 27): the decode layer boundary `kernels.mhc.hc_post_pre` (one launch: hc_post of one site, hc_pre
+"""Probe (issue 27): the decode layer boundary `kernels.mhc.hc_post_pre(one_launch=True)` (one launch - not the
+default since the fifth session of 2026-12-06 -: hc_post of one site, hc_pre
 of the next with its RMSNorm) at T = 1 / 2 / 4 tokens, Flash width (D 4096, hc 4, 20 Sinkhorn iterations), µs per
 call in a CUDA graph, for num_warps x block_d (the collapse width) variants; each variant's outputs against the
 default's (max |diff| / max |x| of x; H_new, post and comb alike). Run on a GPU: `python benchmarks/mhc_boundary_probe.py`.
@@ -43,16 +44,16 @@ def main() -> int:
         kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
         _, post, comb = hc_pre_ref(H, fn, base, scale, **kw)
         norm = Norm(D)
-        ref = hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, **kw)
+        ref = hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True, **kw)
         rows = []
         for w in (1, 2, 4, 8):
             for bd in (None, 512, 1024, 2048, 4096):
                 v = dict(num_warps=w, block_d=bd)
                 try:
-                    out = hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, **kw, **v)
+                    out = hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True, **kw, **v)
                     err = max(float((o.float() - r.float()).abs().max() / r.float().abs().max())
                               for o, r in zip(out, ref))
-                    us = gpu_time(lambda i: hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, **kw, **v),
+                    us = gpu_time(lambda i: hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True, **kw, **v),
                                   iters=20, reps=5)
                     rows.append((us, (w, bd), err))
                 except Exception as e:  # noqa: BLE001

@@ -15,8 +15,10 @@ Numerics (`dtype` argument of `Transformer`):
 The hot paths (mHC pre/post/head, sparse attention, indexer scoring) go through a `Backend`
 (`dsv4/backend.py`): the reference backend is the `*_ref` maths in `kernels/`, the triton backend their
 kernels. Top-k selection follows one rule in prefill and decode (`kernels.indexer.indexer_topk_ref`; the
-triton backend's `indexer_topk` returns the same picks bitwise, tested). At decode sizes the triton backend fuses
-each hc_post with the next site's hc_pre (`Block.forward_deferred`, one launch per layer boundary).
+triton backend's `indexer_topk` returns the same picks bitwise, tested). A backend whose `hc_post_pre_max_t` is set
+defers, at decode sizes, each hc_post into the next site's hc_pre (`Block.forward_deferred`: one launch per layer
+boundary when its `hc_post_pre` runs the fused kernel); neither backend sets it by default (0: the separate
+launches were measured faster, `kernels.mhc`).
 
 Decode state (`DecodeState`, made by `Transformer.new_state(batch, max_len)`, `dsv4/state.py`) holds, per layer,
 preallocated for max_len tokens: the window ring and the compressed-entry slots (one tensor), the compressor
@@ -901,8 +903,8 @@ class Block(nn.Module):
         """H [b, s, hc, dim] residual streams -> new streams, same shape and dtype. pos: the first position of the call (an int,
         `Attention.extend`) or the
         decode step's device position [1] (`Attention.forward`). Each site: hc_pre with the site's norm module
-        (x = attn_norm / ffn_norm of the mHC collapse: `kernels.mhc.hc_pre_ref` calls it; the triton backend fuses
-        it into the decode-sized hc_pre / hc_post_pre launch, issue 27), the sub-block, hc_post."""
+        (x = attn_norm / ffn_norm of the mHC collapse: `kernels.mhc.hc_pre_ref` calls it; the triton backend runs it as
+        one more launch after mix + finish by default, fused only on the mHC one-launch path), the sub-block, hc_post."""
         H = self._site(H, "attn", lambda x: self.attn(x, pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(x, input_ids), backend)
 
@@ -1270,16 +1272,17 @@ class Transformer(nn.Module):
         return self.head(self.norm(y))
 
     def _defer_hc_post(self, H: torch.Tensor, observer) -> bool:
-        """Fused layer boundaries: decode-sized T = b*s <= the backend's `hc_post_pre_max_t` (where its fused
-        kernel runs: triton `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`; the reference 0, it never defers) and no residual
-        observer (it needs each layer's finished H)."""
+        """Deferred layer boundaries: T = b*s <= the backend's `hc_post_pre_max_t` (triton:
+        `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, 0 since the separate launches were measured faster; the reference
+        0: neither defers by default) and no residual observer (it needs each layer's finished H)."""
         return observer is None and H.shape[0] * H.shape[1] <= self.backend.hc_post_pre_max_t
 
     def _layers(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, state: DecodeState,
                 observer: ResidualObserver | None) -> torch.Tensor:
         """The layer loop (s tokens appended at position pos, an int; decode step: pos [1] on the device): H [b, s, hc, dim] -> the last
-        block's streams. Decode-sized calls without an observer fuse each hc_post into the next hc_pre
-        (`Block.forward_deferred`, `_defer_hc_post`; the same maths, fp32 sums in another order), the others run
+        block's streams. Calls of at most `hc_post_pre_max_t` tokens (none by default) without an observer defer each
+        hc_post into the next hc_pre (`Block.forward_deferred`, `_defer_hc_post`; the same maths, fp32 sums in another
+        order), the others run
         `Block.forward` and report each block's streams to the observer."""
         if not self._defer_hc_post(H, observer):
             for layer, st in zip(self.layers, state.layers):

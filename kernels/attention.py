@@ -414,7 +414,8 @@ def _num_sms(device: torch.device) -> int:
 
 # "heads" path tuning (measured on the H200, benchmarks/RESULTS.md "Sparse decode attention, all heads per
 # program"): 64 heads per program (a [64, 512] fp32 accumulator is 128 registers per thread at 8 warps; 128
-# heads would need 256); its default k-split fills one wave of one program per SM. When b*s*ceil(h/64) <=
+# heads would need 256); its default k-split fills one wave of one program per SM, never with a split shorter
+# than `decode_min_split_tiles`. When b*s*ceil(h/64) <=
 # DECODE_DV_MAX_PROGRAMS (Flash batch <= 16, Pro batch <= 8) the output columns are split too: DECODE_DV columns
 # per program (measured: Flash b 16 25.0 µs vs 45.4 µs with full columns; Pro b 16 with 32 programs is faster
 # with full columns, 52.9 vs 56.9 µs; Pro b 2-8 and Flash b 2-15 are not measured), at DECODE_DV_WARPS warps.
@@ -434,7 +435,8 @@ def decode_min_split_tiles(block_h: int, dv: int, hd: int, block_n: int, kv_byte
     block_h * dv * 4 / (block_n * hd * kv_bytes) tiles moves more partial bytes than key bytes. Flash at hd 512,
     64 heads, bf16 keys in tiles of 32: 4 tiles with all columns (dv 512), 1 with the column split (dv 128, batch
     <= 16: unchanged). Measured on one H100 (`benchmarks/decode_knobs_probe.py --section attn`, RESULTS.md, fifth
-    session of 2026-12-06): batch 32, HCA (160 keys) and SWA (128), 3-4 splits before, 1 now."""
+    session of 2026-12-06): HCA (160 keys) and SWA (128) at Flash batch 32 / 64 and Pro batch 16 / 32, 2-4 splits
+    before, 1 now (-25 to -42 % per call); every other probed case keeps its split count."""
     return max(1, triton.cdiv(block_h * dv * 4, block_n * hd * kv_bytes))
 
 
@@ -455,8 +457,8 @@ def invariant_sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Te
     """`sparse_attn` in the batch-invariant mode (the triton backend's `sparse_attn` entry when built with
     batch_invariant=True): the kernel fixed by the head count alone ("heads" when h >= DECODE_BLOCK_H, else
     "blocks", for every s: the default switches at s = 1), all output columns per program (dv = hd: the default
-    splits them by b*s) and splits of INVARIANT_SPLIT_SIZE slots (the default derives the split count from b*s and
-    the SM count). Same arguments, result and errors as `sparse_attn`."""
+    splits them by b*s) and splits of INVARIANT_SPLIT_SIZE slots (the default derives the split count from b*s, the
+    SM count and k: `decode_min_split_tiles`). Same arguments, result and errors as `sparse_attn`."""
     h, hd = q.shape[2], q.shape[3]
     path = "heads" if h >= DECODE_BLOCK_H else "blocks"
     return sparse_attn(q, kv, attn_sink, idx, softmax_scale, path=path, dv=hd if path == "heads" else None,
@@ -485,7 +487,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
 
     Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).
-        num_splits: split count of the k axis (default: heuristic from the SM count); >= 1.
+        num_splits: split count of the k axis (default: heuristic from the SM count; the "heads" path also never
+            splits shorter than `decode_min_split_tiles`); >= 1.
         split_size: instead of num_splits, the k slots per split (a positive multiple of block_n): the split
             boundaries then fall at multiples of split_size whatever b, s and k are, the batch-invariant mode's
             rule (README "Batch-invariant mode"; `invariant_sparse_attn`). A query's result is then bitwise

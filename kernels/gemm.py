@@ -14,7 +14,8 @@ backend's entries `linear` / `grouped_linear` (last in this module; which path r
 dsv4/backend.py) run `fp8_linear` / `fp8_grouped_gemv` / `fp8_dequant` where they apply.
 
 Paths of `fp8_linear` (chosen by M, never by a silent fallback):
-  * decode, M <= GEMV_MAX_M: `_fp8_gemv_kernel`, ONE launch. Each program quantizes its rows of x per 128-block in
+  * decode, M < DECODE_TILES_MIN_M (any M <= GEMV_MAX_M with an explicit `gemv=`): `_fp8_gemv_kernel`, ONE
+    launch. Each program quantizes its rows of x per 128-block in
     registers (exactly `act_quant`: integer exponent maths and round-to-nearest-even onto the e4m3 grid, so the
     interpreter and every GPU give the same codes), reads the FP8 codes and their ue8m0 scales directly and
     accumulates in fp32. Small N is split over K; the last split of an N block (semaphore from
@@ -387,7 +388,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit(do_not_specialize=["M"])  # issue 29
     def _fp8_gemm_kernel(q_ptr, sx_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, KB,
                          BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr, MMA: tl.constexpr):
-        """Prefill FP8 GEMM on pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
+        """FP8 GEMM (prefill "triton": 128 x 128 tiles; decode from DECODE_TILES_MIN_M rows: DECODE_TILE) on
+        pre-quantized x (e4m3 codes q [M, K] + fp32 scales sx [M, K/128]); grid
         cdiv(M, BM) * cdiv(N, BN) with grouped ordering for L2 reuse. BN divides 128. Per K block:
         `acc += dot(q, w) * sx[:, kb] * sw[n/128, kb]` (the official fp8_gemm). MMA: see `dot_w_w`."""
         pid = tl.program_id(0)
@@ -766,8 +768,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         method = "triton"  # the prefill tiles: one fixed tile shape, no split-K (below)
     if M <= GEMV_MAX_M and gemv is None and M >= DECODE_TILES_MIN_M:
         q, sx = act_quant(x)
-        _fp8_gemm_kernel[(triton.cdiv(N, DECODE_TILE["BN"]),)](q, sx, weight, ws, out, M, N, K, KB, MMA=mma,
-                                                               **DECODE_TILE)
+        grid = (triton.cdiv(M, DECODE_TILE["BM"]) * triton.cdiv(N, DECODE_TILE["BN"]),)
+        _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, MMA=mma, **DECODE_TILE)
         return out
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)

@@ -13,10 +13,10 @@ Kernel plan (pre and head): a split-K mix kernel computes, per token block and K
 in-kernel into three exact bf16 pieces so every product is exact (`_dot_bf16x3`, issue 14 item 2); fp32
 streams in tf32x3, ≈fp32 accuracy); a finish kernel (grid tokens × D-blocks) sums the partials in a fixed
 order (deterministic), applies the RMS scale, sigmoids and the Sinkhorn, writes post/comb once (D-block 0) and collapses its D-block of H. Two launches per
-pre/head site at T > 64 (prefill); H is read twice (the second read walks tokens in reverse so the tail still
-in L2 is reused). At T <= 64 (decode) one launch does both: tokens go in blocks of 2, the split-K programs of
-a block count themselves in its semaphore and the last one to arrive finishes and collapses those 2 tokens
-(`_hc_fused_kernel`).
+pre/head site at every T by default (ONE_LAUNCH_MAX_T = 0, measured faster: below); H is read twice (the second
+read walks tokens in reverse so the tail still in L2 is reused). `one_launch=True` runs both in one launch:
+tokens go in blocks of ONE_LAUNCH_TOK, the split-K programs of a block count themselves in its semaphore and the
+last one to arrive finishes and collapses those tokens (`_hc_fused_kernel`).
 `hc_post` is one single-pass launch. Launchers never synchronise with the device: every check is on shapes,
 dtypes, devices and layouts (host metadata); the SM count is cached per device (`kernels.launch`).
 """
@@ -382,7 +382,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                          HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                          IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
                          BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr, NORM: tl.constexpr):
-        """Decode, ONE launch: grid (token blocks of TOK tokens, splits). Every program writes its split partial,
+        """ONE launch (`one_launch=True`; not the default): grid (token blocks of TOK tokens, splits). Every program writes its split partial,
         then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
         threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
         and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
@@ -516,7 +516,9 @@ POST_PRE_ONE_LAUNCH_MAX_T = 0  # hc_post_pre fuses up to this many tokens by def
 
 
 ONE_LAUNCH_TOK = 2  # tokens per block of the one-launch hc_pre / hc_head: each last-arriving program collapses
-                    # only these tokens (many programs share the collapses; fn is re-read once per block)
+                    # only these tokens (many programs share the collapses; fn is re-read once per block). Issue
+                    # 14's value, not re-tuned: the probe of the fifth session of 2026-12-06 found 1 faster at T
+                    # <= 8 and 4 at T >= 16, every one of them slower than the two launches (RESULTS.md)
 
 
 SPLIT_MAX = 128  # most K splits of the mHC projection; also the finish's partial width SP (issue 29: one build)
@@ -530,7 +532,7 @@ def _split_k(T: int, K: int, BT: int, BK: int, device: torch.device, waves: int 
     return per_split, triton.cdiv(K, per_split)
 
 
-# Prefill projection tiles (two-launch path, T > ONE_LAUNCH_MAX_T): (BT token rows, BK K-elements per step,
+# Projection tiles of the two-launch path (every T by default): (BT token rows, BK K-elements per step,
 # waves of programs for the split count, num_warps, num_stages). BT 64 at T >= 1024 so Hopper's wgmma applies
 # (M = 64); 16 below (fewer padded rows at T ~ 100). Chosen on an H200, see RESULTS.md "issue 14, item 2".
 PREFILL_TILES_LONG = (64, 64, 4, 4, 4)
@@ -671,8 +673,8 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     """Triton `hc_head_ref` (spec §9): same arguments and result.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
-    scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (one launch at
-    T <= 64), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad value.
+    scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (default: two
+    launches at every T), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad value.
     """
     T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
     _check_hc("hc_head", hc)

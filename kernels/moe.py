@@ -527,11 +527,11 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
                             SORTED: tl.constexpr = True, QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1,
                             FP8_NAN: tl.constexpr = False):
-        """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (pairs
-        in expert order, so programs reading one expert's rows run side by side and share them through L2).
+        """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (SORTED:
+        a given visiting order, e.g. expert order; measured no faster than pair order, module docstring).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
-        reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False: pair = program id (no
-        order array; one token's pairs, whose experts are distinct anyway). QUANT 0: xq_ptr holds act_quant_sim(x)
+        reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False (`moe_experts`' launch at
+        every T): pair = program id (no order array). QUANT 0: xq_ptr holds act_quant_sim(x)
         (bf16 values; the fp16 decode route `_fp4_gemv_chunk`; sx_ptr unused); 1: xq_ptr holds x itself (bf16),
         act-quantized here per 128-input block in registers (`act_quant_codes_pairs`: the same exact values as the
         act_quant_sim launch it replaces, kept as codes and scales for `_fp4_gemv_codes`; BKH a multiple of 64);

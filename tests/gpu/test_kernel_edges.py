@@ -68,7 +68,8 @@ def test_indexer_scores_edges_gpu(seed, dtype):
 @pytest.mark.parametrize("T", [3, 129, 4097], ids=["T3", "T129", "T4097"])
 def test_hc_lo_piece_decides_gpu(seed, T, D, head):
     """issue 14 item 2: every mix logit carried by the last 8 bits of fn (tests/kernel_edges.py::lo_piece_inputs,
-    exact by construction); the default path for T (one launch at T 3, two launches with 16- / 64-row tiles)."""
+    exact by construction); one launch forced at T 3 (the default there: two), two launches with 16- / 64-row
+    tiles above."""
     E.check_hc_lo_piece(T, D, "cuda", T <= 64, head)
 
 

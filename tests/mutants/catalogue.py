@@ -225,7 +225,7 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            patches.moe_gemv_block_scale_misaligned,
            ("tests/unit/test_gemm_moe_kernels.py::test_moe_gemv_quantizes_in_the_kernel_bitwise",
             "tests/unit/test_gemm_moe_kernels.py::test_moe_default_gemv_matches_reference[1]")),
-    Mutant("hc_fused_norm_unweighted", "the site RMSNorm fused into the decode mHC launch drops its weight",
+    Mutant("hc_fused_norm_unweighted", "the site RMSNorm fused into the one-launch mHC kernels drops its weight",
            patches.hc_fused_norm_unweighted,
            ("tests/unit/test_mhc_kernels.py::test_hc_pre_triton[T1-D64-norm]",
             "tests/unit/test_mhc_kernels.py::test_hc_post_pre_triton[T1-D96-norm-bf16]")),

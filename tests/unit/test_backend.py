@@ -10,6 +10,7 @@ bf16-vs-fp32 gap instead (tests/gpu/test_model_backends.py).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -81,9 +82,9 @@ def test_triton_backend_matches_reference_fp32(prefilled):
 
 @pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
 def test_triton_decode_fuses_layer_boundaries(prefilled, monkeypatch):
-    """Decode with the triton backend at a fused-boundary threshold of 4 tokens (`hc_post_pre_max_t`; the default
-    is `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, 0 since the separate launches were measured faster - the deferred
-    path stays for a backend that sets it) runs every layer boundary through `hc_post_pre` (2·n_layers - 1 fused
+    """Decode with the triton backend at a fused-boundary threshold of 4 tokens (`hc_post_pre_max_t`) and
+    `hc_post_pre(one_launch=True)` (the default threshold is `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, 0 since the
+    separate launches were measured faster - the deferred path stays for a backend that sets both) runs every layer boundary through `hc_post_pre` (2·n_layers - 1 fused
     boundaries, one plain hc_post at the end) and gives the logits of the per-site path (forced by a residual
     observer) within fp32 rounding; the reference backend never takes the deferred path. Both decodes start
     from copies of the module's 21-token triton prefill (the state two identical prefills would give)."""
@@ -101,8 +102,9 @@ def test_triton_decode_fuses_layer_boundaries(prefilled, monkeypatch):
         return wrapped
 
     assert tri.backend.hc_post_pre_max_t == mhc.POST_PRE_ONE_LAUNCH_MAX_T
+    fused = functools.partial(mhc.hc_post_pre, one_launch=True)  # the fused kernel (not hc_post_pre's default)
     monkeypatch.setattr(tri, "backend", dataclasses.replace(
-        tri.backend, hc_post_pre=counting("hc_post_pre", mhc.hc_post_pre), hc_post=counting("hc_post", mhc.hc_post),
+        tri.backend, hc_post_pre=counting("hc_post_pre", fused), hc_post=counting("hc_post", mhc.hc_post),
         hc_post_pre_max_t=4))
     s_fused, s_plain = copy.deepcopy(s_tri), copy.deepcopy(s_tri)
     nxt = torch.randint(0, 512, (1, 1))

@@ -100,7 +100,7 @@ ROW_BUCKET_KERNELS = {"kernels.fp32_linear._bf16w_gemv_kernel"}
 @needs_interp
 def test_prefill_and_decode_keys_do_not_depend_on_the_length():
     """Prefill 64 tokens (a multiple of 16; 16 CSA entries) and 37 (odd; 9 entries), each with a decode step: the
-    same launch choices (one bucket of each: GEMV rows 33..64, one-launch mHC, one top-k tile), so the same keys
+    same launch choices (one bucket of each: FP8 decode tiles / GEMV rows 33..64, two-launch mHC, one top-k tile), so the same keys
     (outside ROW_BUCKET_KERNELS). Before issue 29 T, S, N, k and the strides made them differ."""
     m = _tiny()
     g = torch.Generator().manual_seed(0)
@@ -140,6 +140,7 @@ def test_warmup_probes_cover_the_kernels_thresholds():
     from kernels import gemm, indexer, mhc, moe
     probes = set(prefill_probes(65536))
     assert set(range(1, gemm.GEMV_MAX_M + 5)) <= probes and mhc.ONE_LAUNCH_MAX_T + 1 in probes
+    assert {gemm.DECODE_TILES_MIN_M - 1, gemm.DECODE_TILES_MIN_M} <= probes  # the GEMV / decode tiles switch
     topk = 6  # routed experts per token (Flash and Pro)
     tokens = {moe.GEMV_MAX_PAIRS // topk, moe.TILES_SMALL_MAX_PAIRS // topk, 1024}  # 1024: mhc PREFILL_TILES_LONG
     for E in (256, 384):  # the large MoE tiles follow the pairs per expert (Flash, Pro)

@@ -1,4 +1,5 @@
-"""Launch plumbing of the Triton kernels (issues 6/7): the one-launch decode path of hc_pre / hc_head, the
+"""Launch plumbing of the Triton kernels (issues 6/7): the one-launch path of hc_pre / hc_head (`one_launch=True`;
+the default runs the two launches at every T since the fifth session of 2026-12-06), the
 in-launch split merge of sparse_attn, the self-resetting semaphores of `kernels.launch.workspace`, and the
 sync-free index guard of sparse_attn (out-of-range index -> NaN) next to the opt-in host check.
 
@@ -48,10 +49,11 @@ def test_hc_pre_one_launch_equals_two_launch_and_ref(seed, T):
     H, fn, base, scale = make_mix(T, 64, head=False)
     kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
     nan = lambda *shape, dtype=torch.float32: torch.full(shape, float("nan"), dtype=dtype, device=DEV)  # noqa
-    one = hc_pre(H, fn, base, scale, out=(nan(T, 64, dtype=H.dtype), nan(T, HC), nan(T, HC, HC)), **kw)
+    one = hc_pre(H, fn, base, scale, out=(nan(T, 64, dtype=H.dtype), nan(T, HC), nan(T, HC, HC)), one_launch=True,
+                 **kw)  # forced: the default is the two launches (ONE_LAUNCH_MAX_T = 0, measured)
     assert sems_zero(), "the one-launch kernel must reset its per-token-block counters"
-    two = hc_pre(H, fn, base, scale, one_launch=False, **kw)
-    again = hc_pre(H, fn, base, scale, **kw)
+    two = hc_pre(H, fn, base, scale, **kw)
+    again = hc_pre(H, fn, base, scale, one_launch=True, **kw)
     for name, a, b, c, want in zip(("x", "post", "comb"), one, two, again, hc_pre_ref(H, fn, base, scale, **kw)):
         assert_close(a, want, name)
         assert_equal(a, b, f"{name}: one launch vs two launches")
