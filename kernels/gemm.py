@@ -71,6 +71,7 @@ BLOCK = 128            # FP8 weight block and activation block (spec §2)
 GEMV_MAX_M = 64        # decode path up to this many rows
 DECODE_TILES_MIN_M = 9  # from this many rows the decode path runs the 64-row tiles, not the GEMV (module docstring)
 DECODE_TILE = dict(BM=64, BN=64, GROUP_M=8, num_warps=4, num_stages=4)  # their launch (the probe's 64 x 64 column)
+PREFILL_TILE = dict(BM=128, BN=128, GROUP_M=8, num_warps=8, num_stages=3)  # prefill="triton" (and the invariant mode)
 PREFILL_METHODS = ("dequant", "scaled_mm", "triton")
 MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode`)
 
@@ -767,10 +768,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
     if invariant:
         method = "triton"  # the prefill tiles: one fixed tile shape, no split-K (below)
     if M <= GEMV_MAX_M and gemv is None and M >= DECODE_TILES_MIN_M:
-        q, sx = act_quant(x)
-        grid = (triton.cdiv(M, DECODE_TILE["BM"]) * triton.cdiv(N, DECODE_TILE["BN"]),)
-        _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, MMA=mma, **DECODE_TILE)
-        return out
+        return _fp8_tiles(*act_quant(x), weight, ws, out, mma, DECODE_TILE)
     if M <= GEMV_MAX_M:
         cfg = _check_gemv_config(op, gemv_config(M, N, K, 1, x.device) if gemv is None else gemv, M, 1)
         _gemv_launch(x, weight, ws, out, M, N, K, 1, mma, True, cfg)
@@ -781,12 +779,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, ou
         return out
     q, sx = act_quant(x)
     if method == "triton":
-        BM, BN = 128, 128
-        grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-        _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, KB, BM=BM, BN=BN, GROUP_M=8,
-                               MMA=mma, num_warps=8, num_stages=3)
-        return out
+        return _fp8_tiles(q, sx, weight, ws, out, mma, PREFILL_TILE)
     return _scaled_mm(q, sx, weight, scale, out)
+
+
+def _fp8_tiles(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, ws: torch.Tensor, out: torch.Tensor,
+               mma: int, tile: dict) -> torch.Tensor:
+    """One `_fp8_gemm_kernel` launch on act_quant's codes q [M, K] / scales sx [M, K/128] writing out [M, N]: tile =
+    DECODE_TILE or PREFILL_TILE (BM, BN, GROUP_M and the launch options). Returns out."""
+    M, K = q.shape
+    N = weight.shape[0]
+    grid = (triton.cdiv(M, tile["BM"]) * triton.cdiv(N, tile["BN"]),)
+    _fp8_gemm_kernel[grid](q, sx, weight, ws, out, M, N, K, K // BLOCK, MMA=mma, **tile)
+    return out
 
 
 def fp8_grouped_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups: int, *,

@@ -104,7 +104,8 @@ def _specs():
         ("gemm._fp8_dequant_kernel", gemm._fp8_dequant_kernel, dict(w_ptr=f8, ws_ptr=u8, out_ptr=bf), [],
          dict(BN=64)),
         ("gemm._fp8_gemm_kernel", gemm._fp8_gemm_kernel,
-         dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [], dict(BM=128, BN=128, GROUP_M=8, MMA=2)),
+         dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [],
+         dict(BM=gemm.PREFILL_TILE["BM"], BN=gemm.PREFILL_TILE["BN"], GROUP_M=gemm.PREFILL_TILE["GROUP_M"], MMA=2)),
         # the decode tiles of 9..64 rows (`kernels.gemm.DECODE_TILE`)
         ("gemm._fp8_gemm_kernel[decode]", gemm._fp8_gemm_kernel,
          dict(q_ptr=f8, sx_ptr=f32, w_ptr=f8, ws_ptr=u8, y_ptr=bf), [],
