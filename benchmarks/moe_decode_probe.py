@@ -12,6 +12,9 @@ decode kernels' input forms and nibble decodes side by side in one process:
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 
+`--section stages` (`--flash-only` / `--pro-only`, `--ts 1,8`): the two decode kernels alone with their K loop software-pipelined over 1-4
+stages (`stages`).
+
 `--section shapes`: the whole `moe_experts` call with its default launch shapes (`gemv_shapes`) against the one
 shape before them (`config=moe_config(P, E)`, both kernels alike) at T = 1 / 2 / 4 / 8 / 16 / 32, Flash and Pro:
 is the new default slower anywhere?
@@ -88,6 +91,63 @@ def configs() -> int:
     return 0
 
 
+def stages() -> int:
+    """`--section stages`: the up and the down decode kernel each alone (default input form of T, as `configs`) at
+    their default shape (`gemv_shapes`) with the K loop software-pipelined over 1 (the default: no pipelining) to 4
+    stages (`MoeConfig.num_stages`, `tl.range(num_stages=...)`: the next chunks' weight bytes in flight by cp.async
+    while the current one is decoded), then shapes around it at 2 and 3 stages; µs per call in a CUDA graph, and
+    whether each output is bitwise the 1-stage output of its shape (pipelining moves loads, not sums)."""
+    from kernels.gemm import act_quant
+    from kernels.moe import MoeConfig, gemv_shapes, moe_down_gemv, moe_up_gemv
+    torch.manual_seed(0)
+    geoms = (("flash", (256, 4096, 2048), (1, 8, 32)), ("pro", (384, 7168, 3072), (1, 32)))
+    if "--flash-only" in sys.argv:
+        geoms = geoms[:1]
+    if "--pro-only" in sys.argv:
+        geoms = geoms[1:]
+    if "--ts" in sys.argv:  # token counts instead of each geometry's own
+        ts = tuple(int(t) for t in sys.argv[sys.argv.index("--ts") + 1].split(","))
+        geoms = tuple((g, dims, ts) for g, dims, _ in geoms)
+    print("| geometry | T | kernel | (BN, BKH, warps) | stages: µs (bitwise = 1 stage) |\n|---|---:|---|---|---|")
+    for geom, (E, D, I), Ts in geoms:
+        ex = moe_inputs(E, D, I)
+        for T in Ts:
+            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+            g = torch.rand(T, 6, device="cuda") + 0.1
+            h = (torch.randn(T * 6, I, device="cuda") * 0.3).to(torch.bfloat16)
+            if T == 1:
+                xin, xkw, hin, hkw = x, dict(quant=True), h, dict(quant=True)
+            else:
+                xq, sx = act_quant(x)
+                hq, sh = act_quant(h)
+                xin, xkw, hin, hkw = xq, dict(sx=sx), hq, dict(sx=sh)
+            for kernel, cfg0 in zip(("up", "down"), gemv_shapes(T, D, I, None)):
+                def call(i, cfg):
+                    if kernel == "up":
+                        return moe_up_gemv(xin, g, idxs[i % 8], None, ex, 10.0, cfg, **xkw)
+                    return moe_down_gemv(hin, idxs[i % 8], None, ex, cfg, **hkw)
+                shapes_ = [(cfg0.block_n, cfg0.block_kh, cfg0.num_warps, (1, 2, 3, 4))]
+                shapes_ += [(bn, bkh, cfg0.num_warps, (1, 2, 3)) for bn in (8, 16, 32) for bkh in (128, 256, 512)
+                            if (bn, bkh) != (cfg0.block_n, cfg0.block_kh)]
+                for bn, bkh, w, sts in shapes_:
+                    cells, ref = [], None
+                    for st in sts:
+                        cfg = MoeConfig("gemv", 1, bn, bkh, w, st)
+                        try:
+                            y = call(0, cfg)
+                            ref = y if ref is None else ref
+                            same = "=" if torch.equal(y, ref) else "DIFF"
+                            cells.append(f"{st}: {gpu_time(lambda i: call(i, cfg), iters=16, reps=5):.1f} {same}")
+                        except Exception as e:  # noqa: BLE001 - reported, not fatal
+                            cells.append(f"{st}: {type(e).__name__}")
+                    tag = " (default)" if len(sts) == 4 else ""
+                    print(f"| {geom} | {T} | {kernel} | {(bn, bkh, w)}{tag} | {'; '.join(cells)} |", flush=True)
+        del ex
+        torch.cuda.empty_cache()
+    return 0
+
+
 def shapes() -> int:
     from kernels.moe import moe_config
     torch.manual_seed(0)
@@ -115,6 +175,8 @@ def main() -> int:
         return configs()
     if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "shapes":
         return shapes()
+    if "--section" in sys.argv and sys.argv[sys.argv.index("--section") + 1] == "stages":
+        return stages()
     torch.manual_seed(0)
     print("| geometry | T | " + " | ".join(f"{v[0]} µs" for v in VARIANTS) + " | bitwise equal |")
     print("|---|---:|" + "---:|" * len(VARIANTS) + "---|")

@@ -8,7 +8,8 @@ are byte-wise and the codegen is not a real launch's), disassembles the cubin wi
     TRITON_INTERPRET= python benchmarks/sass_count.py "moe._moe_up_gemv_kernel" --cap 90 --div D,I,E
     TRITON_INTERPRET= python benchmarks/sass_count.py "moe._moe_up_gemv_kernel[codes]" --const DEC=1
 
-Prints, per kernel and loop: instructions per iteration and the 10 most frequent opcodes. Divide by the weights a
+Prints, per kernel: its registers a thread (`cuobjdump -res-usage`); per loop: instructions per iteration and the
+10 most frequent opcodes. Divide by the weights a
 thread handles per iteration (the kernel's block shape / threads) for instructions per weight. Must run without
 TRITON_INTERPRET=1.
 """
@@ -48,7 +49,9 @@ def sass_of(name: str, cap: int, div: list[str], const: dict | None = None) -> s
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cc.asm["cubin"])
     try:
-        return subprocess.run([str(tool), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+        res = subprocess.run([str(tool), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+        return sass + "\n" + res  # the resource line: "REG:96 STACK:0 SHARED:... " (registers a thread)
     finally:
         os.unlink(f.name)
 
@@ -82,7 +85,10 @@ def main() -> None:
         raise SystemExit("sass_count: unset TRITON_INTERPRET (the interpreter cannot compile)")
     for name in a.names:
         const = {k: int(v) for k, v in (kv.split("=") for kv in a.const.split(",") if kv)}
-        for label, cnt in loops(sass_of(name, a.cap, a.div.split(","), const)):
+        sass = sass_of(name, a.cap, a.div.split(","), const)
+        regs = re.search(r"REG:(\d+)", sass)
+        print(f"{name} sm_{a.cap}: {regs.group(1) if regs else '?'} registers a thread")
+        for label, cnt in loops(sass):
             top = ", ".join(f"{op} {n}" for op, n in cnt.most_common(10))
             print(f"{name} sm_{a.cap} loop {label}: {sum(cnt.values())} instructions per iteration; {top}")
 

@@ -526,12 +526,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                             E, D, I, K_SLOTS, limit,
                             HAS_LIMIT: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr,
                             SORTED: tl.constexpr = True, QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1,
-                            FP8_NAN: tl.constexpr = False):
+                            FP8_NAN: tl.constexpr = False, STAGES: tl.constexpr = 1):
         """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i] (SORTED:
         a given visiting order, e.g. expert order; measured no faster than pair order, module docstring).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
         reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False (`moe_experts`' launch at
-        every T): pair = program id (no order array). QUANT 0: xq_ptr holds act_quant_sim(x)
+        every T): pair = program id (no order array). STAGES: the K loop's software pipeline (`MoeConfig.num_stages`;
+        1 none; the same values at every setting). QUANT 0: xq_ptr holds act_quant_sim(x)
         (bf16 values; the fp16 decode route `_fp4_gemv_chunk`; sx_ptr unused); 1: xq_ptr holds x itself (bf16),
         act-quantized here per 128-input block in registers (`act_quant_codes_pairs`: the same exact values as the
         act_quant_sim launch it replaces, kept as codes and scales for `_fp4_gemv_codes`; BKH a multiple of 64);
@@ -552,7 +553,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         KS = D // 32
         u = tl.zeros((BN,), dtype=tl.float32)
         v = tl.zeros((BN,), dtype=tl.float32)
-        for kh0 in range(0, KH, BKH):
+        for kh0 in tl.range(0, KH, BKH, num_stages=STAGES):
             xe, xo, sx = _gemv_chunk_input(xq_ptr + tok * D, sx_ptr, tok * (D // 128), kh0, BKH, QUANT, FP8_NAN)
             if QUANT != 0:
                 u += _fp4_gemv_codes(w1_ptr, s1_ptr, rows64, kh0, KH, KS, xe, xo, sx, BN, BKH, DEC)
@@ -568,11 +569,12 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit
     def _moe_down_gemv_kernel(hq_ptr, sh_ptr, order_ptr, ids_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
                               BN: tl.constexpr, BKH: tl.constexpr, SORTED: tl.constexpr = True,
-                              QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1, FP8_NAN: tl.constexpr = False):
+                              QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1, FP8_NAN: tl.constexpr = False,
+                              STAGES: tl.constexpr = 1):
         """Decode down projection, grid (P, D / BN): y_pair[pair, n] = bf16(hq[pair] . W2_e[n]) (hq act-quantized h,
         exact bf16 values; pair order as in `_moe_up_gemv_kernel`; a bad expert id writes NaN). QUANT 1: hq_ptr
         holds h itself, act-quantized here as in the up kernel; 2: hq_ptr holds act_quant(h)'s e4m3 codes [P, I]
-        and sh_ptr its scales [P, I / 128]; DEC as in the up kernel."""
+        and sh_ptr its scales [P, I / 128]; DEC and STAGES as in the up kernel."""
         if SORTED:
             pair = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
         else:
@@ -585,7 +587,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         KH = I // 2
         KS = I // 32
         acc = tl.zeros((BN,), dtype=tl.float32)
-        for kh0 in range(0, KH, BKH):
+        for kh0 in tl.range(0, KH, BKH, num_stages=STAGES):
             he, ho, sx = _gemv_chunk_input(hq_ptr + pair * I, sh_ptr, pair * (I // 128), kh0, BKH, QUANT, FP8_NAN)
             if QUANT != 0:
                 acc += _fp4_gemv_codes(w2_ptr, s2_ptr, rows64, kh0, KH, KS, he, ho, sx, BN, BKH, DEC)
@@ -757,7 +759,9 @@ class MoeConfig(NamedTuple):
     """Launch choice of `moe_experts`: path "gemv" (decode kernels, one program per pair and block) or "tiles" (prefill
     kernels on `moe_route`'s padded tiles); block_m rows per tile (tiles only; 16, 32, 64 or 128), block_n weight
     rows per program, block_kh packed bytes per K step (2 * block_kh inputs; a power of two >= 16, reduced to
-    divide D/2 and I/2), num_warps, num_stages (tiles only)."""
+    divide D/2 and I/2), num_warps, num_stages (the tiles' pipeline; on the gemv path the K loop's software
+    pipeline, `tl.range(num_stages=...)`: 1 none, 2 the next K chunk's weight bytes loaded by cp.async while the
+    current chunk is decoded - the same sums in the same order, bitwise the same outputs)."""
     path: str
     block_m: int
     block_n: int
@@ -787,9 +791,9 @@ four runs): Flash (D 4096) element-wise 68.8-69.4 µs against packed 75.8-76.3 (
 Pro (D 7168) 181.8-183.2 against 162.3-163.4 and 162.7. Above one token the packed decode is faster at both widths
 (GEMV_CODES). Same values either way."""
 
-GEMV_SHAPES = ((MoeConfig("gemv", 1, 32, 256, 4, 1), MoeConfig("gemv", 1, 32, 128, 4, 1)),
-               (MoeConfig("gemv", 1, 16, 256, 4, 1), MoeConfig("gemv", 1, 32, 128, 4, 1)),
-               (MoeConfig("gemv", 1, 8, 512, 2, 1), MoeConfig("gemv", 1, 32, 128, 2, 1)))
+GEMV_SHAPES = ((MoeConfig("gemv", 1, 32, 256, 4, 2), MoeConfig("gemv", 1, 32, 128, 4, 2)),
+               (MoeConfig("gemv", 1, 16, 256, 4, 2), MoeConfig("gemv", 1, 32, 128, 4, 2)),
+               (MoeConfig("gemv", 1, 32, 128, 2, 2), MoeConfig("gemv", 1, 32, 128, 2, 1)))
 """`moe_experts`' default launch shapes (block_n, block_kh, num_warps) of the (up, down) decode kernels on the gemv
 path: at one token with the element-wise nibble decode (below GEMV_QUANT_PACKED_MIN_D), at one token with the
 packed decode, and above one token (act_quant's codes). Measured on one H100 (`benchmarks/moe_decode_probe.py
@@ -799,7 +803,15 @@ Flash T = 1 up 49.3 -> 40.6, down 25.0 -> 22.2; T = 8 up 212.1 -> 197.6, down 11
 752.6, down 438.9 -> 377.3; Pro T = 1 up 101.1 (kept), down 59.3 -> 54.6; T = 32 up 2104.1 -> 1944.1, down 1119.0
 -> 972.4. block_kh sets the fp32 summation order of a row (outputs within ~1e-3 of the old shapes' relative to
 their largest); a shape that does not divide the layer's D and I is not used (`gemv_shapes`). The batch-invariant
-mode and a forced `config` keep one shape for both kernels."""
+mode and a forced `config` keep one shape for both kernels.
+num_stages (the K loop software-pipelined, `MoeConfig`; sixth session of 2026-12-06 - benchmarks/RESULTS.md, one
+H100, `benchmarks/moe_decode_probe.py --section stages`, each kernel alone in a CUDA graph, 8 routings, every
+output bitwise its 1-stage output): 2 where it was faster - Flash T = 1 up (32, 256, 4) 40.3 -> 36.1 µs, down
+(32, 128, 4) 22.3 -> 21.4; Pro T = 1 up (16, 256, 4) 100.9 -> 91.4, down 54.1 -> 51.5; above one token the up
+kernel moves to (32, 128, 2) at 2 stages (Flash T = 8 198.1 -> 194.0 µs, T = 32 755.0 -> 705.6 against (8, 512,
+2) unpipelined; Pro T = 8 506.2 -> 498.6, T = 32 ~1944 -> 1834); the down kernel above one token gains nothing
+from stages (375.7 / 379.3 / 377.8 / 379.9 µs at 1-4 stages, Flash T = 32) and stays unpipelined. 3 and 4 stages
+were never faster than 2."""
 
 GEMV_PACKED_F16 = True
 """Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
@@ -968,7 +980,7 @@ def moe_up_gemv(xq: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, 
         xq, sx, weights, indices if order is None else order, indices, experts.w1, u8(experts.s1), experts.w3,
         u8(experts.s3), h, E, D, I, indices.shape[1], float(limit), HAS_LIMIT=limit > 0, BN=cfg.block_n,
         BKH=_chunk(cfg.block_kh, D // 2), SORTED=order is not None, QUANT=mode, DEC=_gemv_dec(mma),
-        FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
+        FP8_NAN=mode == 2 and interpreting(), STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return h
 
 
@@ -987,7 +999,7 @@ def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, 
     _moe_down_gemv_kernel[(P, D // cfg.block_n)](
         hq, sx, indices if order is None else order, indices, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
         BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), SORTED=order is not None, QUANT=mode,
-        DEC=_gemv_dec(mma), FP8_NAN=mode == 2 and interpreting(), num_warps=cfg.num_warps)
+        DEC=_gemv_dec(mma), FP8_NAN=mode == 2 and interpreting(), STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y
 
 

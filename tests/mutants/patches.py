@@ -1096,6 +1096,15 @@ def moe_gemv_shapes_ignored(mp: MP) -> None:
     _source_mutant(mp, moe, "moe_experts", "else gemv_shapes(T, D, I, mma)", "else (cfg, cfg)  # MUTANT")
 
 
+def moe_gemv_stages_ignored(mp: MP) -> None:
+    """The MoE up decode launcher drops its config's K-loop pipeline stages (`MoeConfig.num_stages`: 2 in the
+    measured GEMV_SHAPES) and launches the loop unpipelined (a tuned launch choice silently not applied: the same
+    values, slower)."""
+    from kernels import moe
+
+    _source_mutant(mp, moe, "moe_up_gemv", "STAGES=cfg.num_stages", "STAGES=1")
+
+
 def sparse_decode_dv_warps_ignored(mp: MP) -> None:
     """The "heads" sparse decode launcher runs its column-split programs at 4 warps instead of DECODE_DV_WARPS
     (the measured choice silently not applied: the same values, slower)."""

@@ -753,16 +753,30 @@ def test_moe_gemv_decodes_agree_bitwise(seed, mma, monkeypatch):
 def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
     """`moe_experts`' gemv path launches the up and the down kernel with `gemv_shapes`' measured shapes (one
     token element-wise / packed, more tokens: GEMV_SHAPES), replaced by `moe_config(1, 1)`'s where a block_n does
-    not divide the layer; a forced config and the batch-invariant mode keep one shape for both; every choice
-    against the reference."""
+    not divide the layer; a forced config and the batch-invariant mode keep one shape for both; each kernel is
+    launched with its config's block_n, warps and K-loop pipeline stages (`MoeConfig.num_stages`: 2 stages for
+    the measured shapes that gained from them); every choice against the reference."""
     import kernels.moe as km
     from kernels.moe import GEMV_SHAPES, gemv_shapes
-    seen = []
+    seen, launched = [], []
     real_up, real_down = km.moe_up_gemv, km.moe_down_gemv
     monkeypatch.setattr(km, "moe_up_gemv", lambda *a, **k: seen.append(("up", a[6])) or real_up(*a, **k))
     monkeypatch.setattr(km, "moe_down_gemv", lambda *a, **k: seen.append(("down", a[4])) or real_down(*a, **k))
+
+    class Spy:  # the kernel launch itself: the config's block shape, warps and pipeline stages reach the kernel
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                launched.append((k["BN"], k["num_warps"], k["STAGES"]))
+                return self.kernel[grid](*a, **k)
+            return launch
+    monkeypatch.setattr(km, "_moe_up_gemv_kernel", Spy(km._moe_up_gemv_kernel))
+    monkeypatch.setattr(km, "_moe_down_gemv_kernel", Spy(km._moe_down_gemv_kernel))
+    assert any(c.num_stages > 1 for pair in GEMV_SHAPES for c in pair)  # else the stages check below is vacuous
     ex = make_experts()
-    forced = MoeConfig("gemv", 1, 64, 32, 4, 1)
+    forced = MoeConfig("gemv", 1, 64, 32, 4, 3)
     for T, floor, mma, kw, want in ((1, 7168, None, {}, GEMV_SHAPES[0]), (1, D, None, {}, GEMV_SHAPES[1]),
                                     (1, D, "bf16", {}, GEMV_SHAPES[0]), (3, 7168, None, {}, GEMV_SHAPES[2]),
                                     (3, D, None, dict(config=forced), (forced, forced)),
@@ -771,10 +785,14 @@ def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
         g, idx = routing(T, 2)
         x = torch.randn(T, D).to(torch.bfloat16).to(DEV)
         seen.clear()
+        launched.clear()
         y = km.moe_experts(x, g, idx, ex, 10.0, mma=mma, **kw)
         assert seen == [("up", want[0]), ("down", want[1])], (T, floor, mma, kw, seen)
+        assert launched == [(c.block_n, c.num_warps, c.num_stages) for c in want], (T, floor, mma, kw, launched)
         close_bf16(y, moe_grouped_ref(x, g, idx, ex, 10.0), f"moe y T{T} mma {mma} {kw}")
-    assert gemv_shapes(1, 7168, 48, None) == (moe_config(1, 1), GEMV_SHAPES[0][1])  # 32 does not divide I = 48
+    assert GEMV_SHAPES[0][0].block_n == 32 and GEMV_SHAPES[1][0].block_n == 16  # the cases below rest on these
+    assert gemv_shapes(1, 4096, 48, "bf16") == (moe_config(1, 1), GEMV_SHAPES[0][1])  # 32 does not divide I = 48
+    assert gemv_shapes(1, 4096, 48, "bf16x2") == GEMV_SHAPES[1]  # the packed decode's shapes: 16 divides 48
     assert gemv_shapes(5, 4096, 2048, None) == GEMV_SHAPES[2]
 
 
