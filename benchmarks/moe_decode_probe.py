@@ -12,7 +12,7 @@ decode kernels' input forms and nibble decodes side by side in one process:
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 
-`--section stages` (`--flash-only` / `--pro-only`, `--ts 1,8`): the two decode kernels alone with their K loop software-pipelined over 1-4
+`--section stages` (`--flash-only` / `--pro-only`, `--ts 1,8`, `--warps 2,4`: these warp counts and block_n up to 64): the two decode kernels alone with their K loop software-pipelined over 1-4
 stages (`stages`).
 
 `--section shapes`: the whole `moe_experts` call with its default launch shapes (`gemv_shapes`) against the one
@@ -127,9 +127,12 @@ def stages() -> int:
                     if kernel == "up":
                         return moe_up_gemv(xin, g, idxs[i % 8], None, ex, 10.0, cfg, **xkw)
                     return moe_down_gemv(hin, idxs[i % 8], None, ex, cfg, **hkw)
+                warps = [int(w) for w in sys.argv[sys.argv.index("--warps") + 1].split(",")] \
+                    if "--warps" in sys.argv else [cfg0.num_warps]
+                bns = (8, 16, 32, 64) if "--warps" in sys.argv else (8, 16, 32)
                 shapes_ = [(cfg0.block_n, cfg0.block_kh, cfg0.num_warps, (1, 2, 3, 4))]
-                shapes_ += [(bn, bkh, cfg0.num_warps, (1, 2, 3)) for bn in (8, 16, 32) for bkh in (128, 256, 512)
-                            if (bn, bkh) != (cfg0.block_n, cfg0.block_kh)]
+                shapes_ += [(bn, bkh, w, (1, 2, 3)) for w in warps for bn in bns for bkh in (128, 256, 512)
+                            if (bn, bkh, w) != (cfg0.block_n, cfg0.block_kh, cfg0.num_warps)]
                 for bn, bkh, w, sts in shapes_:
                     cells, ref = [], None
                     for st in sts:
