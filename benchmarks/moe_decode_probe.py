@@ -12,14 +12,16 @@ decode kernels' input forms and nibble decodes side by side in one process:
 
 Every variant's output is compared bitwise with the first. Run: `python benchmarks/moe_decode_probe.py` on a GPU.
 
-`--section stages` (`--flash-only` / `--pro-only`, `--ts 1,8`, `--warps 2,4`: these warp counts and block_n up to 64): the two decode kernels alone with their K loop software-pipelined over 1-4
-stages (`stages`).
+`--section stages`: the two decode kernels alone with their K loop software-pipelined over 1-4 stages
+(`stages`); `--flash-only` / `--pro-only`, `--ts 1,8` (token counts), `--warps 2,4` (these warp counts, block_n
+up to 64).
 
 `--section shapes`: the whole `moe_experts` call with its default launch shapes (`gemv_shapes`) against the one
 shape before them (`config=moe_config(P, E)`, both kernels alike) at T = 1 / 2 / 4 / 8 / 16 / 32, Flash and Pro:
 is the new default slower anywhere?
 
-`--section configs`: the up and the down decode kernel each alone (`moe_up_gemv` / `moe_down_gemv` with the
+`--section configs` (every shape unpipelined, against `moe_config`'s shape - the fourth session's sweep; the
+stages are `--section stages`): the up and the down decode kernel each alone (`moe_up_gemv` / `moe_down_gemv` with the
 default input form of that T: x quantized in the kernels at T = 1, act_quant's codes above), µs per call in a
 CUDA graph, for launch shapes (block_n, block_kh, num_warps) around the default `moe_config(P, E)`; per (geometry,
 T, kernel) the five fastest and the default, with max |y - y_default| / max |y_default| (block_kh sets the fp32
@@ -93,10 +95,11 @@ def configs() -> int:
 
 def stages() -> int:
     """`--section stages`: the up and the down decode kernel each alone (default input form of T, as `configs`) at
-    their default shape (`gemv_shapes`) with the K loop software-pipelined over 1 (the default: no pipelining) to 4
-    stages (`MoeConfig.num_stages`, `tl.range(num_stages=...)`: the next chunks' weight bytes in flight by cp.async
-    while the current one is decoded), then shapes around it at 2 and 3 stages; µs per call in a CUDA graph, and
-    whether each output is bitwise the 1-stage output of its shape (pipelining moves loads, not sums)."""
+    their default shape (`gemv_shapes`, block_n / block_kh / warps) with the K loop software-pipelined over 1 (no
+    pipelining) to 4 stages (`MoeConfig.num_stages`, `tl.range(num_stages=...)`: the next chunks' weight bytes in
+    flight by cp.async while the current one is decoded), then shapes around it at 1, 2 and 3 stages; µs per call
+    in a CUDA graph, and whether each output is bitwise the 1-stage output of its shape (pipelining moves loads,
+    not sums)."""
     from kernels.gemm import act_quant
     from kernels.moe import MoeConfig, gemv_shapes, moe_down_gemv, moe_up_gemv
     torch.manual_seed(0)

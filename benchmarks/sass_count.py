@@ -9,9 +9,8 @@ are byte-wise and the codegen is not a real launch's), disassembles the cubin wi
     TRITON_INTERPRET= python benchmarks/sass_count.py "moe._moe_up_gemv_kernel[codes]" --const DEC=1
 
 Prints, per kernel: its registers a thread (`cuobjdump -res-usage`); per loop: instructions per iteration and the
-10 most frequent opcodes. Divide by the weights a
-thread handles per iteration (the kernel's block shape / threads) for instructions per weight. Must run without
-TRITON_INTERPRET=1.
+10 most frequent opcodes. Divide by the weights a thread handles per iteration (the kernel's block shape /
+threads) for instructions per weight. Must run without TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def sass_of(name: str, cap: int, div: list[str], const: dict | None = None) -> str:
     """SASS text of the `kernels.targets` spec `name` compiled for sm_`cap` (pointers and `div` args 16-aligned),
-    with the constexprs in `const` replacing the spec's (e.g. {"DEC": 1})."""
+    with the constexprs in `const` replacing the spec's (e.g. {"DEC": 1}), followed by `cuobjdump -res-usage`'s
+    resource lines (REG:n registers a thread, shared memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -33,9 +33,10 @@ Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
     for one BN block run side by side and pairs that share an expert share its rows through L2 in any order (the
     stable `torch.sort` of the ids that put them in expert order cost 12-31 µs per layer and saved nothing:
     `benchmarks/decode_knobs_probe.py --section order`, RESULTS.md; `order` still accepted). Each program
-    runs the whole K loop in chunks of 2*BKH inputs on CUDA cores: packed bytes [BN, BKH] decoded to exact fp32
-    values (low nibble = even input, high = odd; x is loaded as its even / odd inputs instead of interleaving the
-    weights), FMA with x, a sum per 32-input group times that group's scale, then the SwiGLU epilogue
+    runs the whole K loop in chunks of 2*BKH inputs on CUDA cores (software-pipelined where its launch shape has
+    2 stages, `GEMV_SHAPES`: the next chunk's weight bytes in flight by cp.async): packed bytes [BN, BKH] decoded
+    to exact fp32 values (low nibble = even input, high = odd; x is loaded as its even / odd inputs instead of
+    interleaving the weights), FMA with x, a sum per 32-input group times that group's scale, then the SwiGLU epilogue
     (`_swiglu`). The input takes one of three forms with the same values (`moe_up_gemv`): at one token x itself,
     act-quantized in the kernel (`GEMV_QUANT_MAX_T`, two launches fewer); above, act_quant's e4m3 codes and block
     scales (`GEMV_CODES`: x quantized once); both multiply e4m3 code values by e2m1 * 2^-126 (`_fp4_gemv_codes`,
@@ -794,11 +795,12 @@ Pro (D 7168) 181.8-183.2 against 162.3-163.4 and 162.7. Above one token the pack
 GEMV_SHAPES = ((MoeConfig("gemv", 1, 32, 256, 4, 2), MoeConfig("gemv", 1, 32, 128, 4, 2)),
                (MoeConfig("gemv", 1, 16, 256, 4, 2), MoeConfig("gemv", 1, 32, 128, 4, 2)),
                (MoeConfig("gemv", 1, 32, 128, 2, 2), MoeConfig("gemv", 1, 32, 128, 2, 1)))
-"""`moe_experts`' default launch shapes (block_n, block_kh, num_warps) of the (up, down) decode kernels on the gemv
-path: at one token with the element-wise nibble decode (below GEMV_QUANT_PACKED_MIN_D), at one token with the
-packed decode, and above one token (act_quant's codes). Measured on one H100 (`benchmarks/moe_decode_probe.py
---section configs`: each kernel alone in a CUDA graph, 27 shapes, 8 routings of top-6 of random scores;
-benchmarks/RESULTS.md, fourth session of 2026-12-06), µs per call, the shape before (16, 256, 4 for both) -> this:
+"""`moe_experts`' default launch shapes (block_n, block_kh, num_warps, num_stages) of the (up, down) decode kernels
+on the gemv path: at one token with the element-wise nibble decode (below GEMV_QUANT_PACKED_MIN_D), at one token
+with the packed decode, and above one token (act_quant's codes). Shapes measured on one H100
+(`benchmarks/moe_decode_probe.py --section configs`: each kernel alone in a CUDA graph, 27 shapes, 8 routings of
+top-6 of random scores, all unpipelined; benchmarks/RESULTS.md, fourth session of 2026-12-06), µs per call, the
+shape before (16, 256, 4 for both) -> the fourth session's (up above one token (8, 512, 2), since replaced):
 Flash T = 1 up 49.3 -> 40.6, down 25.0 -> 22.2; T = 8 up 212.1 -> 197.6, down 114.8 -> 103.4; T = 32 up 793.2 ->
 752.6, down 438.9 -> 377.3; Pro T = 1 up 101.1 (kept), down 59.3 -> 54.6; T = 32 up 2104.1 -> 1944.1, down 1119.0
 -> 972.4. block_kh sets the fp32 summation order of a row (outputs within ~1e-3 of the old shapes' relative to
@@ -811,7 +813,8 @@ output bitwise its 1-stage output): 2 where it was faster - Flash T = 1 up (32, 
 kernel moves to (32, 128, 2) at 2 stages (Flash T = 8 198.1 -> 194.0 µs, T = 32 755.0 -> 705.6 against (8, 512,
 2) unpipelined; Pro T = 8 506.2 -> 498.6, T = 32 ~1944 -> 1834); the down kernel above one token gains nothing
 from stages (375.7 / 379.3 / 377.8 / 379.9 µs at 1-4 stages, Flash T = 32) and stays unpipelined. 3 and 4 stages
-were never faster than 2."""
+were never more than 1 % faster than 2 (and mostly slower). The batch-invariant mode's one shape (`moe_config`)
+stays unpipelined (not measured)."""
 
 GEMV_PACKED_F16 = True
 """Whether the gemv path's packed nibble decode (mma None / "bf16x2") uses fp16 lanes (`_e2m1_f16x2`,
@@ -1054,6 +1057,10 @@ def _check_config(cfg, D: int, I: int) -> None:
         D % cfg.block_n == 0 and I % cfg.block_n == 0 and cfg.block_kh >= 16 and \
         cfg.block_kh & (cfg.block_kh - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0 and \
         (cfg.path == "gemv" or cfg.block_m in (16, 32, 64, 128))
+    if ok and (not isinstance(cfg.num_stages, int) or isinstance(cfg.num_stages, bool) or
+               not 1 <= cfg.num_stages <= 4):
+        _fail("moe_experts", "config.num_stages", repr(cfg.num_stages),
+              "an int in 1..4 (pipeline stages of the K loop)")
     if not ok:
         _fail("moe_experts", "config", repr(cfg), f"a MoeConfig: path 'gemv'/'tiles', power-of-two block_n "
               f"dividing D = {D} and I = {I}, power-of-two block_kh >= 16, tiles: block_m in 16/32/64/128")

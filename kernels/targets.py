@@ -184,14 +184,22 @@ def _specs():
         ("moe._moe_up_gemv_kernel[unsorted]", moe._moe_up_gemv_kernel,
          dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
               h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False)),
-        # T = 1 (decode batch 1): x and h act-quantized inside the gemv kernels (moe.GEMV_QUANT_MAX_T)
+        # T = 1 (decode batch 1): x and h act-quantized inside the gemv kernels (moe.GEMV_QUANT_MAX_T), at the
+        # launched shapes (moe.GEMV_SHAPES): Flash's element-wise nibble decode (DEC 1), Pro's packed one (DEC 4)
         ("moe._moe_up_gemv_kernel[quant]", moe._moe_up_gemv_kernel,
          dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
-              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False, QUANT=1, DEC=2, STAGES=2)),
+              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=32, BKH=256, SORTED=False, QUANT=1, DEC=1, STAGES=2)),
+        ("moe._moe_up_gemv_kernel[quant-packed]", moe._moe_up_gemv_kernel,
+         dict(xq_ptr=bf, sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8", s3_ptr=u8,
+              h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BN=16, BKH=256, SORTED=False, QUANT=1, DEC=4, STAGES=2)),
         ("moe._moe_down_gemv_kernel[quant]", moe._moe_down_gemv_kernel,
          dict(hq_ptr=bf, sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BN=16, BKH=256, SORTED=False, QUANT=1, DEC=2, STAGES=2)),
-        # T > 1: x and h quantized once by act_quant (e4m3 codes + scales), the packed nibble decode
+         dict(BN=32, BKH=128, SORTED=False, QUANT=1, DEC=1, STAGES=2)),
+        ("moe._moe_down_gemv_kernel[quant-packed]", moe._moe_down_gemv_kernel,
+         dict(hq_ptr=bf, sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
+         dict(BN=32, BKH=128, SORTED=False, QUANT=1, DEC=4, STAGES=2)),
+        # T > 1: x and h quantized once by act_quant (e4m3 codes + scales), the packed nibble decode (bf16 lanes: an
+        # explicit mma "bf16x2"; fp16 lanes: the default), at the launched shapes
         ("moe._moe_up_gemv_kernel[codes]", moe._moe_up_gemv_kernel,
          dict(xq_ptr="*fp8e4nv", sx_ptr=f32, g_ptr=f32, order_ptr=i32, ids_ptr=i64, w1_ptr="*i8", s1_ptr=u8,
               w3_ptr="*i8", s3_ptr=u8, h_ptr=bf), ["limit"],
@@ -202,7 +210,7 @@ def _specs():
          dict(HAS_LIMIT=True, BN=32, BKH=128, SORTED=False, QUANT=2, DEC=4, STAGES=2)),
         ("moe._moe_down_gemv_kernel[codes]", moe._moe_down_gemv_kernel,
          dict(hq_ptr="*fp8e4nv", sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BN=16, BKH=256, SORTED=True, QUANT=2, DEC=2)),
+         dict(BN=32, BKH=128, SORTED=False, QUANT=2, DEC=4)),
         ("attention._step_index_kernel", attention._step_index_kernel, dict(P="*i64", COMP="*i64", IDX="*i64"),
          [], dict(INPLACE=True, MODE=1, BLOCK=256)),
         ("indexer._rotate_fp4_kernel", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64,

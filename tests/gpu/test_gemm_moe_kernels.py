@@ -273,7 +273,9 @@ def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatc
     decodes of the code-value route (the packed PTX in bf16 lanes, `_e2m1_bf16x2`, or fp16 lanes, `_e2m1_f16x2`
     with GEMV_PACKED_F16; element-wise, mma "bf16") give
     the same outputs bit for bit on the GPU at Flash / Pro width, T = 1 / 8 / 32; one token's x holds a NaN and
-    another an inf (the GPU's e4m3 -> fp32 conversion keeps the NaN code, which the interpreter does not)."""
+    another an inf (the GPU's e4m3 -> fp32 conversion keeps the NaN code, which the interpreter does not). The
+    default launch's software-pipelined K loops (GEMV_SHAPES' 2 stages) give bitwise the same shapes' unpipelined
+    outputs."""
     import kernels.moe as km
     E, D, I = GEOM[geom]
     ex = make_experts(E, D, I)
@@ -297,3 +299,15 @@ def test_moe_gemv_input_forms_and_decodes_are_bitwise_gpu(seed, geom, monkeypatc
         for key, y in outs.items():
             same = torch.equal(ref.isnan(), y.isnan()) and torch.equal(ref.nan_to_num(), y.nan_to_num())
             assert same, f"{geom} T{T}: GEMV_CODES={key[0]} mma={key[1]} GEMV_PACKED_F16={key[2]} differs"
+        # the default launch (K loops pipelined where GEMV_SHAPES says 2 stages) against the same shapes unpipelined:
+        # pipelining moves loads, not sums - bitwise (the interpreter ignores the stages: only a GPU sees this)
+        monkeypatch.setattr(km, "GEMV_CODES", True)
+        monkeypatch.setattr(km, "GEMV_PACKED_F16", True)
+        shapes = km.GEMV_SHAPES
+        assert any(c.num_stages > 1 for pair in shapes for c in pair)
+        piped = km.moe_experts(x, g, idx, ex, 10.0)
+        monkeypatch.setattr(km, "GEMV_SHAPES", tuple(tuple(c._replace(num_stages=1) for c in pair) for pair in shapes))
+        flat = km.moe_experts(x, g, idx, ex, 10.0)
+        monkeypatch.setattr(km, "GEMV_SHAPES", shapes)
+        same = torch.equal(piped.isnan(), flat.isnan()) and torch.equal(piped.nan_to_num(), flat.nan_to_num())
+        assert same, f"{geom} T{T}: the pipelined gemv launch differs from the same shapes unpipelined"

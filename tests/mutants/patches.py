@@ -625,17 +625,23 @@ def row_parallel_partial_rounded(mp: MP) -> None:
 # ------------------------------------------------------- fast paths the CPU hard stops did not see (issue 22 item 4)
 def _source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
     """`_jit_source_mutant` for a plain Python function or method (`module.name`, module a module or a class,
-    replaced by a copy of its source with `old` -> `new`, exactly one occurrence, executed in a copy of the
-    (defining) module's namespace)."""
+    replaced by a copy of its source with `old` -> `new`, exactly one occurrence). The copy is defined with the
+    defining module's LIVE globals (its `__dict__`, not a snapshot): a name the mutated function looks up at call
+    time - a kernel, a helper - is the module's current one, so a test that replaces it (e.g. a spy on a kernel
+    launch: `monkeypatch.setattr(km, "_moe_up_gemv_kernel", ...)`) observes the mutant's calls as it observes the
+    original's. With a snapshot the mutant called the unspied originals and a launch-choice test failed on ANY
+    rewrite, even one that changed nothing (a vacuous kill; found in the sixth session of 2026-12-06,
+    `test_source_mutants_see_live_module_globals`)."""
     import inspect
     import sys
     import textwrap
 
     src = textwrap.dedent(inspect.getsource(getattr(module, name)))
     assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times; update the mutant"
-    ns = dict(vars(sys.modules[module.__module__] if inspect.isclass(module) else module))
-    exec(compile(src.replace(old, new), f"<mutant {module.__name__}.{name}>", "exec"), ns)
-    mp.setattr(module, name, ns[name])
+    live = vars(sys.modules[module.__module__] if inspect.isclass(module) else module)
+    local: dict = {}
+    exec(compile(src.replace(old, new), f"<mutant {module.__name__}.{name}>", "exec"), live, local)
+    mp.setattr(module, name, local[name])
 
 
 def fp8_gemv_k_block_scale_dropped(mp: MP) -> None:

@@ -754,8 +754,9 @@ def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
     """`moe_experts`' gemv path launches the up and the down kernel with `gemv_shapes`' measured shapes (one
     token element-wise / packed, more tokens: GEMV_SHAPES), replaced by `moe_config(1, 1)`'s where a block_n does
     not divide the layer; a forced config and the batch-invariant mode keep one shape for both; each kernel is
-    launched with its config's block_n, warps and K-loop pipeline stages (`MoeConfig.num_stages`: 2 stages for
-    the measured shapes that gained from them); every choice against the reference."""
+    launched with its config's block_n, K chunk (block_kh reduced to divide the width), warps and K-loop pipeline
+    stages (`MoeConfig.num_stages`: 2 stages for the measured shapes that gained from them); every choice against
+    the reference."""
     import kernels.moe as km
     from kernels.moe import GEMV_SHAPES, gemv_shapes
     seen, launched = [], []
@@ -769,7 +770,7 @@ def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
 
         def __getitem__(self, grid):
             def launch(*a, **k):
-                launched.append((k["BN"], k["num_warps"], k["STAGES"]))
+                launched.append((k["BN"], k["BKH"], k["num_warps"], k["STAGES"]))
                 return self.kernel[grid](*a, **k)
             return launch
     monkeypatch.setattr(km, "_moe_up_gemv_kernel", Spy(km._moe_up_gemv_kernel))
@@ -788,7 +789,8 @@ def test_moe_decode_launches_the_measured_shapes(seed, monkeypatch):
         launched.clear()
         y = km.moe_experts(x, g, idx, ex, 10.0, mma=mma, **kw)
         assert seen == [("up", want[0]), ("down", want[1])], (T, floor, mma, kw, seen)
-        assert launched == [(c.block_n, c.num_warps, c.num_stages) for c in want], (T, floor, mma, kw, launched)
+        assert launched == [(c.block_n, km._chunk(c.block_kh, w // 2), c.num_warps, c.num_stages)
+                            for c, w in zip(want, (D, I))], (T, floor, mma, kw, launched)
         close_bf16(y, moe_grouped_ref(x, g, idx, ex, 10.0), f"moe y T{T} mma {mma} {kw}")
     assert GEMV_SHAPES[0][0].block_n == 32 and GEMV_SHAPES[1][0].block_n == 16  # the cases below rest on these
     assert gemv_shapes(1, 4096, 48, "bf16") == (moe_config(1, 1), GEMV_SHAPES[0][1])  # 32 does not divide I = 48
@@ -940,6 +942,9 @@ def test_moe_names_bad_input():
         moe_experts(x, g, idx, ex, 10.0, mma="bf16x4")
     with pytest.raises(ValueError, match="config is"):
         moe_experts(x, g, idx, ex, 10.0, config=MoeConfig("tiles", 48, 32, 32, 4, 1))
+    for bad in (0, 5, 2.0, True):  # the K loop's pipeline stages: an int in 1..4
+        with pytest.raises(ValueError, match=rf"config.num_stages is {bad!r}; expected an int in 1..4"):
+            moe_experts(x, g, idx, ex, 10.0, config=MoeConfig("gemv", 1, 16, 32, 4, bad))
 
 
 def _run_ptx(ptx: str, regs: dict) -> dict:

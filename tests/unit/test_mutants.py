@@ -180,3 +180,25 @@ def test_mutant_table_lists_every_mutant(doc):
     for m in MUTANTS.values():
         for node in m.killers:
             assert f"`{node.split('/')[-1]}`" in text, f"{doc}: killer {node} of {m.name} not in the table"
+
+
+def test_source_mutants_see_live_module_globals(tmp_path, monkeypatch):
+    """`_source_mutant` defines the mutated function against its module's live globals: a name it calls is looked
+    up in the module at call time, so a test's spy on a launch (a module-level kernel replaced by
+    `monkeypatch.setattr`) sees the mutant's calls. A snapshot of the namespace (the code before the sixth session
+    of 2026-12-06) called the unspied original, and the launch-choice tests "killed" any rewrite, even one that
+    changed nothing - the last assertion is that negative case."""
+    import importlib.util
+
+    from tests.mutants.patches import _source_mutant
+
+    path = tmp_path / "dsv4_source_mutant_probe.py"
+    path.write_text("def helper():\n    return 'real'\n\n\ndef launcher():\n    return helper() + '!'\n",
+                    encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("dsv4_source_mutant_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _source_mutant(monkeypatch, mod, "launcher", "+ '!'", "+ '?'")
+    assert mod.launcher() == "real?"  # the mutation applied
+    monkeypatch.setattr(mod, "helper", lambda: "spy")
+    assert mod.launcher() == "spy?", "the mutated function called a snapshot of its module's globals, not the spy"
