@@ -455,8 +455,9 @@ def sampler_noise_multiplied(mp: MP) -> None:
 def _jit_source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
     """Replace the `@triton.jit` function `module.name` by a copy of its source with `old` -> `new` (exactly one
     occurrence, else AssertionError: the kernel changed, update the mutant). The copy is written to a temporary
-    file (Triton's interpreter re-reads kernel source) and executed in a copy of the module's namespace;
-    callers look the function up in the module at call time, so they run the mutant."""
+    file (Triton's interpreter re-reads kernel source) and defined against the module's live globals (as
+    `_source_mutant`: a name it reads is the module's current one, a test's monkeypatch included); callers look the
+    function up in the module at call time, so they run the mutant."""
     import inspect
     import tempfile
     import textwrap
@@ -466,9 +467,9 @@ def _jit_source_mutant(mp: MP, module, name: str, old: str, new: str) -> None:
     assert src.count(old) == 1, f"{module.__name__}.{name}: {old!r} occurs {src.count(old)} times; update the mutant"
     path = Path(tempfile.mkdtemp(prefix="dsv4_mutant_")) / f"{name}.py"
     path.write_text(src.replace(old, new), encoding="utf-8")
-    ns = dict(vars(module))
-    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), ns)
-    mp.setattr(module, name, ns[name])
+    local: dict = {}
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), vars(module), local)
+    mp.setattr(module, name, local[name])
 
 
 def hc_eps_dropped_in_kernel(mp: MP) -> None:
