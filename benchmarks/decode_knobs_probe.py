@@ -6,10 +6,12 @@ process, µs per call in a CUDA graph (`bench_gemm.gpu_time`), Flash width (and 
     split shorter than `kernels.attention.decode_min_split_tiles`) against the rule before it (one wave only:
     `num_splits = min(tiles, SMs // programs)`, given explicitly), Flash (64 heads) and Pro (128 heads).
 `--section order`: the routed experts' two gemv kernels (`moe_up_gemv` + `moe_down_gemv`, default shapes and input
-    form of that T) with the pairs in expert order (the `torch.sort` of the ids, as `moe_experts` ran them at T > 1 before the fifth session of 2026-12-06)
+    form of that T) with the pairs in expert order (the `torch.sort` of the ids, as `moe_experts` ran them at T > 1
+    before the fifth session of 2026-12-06)
     against pair order (order None), and the sort itself (sort + int32 cast), Flash and Pro.
 `--section fp8`: the FP8 linears of a Flash layer at M = 8 / 32 / 64 rows (the decode GEMV, `fp8_linear` with
-    `gemv=gemv_config(...)`: its default below DECODE_TILES_MIN_M rows) against act_quant + torch's blockwise `F.scaled_mm` (CUTLASS, what a user would run) and act_quant
+    `gemv=gemv_config(...)`: its default below DECODE_TILES_MIN_M rows) against act_quant + torch's blockwise
+    `F.scaled_mm` (CUTLASS, what a user would run) and act_quant
     + the prefill tile kernel `_fp8_gemm_kernel` at 64-row tiles (wgmma), over weight copies that L2 cannot hold,
     with the byte floor (weight bytes / the measured copy bandwidth).
 `--section mhc`: `hc_pre` with the fused RMSNorm: the one-launch kernel at ONE_LAUNCH_TOK tokens per block 1 / 2 /

@@ -53,8 +53,8 @@ def main() -> int:
                     out = hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True, **kw, **v)
                     err = max(float((o.float() - r.float()).abs().max() / r.float().abs().max())
                               for o, r in zip(out, ref))
-                    us = gpu_time(lambda i: hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True, **kw, **v),
-                                  iters=20, reps=5)
+                    us = gpu_time(lambda i: hc_post_pre(a, H, post, comb, fn, base, scale, norm=norm, one_launch=True,
+                                                        **kw, **v), iters=20, reps=5)
                     rows.append((us, (w, bd), err))
                 except Exception as e:  # noqa: BLE001
                     print(f"  [{v}: {type(e).__name__}: {str(e).splitlines()[0][:120]}]", file=sys.stderr)

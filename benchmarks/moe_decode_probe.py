@@ -47,8 +47,22 @@ VARIANTS = (("sim / fp16", False, "bf16", False), ("codes / int", True, "bf16", 
 CONFIG_SWEEP = [(bn, bkh, w) for bn in (8, 16, 32) for bkh in (128, 256, 512) for w in (2, 4, 8)]
 
 
-def configs() -> int:
+def _gemv_inputs(T: int, E: int, D: int, I: int):
+    """Inputs of the two decode kernels alone, in the form `moe_experts` gives them at T tokens: 8 routings (top-6
+    of random scores) idxs, gate weights g, then (x input, its keywords, h input, its keywords) - x / h themselves
+    with quant=True at one token (GEMV_QUANT_MAX_T), act_quant's codes with their scales sx above."""
     from kernels.gemm import act_quant
+    x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
+    idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+    g = torch.rand(T, 6, device="cuda") + 0.1
+    h = (torch.randn(T * 6, I, device="cuda") * 0.3).to(torch.bfloat16)
+    if T == 1:
+        return idxs, g, x, dict(quant=True), h, dict(quant=True)
+    (xq, sx), (hq, sh) = act_quant(x), act_quant(h)
+    return idxs, g, xq, dict(sx=sx), hq, dict(sx=sh)
+
+
+def configs() -> int:
     from kernels.moe import MoeConfig, moe_config, moe_down_gemv, moe_up_gemv
     torch.manual_seed(0)
     print("| geometry | T | kernel | default (BN, BKH, warps) µs | five fastest (BN, BKH, warps): µs, rel err |")
@@ -56,17 +70,8 @@ def configs() -> int:
     for geom, (E, D, I), Ts in (("flash", (256, 4096, 2048), (1, 8, 32)), ("pro", (384, 7168, 3072), (1, 32))):
         ex = moe_inputs(E, D, I)
         for T in Ts:
-            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
-            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
+            idxs, g, xin, xkw, hin, hkw = _gemv_inputs(T, E, D, I)
             orders = [None] * 8  # pair order, as `moe_experts` launches them since the fifth session of 2026-12-06
-            g = torch.rand(T, 6, device="cuda") + 0.1
-            h = (torch.randn(T * 6, I, device="cuda") * 0.3).to(torch.bfloat16)
-            if T == 1:
-                xin, xkw, hin, hkw = x, dict(quant=True), h, dict(quant=True)
-            else:
-                xq, sx = act_quant(x)
-                hq, sh = act_quant(h)
-                xin, xkw, hin, hkw = xq, dict(sx=sx), hq, dict(sx=sh)
             default = moe_config(6 * T, E)
             for kernel in ("up", "down"):
                 def call(i, cfg):
@@ -100,7 +105,6 @@ def stages() -> int:
     flight by cp.async while the current one is decoded), then shapes around it at 1, 2 and 3 stages; µs per call
     in a CUDA graph, and whether each output is bitwise the 1-stage output of its shape (pipelining moves loads,
     not sums)."""
-    from kernels.gemm import act_quant
     from kernels.moe import MoeConfig, gemv_shapes, moe_down_gemv, moe_up_gemv
     torch.manual_seed(0)
     geoms = (("flash", (256, 4096, 2048), (1, 8, 32)), ("pro", (384, 7168, 3072), (1, 32)))
@@ -115,16 +119,7 @@ def stages() -> int:
     for geom, (E, D, I), Ts in geoms:
         ex = moe_inputs(E, D, I)
         for T in Ts:
-            x = (torch.randn(T, D, device="cuda") * 0.3).to(torch.bfloat16)
-            idxs = [torch.rand(T, E, device="cuda").topk(6, dim=-1).indices for _ in range(8)]
-            g = torch.rand(T, 6, device="cuda") + 0.1
-            h = (torch.randn(T * 6, I, device="cuda") * 0.3).to(torch.bfloat16)
-            if T == 1:
-                xin, xkw, hin, hkw = x, dict(quant=True), h, dict(quant=True)
-            else:
-                xq, sx = act_quant(x)
-                hq, sh = act_quant(h)
-                xin, xkw, hin, hkw = xq, dict(sx=sx), hq, dict(sx=sh)
+            idxs, g, xin, xkw, hin, hkw = _gemv_inputs(T, E, D, I)
             for kernel, cfg0 in zip(("up", "down"), gemv_shapes(T, D, I, None)):
                 def call(i, cfg):
                     if kernel == "up":

@@ -904,7 +904,8 @@ class Block(nn.Module):
         `Attention.extend`) or the
         decode step's device position [1] (`Attention.forward`). Each site: hc_pre with the site's norm module
         (x = attn_norm / ffn_norm of the mHC collapse: `kernels.mhc.hc_pre_ref` calls it; the triton backend runs it as
-        one more launch after mix + finish by default, fused only on the mHC one-launch path), the sub-block, hc_post."""
+        one more launch after mix + finish by default, fused only on the mHC one-launch path), the sub-block,
+        hc_post."""
         H = self._site(H, "attn", lambda x: self.attn(x, pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(x, input_ids), backend)
 

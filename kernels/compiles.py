@@ -26,7 +26,8 @@ fixed set and model constants only, and the threshold choices `dsv4.warmup` prob
   mhc            `_hc_mix_kernel` per tile set (T < / >= 1024) and site kind; `_hc_finish_kernel`, `_hc_fused_kernel`
                  per site kind (hc_pre / hc_head); `_hc_post_kernel` BT 2 / 4 (T < 4); `_hc_post_pre_kernel` one;
   gemm / fp32_linear / moe   the decode GEMVs per row bucket (BM = next power of two of M <= 64) and launch
-                 config, `_fp8_gemm_kernel` at DECODE_TILE (9..64 rows, `fp8_linear`'s default there), and `_bf16w_gemv_kernel` by M's class (== 1, % 16) within a bucket (M <= 64: a finite
+                 config, `_fp8_gemm_kernel` at DECODE_TILE (9..64 rows, `fp8_linear`'s default there), and
+                 `_bf16w_gemv_kernel` by M's class (== 1, % 16) within a bucket (M <= 64: a finite
                  set, all of it warmed); the MoE paths by pair count (GEMV / 16x64 / 32x128 tiles);
   norm, quant, rope, compressor   one per model width (and call site); `_head_rms_kernel` per width x RoPE
                  (the q finish) x shared / per-row positions, `_kv_finish_kernel` per width x call site (kv, CSA /

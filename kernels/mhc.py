@@ -382,7 +382,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                          HC: tl.constexpr, N_MIX: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
                          IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
                          BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr, NORM: tl.constexpr):
-        """ONE launch (`one_launch=True`; not the default): grid (token blocks of TOK tokens, splits). Every program writes its split partial,
+        """ONE launch (`one_launch=True`; not the default): grid (token blocks of TOK tokens, splits). Every program
+        writes its split partial,
         then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
         threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
         and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
@@ -674,7 +675,8 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
     scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (default: two
-    launches at every T), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad value.
+    launches at every T), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad
+    value.
     """
     T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
     _check_hc("hc_head", hc)
