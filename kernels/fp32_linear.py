@@ -25,7 +25,13 @@ Paths (chosen by M, never by a failure):
     (benchmarks/RESULTS.md); under the interpreter (whose bf16 dots are not faithful in triton 3.9) the three
     pieces are multiplied in fp32 "ieee" dots - the same exact values.
   * M > GEMV_MAX_M (prefill of the router / compressor at T tokens; the head runs on the last position only):
-    upcast the weight and `torch.mm` in fp32 (cuBLAS, what the dequantized model runs; an [N, K] fp32 temporary).
+    x bf16 on CUDA (the official numerics: the block's normed activations): cuBLAS's bf16 GEMM with an fp32
+    output (`torch.mm(..., out_dtype=torch.float32)`): every product of two bf16 values is exact in fp32 and the
+    tensor cores sum them in fp32 - the official fp32 GEMM's products in another summation order, without the
+    fp32 copies of x and W (issue 27: the fp32 SIMT GEMMs were 1.4 of 19.1 ms of a 4096-token Flash prefill
+    layer, `benchmarks/layer_profile.py`; `benchmarks/latency_probe.py --section fp32lin` times both). Otherwise
+    (x fp32, or the CPU interpreter, which has no such op): upcast both and `torch.mm` in fp32 (cuBLAS, what the
+    dequantized model runs; [M, K] and [N, K] fp32 temporaries).
 Small N (the router: N = 256, K = 4096) is split over K (about two programs per SM); the last program of an N
 block (an acq_rel semaphore from `kernels.launch.workspace`) sums the fp32 partials in split order and writes y
 (deterministic). Nothing is read back to the host (CUDA-graph capturable). A NaN / inf in x reaches y as in the
@@ -246,6 +252,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
             _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, invariant_blocks(N), bm, False, 4)
         return out
     if M > GEMV_MAX_M:
+        if x.dtype == torch.bfloat16 and x.is_cuda:  # exact bf16 products, summed in fp32 on the tensor cores
+            return torch.mm(x.detach(), weight.detach().T, out_dtype=torch.float32, out=out)
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
     dot = M > ROWS_MAX
     BN, BK = DEFAULT_BLOCKS[dot] if block is None else block
