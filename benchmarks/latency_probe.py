@@ -3,10 +3,12 @@ a CUDA graph (`bench_gemm.gpu_time`: µs per call, best of 5 replays of 20 calls
 that isolate one term of its cost; every variant's outputs against the default's (max |diff| / max |ref|, or
 "same set" / "bitwise" where that is the claim):
 
+`--section trig`: one program computing RoPE angles on a [1, 32] / [1, 128] / [16, 128] tile: the product alone,
+    fp64 cos + sin (the kernels' form), fp32 cos + sin, at positions 4095 and 5.
 `--section empty`: a one-program and a 132-program Triton kernel that stores one value per program (the fixed cost
     of one launch in a graph), and a chain of 8 dependent ones (the per-boundary cost).
 `--section rotate`: the indexer query's RoPE + Hadamard + FP4 rounding (`rope_rotate_fp4`, [b, 1, 64, 128]) against
-    the same without the RoPE (`rotate_fp4`): what the fp64 angles cost.
+    the same without the RoPE (`rotate_fp4`): what the RoPE inside the launch costs.
 `--section topk`: the indexer's top-512 of 1024 entries (a CSA layer at 4096 context) per query row at batch 1 / 8 /
     32: sorted picks (the default) against the same set unsorted, and num_warps 4 / 8 / 16.
 `--section mhc`: one mHC site at T = 1 / 8 / 32 (D 4096, hc 4): hc_post alone, hc_pre (split-K mix + finish) at 20
@@ -14,7 +16,7 @@ that isolate one term of its cost; every variant's outputs against the default's
 `--section fp32lin`: the prefill's fp32-compute linears (router, compressor wkv / wgate) at 1024 / 4096 rows of
     bf16 x: the fp32 GEMM on upcast copies against the bf16 GEMM with an fp32 output (`kernels.fp32_linear`).
 
-Run on a GPU: `python benchmarks/latency_probe.py [--section empty|rotate|topk|mhc|fp32lin]` (no --section: all).
+Run on a GPU: `python benchmarks/latency_probe.py [--section trig|empty|rotate|topk|mhc|fp32lin]` (no --section: all).
 """
 
 from __future__ import annotations
@@ -147,7 +149,39 @@ def fp32lin() -> None:
             print(f"| {M} | {N} x {K} | {a:.1f} | {b:.1f} | {a / b:.2f} | {e_old:.1e}, {e_new:.1e} |", flush=True)
 
 
-SECTIONS = {"empty": empty, "rotate": rotate, "topk": topk, "mhc": mhc, "fp32lin": fp32lin}
+@triton.jit
+def _trig_kernel(pos_ptr, f_ptr, out_ptr, MODE: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, C)[None, :]
+    p = tl.load(pos_ptr + r * 0)
+    f = tl.load(f_ptr + c % 32)
+    if MODE == 0:
+        y = (p.to(tl.float64) * f).to(tl.float32)
+    elif MODE == 1:
+        ang = p.to(tl.float64) * f
+        y = tl.cos(ang).to(tl.float32) + tl.sin(ang).to(tl.float32)
+    else:
+        ang = (p.to(tl.float64) * f).to(tl.float32)
+        y = tl.cos(ang) + tl.sin(ang)
+    tl.store(out_ptr + r * C + c, y)
+
+
+def trig() -> None:
+    """One program computing RoPE angles p * inv_freq on an [R, C] tile: the product alone, fp64 cos + sin (what
+    the kernels do, for bitwise agreement with the reference), fp32 cos + sin of the rounded angle; at position
+    4095 and 5 (the fp64 range reduction may take a slow path for large arguments)."""
+    rd = 64
+    f = (1.0 / 10000 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)).cuda()
+    out = torch.empty(16 * 128, device="cuda")
+    print("\n| tile | position | product only µs | fp64 cos + sin µs | fp32 cos + sin µs |\n|---|---:|---:|---:|---:|")
+    for R, C in ((1, 32), (1, 128), (16, 128)):
+        for p in (4095, 5):
+            pos = torch.tensor([p], dtype=torch.int64, device="cuda")
+            t = [gpu_time(lambda i: _trig_kernel[(1,)](pos, f, out, MODE=m, R=R, C=C)) for m in (0, 1, 2)]
+            print(f"| [{R}, {C}] | {p} | {t[0]:.2f} | {t[1]:.2f} | {t[2]:.2f} |", flush=True)
+
+
+SECTIONS = {"trig": trig, "empty": empty, "rotate": rotate, "topk": topk, "mhc": mhc, "fp32lin": fp32lin}
 
 
 def main(argv=None) -> int:

@@ -622,8 +622,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["R", "S"])  # issue 29: the row count (tokens x heads) varies per step
     def _rotate_fp4_kernel(x_ptr, y_ptr, R, scale, pos_ptr=None, f_ptr=None, S=1, H=1, RD2=0,
                            N: tl.constexpr = 128, BR: tl.constexpr = 16, MMA: tl.constexpr = 1,
-                           ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False,
-                           TOK_ROW: tl.constexpr = False):
+                           ROPE: tl.constexpr = False, PER_ROW: tl.constexpr = False):
         """BR rows of x [R, N] bf16 per program: y = fp4_sim(bf16(x @ S * scale)), S_kj = (-1)^popcount(k & j)
         built in registers (symmetric, so S = S^T), scale = the reference's fp32 1/sqrt(N). The products with +-1
         are exact; MMA 1: one bf16 tensor-core dot (x is bf16 already), MMA 0 (interpreter, whose bf16 dots and
@@ -631,30 +630,20 @@ if triton is not None:
         under the interpreter), the FP4 simulation `kernels.quant._fp4_sim_tile` on [BR * N / 32, 32] blocks.
         ROPE (`rope_rotate_fp4`): first the row's last 2*RD2 columns rotated at its token's position (row = (b*S +
         t)*H + h; pos[t], or pos[b, t] with PER_ROW) with `kernels.rope._rope_tail_kernel`'s operations (fp64
-        angle, fp32 pair rotation, one rounding to bf16), so the result is bitwise `rope_tail_` then this.
-        TOK_ROW (H % BR == 0: the BR rows of a program are heads of one token): the angles are computed once, on
-        the [N] columns of that token, not on [BR, N] (the same fp64 products and cos / sin per element, 1/BR of
-        the fp64 work: the angles were 7.4 of the 11.4 µs of a batch-1 launch, `benchmarks/latency_probe.py`)."""
+        angle, fp32 pair rotation, one rounding to bf16), so the result is bitwise `rope_tail_` then this."""
         rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
         cols = tl.arange(0, N)
         mask = (rows < R)[:, None]
         offs = rows[:, None] * N + cols[None, :]
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         if ROPE:
+            tok = rows // H
+            if not PER_ROW:
+                tok = tok % S
+            p = tl.load(pos_ptr + tok, mask=rows < R, other=0)
             jr = cols - (N - 2 * RD2)
             isr = jr >= 0
-            f = tl.load(f_ptr + jr // 2, mask=isr, other=0.0)
-            if TOK_ROW:  # one token per program: its angles once, [1, N]
-                tok1 = (tl.program_id(0).to(tl.int64) * BR) // H
-                if not PER_ROW:
-                    tok1 = tok1 % S
-                ang = (tl.load(pos_ptr + tok1).to(tl.float64) * f)[None, :]
-            else:
-                tok = rows // H
-                if not PER_ROW:
-                    tok = tok % S
-                p = tl.load(pos_ptr + tok, mask=rows < R, other=0)
-                ang = p.to(tl.float64)[:, None] * f[None, :]
+            ang = p.to(tl.float64)[:, None] * tl.load(f_ptr + jr // 2, mask=isr, other=0.0)[None, :]
             c = tl.cos(ang).to(tl.float32)
             sn = tl.sin(ang).to(tl.float32)
             xf = x.to(tl.float32)
@@ -691,8 +680,7 @@ def _rotate_scale(n: int) -> float:
 def rope_rotate_fp4(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int) -> torch.Tensor:
     """The indexer query's RoPE and rotation in ONE launch (issue 27; the triton backend's `rope_rotate_fp4`
     entry): `rotate_fp4(kernels.rope.rope_tail_(x, pos, inv_freq, rd))`, bitwise (the tail's rotation is
-    `_rope_tail_kernel`'s operations inside `_rotate_fp4_kernel`; with h a multiple of 16 - V4's 64 heads - the
-    angles are computed once per token, TOK_ROW). x [b, s, h, n] bf16 contiguous; pos int64 [s] or
+    `_rope_tail_kernel`'s operations inside `_rotate_fp4_kernel`). x [b, s, h, n] bf16 contiguous; pos int64 [s] or
     [b, s] contiguous; inv_freq [rd/2] fp64; rd even <= n. Returns [b, s, h, n] bf16. Raises ValueError naming a bad
     argument (as `rotate_fp4`)."""
     where = "kernels.indexer.rope_rotate_fp4"
@@ -721,7 +709,7 @@ def rope_rotate_fp4(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, 
         _rotate_fp4_kernel[(triton.cdiv(rows, _ROTATE_BR),)](x, y, rows, _rotate_scale(n), pos, inv_freq, S, H,
                                                              rd // 2, N=n, BR=_ROTATE_BR,
                                                              MMA=0 if interpreting() else 1, ROPE=True,
-                                                             PER_ROW=pos.dim() == 2, TOK_ROW=H % _ROTATE_BR == 0,
+                                                             PER_ROW=pos.dim() == 2,
                                                              num_warps=4 if n <= 128 else 8)
     return y
 

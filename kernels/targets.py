@@ -219,9 +219,6 @@ def _specs():
         ("indexer._rotate_fp4_kernel[rope]", indexer._rotate_fp4_kernel, dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64,
                                                                                f_ptr="*fp64"), ["scale"],
          dict(N=128, BR=16, MMA=1, ROPE=True, PER_ROW=True)),
-        ("indexer._rotate_fp4_kernel[rope-token]", indexer._rotate_fp4_kernel,
-         dict(x_ptr=bf, y_ptr=bf, pos_ptr=i64, f_ptr="*fp64"), ["scale"],
-         dict(N=128, BR=16, MMA=1, ROPE=True, PER_ROW=False, TOK_ROW=True)),
     ]
     for extra in getattr(attention, "TARGET_SPECS", ()):  # kernels added later register their own spec
         specs.append(extra)

@@ -251,13 +251,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
             BF16_BACKEND + "test_one_row_decode_every_path_matches_reference")),
     Mutant("indexer_q_rope_unpaired", "the indexer query's fused RoPE rotates each element with itself",
            patches.indexer_q_rope_unpaired,
-           ("tests/unit/test_indexer_kernels.py::test_rope_rotate_fp4_is_rope_tail_then_rotate_fp4"
-            "[pos-bs-rows-of-two-tokens]",
+           ("tests/unit/test_indexer_kernels.py::test_rope_rotate_fp4_is_rope_tail_then_rotate_fp4[pos-bs]",
             BF16_BACKEND + "test_one_row_decode_every_path_matches_reference")),
-    Mutant("indexer_q_rope_token_of_row", "the indexer query's once-per-token RoPE angles taken at the wrong token",
-           patches.indexer_q_rope_token_of_row,
-           ("tests/unit/test_indexer_kernels.py::test_rope_rotate_fp4_is_rope_tail_then_rotate_fp4"
-            "[pos-bs-angles-once-per-token]",)),
     Mutant("indexer_scores_scale_unrounded", "the fused head-weight scale of the indexer kept in fp32",
            patches.indexer_scores_scale_unrounded,
            ("tests/unit/test_indexer_kernels.py::test_indexer_scores_scaled_is_the_product_then_the_scores",)),

@@ -1031,16 +1031,6 @@ def indexer_q_rope_unpaired(mp: MP) -> None:
     _jit_source_mutant(mp, indexer, "_rotate_fp4_kernel", "(cols ^ 1)[None, :]", "cols[None, :]")
 
 
-def indexer_q_rope_token_of_row(mp: MP) -> None:
-    """The rotation kernel's once-per-program RoPE angles (`_rotate_fp4_kernel` TOK_ROW: the rows of a program are
-    heads of one token) taken at token program_id // H - the program index read as a row index - instead of the
-    token of the program's first row (program_id * BR // H); the per-row path and the references are right."""
-    from kernels import indexer
-
-    _jit_source_mutant(mp, indexer, "_rotate_fp4_kernel", "tok1 = (tl.program_id(0).to(tl.int64) * BR) // H",
-                       "tok1 = tl.program_id(0).to(tl.int64) // H")
-
-
 def indexer_scores_scale_unrounded(mp: MP) -> None:
     """The scoring kernel's head-weight scale (`_score_chunk` SCALED: the one-launch `indexer_scores_scaled`)
     keeps the fp32 product instead of rounding it to bf16 as the model's bf16 multiply does (spec §7.2); the
