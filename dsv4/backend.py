@@ -62,8 +62,10 @@ class Backend:
     sparse_attn: Callable
     indexer_scores: Callable
     # issue 14: top-k selection (None = the model's shared `indexer_topk_ref`, looked up in dsv4.model at call
-    # time, as the reference backend does)
+    # time, as the reference backend does) and the fused decode layer boundary
+    # `hc_post_pre(a, H, post, comb, fn, base, scale, ...)` = hc_post of one site then hc_pre of the next.
     indexer_topk: Callable | None = None
+    hc_post_pre: Callable | None = None
     # Model-level entries (issue 13; tensor signatures since issue 23), signatures of the references:
     #   linear(x, weight, scale, act_block, fp32) -> y   `kernels.gemm.linear_ref`  (every Linear.forward; the
     #                                                    weight as held: codes + ue8m0 scale, or a float weight)
@@ -94,6 +96,10 @@ class Backend:
     # quantization simulations (graph decode): `kernels.numerics.act_quant_sim(x, block)` / `fp4_act_quant_sim`
     act_quant_sim: Callable | None = None
     fp4_act_quant_sim: Callable | None = None
+    # the decode-sized threshold of the fused layer boundary: `Transformer` defers each hc_post into the next
+    # hc_pre (`hc_post_pre`) when b*s <= this (triton: `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, where the fused
+    # kernel runs; reference: 0, never: its `hc_post_pre_ref` composes hc_post then hc_pre, the same maths)
+    hc_post_pre_max_t: int = 0
     # stack_experts(experts) -> StackedExperts: `Transformer.__init__` stacks each layer's routed experts once
     # with it where `kernels.moe.stackable` holds and the activations are bf16 (`MoE.stackable`), and hands the
     # stack to `moe_routed` (triton: `kernels.moe.stack_experts`, for the grouped kernel; reference: None, never)
@@ -183,7 +189,7 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
     if name == "reference":
         return Backend("reference", mhc.hc_pre_ref, mhc.hc_post_ref, mhc.hc_head_ref,
                        attention.sparse_attn_ref, indexer.indexer_scores_ref,
-                       indexer_topk=None,
+                       indexer_topk=None, hc_post_pre=mhc.hc_post_pre_ref,
                        linear=gemm.linear_ref, grouped_linear=gemm.grouped_linear_ref,
                        moe_routed=moe.moe_routed_ref, fp32_linear=kfp32.fp32_linear_ref, route=router.route_ref,
                        compress_pool=compressor.compress_pool_ref,
@@ -202,27 +208,27 @@ def get_backend(name: str, device: torch.device, batch_invariant: bool = False) 
         if batch_invariant:
             return Backend("triton", functools.partial(mhc.hc_pre, invariant=True), mhc.hc_post,
                            functools.partial(mhc.hc_head, invariant=True), attention.invariant_sparse_attn,
-                           indexer.indexer_scores, indexer_topk=indexer.indexer_topk,
+                           indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                            linear=invariant.linear, grouped_linear=invariant.grouped_linear,
                            moe_routed=invariant.moe_routed, fp32_linear=invariant.fp32_linear, route=router.route,
                            compress_pool=compressor.compress_pool,
                            compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                            rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                            fp4_act_quant_sim=kquant.fp4_act_quant_sim,
-                           stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
+                           hc_post_pre_max_t=0, stack_experts=moe.stack_experts, head_rms=invariant.head_rms,
                            hadamard=invariant.hadamard, pool_windows=invariant.pool_windows,
                            step_index=attention.step_index, moe_combine=moe.moe_combine,
                            swiglu_joint=moe.swiglu_joint, join_linears=True, kv_finish=rope.kv_finish,
                            q_finish=norm.head_rms_rope, batch_invariant=True)
         return Backend("triton", mhc.hc_pre, mhc.hc_post, mhc.hc_head, attention.sparse_attn,
-                       indexer.indexer_scores, indexer_topk=indexer.indexer_topk,
+                       indexer.indexer_scores, indexer_topk=indexer.indexer_topk, hc_post_pre=mhc.hc_post_pre,
                        linear=gemm.linear, grouped_linear=gemm.grouped_linear, moe_routed=moe.moe_routed,
                        fp32_linear=kfp32.fp32_linear_op, route=router.route,
                        compress_pool=compressor.compress_pool,
                        compress_commit=compressor.compress_commit, rms_norm=norm.rms_norm_op,
                        rope_tail=rope.rope_tail_, act_quant_sim=kquant.act_quant_sim,
                        fp4_act_quant_sim=kquant.fp4_act_quant_sim,
-                       stack_experts=moe.stack_experts,
+                       hc_post_pre_max_t=mhc.POST_PRE_ONE_LAUNCH_MAX_T, stack_experts=moe.stack_experts,
                        head_rms=norm.head_rms, step_index=attention.step_index, rotate_fp4=indexer.rotate_fp4,
                        moe_combine=moe.moe_combine, swiglu_joint=moe.swiglu_joint, join_linears=True,
                        kv_finish=rope.kv_finish, q_finish=norm.head_rms_rope, linear_swiglu=moe.linear_swiglu,

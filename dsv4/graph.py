@@ -12,7 +12,7 @@ into the graph's static outputs, `LayerState.trail`): the record refers to those
 replay of that capture, i.e. for the one rollback right after the verify call (the record's staleness check
 refuses any later use); the rings before the call are cloned eagerly, on the stream, before the replay. A residual
 observer gets its own capture (the plain layer loop, recording each block's streams); without one the capture runs
-the model's layer loop. The final
+the backend's layer loop (boundaries deferred only where its `hc_post_pre_max_t` asks: not by default). The final
 path (hc_head -> norm -> head) runs eagerly after the replay, through the
 modules, so forward hooks (the final-norm check) observe it.
 

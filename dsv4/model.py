@@ -15,9 +15,10 @@ Numerics (`dtype` argument of `Transformer`):
 The hot paths (mHC pre/post/head, sparse attention, indexer scoring) go through a `Backend`
 (`dsv4/backend.py`): the reference backend is the `*_ref` maths in `kernels/`, the triton backend their
 kernels. Top-k selection follows one rule in prefill and decode (`kernels.indexer.indexer_topk_ref`; the
-triton backend's `indexer_topk` returns the same picks bitwise, tested). Every layer runs `Block.forward`: each
-site's hc_pre, sub-block and hc_post in turn (the fused layer boundary `kernels.mhc.hc_post_pre` was measured slower
-than the separate launches and is not on the model's path).
+triton backend's `indexer_topk` returns the same picks bitwise, tested). A backend whose `hc_post_pre_max_t` is set
+defers, at decode sizes, each hc_post into the next site's hc_pre (`Block.forward_deferred`: one launch per layer
+boundary when its `hc_post_pre` runs the fused kernel); neither backend sets it by default (0: the separate
+launches were measured faster, `kernels.mhc`).
 
 Decode state (`DecodeState`, made by `Transformer.new_state(batch, max_len)`, `dsv4/state.py`) holds, per layer,
 preallocated for max_len tokens: the window ring and the compressed-entry slots (one tensor), the compressor
@@ -908,6 +909,29 @@ class Block(nn.Module):
         H = self._site(H, "attn", lambda x: self.attn(x, pos, st, backend), backend)
         return self._site(H, "ffn", lambda x: self.ffn(x, input_ids), backend)
 
+    def forward_deferred(self, H: torch.Tensor, pending: tuple | None, pos: int | torch.Tensor, input_ids: torch.Tensor,
+                         st: LayerState, backend: Backend) -> tuple[torch.Tensor, tuple]:
+        """`forward` with each site's hc_post deferred into the next site's hc_pre (`backend.hc_post_pre`:
+        one launch per layer boundary at decode; issue 14). Same maths as `forward`.
+
+        H [b, s, hc, dim] streams still missing the hc_post of `pending` = (a [b*s, dim], post, comb) of the
+        previous site (None before the first layer). Returns (H, pending) in the same convention; the caller
+        applies the last pending hc_post (`Transformer._layers_deferred`).
+        """
+        b, s, hc, d = H.shape
+        Hf, a = H.reshape(b * s, hc, d), self.args
+        kw = dict(sinkhorn_iters=a.hc_sinkhorn_iters, hc_eps=a.hc_eps, norm_eps=a.norm_eps)
+        for site, body in (("attn", lambda x: self.attn(x, pos, st, backend)),
+                           ("ffn", lambda x: self.ffn(x, input_ids))):
+            params = [getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale")]
+            if pending is None:
+                x, post, comb = backend.hc_pre(Hf, *params, norm=getattr(self, f"{site}_norm"), **kw)
+            else:
+                Hf, x, post, comb = backend.hc_post_pre(pending[0], Hf, pending[1], pending[2], *params,
+                                                        norm=getattr(self, f"{site}_norm"), **kw)
+            pending = (body(x.view(b, s, d)).reshape(b * s, d), post, comb)
+        return Hf.view(b, s, hc, d), pending
+
 
 class MTPBlock(Block):
     """The multi-token-prediction block `mtp.K` (spec §10; official `MTPBlock`): a Block at layer_id = n_layers + K
@@ -1248,15 +1272,31 @@ class Transformer(nn.Module):
         y = self.hc_head(H, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.backend)
         return self.head(self.norm(y))
 
+    def _defer_hc_post(self, H: torch.Tensor, observer) -> bool:
+        """Deferred layer boundaries: T = b*s <= the backend's `hc_post_pre_max_t` (triton:
+        `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, 0 since the separate launches were measured faster; the reference
+        0: neither defers by default) and no residual observer (it needs each layer's finished H)."""
+        return observer is None and H.shape[0] * H.shape[1] <= self.backend.hc_post_pre_max_t
+
     def _layers(self, H: torch.Tensor, pos: int | torch.Tensor, input_ids: torch.Tensor, state: DecodeState,
                 observer: ResidualObserver | None) -> torch.Tensor:
         """The layer loop (s tokens appended at position pos, an int; decode step: pos [1] on the device): H [b, s, hc, dim] -> the last
-        block's streams; `Block.forward` per layer, each block's streams reported to the observer."""
+        block's streams. Calls of at most `hc_post_pre_max_t` tokens (none by default) without an observer defer each
+        hc_post into the next hc_pre (`Block.forward_deferred`, `_defer_hc_post`; the same maths, fp32 sums in another
+        order), the others run
+        `Block.forward` and report each block's streams to the observer."""
+        if not self._defer_hc_post(H, observer):
+            for layer, st in zip(self.layers, state.layers):
+                H = layer(H, pos, input_ids, st, self.backend)
+                if observer is not None:
+                    observer(layer.layer_id, H)
+            return H
+        pending = None
         for layer, st in zip(self.layers, state.layers):
-            H = layer(H, pos, input_ids, st, self.backend)
-            if observer is not None:
-                observer(layer.layer_id, H)
-        return H
+            H, pending = layer.forward_deferred(H, pending, pos, input_ids, st, self.backend)
+        b, s, hc, d = H.shape
+        a, post, comb = pending
+        return self.backend.hc_post(a, H.reshape(b * s, hc, d), post, comb).view(b, s, hc, d)
 
     def _streams(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [b, s] -> the hc residual streams [b, s, hc, dim]: embed, copied to every stream (spec §3)."""

@@ -258,7 +258,7 @@ def decode_launches(model, tok: torch.Tensor, state) -> list[tuple[int, str, str
             in_triton[0] = False
 
     block = type(model.layers[0])
-    orig_fwd = block.forward
+    orig_fwd, orig_fd = block.forward, block.forward_deferred
 
     def wrap(fn):
         def wrapped(self, *a, **k):
@@ -268,14 +268,14 @@ def decode_launches(model, tok: torch.Tensor, state) -> list[tuple[int, str, str
             finally:
                 where[0] = -1
         return wrapped
-    block.forward = wrap(orig_fwd)
+    block.forward, block.forward_deferred = wrap(orig_fwd), wrap(orig_fd)
     if interp is not None:
         interp.InterpretedFunction.run = run
     try:
         with _Ops():
             model(tok, state)
     finally:
-        block.forward = orig_fwd
+        block.forward, block.forward_deferred = orig_fwd, orig_fd
         if interp is not None:
             interp.InterpretedFunction.run = orig_run
     return out

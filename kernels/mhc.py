@@ -513,7 +513,7 @@ def _out(op: str, name: str, out, shape: tuple, dtype, like: torch.Tensor) -> to
 # hc_pre. (On an H200 at issue 14, before the fused norm, one launch was measured faster up to T 64 / T 4.) The
 # fused kernels stay for `one_launch=True` (tests, benchmarks).
 ONE_LAUNCH_MAX_T = 0  # hc_pre / hc_head use the one-launch kernel up to this many tokens by default
-POST_PRE_ONE_LAUNCH_MAX_T = 0  # hc_post_pre fuses up to this many tokens by default (0: never; the model calls hc_post, then hc_pre)
+POST_PRE_ONE_LAUNCH_MAX_T = 0  # hc_post_pre fuses up to this many tokens by default (0: `Transformer` never defers)
 
 
 ONE_LAUNCH_TOK = 2  # tokens per block of the one-launch hc_pre / hc_head: each last-arriving program collapses

@@ -10,6 +10,7 @@ bf16-vs-fp32 gap instead (tests/gpu/test_model_backends.py).
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -77,3 +78,40 @@ def test_triton_backend_matches_reference_fp32(prefilled):
         a, b = ref(ta, s_ref), tri(tb, s_tri)
         assert_close(b, a, "decode logits triton vs reference", atol=1e-4, rtol=0)
     assert g_tri == g_ref
+
+
+@pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (CPU) - CI sets it for the unit run")
+def test_triton_decode_fuses_layer_boundaries(prefilled, monkeypatch):
+    """Decode with the triton backend at a fused-boundary threshold of 4 tokens (`hc_post_pre_max_t`) and
+    `hc_post_pre(one_launch=True)` (the default threshold is `kernels.mhc.POST_PRE_ONE_LAUNCH_MAX_T`, 0 since the
+    separate launches were measured faster - the deferred path stays for a backend that sets both) runs every layer boundary through `hc_post_pre` (2·n_layers - 1 fused
+    boundaries, one plain hc_post at the end) and gives the logits of the per-site path (forced by a residual
+    observer) within fp32 rounding; the reference backend never takes the deferred path. Both decodes start
+    from copies of the module's 21-token triton prefill (the state two identical prefills would give)."""
+    import dataclasses
+
+    from kernels import indexer, mhc
+    args, _, tri, _, s_tri, _, _ = prefilled
+    assert tri.backend.indexer_topk is indexer.indexer_topk and tri.backend.hc_post_pre is mhc.hc_post_pre
+    calls = {"hc_post_pre": 0, "hc_post": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    assert tri.backend.hc_post_pre_max_t == mhc.POST_PRE_ONE_LAUNCH_MAX_T
+    fused = functools.partial(mhc.hc_post_pre, one_launch=True)  # the fused kernel (not hc_post_pre's default)
+    monkeypatch.setattr(tri, "backend", dataclasses.replace(
+        tri.backend, hc_post_pre=counting("hc_post_pre", fused), hc_post=counting("hc_post", mhc.hc_post),
+        hc_post_pre_max_t=4))
+    s_fused, s_plain = copy.deepcopy(s_tri), copy.deepcopy(s_tri)
+    nxt = torch.randint(0, 512, (1, 1))
+    fused = tri(nxt, s_fused)
+    assert calls == {"hc_post_pre": 2 * args.n_layers - 1, "hc_post": 1}, calls
+    plain = tri(nxt, s_plain, observer=lambda i, H: None)
+    assert calls == {"hc_post_pre": 2 * args.n_layers - 1, "hc_post": 1 + 2 * args.n_layers}, calls
+    assert_close(fused, plain, "decode logits: fused boundaries vs per-site path", atol=1e-4, rtol=0)
+    ref = Transformer(args)
+    assert not ref._defer_hc_post(torch.zeros(1, 1, 4, 8), None)

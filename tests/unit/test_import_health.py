@@ -156,7 +156,7 @@ def backend_ops() -> set[str]:
     (`<op>_ref`), and the helpers of the model-level entries dsv4/fast.py and dsv4/ops_ref.py held before issue 23
     (`prepare`, `_stackable`, `_bf16_weight`)."""
     from dsv4.backend import Backend
-    ops = {f.name for f in dataclasses.fields(Backend) if f.name != "name"}
+    ops = {f.name for f in dataclasses.fields(Backend) if f.name not in ("name", "hc_post_pre_max_t")}
     return ops | {f"{op}_ref" for op in ops} | {"prepare", "_stackable", "_bf16_weight"}
 
 
