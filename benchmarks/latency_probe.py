@@ -1,12 +1,14 @@
-"""Probe (issue 27): where the latency-bound kernels of a batch-1 decode step spend their time. Each piece alone in
-a CUDA graph (`bench_gemm.gpu_time`: µs per call, best of 5 replays of 20 calls), Flash width, with the variants
-that isolate one term of its cost; every variant's outputs against the default's (max |diff| / max |ref|, or
-"same set" / "bitwise" where that is the claim):
+"""Probe (issue 27): where the latency-bound kernels of a batch-1 decode step spend their time, and (fp32lin) the
+prefill's fp32-compute linears. Each piece alone in a CUDA graph (`bench_gemm.gpu_time`: µs per call, best of 5
+replays of 20 calls on one stream, so the calls run one after another), Flash width, with the variants that
+isolate one term of its cost. Outputs are compared where a section says so (topk: the same set as the default;
+fp32lin: the error as a fraction of the fp32 summation bound); the other sections time launches only.
 
 `--section trig`: one program computing RoPE angles on a [1, 32] / [1, 128] / [16, 128] tile: the product alone,
     fp64 cos + sin (the kernels' form), fp32 cos + sin, at positions 4095 and 5.
-`--section empty`: a one-program and a 132-program Triton kernel that stores one value per program (the fixed cost
-    of one launch in a graph), and a chain of 8 dependent ones (the per-boundary cost).
+`--section empty`: a one-program and a 132-program Triton kernel that stores one value per program, µs per launch
+    in a graph of 20 launches and of 160 (8 per call, each reading the previous one's output): what one launch
+    costs when nothing else runs.
 `--section rotate`: the indexer query's RoPE + Hadamard + FP4 rounding (`rope_rotate_fp4`, [b, 1, 64, 128]) against
     the same without the RoPE (`rotate_fp4`): what the RoPE inside the launch costs.
 `--section topk`: the indexer's top-512 of 1024 entries (a CSA layer at 4096 context) per query row at batch 1 / 8 /
@@ -36,10 +38,6 @@ sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 from bench_gemm import gpu_time  # noqa: E402
 
 
-def _err(a, b) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-
-
 @triton.jit
 def _store_kernel(src, dst):
     pid = tl.program_id(0)
@@ -52,13 +50,13 @@ def empty() -> None:
     print("\n| launch | µs per call |\n|---|---:|")
     for progs in (1, sms):
         us = gpu_time(lambda i: _store_kernel[(progs,)](bufs[0], bufs[1]))
-        print(f"| one kernel, {progs} programs | {us:.2f} |")
+        print(f"| 20 launches a graph, {progs} programs (per launch) | {us:.2f} |")
 
         def chain(i):
             for j in range(8):
                 _store_kernel[(progs,)](bufs[j], bufs[j + 1])
         us = gpu_time(chain)
-        print(f"| chain of 8 dependent kernels, {progs} programs (per kernel) | {us / 8:.2f} |")
+        print(f"| 160 launches a graph, chains of 8, {progs} programs (per launch) | {us / 8:.2f} |")
 
 
 def rotate() -> None:

@@ -17,7 +17,7 @@ never by a failure (nothing falls back silently; every row below is deliberate):
 | FP8 linear (weight float8_e4m3fn, act_block > 0, in % 128 == 0) | `kernels.gemm.fp8_linear` (W8A8, ue8m0 blocks; one row: the no-split-K one-row GEMV; 2-8 rows the GEMV; 9-64 rows the 64-row tiles) | reference maths (fp32 GEMM) |
 | other bf16 linears (weights_proj, dequantized mode) | act quant (if act_block > 0) + bf16 cuBLAS GEMM, fp32 accumulation | reference maths |
 | fp32 linears (head, compressor wkv/wgate via `linear(fp32=True)`; router gate via `fp32_linear`), weight held bf16 (weights="quantized"), M <= 64 rows | `kernels.fp32_linear.fp32_linear` (bf16 bytes read once, fp32 products and sum) | same |
-| those, weight held bf16, M > 64 (prefill of router / compressor) | bf16 x on CUDA: cuBLAS's bf16 GEMM with an fp32 output (exact products, fp32 sum; `torch.mm(out_dtype=torch.float32)`); fp32 x or the CPU: exact fp32 upcasts + fp32 cuBLAS `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
+| those, weight held bf16, M > 64 (prefill of router / compressor) | bf16 x on CUDA: cuBLAS's bf16 GEMM with an fp32 output (exact products accumulated in fp32 on the tensor cores; `torch.mm(out_dtype=torch.float32)`); fp32 x or the CPU: exact fp32 upcasts + fp32 `torch.mm` (inside `kernels.fp32_linear.fp32_linear`) | same |
 | those, weight held fp32 (weights="dequantized") | reference maths: fp32 in, fp32 GEMM, fp32 out (as officially) | reference maths |
 | grouped wo_a, FP8, b*s <= 64 (decode) | `kernels.gemm.fp8_grouped_gemv` (FP8 codes read directly, one launch, no act quant) | reference maths |
 | grouped wo_a otherwise | bf16 weight (`kernels.gemm.fp8_dequant`) + bf16 cuBLAS bmm, no act quant | reference maths |

@@ -26,11 +26,12 @@ Paths (chosen by M, never by a failure):
     pieces are multiplied in fp32 "ieee" dots - the same exact values.
   * M > GEMV_MAX_M (prefill of the router / compressor at T tokens; the head runs on the last position only):
     x bf16 on CUDA (the official numerics: the block's normed activations): cuBLAS's bf16 GEMM with an fp32
-    output (`torch.mm(..., out_dtype=torch.float32)`): every product of two bf16 values is exact in fp32 and the
-    tensor cores sum them in fp32 - the official fp32 GEMM's products in another summation order, without the
-    fp32 copies of x and W (issue 27: the fp32 SIMT GEMMs were 1.4 of 19.1 ms of a 4096-token Flash prefill
+    output (`torch.mm(..., out_dtype=torch.float32)`, torch >= 2.8): every product of two bf16 values is exact in
+    fp32 and the tensor cores accumulate them in fp32 (their in-MMA additions are not round-to-nearest, unlike
+    the bf16x3 path's register sums; the error stays within the tests' bound below, measured 1.2-1.6e-3 of it) -
+    the official fp32 GEMM's products in another summation, without the fp32 copies of x and W (issue 27: the fp32 SIMT GEMMs were 1.4 of 19.1 ms of a 4096-token Flash prefill
     layer, `benchmarks/layer_profile.py`; `benchmarks/latency_probe.py --section fp32lin` times both). Otherwise
-    (x fp32, or the CPU interpreter, which has no such op): upcast both and `torch.mm` in fp32 (cuBLAS, what the
+    (x fp32, or the CPU, which has no such op): upcast both and `torch.mm` in fp32 (cuBLAS on CUDA, what the
     dequantized model runs; [M, K] and [N, K] fp32 temporaries).
 Small N (the router: N = 256, K = 4096) is split over K (about two programs per SM); the last program of an N
 block (an acq_rel semaphore from `kernels.launch.workspace`) sums the fp32 partials in split order and writes y
@@ -72,7 +73,7 @@ from kernels.launch import fail as _fail
 __all__ = ["fp32_linear", "fp32_linear_ref", "fp32_linear_op", "ROWS_MAX", "GEMV_MAX_M", "DEFAULT_BLOCKS"]
 
 ROWS_MAX = 1          # CUDA-core rows up to this many rows, bf16x3 tensor-core dots above
-GEMV_MAX_M = 64       # the kernel up to this many rows; upcast + torch.mm above
+GEMV_MAX_M = 64       # the kernel up to this many rows; torch.mm above (bf16 GEMM, fp32 out, for bf16 x on CUDA)
 INVARIANT_BM = 16     # the batch-invariant mode's row tile (kernels.gemm.INVARIANT_BM: an mma.sync tile on sm_90)
 INVARIANT_PREFILL_BM = 64  # its row tile above GEMV_MAX_M rows (a prefill: wgmma-sized, fixed for every M > 64)
 INVARIANT_LAUNCH_ROWS = 1024  # rows per launch in the batch-invariant mode (bounds the split-K scratch)
@@ -213,7 +214,8 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
         acc2d: M == 1 only: accumulate elementwise over K, reduce once (default True; False for benchmarks).
         invariant: the batch-invariant launch (module docstring), any M; block / acc2d / num_warps must be the
             defaults.
-    Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` on the upcast weight (module docstring) unless invariant.
+    Returns: [M, N] fp32. M > GEMV_MAX_M: `torch.mm` (module docstring: the bf16 GEMM with an fp32 output for bf16
+    x on CUDA, else on fp32 upcasts) unless invariant.
     Never synchronises with the device (CUDA-graph capturable).
     Raises: ValueError naming the argument (not 2-D, dtype, K mismatch, layout, device, a bad block or
     num_warps, a block / acc2d / num_warps given where M > GEMV_MAX_M runs torch.mm or with invariant=True).
@@ -288,7 +290,7 @@ def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The triton backend's `fp32_linear` entry (the router `Gate`; `kernels.gemm.linear(fp32=True)` for head and
     compressor wkv / wgate), the signature of `fp32_linear_ref`: x [..., K] any float dtype, weight [N, K] ->
     [..., N] fp32 (spec §2, §8, §9). A bf16 weight (held as on disk, weights="quantized") goes to `fp32_linear`
-    (the GEMV kernel up to GEMV_MAX_M rows, exact upcast + fp32 torch.mm above); an fp32 weight (the dequantized
+    (the GEMV kernel up to GEMV_MAX_M rows, torch.mm above: module docstring); an fp32 weight (the dequantized
     model) to `fp32_linear_ref`. x in fp32 / bf16 is read as it is (upcast exactly in the kernel), other dtypes
     upcast first. Above 64 rows torch.mm runs at the bucketed row count of `kernels.launch.bucketed_gemm`
     (issue 29). Raises ValueError from `fp32_linear`'s argument checks."""
@@ -302,5 +304,5 @@ def fp32_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x2.shape[0] < GEMM_MIN_ROWS:  # the GEMV kernel (no cuBLAS, nothing to bucket)
         y = fp32_linear(x2, weight)
     else:
-        y = bucketed_gemm(lambda xp: fp32_linear(xp, weight), x2, ("fp32_linear", tuple(weight.shape)))
+        y = bucketed_gemm(lambda xp: fp32_linear(xp, weight), x2, ("fp32_linear", tuple(weight.shape), x2.dtype))
     return y.view(*shape[:-1], y.shape[-1])
