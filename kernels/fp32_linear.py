@@ -29,8 +29,9 @@ Paths (chosen by M, never by a failure):
     output (`torch.mm(..., out_dtype=torch.float32)`, torch >= 2.8): every product of two bf16 values is exact in
     fp32 and the tensor cores accumulate them in fp32 (their in-MMA additions are not round-to-nearest, unlike
     the bf16x3 path's register sums; the error stays within the tests' bound below, measured 1.2-1.6e-3 of it) -
-    the official fp32 GEMM's products in another summation, without the fp32 copies of x and W (issue 27: the fp32 SIMT GEMMs were 1.4 of 19.1 ms of a 4096-token Flash prefill
-    layer, `benchmarks/layer_profile.py`; `benchmarks/latency_probe.py --section fp32lin` times both). Otherwise
+    the official fp32 GEMM's products in another summation, without the fp32 copies of x and W (issue 27: the
+    fp32 SIMT GEMMs were 1.4 of 19.1 ms of a 4096-token Flash prefill layer, `benchmarks/layer_profile.py`;
+    `benchmarks/latency_probe.py --section fp32lin` times both). Otherwise
     (x fp32, or the CPU, which has no such op): upcast both and `torch.mm` in fp32 (cuBLAS on CUDA, what the
     dequantized model runs; [M, K] and [N, K] fp32 temporaries).
 Small N (the router: N = 256, K = 4096) is split over K (about two programs per SM); the last program of an N
@@ -254,7 +255,7 @@ def fp32_linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | No
             _gemv(x[r0:r1], weight, out[r0:r1], r1 - r0, N, K, True, invariant_blocks(N), bm, False, 4)
         return out
     if M > GEMV_MAX_M:
-        if x.dtype == torch.bfloat16 and x.is_cuda:  # exact bf16 products, summed in fp32 on the tensor cores
+        if x.dtype == torch.bfloat16 and x.is_cuda:  # exact bf16 products, accumulated in fp32 (tensor cores)
             return torch.mm(x.detach(), weight.detach().T, out_dtype=torch.float32, out=out)
         return torch.mm(x.detach().float(), weight.detach().float().T, out=out)  # no autograd (as the kernel)
     dot = M > ROWS_MAX
