@@ -7,10 +7,9 @@ finite; `warmup(model)` runs the model once through each of them:
 
   1. prefill, batch 1, at every length 1..68 (the decode-width paths: the GEMVs' row buckets and the FP8 decode
      tiles from 9 rows, the mHC mix / finish kernels, attention's k-split below 66 queries, every length mod 4) and
-     at the lengths
-     around each threshold above that (`prefill_probes`: the MoE tile sizes at 32 / 128 tokens and at 32 / 64 pairs per expert, the mHC tile
-     set at 1024, the top-k row tiles at 1024 / 4096 / 16384 tokens, its sort widths at 256 / 2048), up to
-     `max_len` (default 65536), with `max_len` itself (where strides reach 2^31 Triton passes them as int64);
+     at the lengths around each threshold above that (`prefill_probes`: the MoE tile sizes at 32 / 128 tokens and
+     at 32 / 64 pairs per expert, the mHC tile set at 1024, the top-k row tiles at 1024 / 4096 / 16384 tokens,
+     its sort widths at 256 / 2048), up to `max_len` (default 65536), with `max_len` itself (where strides reach 2^31 Triton passes them as int64);
   2. eager decode (4 steps, every position mod 4) after the prefill probes of `decode_probes`: the top-k
      buckets of the decode positions, up to `max_len`; and at every batch size 2..`max_batch` (default 32)
      after a prefill of 8 tokens;

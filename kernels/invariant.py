@@ -31,8 +31,8 @@ What the mode fixes (the audit; README "Batch-invariant mode" has the table):
   * FP8 linears and the grouped wo_a: `kernels.gemm.invariant_config` per weight shape (tuned on sm_90), 16-row
     tiles in one launch, split `invariant_split(N, K)` (default: `gemv_config` and `GEMV_TUNED` by the M bucket,
     BM = next_pow2(M), split from the bn that follows M, up to 8 rows; the 64-row DECODE_TILE tiles from 9); above
-    64 rows the 128 x 128 prefill tiles (FP8 linear;
-    default: cuBLAS scaled_mm or dequant + cuBLAS by shape) and 64-row GEMV tiles (wo_a; default: cuBLAS bmm);
+    64 rows the 128 x 128 prefill tiles (FP8 linear; default: cuBLAS scaled_mm or dequant + cuBLAS by shape) and
+    64-row GEMV tiles (wo_a; default: cuBLAS bmm);
   * bf16-weight linears (indexer weights_proj): `kernels.fp32_linear` invariant launch + one bf16 rounding (the
     default runs cuBLAS bf16 GEMMs, not batch invariant);
   * fp32 linears (head, compressor wkv / wgate, router): `fp32_linear(invariant=True)`: bf16x3 dots on 16-row
@@ -43,8 +43,7 @@ What the mode fixes (the audit; README "Batch-invariant mode" has the table):
     post + pre boundary is off (the default's too, since the fifth session of 2026-12-06);
   * sparse attention: one kernel per head count, all columns per program, splits of 128 slots (default: "heads"
     only at s = 1, column split and split count from b*s, the SMs and k); the s = 1 step lists the window's slots in
-    position
-    order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
+    position order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
   * torch reductions: the per-head q RMS (`head_rms`) and the indexer / compressor Hadamard (`hadamard`) as
     per-row kernels, the compressor's prefill pooling (`pool_windows`) as a tree of elementwise adds.
 Already invariant in the default mode: RMSNorm (one program per row), the router after its logits

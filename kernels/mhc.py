@@ -383,9 +383,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                          IS_HEAD: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
                          BD: tl.constexpr, SPLIT3: tl.constexpr, MMA: tl.constexpr, NORM: tl.constexpr):
         """ONE launch (`one_launch=True`; not the default): grid (token blocks of TOK tokens, splits). Every program
-        writes its split partial,
-        then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so the partials of all its
-        threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
+        writes its split partial, then counts itself in sem[token block] (acq_rel atomic after a CTA barrier, so
+        the partials of all its threads are visible first); the program that arrives last finishes and collapses its TOK tokens (all D)
         and resets the counter to 0 for the next launch. No spin-wait: it never deadlocks, also not in the
         interpreter's sequential grid. TOK is small (2) so that many programs share the collapse; the price is
         that fn is re-read (from L2) once per token block. NORM: x leaves as the site's RMSNorm of the collapsed

@@ -529,8 +529,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
                             SORTED: tl.constexpr = True, QUANT: tl.constexpr = 0, DEC: tl.constexpr = 1,
                             FP8_NAN: tl.constexpr = False, STAGES: tl.constexpr = 1):
         """Decode up projection, grid (P, I / BN): program (i, j) computes h[pair, j*BN ...] for pair = order[i]
-        (SORTED:
-        a given visiting order, e.g. expert order; measured no faster than pair order, module docstring).
+        (SORTED: a given visiting order, e.g. expert order; measured no faster than pair order, module docstring).
         xq [T, D] bf16 act-quantized x (exact values); h [P, I] bf16 in pair order. An expert id outside [0, E)
         reads expert 0 and writes NaN (fail loud, never a plausible row). SORTED False (`moe_experts`' launch at
         every T): pair = program id (no order array). STAGES: the K loop's software pipeline (`MoeConfig.num_stages`;

@@ -964,9 +964,9 @@ def moe_gemv_block_scale_misaligned(mp: MP) -> None:
 
 def hc_fused_norm_unweighted(mp: MP) -> None:
     """The one-launch mHC kernels' fused site RMSNorm (`_finish_tokens` NORM: hc_pre / hc_post_pre with
-    `one_launch=True`, not the default since the fifth session of 2026-12-06) forgets the norm weight: x *
-    rsqrt(mean(x^2) + eps) instead of weight * x * rsqrt(...) (the
-    rms_norm kernel and the references are right)."""
+    `one_launch=True`, not the default since the fifth session of 2026-12-06) forgets the norm weight:
+    x * rsqrt(mean(x^2) + eps) instead of weight * x * rsqrt(...) (the rms_norm kernel and the references are
+    right)."""
     from kernels import mhc
 
     _jit_source_mutant(mp, mhc, "_finish_tokens", "cast_for_store((w[None, :] * xv) * rinv[:, None], x_ptr)",

@@ -61,8 +61,8 @@ def test_fp8_linear_matches_reference(model):
 def test_fp32_linears_read_the_bf16_weight(model, rows, monkeypatch, seed):
     """Compressor wkv / wgate, head and router gate (held bf16 as on disk, weights="quantized") run
     `kernels.fp32_linear` (the spy counts launches up to GEMV_MAX_M rows; above, its torch.mm path - on the CPU
-    the upcast + fp32 torch.mm, bitwise the reference; on CUDA bf16 x takes the bf16 GEMM with an fp32 output) and stay within the fp32 summation bound of `fp32_linear_ref` (tests/unit/
-    test_fp32_linear.py); fp32 out."""
+    the upcast + fp32 torch.mm, bitwise the reference; on CUDA bf16 x takes the bf16 GEMM with an fp32 output)
+    and stay within the fp32 summation bound of `fp32_linear_ref` (tests/unit/test_fp32_linear.py); fp32 out."""
     import kernels.fp32_linear as kf
     from tests.unit.test_fp32_linear import within_fp32_sum_bound
     calls = []
