@@ -266,6 +266,7 @@ def bench_moe(args, bw: float) -> None:
     of launch variants and the gemv / tiles crossover. Each variant's
     output is compared with the default's (max |diff| / max |y|; the default is tested against the reference)."""
     from kernels.gemm import act_quant
+    from kernels.quant import act_quant_sim
     from kernels.moe import MoeConfig, moe_config, moe_down_gemv, moe_down_tiles, moe_route, moe_up_gemv, \
         moe_up_tiles
     print("\n### Grouped FP4 MoE (routed experts, top-6; µs per call in a CUDA graph)\n")
@@ -306,8 +307,9 @@ def bench_moe(args, bw: float) -> None:
             dn = safe(gpu_time, lambda i: moe_down_gemv(hq, idxs[i % 8], orders[i % 8], ex, cfg), iters=it)
         else:
             routes = [moe_route(ix, E, cfg.block_m) for ix in idxs]
-            hq = act_quant(moe_up_tiles(xq, g, routes[0], ex, 10.0, cfg), sim=True)[0]
-            up = safe(gpu_time, lambda i: moe_up_tiles(xq, g, routes[i % 8], ex, 10.0, cfg), iters=it, reps=3)
+            xh = act_quant_sim(x, 128, halves=True)  # the tile kernels' input layout
+            hq = act_quant_sim(moe_up_tiles(xh, g, routes[0], ex, 10.0, cfg), 128, halves=True)
+            up = safe(gpu_time, lambda i: moe_up_tiles(xh, g, routes[i % 8], ex, 10.0, cfg), iters=it, reps=3)
             dn = safe(gpu_time, lambda i: moe_down_tiles(hq, routes[0], ex, 6 * T, cfg), iters=it, reps=3)
         print(f"| {T} | {cfg.path} | {up:.1f} | {dn:.1f} | {up + dn:.1f} |", flush=True)
     # launch variants (whole moe_experts, forced config) and the crossover

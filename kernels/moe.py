@@ -25,8 +25,8 @@ plain torch, sync-free), the kernels, the launchers, `stack_experts` / `stackabl
 `moe_routed`.
 
 Plan (issue 13 rewrite; vLLM fused_moe for the routing, STYLE §14). x is act-quantized once (the tile path:
-`kernels.gemm.act_quant(sim=True)`, bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
-`act_quant_sim`; the gemv path: below), h likewise after the up launch; the kernels read those exact values.
+`kernels.quant.act_quant_sim(halves=True)`, bf16 [T, D] holding the exact values e4m3 code x 2^k, bitwise
+`numerics.act_quant_sim` in the halves layout; the gemv path: below), h likewise after the up launch; the kernels read those exact values.
 Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
   * decode, "gemv": `_moe_up_gemv_kernel` / `_moe_down_gemv_kernel`, grid (P, out / BN): one short program per
     (pair, BN output rows), pairs in pair order: the pair is the grid's fastest axis, so the programs of all pairs
@@ -46,7 +46,9 @@ Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
     shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (tiles, out / BN): per chunk of
     2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
     rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation,
-    no per-group split. The tile is computed transposed ("swap AB": [BN weight rows, BM token rows]), so the
+    no per-group split. x and h reach the tiles in the halves layout (`kernels.quant.halves`, written by the
+    act_quant_sim launch itself): a chunk's even inputs and its odd ones are each contiguous in a row, so the
+    gathered rows load in 16-byte vectors (a stride-2 gather of 2-byte elements before). The tile is computed transposed ("swap AB": [BN weight rows, BM token rows]), so the
     decoded weight is the dot's LHS, held in registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens);
     the untransposed 32-row tile compiled to mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair
     is never computed; an expert's bytes are read only by its own tiles.
@@ -97,6 +99,7 @@ except ImportError:  # triton is optional: the references stay importable withou
 from kernels import gemm, numerics
 from kernels.gemm import act_quant, mma_mode
 from kernels.launch import check_layout, interpreting
+from kernels.quant import act_quant_sim
 from kernels.launch import fail as _fail
 
 
@@ -713,9 +716,9 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             u = tl.zeros((BN, BM), dtype=tl.float32)
             v = tl.zeros((BN, BM), dtype=tl.float32)
             for kh0 in range(0, KH, BKH):
-                xp = xq_ptr + tok[None, :] * D + 2 * (kh0 + offs_j)[:, None]
+                xp = xq_ptr + tok[None, :] * D + (kh0 + offs_j)[:, None]  # halves layout: contiguous chunks
                 xe = tl.load(xp, mask=valid[None, :], other=0.0)
-                xo = tl.load(xp + 1, mask=valid[None, :], other=0.0)
+                xo = tl.load(xp + KH, mask=valid[None, :], other=0.0)
                 u = _fp4_tile_dot(u, xe, xo, w1_ptr, s1_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
                 v = _fp4_tile_dot(v, xe, xo, w3_ptr, s3_ptr, rows64, kh0, KH, KS, BN, BKH, MMA)
             g = tl.load(g_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
@@ -745,8 +748,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
             r64 = offs_r.to(tl.int64)
             acc = tl.zeros((BN, BM), dtype=tl.float32)
             for kh0 in range(0, KH, BKH):
-                hp = hq_ptr + r64[None, :] * I + 2 * (kh0 + offs_j)[:, None]
-                acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + 1), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN, BKH,
+                hp = hq_ptr + r64[None, :] * I + (kh0 + offs_j)[:, None]  # halves layout
+                acc = _fp4_tile_dot(acc, tl.load(hp), tl.load(hp + KH), w2_ptr, s2_ptr, rows64, kh0, KH, KS, BN, BKH,
                                     MMA)
             p64 = tl.where(valid, pair, 0).to(tl.int64)
             tl.store(y_ptr + p64[None, :] * D + offs_n[:, None], round_bf16(acc).to(tl.bfloat16), mask=valid[None, :])
@@ -836,9 +839,9 @@ TILES_SMALL_MAX_PAIRS = 768
 µs for 32 x 128); above, the large tiles of `TILES_LARGE` by pairs per expert. Crossover between 768 and 6144
 pairs not measured."""
 
-TILES_LARGE = ((32, MoeConfig("tiles", 32, 128, 64, 4, 3)),
+TILES_LARGE = ((32, MoeConfig("tiles", 32, 64, 64, 4, 3)),
                (64, MoeConfig("tiles", 64, 128, 32, 4, 3)),
-               (None, MoeConfig("tiles", 128, 128, 32, 8, 3)))
+               (None, MoeConfig("tiles", 128, 128, 64, 8, 3)))
 """Above TILES_SMALL_MAX_PAIRS: (largest average pairs per expert P / E, tiles) in order, None = any. Each tile
 decodes its expert's FP4 rows once for its BM token rows, so the decode work (the CUDA-core bound of these
 kernels) falls as BM grows, while the rows padded up to BM are computed anyway: the best BM follows how many rows
@@ -848,7 +851,13 @@ benchmarks/RESULTS.md, session of 2026-12-04 (2)), µs for 32 x 128 / 64 x 128 (
 8 warps): Flash (E = 256) P/E 24: 4310 / 5666 / 9268; 48: 7898 / 5821 / 9457; 72: 10975 / 9738 / 9568; 96:
 13398 / 10848 / 9736. Pro (E = 384) P/E 32: 21806 / 21306 / 34184; 48: 29677 / 21828 / 34675; 64: 36471 /
 30594 / 35097. The rule picks the fastest at each point but Pro P/E 32 (2 % slower than 64 x 128). Routed loads
-of a real model are skewed (per-expert tile sizes would then win; not built)."""
+of a real model are skewed (per-expert tile sizes would then win; not built).
+Re-measured after the halves layout (x and h loaded in 16-byte vectors; eighth session of 2026-12-06, one H100,
+the same sweep, benchmarks/RESULTS.md), µs of the old rule's tiles -> the new rule's: Flash P/E 24 (32 x 128 kh 64
+->) 32 x 64 kh 64: 3619 -> 2989; 48: 64 x 128 kh 32 4398 (kept); 72 (128 x 128 kh 32 ->) kh 64: 7305 -> 6886; 96:
+7467 -> 7067; Pro P/E 16: 13548 -> 11763; 32: 18135 -> 15831; 48 / 64: 64 x 128 kh 32 (kept) 16999 / 22799. The
+32 x 64 tiles were the fastest of ten shapes at P/E 16 - 32, 64 x 128 kh 32 at 48 - 64 (within 1 % of 128 x 128 kh
+64 at Flash 48: 4380 / 6705 - no), 128 x 128 kh 64 above."""
 
 
 INVARIANT_GEMV_MAX_T = 64
@@ -1009,7 +1018,8 @@ def moe_down_gemv(hq: torch.Tensor, indices: torch.Tensor, order: torch.Tensor, 
 def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, experts: StackedExperts, limit: float,
                  cfg: MoeConfig, mma: str | None = None) -> torch.Tensor:
     """h [n_tiles * BM, I] bf16 of `_moe_up_tile_kernel` (row r belongs to pair route.row_pair[r]; padding and
-    unused rows are 0); xq [T, D] bf16 act-quantized x."""
+    unused rows are 0; natural channel order); xq [T, D] bf16 act-quantized x in the halves layout
+    (`kernels.quant.halves`: even channels, then odd; `act_quant_sim(x, 128, halves=True)`)."""
     E, D, I = _check_experts("moe_up_tiles", experts)
     if I % cfg.block_n or cfg.block_m != route.block_m:
         _fail("moe_up_tiles", "cfg", repr(cfg), f"block_n dividing I = {I}, block_m = route.block_m")
@@ -1025,7 +1035,8 @@ def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, exper
 
 def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n_pairs: int, cfg: MoeConfig,
                    mma: str | None = None) -> torch.Tensor:
-    """y_pair [n_pairs, D] bf16 of `_moe_down_tile_kernel` (every pair's row written once); hq act-quantized h."""
+    """y_pair [n_pairs, D] bf16 of `_moe_down_tile_kernel` (every pair's row written once); hq [n_tiles * BM, I]
+    bf16 act-quantized h in the halves layout (`kernels.quant.halves`)."""
     E, D, I = _check_experts("moe_down_tiles", experts)
     if D % cfg.block_n or cfg.block_m != route.block_m:
         _fail("moe_down_tiles", "cfg", repr(cfg), f"block_n dividing D = {D}, block_m = route.block_m")
@@ -1127,10 +1138,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, e
         hin, hkw = _gemv_operand(h, down_cfg, mma, T, D)
         y = moe_down_gemv(hin, indices, None, experts, down_cfg, **hkw)
     else:
-        xq, _ = act_quant(x, sim=True)
+        # act_quant_sim's values stored in the halves layout (`kernels.quant.halves`), the tile kernels' input
+        xq = act_quant_sim(x, 128, halves=True)
         route = moe_route(indices, E, cfg.block_m)
         h = moe_up_tiles(xq, weights, route, experts, limit, cfg, mma)
-        y = moe_down_tiles(act_quant(h, sim=True)[0], route, experts, P, cfg, mma)
+        y = moe_down_tiles(act_quant_sim(h, 128, halves=True), route, experts, P, cfg, mma)
     return sum_slots(y.view(T, k, D), shared)  # the k slots left to right in fp32 (+ shared), one launch
 
 

@@ -67,9 +67,12 @@ def _fp4_sim_tile(x):
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # issue 29: the row count varies with the length and batch
-def _quant_sim_kernel(x_ptr, y_ptr, n_rows, n, block, FP4: tl.constexpr, B: tl.constexpr, BR: tl.constexpr):
+def _quant_sim_kernel(x_ptr, y_ptr, n_rows, n, block, FP4: tl.constexpr, B: tl.constexpr, BR: tl.constexpr,
+                      HALVES: tl.constexpr = False):
     """Grid (cdiv(rows, BR), n / block): rows of x viewed [rows, n], one `block`-channel group per program, held
-    in a B = next_power_of_2(block) wide tile (masked columns load 0, which leaves amax unchanged)."""
+    in a B = next_power_of_2(block) wide tile (masked columns load 0, which leaves amax unchanged). HALVES (B ==
+    block, both even): y's row in the halves layout (`halves`): the group's even channels stored at
+    [block / 2 * pid1, ...) and its odd ones n / 2 further."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     lane = tl.arange(0, B)
     cols = tl.program_id(1) * block + lane
@@ -81,33 +84,54 @@ def _quant_sim_kernel(x_ptr, y_ptr, n_rows, n, block, FP4: tl.constexpr, B: tl.c
     else:
         inv, s = act_scale(x)
         y = act_apply(x, inv) * s[:, None]
-    tl.store(y_ptr + offs, cast_for_store(y, y_ptr), mask=mask)
+    if HALVES:
+        ye, yo = tl.split(tl.reshape(y, (BR, B // 2, 2)))
+        hmask = (rows < n_rows)[:, None]
+        hoffs = rows.to(tl.int64)[:, None] * n + (tl.program_id(1) * (B // 2) + tl.arange(0, B // 2))[None, :]
+        tl.store(y_ptr + hoffs, cast_for_store(ye, y_ptr), mask=hmask)
+        tl.store(y_ptr + hoffs + n // 2, cast_for_store(yo, y_ptr), mask=hmask)
+    else:
+        tl.store(y_ptr + offs, cast_for_store(y, y_ptr), mask=mask)
 
 
-def _launch(op: str, x: torch.Tensor, block: int, fp4: bool) -> torch.Tensor:
+def halves(x: torch.Tensor) -> torch.Tensor:
+    """The halves layout of the last dim (the FP4 tile kernels' input, `kernels.moe`): x [..., n] (n even) ->
+    [..., n] holding x[..., 0::2] then x[..., 1::2] - the inputs of the low nibbles, then those of the high ones,
+    so a K chunk's even and odd inputs are each contiguous (16-byte loads and cp.async, instead of a 2-byte
+    stride-2 gather). The torch form of `act_quant_sim(.., halves=True)`'s store; a copy in x.dtype."""
+    if x.shape[-1] % 2:
+        _fail("halves", "x", f"width {x.shape[-1]}", "an even last dim")
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _launch(op: str, x: torch.Tensor, block: int, fp4: bool, split: bool = False) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() < 1:
         _fail(op, "x", f"{getattr(x, 'dtype', type(x))}", "a bf16 or float32 tensor [..., n]")
     n = x.shape[-1]
     if not isinstance(block, int) or isinstance(block, bool) or not 1 <= block <= 1024 or n % block:
         _fail(op, "block", repr(block), f"an int in 1..1024 dividing the width {n}")
+    B = triton.next_power_of_2(block)
+    if split and (B != block or block < 2):
+        _fail(op, "block", repr(block), "a power of two >= 2 with halves=True")
     check_layout(op, {"x": x})
     y = torch.empty_like(x)
     rows = x.numel() // n if n else 0
     if rows:
-        B = triton.next_power_of_2(block)
         BR = max(1, min(16, 2048 // B))
         _quant_sim_kernel[(triton.cdiv(rows, BR), n // block)](x, y, rows, n, block, FP4=fp4, B=B, BR=BR,
-                                                               num_warps=4)
+                                                               HALVES=split, num_warps=4)
     return y
 
 
-def act_quant_sim(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+def act_quant_sim(x: torch.Tensor, block: int = 128, *, halves: bool = False) -> torch.Tensor:
     """`dsv4.quant.act_quant_sim(x, block)` (ue8m0 scales) in one launch, bitwise equal (module docstring).
 
     Args: x [..., n] bf16 / fp32 contiguous; block: channels per scale (1..1024), dividing n (the model's
-    `_Sim._block`: 64 / 32 at real widths, the whole row at test-scale widths). Returns: [..., n] in x.dtype.
+    `_Sim._block`: 64 / 32 at real widths, the whole row at test-scale widths); halves: write the output in the
+    halves layout (`halves(act_quant_sim(x, block))`, bitwise; block a power of two), the FP4 tile kernels'
+    input. Returns: [..., n] in x.dtype.
     Raises: ValueError naming the wrong argument (dtype, block, layout, device)."""
-    return _launch("act_quant_sim", x, block, False)
+    return _launch("act_quant_sim", x, block, False, bool(halves))
 
 
 def fp4_act_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -145,16 +145,17 @@ def _specs():
         ("moe._moe_down_tile_kernel[mma2]", moe._moe_down_tile_kernel,
          dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BM=32, BN=128, BKH=64, MMA=2)),
-        # the large tiles of moe.TILES_LARGE (64 / 128 token rows, 32-byte K steps)
+        # the large tiles of moe.TILES_LARGE (64 x 128 with 32-byte K steps, 128 x 128 with 64-byte steps and the
+        # packed decode)
         ("moe._moe_up_tile_kernel[bm64]", moe._moe_up_tile_kernel,
          dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
               s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=64, BN=128, BKH=32, MMA=1)),
         ("moe._moe_up_tile_kernel[bm128]", moe._moe_up_tile_kernel,
          dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=128, BN=128, BKH=32, MMA=1)),
+              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=128, BN=128, BKH=64, MMA=2)),
         ("moe._moe_down_tile_kernel[bm128]", moe._moe_down_tile_kernel,
          dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=128, BN=128, BKH=32, MMA=1)),
+         dict(BM=128, BN=128, BKH=64, MMA=2)),
         ("norm._head_rms_kernel", norm._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"],
          dict(BD=512, BF16=True, ROPE=False, PER_ROW=False, BR=16)),
         ("invariant._hadamard_kernel", invariant._hadamard_kernel, dict(x_ptr=f32, y_ptr=f32), [],

@@ -29,6 +29,7 @@ from kernels.gemm import GemvConfig, RowsConfig, act_quant, fp8_dequant, fp8_lin
 from kernels.gemm import act_quant as act_quant_kernel
 from kernels.moe import (GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config,
                          moe_experts, moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
+from kernels.quant import halves
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cpu" if INTERP or not torch.cuda.is_available() else "cuda"
@@ -488,7 +489,7 @@ def hidden(x, g, idx, ex, limit, path):
         order = torch.sort(idx.reshape(-1), stable=True).indices.to(torch.int32)
         return moe_up_gemv(xq, g, idx, order, ex, limit, cfg)
     route = moe_route(idx, E, cfg.block_m)
-    h = moe_up_tiles(xq, g, route, ex, limit, cfg)
+    h = moe_up_tiles(halves(xq), g, route, ex, limit, cfg)  # the tile kernels' input layout
     rows = (route.row_pair >= 0).nonzero().flatten()
     got = torch.empty(idx.numel(), I, dtype=torch.bfloat16, device=DEV)
     got[route.row_pair[rows].long()] = h[rows]
@@ -660,7 +661,7 @@ def test_moe_every_e2m1_code_and_sign_decodes_exactly(seed):
         route = moe_route(idx, E, 16)
         hpad = torch.zeros(route.row_pair.numel(), I, dtype=torch.bfloat16, device=DEV)
         hpad[(route.row_pair == 0).nonzero().flatten()] = hq
-        got = moe_down_tiles(hpad, route, ex, 1, PATHS["tiles"])[0]
+        got = moe_down_tiles(halves(hpad), route, ex, 1, PATHS["tiles"])[0]
         assert torch.equal(got, want), f"tiles: column {col} decoded wrong"
     assert len(set(w[:, 4].tolist())) >= 15 and len(set(w[:, 5].tolist())) >= 15, "not every code was exercised"
 
