@@ -993,6 +993,16 @@ def moe_combine_shared_row0(mp: MP) -> None:
                        "acc += tl.load(s_ptr + 0 * t * D + offs")
 
 
+def moe_tiles_odd_inputs_interleaved(mp: MP) -> None:
+    """The MoE down tile kernel (prefill path) reads a chunk's odd inputs of h at the natural layout's place (the
+    next element) instead of the halves layout's (I / 2 further, `kernels.quant.halves`); the up kernel, the gemv
+    path and the references are right."""
+    from kernels import moe
+
+    _jit_source_mutant(mp, moe, "_moe_down_tile_kernel", "tl.load(hp), tl.load(hp + KH)",
+                       "tl.load(hp), tl.load(hp + 1)")
+
+
 def compress_pool_rows_at_width(mp: MP) -> None:
     """The compressor pooling kernel (graph decode) reads the token's wkv / wgate rows at the width W instead of
     their row stride: right for contiguous rows, another row's (or a half's) values for the halves of the joint
