@@ -700,10 +700,10 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
         [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
         of h [n_tiles * BM, I] bf16 is defined."""
-        tile = tl.program_id(0)
+        tile = tl.program_id(1)  # the output block is the grid's fastest axis
         e = tl.load(tile_e_ptr + tile)
         offs_r = tile * BM + tl.arange(0, BM)
-        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
         out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
         if e < E:
             pair = tl.load(row_pair_ptr + offs_r)
@@ -734,13 +734,13 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
         """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
         valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
         pair order."""
-        tile = tl.program_id(0)
+        tile = tl.program_id(1)  # the output block is the grid's fastest axis
         e = tl.load(tile_e_ptr + tile)
         if e < E:
             offs_r = tile * BM + tl.arange(0, BM)
             pair = tl.load(row_pair_ptr + offs_r)
             valid = pair >= 0
-            offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+            offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
             rows64 = e.to(tl.int64) * D + offs_n
             KH = I // 2
             KS = I // 32
@@ -1025,7 +1025,7 @@ def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, exper
         _fail("moe_up_tiles", "cfg", repr(cfg), f"block_n dividing I = {I}, block_m = route.block_m")
     h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
-    _moe_up_tile_kernel[(route.tile_expert.numel(), I // cfg.block_n)](
+    _moe_up_tile_kernel[(I // cfg.block_n, route.tile_expert.numel())](
         xq, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h,
         E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m, BN=cfg.block_n,
         BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), num_warps=cfg.num_warps,
@@ -1041,7 +1041,7 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
     if D % cfg.block_n or cfg.block_m != route.block_m:
         _fail("moe_down_tiles", "cfg", repr(cfg), f"block_n dividing D = {D}, block_m = route.block_m")
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=hq.device)
-    _moe_down_tile_kernel[(route.tile_expert.numel(), D // cfg.block_n)](
+    _moe_down_tile_kernel[(D // cfg.block_n, route.tile_expert.numel())](
         hq, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
         BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
