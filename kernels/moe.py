@@ -43,14 +43,19 @@ Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
     nibbles decoded packed by PTX or element-wise: `GEMV_QUANT_PACKED_MIN_D`); the third, act_quant_sim's values
     through an fp16 bit pattern (`_fp4_gemv_chunk`), is what K chunks of less than one 128-input block take.
   * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
-    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (tiles, out / BN): per chunk of
+    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (out / BN, tiles): per chunk of
     2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
     rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation,
     no per-group split. x and h reach the tiles in the halves layout (`kernels.quant.halves`, written by the
     act_quant_sim launch itself): a chunk's even inputs and its odd ones are each contiguous in a row, so the
-    gathered rows load in 16-byte vectors (a stride-2 gather of 2-byte elements before). The tile is computed transposed ("swap AB": [BN weight rows, BM token rows]), so the
-    decoded weight is the dot's LHS, held in registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens);
-    the untransposed 32-row tile compiled to mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair
+    gathered rows load in 16-byte vectors (a stride-2 gather of 2-byte elements before). The output block is the
+    grid's fastest axis, so the programs of one tile's N blocks run side by side and can share its gathered
+    rows through L2 (with the tile fastest, the programs running together belonged to different tiles, and a
+    tile's rows were fetched again for each of its N blocks - the likely reason for the 10-22 % per call
+    measured, RESULTS.md eighth session of 2026-12-06; bitwise the same outputs). The tile is computed
+    transposed ("swap AB": [BN weight rows, BM token rows]), so the decoded weight is the dot's LHS, held in
+    registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens); the untransposed 32-row tile compiled to
+    mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair
     is never computed; an expert's bytes are read only by its own tiles.
 
 Exactness (both paths): every product is exact in fp32 - an e2m1 value has 2 significant bits, an act-quantized
@@ -696,8 +701,8 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             BKH: tl.constexpr, MMA: tl.constexpr):
-        """Prefill up projection, grid (n_tiles, I / BN): h[r, n] for the BM padded rows of tile program_id(0) (rows of
-        one expert, `moe_route`), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
+        """Prefill up projection, grid (I / BN, n_tiles): h[r, n] for the BM padded rows of tile program_id(1) (rows
+        of one expert, `moe_route`), output block program_id(0), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
         [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
         of h [n_tiles * BM, I] bf16 is defined."""
         tile = tl.program_id(1)  # the output block is the grid's fastest axis
@@ -731,7 +736,7 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit
     def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
                               BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
-        """Prefill down projection, grid (n_tiles, D / BN): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
+        """Prefill down projection, grid (D / BN, n_tiles): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
         valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
         pair order."""
         tile = tl.program_id(1)  # the output block is the grid's fastest axis
@@ -857,7 +862,8 @@ the same sweep, benchmarks/RESULTS.md), µs of the old rule's tiles -> the new r
 ->) 32 x 64 kh 64: 3619 -> 2989; 48: 64 x 128 kh 32 4398 (kept); 72 (128 x 128 kh 32 ->) kh 64: 7305 -> 6886; 96:
 7467 -> 7067; Pro P/E 16: 13548 -> 11763; 32: 18135 -> 15831; 48 / 64: 64 x 128 kh 32 (kept) 16999 / 22799. The
 32 x 64 tiles were the fastest of ten shapes at P/E 16 - 32, 64 x 128 kh 32 at 48 - 64 (within 1 % of 128 x 128 kh
-64 at Flash 48: 4380 / 6705 - no), 128 x 128 kh 64 above."""
+64 at Flash 48: 4380 / 6705 - no), 128 x 128 kh 64 above. The grid's axes were swapped after this sweep (the
+output block fastest, 10-22 % per call at the defaults); the rule was not re-swept after that."""
 
 
 INVARIANT_GEMV_MAX_T = 64
