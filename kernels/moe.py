@@ -43,14 +43,14 @@ Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
     nibbles decoded packed by PTX or element-wise: `GEMV_QUANT_PACKED_MIN_D`); the third, act_quant_sim's values
     through an fp16 bit pattern (`_fp4_gemv_chunk`), is what K chunks of less than one 128-input block take.
   * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
-    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (out / BN, tiles): per chunk of
+    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (out / BN * tiles,): per chunk of
     2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
     rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation,
     no per-group split. x and h reach the tiles in the halves layout (`kernels.quant.halves`, written by the
     act_quant_sim launch itself): a chunk's even inputs and its odd ones are each contiguous in a row, so the
     gathered rows load in 16-byte vectors (a stride-2 gather of 2-byte elements before). The output block is the
-    grid's fastest axis, so the programs of one tile's N blocks run side by side and can share its gathered
-    rows through L2 (with the tile fastest, the programs running together belonged to different tiles, and a
+    grid's fastest index (one grid axis: a second axis would cap the tiles at 65535), so the programs of one
+    tile's N blocks run side by side and can share its gathered rows through L2 (with the tile fastest, the programs running together belonged to different tiles, and a
     tile's rows were fetched again for each of its N blocks - the likely reason for the 10-22 % per call
     measured, RESULTS.md eighth session of 2026-12-06; bitwise the same outputs). The tile is computed
     transposed ("swap AB": [BN weight rows, BM token rows]), so the decoded weight is the dot's LHS, held in
@@ -701,14 +701,15 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     def _moe_up_tile_kernel(xq_ptr, g_ptr, row_pair_ptr, tile_e_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr,
                             E, D, I, K_SLOTS, limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                             BKH: tl.constexpr, MMA: tl.constexpr):
-        """Prefill up projection, grid (I / BN, n_tiles): h[r, n] for the BM padded rows of tile program_id(1) (rows
-        of one expert, `moe_route`), output block program_id(0), gathered from xq [T, D] bf16 (act-quantized x), computed as the transposed tile
-        [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
+        """Prefill up projection, grid (I / BN * n_tiles,): h[r, n] for the BM padded rows of tile pid // (I / BN)
+        (rows of one expert, `moe_route`), output block pid % (I / BN), gathered from xq [T, D] bf16 (act-quantized
+        x), computed as the transposed tile [BN, BM] (`_fp4_tile_dot`). Padding rows (g = 0) and the rows of unused tiles are written as 0, so every row
         of h [n_tiles * BM, I] bf16 is defined."""
-        tile = tl.program_id(1)  # the output block is the grid's fastest axis
+        pid = tl.program_id(0)  # one axis (2^31 - 1 programs): the output block fastest, then the tile
+        tile = pid // (I // BN)
         e = tl.load(tile_e_ptr + tile)
         offs_r = tile * BM + tl.arange(0, BM)
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+        offs_n = (pid % (I // BN)) * BN + tl.arange(0, BN)
         out = h_ptr + offs_r.to(tl.int64)[None, :] * I + offs_n[:, None]
         if e < E:
             pair = tl.load(row_pair_ptr + offs_r)
@@ -736,16 +737,17 @@ if triton is not None:  # the kernels exist only where triton is installed (it i
     @triton.jit
     def _moe_down_tile_kernel(hq_ptr, row_pair_ptr, tile_e_ptr, w2_ptr, s2_ptr, y_ptr, E, D, I,
                               BM: tl.constexpr, BN: tl.constexpr, BKH: tl.constexpr, MMA: tl.constexpr):
-        """Prefill down projection, grid (D / BN, n_tiles): y_pair[pair, n] = bf16(hq[r] . W2_e[n]) for the tile's
-        valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed tile as in the up kernel), scattered to
-        pair order."""
-        tile = tl.program_id(1)  # the output block is the grid's fastest axis
+        """Prefill down projection, grid (D / BN * n_tiles,) ordered as the up kernel's: y_pair[pair, n] =
+        bf16(hq[r] . W2_e[n]) for the tile's valid rows (hq [n_tiles * BM, I] bf16, act-quantized h; transposed
+        tile as in the up kernel), scattered to pair order."""
+        pid = tl.program_id(0)  # one axis, the output block fastest, as in the up kernel
+        tile = pid // (D // BN)
         e = tl.load(tile_e_ptr + tile)
         if e < E:
             offs_r = tile * BM + tl.arange(0, BM)
             pair = tl.load(row_pair_ptr + offs_r)
             valid = pair >= 0
-            offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+            offs_n = (pid % (D // BN)) * BN + tl.arange(0, BN)
             rows64 = e.to(tl.int64) * D + offs_n
             KH = I // 2
             KS = I // 32
@@ -1031,7 +1033,7 @@ def moe_up_tiles(xq: torch.Tensor, weights: torch.Tensor, route: MoeRoute, exper
         _fail("moe_up_tiles", "cfg", repr(cfg), f"block_n dividing I = {I}, block_m = route.block_m")
     h = torch.empty(route.row_pair.numel(), I, dtype=torch.bfloat16, device=xq.device)
     u8 = lambda t: t.view(torch.uint8)  # noqa: E731 - ue8m0 bytes
-    _moe_up_tile_kernel[(I // cfg.block_n, route.tile_expert.numel())](
+    _moe_up_tile_kernel[(I // cfg.block_n * route.tile_expert.numel(),)](
         xq, weights, route.row_pair, route.tile_expert, experts.w1, u8(experts.s1), experts.w3, u8(experts.s3), h,
         E, D, I, weights.shape[1], float(limit), HAS_LIMIT=limit > 0, BM=cfg.block_m, BN=cfg.block_n,
         BKH=_chunk(cfg.block_kh, D // 2), MMA=_moe_mma(mma), num_warps=cfg.num_warps,
@@ -1047,7 +1049,7 @@ def moe_down_tiles(hq: torch.Tensor, route: MoeRoute, experts: StackedExperts, n
     if D % cfg.block_n or cfg.block_m != route.block_m:
         _fail("moe_down_tiles", "cfg", repr(cfg), f"block_n dividing D = {D}, block_m = route.block_m")
     y = torch.empty(n_pairs, D, dtype=torch.bfloat16, device=hq.device)
-    _moe_down_tile_kernel[(D // cfg.block_n, route.tile_expert.numel())](
+    _moe_down_tile_kernel[(D // cfg.block_n * route.tile_expert.numel(),)](
         hq, route.row_pair, route.tile_expert, experts.w2, experts.s2.view(torch.uint8), y, E, D, I,
         BM=cfg.block_m, BN=cfg.block_n, BKH=_chunk(cfg.block_kh, I // 2), MMA=_moe_mma(mma),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

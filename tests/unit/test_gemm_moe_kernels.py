@@ -666,6 +666,36 @@ def test_moe_every_e2m1_code_and_sign_decodes_exactly(seed):
     assert len(set(w[:, 4].tolist())) >= 15 and len(set(w[:, 5].tolist())) >= 15, "not every code was exercised"
 
 
+def test_moe_tile_grid_has_room_for_long_prefills(monkeypatch):
+    """The tile kernels' launch grid is one axis (output block fastest, then the tile): CUDA caps a grid's second
+    axis at 65535, which a long prefill's tiles pass (the batch-invariant mode's 32-row tiles hold 65535 tiles at
+    ~350k Flash tokens). Fake kernels record the grids of a route with 70,000 tiles; the kernels' own indexing is
+    tested by every tile-path test above. Negative control: the two-axis grid (output block, tile) of b66c5a6
+    breaks the rule checked here."""
+    from kernels import moe
+    grids = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return lambda *a, **k: None
+
+    def fits(grid):  # CUDA's limits: x < 2^31, y and z <= 65535
+        return len(grid) <= 3 and grid[0] < 2 ** 31 and all(g <= 65535 for g in grid[1:])
+
+    monkeypatch.setattr(moe, "_moe_up_tile_kernel", Fake())
+    monkeypatch.setattr(moe, "_moe_down_tile_kernel", Fake())
+    n_tiles, cfg = 70_000, MoeConfig("tiles", 16, 64, 64, 4, 1)
+    route = moe.MoeRoute(torch.full((n_tiles * 16,), -1, dtype=torch.int32),
+                         torch.full((n_tiles,), E, dtype=torch.int32), 16)
+    ex = make_experts()
+    moe.moe_up_tiles(torch.zeros(1, D, dtype=torch.bfloat16), torch.ones(1, 1), route, ex, 10.0, cfg)
+    moe.moe_down_tiles(torch.zeros(n_tiles * 16, I, dtype=torch.bfloat16), route, ex, 1, cfg)
+    assert grids == [(I // 64 * n_tiles,), (D // 64 * n_tiles,)]
+    assert all(fits(g) for g in grids)
+    assert not fits((I // 64, n_tiles)), "negative control: the two-axis grid must break the limit"
+
+
 @needs_triton
 def test_moe_gemv_bad_expert_id_writes_nan(seed):
     """The gemv path has no `moe_route` (whose scatter asserts on a bad id): an id outside [0, E) must give NaN
