@@ -5,7 +5,8 @@ bundled ptxas, no GPU needed), so a CPU machine can prove that each kernel build
 Blackwell (sm_100) and list which hardware instructions the build uses. `compile_all(capability)` does it at
 DeepSeek-V4 shapes (bf16, hd 512, 64 indexer heads x 128, hc 4) and returns, per kernel, the features found
 in the PTX: `wgmma` (Hopper warpgroup MMA), `tcgen05` (Blackwell 5th-gen tensor core / TMEM), `mma.sync`
-(warp-level MMA), `atom`/`red` (the one-launch semaphores), `cp.async` / `cp.async.bulk` (async copies, TMA).
+(warp-level MMA), `atom`/`red` (the one-launch semaphores), `cp.async` / `cp.async.bulk` (async copies, TMA),
+`ld.global 2-byte` (scalar 2-byte global loads: an unvectorized gather).
 
 Must run without TRITON_INTERPRET=1 (the interpreter replaces `@triton.jit` functions); tests run it in a
 subprocess. Module state: none.
@@ -19,7 +20,8 @@ import re
 
 FEATURES = {"wgmma": r"\bwgmma\.", "tcgen05": r"\btcgen05\.", "mma.sync": r"\bmma\.sync\.", "atom": r"\batom\.",
             "red": r"\bred\.", "cp.async": r"\bcp\.async\.(?!bulk)", "cp.async.bulk (TMA)": r"\bcp\.async\.bulk",
-            "shfl": r"\bshfl\.", "bar.sync": r"\bbar(rier)?\.sync"}
+            "shfl": r"\bshfl\.", "bar.sync": r"\bbar(rier)?\.sync",
+            "ld.global 2-byte": r"\bld\.global[.\w]*\.(?:b16|u16|s16)\b"}
 
 
 def _specs():
@@ -240,8 +242,26 @@ def signature(fn, ptrs: dict, floats: list, consts: dict) -> dict:
             for arg in fn.arg_names}
 
 
+DIV16_INTS = {"moe._moe_up_tile_kernel": ("D", "I"), "moe._moe_down_tile_kernel": ("D", "I")}
+"""Integer arguments a real launch specializes as multiples of 16, per kernel (base name; the spec's "[variant]"
+suffix dropped): the MoE widths D and I (multiples of 128). With the pointers' 16-byte alignment (every pointer
+argument, as torch's allocations give) this is the specialization `triton.jit` derives at launch, under which
+the tile kernels' contiguous row loads become `cp.async` copies, software-pipelined; without it the build
+checked here would be one no real launch takes."""
+
+
+def attrs(name: str, fn, sig: dict) -> dict:
+    """`ASTSource` attrs of a spec: tt.divisibility 16 for every pointer argument and for the ints of
+    DIV16_INTS[name] (module docstring of `DIV16_INTS`)."""
+    ints = DIV16_INTS.get(name.split("[")[0], ())
+    names = list(fn.arg_names)
+    return {(names.index(a),): [["tt.divisibility", 16]] for a, t in sig.items()
+            if t.startswith("*") or a in ints}
+
+
 def compile_all(capability: int, names: list[str] | None = None) -> dict[str, dict]:
-    """Compile every kernel (or those in `names`) for `GPUTarget("cuda", capability, 32)`.
+    """Compile every kernel (or those in `names`) for `GPUTarget("cuda", capability, 32)`, pointers 16-byte
+    aligned and the ints of `DIV16_INTS` multiples of 16, as a real launch specializes them.
 
     Returns {kernel name: {"ok": bool, "features": [found FEATURES], "error": str}}; a kernel that fails to
     compile is reported with its error, never skipped. Raises RuntimeError under TRITON_INTERPRET=1.
@@ -261,7 +281,8 @@ def compile_all(capability: int, names: list[str] | None = None) -> dict[str, di
         consts = constexprs(fn, consts)
         sig = signature(fn, ptrs, floats, consts)
         try:
-            cc = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts)), target=target)
+            src = ASTSource(fn=fn, signature=sig, constexprs=dict(consts), attrs=attrs(name, fn, sig))
+            cc = triton.compile(src, target=target)
             ptx = cc.asm["ptx"]
             feats = [f for f, pat in FEATURES.items() if re.search(pat, ptx)]
             result[name] = {"ok": bool(cc.asm.get("cubin")), "features": feats, "error": ""}

@@ -76,3 +76,22 @@ def test_fp32_linear_paths_on_and_off_tensor_cores(sm100):
     for name in ("fp32_linear._bf16w_gemv_kernel", "fp32_linear._bf16w_gemv_kernel[m1]"):
         assert sm100[name]["ok"] and not mma & set(sm100[name]["features"]), (name, sm100[name]["features"])
     assert mma & set(sm100["fp32_linear._bf16w_gemv_kernel[dot]"]["features"])
+
+
+def test_moe_tiles_load_their_rows_in_vectors(sm100):
+    """The MoE tile kernels (prefill) read the gathered rows of x / h in the halves layout (`kernels.quant.halves`)
+    and the FP4 bytes as vectors copied by cp.async: their sm_100 builds hold no 2-byte global load. The stride-2
+    gather of each chunk's even and odd inputs they used before 6613962 compiled to 64 (down) and 128 (up) 2-byte
+    loads per kernel at the same specialization (RESULTS.md, eighth session of 2026-12-06). Negative control: the
+    feature's pattern matches such a load and not a vector one."""
+    import re
+
+    from kernels import targets
+    pat = targets.FEATURES["ld.global 2-byte"]
+    assert re.search(pat, "ld.global.b16 %rs1, [%rd2];") and re.search(pat, "ld.global.nc.u16 %rs3, [%rd4+2];")
+    assert not re.search(pat, "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];")
+    tiles = [n for n in sm100 if n.startswith(("moe._moe_up_tile_kernel", "moe._moe_down_tile_kernel"))]
+    assert len(tiles) == 7, tiles
+    for name in tiles:
+        feats = sm100[name]["features"]
+        assert "cp.async" in feats and "ld.global 2-byte" not in feats, f"{name}: {feats}"
