@@ -27,8 +27,8 @@ What is measured (one GPU, bf16 numerics, `weights="quantized"`: FP8 / FP4 codes
     same run). prefill = FLOPs of its GEMMs (projections, experts at top-k, router, compressors, hc mixes,
     attention QK and PV over the selected keys, indexer scores) / bf16 GEMM peak (8192^3 torch.mm in the same run).
   * timing: wall clock around the call with torch.cuda.synchronize() before and after (the user's latency,
-    host time included), median of `--reps` calls after `--warmup` calls (the reference's prefill: a third of
-    the reps, at least one; the first triton call compiles; the
+    host time included), median of `--reps` calls after `--warmup` calls (the reference's prefill: one warm-up
+    and a third of the reps, at least one; the first triton call compiles; the
     first graph-state decode call captures the CUDA graph). The triton decode replays a CUDA graph
     (`Transformer.use_decode_graphs`, max_len = context + 256) unless `--no-graphs`.
 """
@@ -225,8 +225,9 @@ def bench_dsv4(model: Transformer, prefills: list[int], batches: list[int], ctx:
         # the median of `reps` calls after `warmup` (at least one) for the fast backends; the reference (seconds
         # per call) a third of them. One timed call after one warm-up made the 4-layer prefill 1024 point an
         # outlier in several runs (65 ms against 54 ms at 8 layers: a negative per-layer slope).
-        n = max(1, reps // 3) if tag == "reference" else max(1, reps)
-        t = timed(lambda: model(ids, model.new_state(1)), max(1, warmup), n)
+        slow = tag == "reference"  # seconds per call: one warm-up, a third of the reps (as before 87bed03)
+        t = timed(lambda: model(ids, model.new_state(1)), 1 if slow else max(1, warmup),
+                  max(1, reps // 3) if slow else max(1, reps))
         results[(tag, "prefill", s)] = t
         print(f"  {tag:10s} prefill {s:5d}: {t * 1e3:9.1f} ms  {s / t:10.0f} tok/s", flush=True)
     for b in batches:

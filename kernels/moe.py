@@ -104,7 +104,6 @@ except ImportError:  # triton is optional: the references stay importable withou
 from kernels import gemm, numerics
 from kernels.gemm import act_quant, mma_mode
 from kernels.launch import check_layout, interpreting
-from kernels.quant import act_quant_sim
 from kernels.launch import fail as _fail
 
 
@@ -360,6 +359,7 @@ the fp16 number e2m1 * 2^-14 (0.5 the subnormal 2^-15; `_e2m1`'s values), whose 
 
 if triton is not None:  # the kernels exist only where triton is installed (it is optional)
     from kernels.gemm import cast_for_store, e8m0_to_f32, round_bf16
+    from kernels.quant import act_quant_sim  # a Triton launch (the tile path's input, halves layout)
     from kernels.jit_formats import act_quant_codes_pairs
 
     @triton.jit
@@ -863,9 +863,9 @@ Re-measured after the halves layout (x and h loaded in 16-byte vectors; eighth s
 the same sweep, benchmarks/RESULTS.md), µs of the old rule's tiles -> the new rule's: Flash P/E 24 (32 x 128 kh 64
 ->) 32 x 64 kh 64: 3619 -> 2989; 48: 64 x 128 kh 32 4398 (kept); 72 (128 x 128 kh 32 ->) kh 64: 7305 -> 6886; 96:
 7467 -> 7067; Pro P/E 16: 13548 -> 11763; 32: 18135 -> 15831; 48 / 64: 64 x 128 kh 32 (kept) 16999 / 22799. The
-32 x 64 tiles were the fastest of ten shapes at P/E 16 - 32, 64 x 128 kh 32 at 48 - 64 (within 1 % of 128 x 128 kh
-64 at Flash 48: 4380 / 6705 - no), 128 x 128 kh 64 above. The grid's axes were swapped after this sweep (the
-output block fastest, 10-22 % per call at the defaults); the rule was not re-swept after that."""
+32 x 64 tiles were the fastest of ten shapes at P/E 16 - 32, 64 x 128 kh 32 at 48 - 64 (64 x 128 kh 64 next, 2 %
+slower at Flash 48: 4466 / 4380), 128 x 128 kh 64 above. The grid's order changed after this sweep (the output
+block fastest; 10-29 % per call at the defaults, bitwise the same); the rule was not re-swept after that."""
 
 
 INVARIANT_GEMV_MAX_T = 64
@@ -879,9 +879,9 @@ wherever the column sits and whatever the padding."""
 
 
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
-    """Default launch for P = n_pairs pairs over E = n_experts experts, the fastest measured on one H200
-    (RESULTS.md): the decode path with 16 weight rows per program and 512-input K steps while P <=
-    GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64 while P <= TILES_SMALL_MAX_PAIRS, then `TILES_LARGE` by the
+    """Default launch for P = n_pairs pairs over E = n_experts experts, the fastest measured (RESULTS.md; one
+    H200, `TILES_LARGE` re-measured on one H100): the decode path (`MoeConfig("gemv", 1, 16, 256, 4, 1)`; the
+    default launch then takes the per-kernel shapes of `gemv_shapes`) while P <= GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64 while P <= TILES_SMALL_MAX_PAIRS, then `TILES_LARGE` by the
     average pairs per expert P / E. Raises ValueError for n_experts < 1."""
     if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
         _fail("moe_config", "n_experts", repr(n_experts), "an int >= 1 (routed experts of the layer)")

@@ -99,8 +99,9 @@ def halves(x: torch.Tensor) -> torch.Tensor:
     [..., n] holding x[..., 0::2] then x[..., 1::2] - the inputs of the low nibbles, then those of the high ones,
     so a K chunk's even and odd inputs are each contiguous (16-byte loads and cp.async, instead of a 2-byte
     stride-2 gather). The torch form of `act_quant_sim(.., halves=True)`'s store; a copy in x.dtype."""
-    if x.shape[-1] % 2:
-        _fail("halves", "x", f"width {x.shape[-1]}", "an even last dim")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] % 2:
+        _fail("halves", "x", f"{type(x).__name__} shape {tuple(getattr(x, 'shape', ()))}",
+              "a tensor [..., n] with n even")
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
@@ -131,7 +132,9 @@ def act_quant_sim(x: torch.Tensor, block: int = 128, *, halves: bool = False) ->
     halves layout (`halves(act_quant_sim(x, block))`, bitwise; block a power of two), the FP4 tile kernels'
     input. Returns: [..., n] in x.dtype.
     Raises: ValueError naming the wrong argument (dtype, block, layout, device)."""
-    return _launch("act_quant_sim", x, block, False, bool(halves))
+    if not isinstance(halves, bool):
+        _fail("act_quant_sim", "halves", repr(halves), "a bool")
+    return _launch("act_quant_sim", x, block, False, halves)
 
 
 def fp4_act_quant_sim(x: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -670,8 +670,8 @@ def test_moe_tile_grid_has_room_for_long_prefills(monkeypatch):
     """The tile kernels' launch grid is one axis (output block fastest, then the tile): CUDA caps a grid's second
     axis at 65535, which a long prefill's tiles pass (the batch-invariant mode's 32-row tiles hold 65535 tiles at
     ~350k Flash tokens). Fake kernels record the grids of a route with 70,000 tiles; the kernels' own indexing is
-    tested by every tile-path test above. Negative control: the two-axis grid (output block, tile) of b66c5a6
-    breaks the rule checked here."""
+    tested by every tile-path test above. Control of the checker itself: the two-axis grid (output block, tile)
+    b66c5a6 launched for this route breaks the rule."""
     from kernels import moe
     grids = []
 

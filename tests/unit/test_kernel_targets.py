@@ -91,7 +91,7 @@ def test_moe_tiles_load_their_rows_in_vectors(sm100):
     assert re.search(pat, "ld.global.b16 %rs1, [%rd2];") and re.search(pat, "ld.global.nc.u16 %rs3, [%rd4+2];")
     assert not re.search(pat, "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];")
     tiles = [n for n in sm100 if n.startswith(("moe._moe_up_tile_kernel", "moe._moe_down_tile_kernel"))]
-    assert len(tiles) == 7, tiles
+    assert len(tiles) == 9, tiles
     for name in tiles:
         feats = sm100[name]["features"]
         assert "cp.async" in feats and "ld.global 2-byte" not in feats, f"{name}: {feats}"

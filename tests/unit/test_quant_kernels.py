@@ -65,22 +65,30 @@ def test_act_quant_sim_halves_layout_bitwise(seed, dtype):
     """`act_quant_sim(x, 128, halves=True)` (the FP4 tile kernels' input, `kernels.moe`) is the reference's values
     with each row's even channels first and its odd ones n / 2 further, bitwise; rows not a multiple of the
     kernel's row block and three 128-channel groups per row, so a group's halves land at offsets 64 * g and
-    n / 2 + 64 * g. Negative controls: the natural layout and the halves of another group order differ."""
+    n / 2 + 64 * g. Negative controls: the natural layout and the halves taken within each 128-channel group (a
+    plausible misreading of the layout) differ from it."""
     from kernels import quant as kq
     x = torch.cat([_edge_rows(128, 448.0), torch.randn(5, 128) * 3]).repeat(1, 3)
     x = (x * torch.rand(1, 384).add(0.5)).to(dtype).to(DEV)  # the three groups' values differ
     ref = quant.act_quant_sim(x, 128)
     got = kq.act_quant_sim(x, 128, halves=True)
-    want = torch.cat((ref[:, 0::2], ref[:, 1::2]), dim=1)
-    assert torch.equal(kq.halves(ref), want)
+    n = ref.shape[1]
+    want = ref[:, torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2))).to(ref.device)]
+    assert torch.equal(kq.halves(ref), want)  # the torch form, against explicit indices
     iv = torch.int32 if dtype == torch.float32 else torch.int16
     assert got.shape == x.shape and torch.equal(got.view(iv), want.view(iv)), \
         f"halves layout differs in {int((got != want).sum())} of {got.numel()} elements"
     assert not torch.equal(got, ref), "the halves layout must differ from the natural one"
+    per_group = ref.view(ref.shape[0], 3, 64, 2).transpose(2, 3).reshape(ref.shape)
+    assert not torch.equal(got, per_group), "halves of the whole row, not of each 128-channel group"
     with pytest.raises(ValueError, match="block is 48; expected a power of two >= 2 with halves=True"):
         kq.act_quant_sim(torch.randn(2, 96, device=DEV), 48, halves=True)
-    with pytest.raises(ValueError, match="halves: x is width 5; expected an even last dim"):
+    with pytest.raises(ValueError, match="halves is 'no'; expected a bool"):
+        kq.act_quant_sim(torch.randn(2, 128, device=DEV), 128, halves="no")
+    with pytest.raises(ValueError, match=r"halves: x is Tensor shape \(2, 5\); expected a tensor \[..., n\] with n even"):
         kq.halves(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="halves: x is list"):
+        kq.halves([1.0, 2.0])
 
 
 def test_fp4_sim_negative_controls(seed):
