@@ -42,21 +42,21 @@ Two paths, chosen by P = T*k (`GEMV_MAX_PAIRS`, measured) - never by a failure:
     scales (`GEMV_CODES`: x quantized once); both multiply e4m3 code values by e2m1 * 2^-126 (`_fp4_gemv_codes`,
     nibbles decoded packed by PTX or element-wise: `GEMV_QUANT_PACKED_MIN_D`); the third, act_quant_sim's values
     through an fp16 bit pattern (`_fp4_gemv_chunk`), is what K chunks of less than one 128-input block take.
-  * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static
-    shapes, no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (out / BN * tiles,): per chunk of
-    2*BKH inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered
-    rows of act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation,
-    no per-group split. x and h reach the tiles in the halves layout (`kernels.quant.halves`, written by the
-    act_quant_sim launch itself): a chunk's even inputs and its odd ones are each contiguous in a row, so the
-    gathered rows load in 16-byte vectors (a stride-2 gather of 2-byte elements before). The output block is the
-    grid's fastest index (one grid axis: a second axis would cap the tiles at 65535), so the programs of one
-    tile's N blocks run side by side and can share its gathered rows through L2 (with the tile fastest, the programs running together belonged to different tiles, and a
-    tile's rows were fetched again for each of its N blocks - the likely reason for the 10-22 % per call
-    measured, RESULTS.md eighth session of 2026-12-06; bitwise the same outputs). The tile is computed
-    transposed ("swap AB": [BN weight rows, BM token rows]), so the decoded weight is the dot's LHS, held in
-    registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens); the untransposed 32-row tile compiled to
-    mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair
-    is never computed; an expert's bytes are read only by its own tiles.
+  * prefill, "tiles": `moe_route` sorts the pairs by expert and pads every expert's run to BM rows (static shapes,
+    no host sync). `_moe_up_tile_kernel` / `_moe_down_tile_kernel`, grid (out / BN * tiles,): per chunk of 2*BKH
+    inputs the FP4 tile is decoded to exact bf16 values e2m1 * 2^(s-127) and multiplied with the gathered rows of
+    act-quantized x in TWO tensor-core dots (even and odd inputs; `_fp4_tile_dot`), fp32 accumulation, no per-group
+    split. x and h reach the tiles in the halves layout (`kernels.quant.halves`, written by the act_quant_sim launch
+    itself): a chunk's even inputs and its odd ones are each contiguous in a row, so the gathered rows load in
+    16-byte vectors (a stride-2 gather of 2-byte elements before). The output block is the grid's fastest index (one
+    grid axis: a second axis would cap the tiles at 65535), so the programs of one tile's N blocks run side by side
+    and can share its gathered rows through L2 (with the tile fastest, the programs running together belonged to
+    different tiles, and a tile's rows were fetched again for each of its N blocks - the likely reason for the
+    1.11-1.29x per call measured, RESULTS.md eighth session of 2026-12-06; bitwise the same outputs). The tile is
+    computed transposed ("swap AB": [BN weight rows, BM token rows]), so the decoded weight is the dot's LHS, held
+    in registers by Hopper's wgmma (M = 128 weight rows, N = 32 tokens); the untransposed 32-row tile compiled to
+    mma.sync and was 2.2-2.5x slower. A tile whose expert has no pair is never computed; an expert's bytes are read
+    only by its own tiles.
 
 Exactness (both paths): every product is exact in fp32 - an e2m1 value has 2 significant bits, an act-quantized
 activation 4 (e4m3), and the scales are powers of two (ue8m0 screened for overflow at load:
@@ -865,7 +865,7 @@ the same sweep, benchmarks/RESULTS.md), µs of the old rule's tiles -> the new r
 7467 -> 7067; Pro P/E 16: 13548 -> 11763; 32: 18135 -> 15831; 48 / 64: 64 x 128 kh 32 (kept) 16999 / 22799. The
 32 x 64 tiles were the fastest of ten shapes at P/E 16 - 32, 64 x 128 kh 32 at 48 - 64 (64 x 128 kh 64 next, 2 %
 slower at Flash 48: 4466 / 4380), 128 x 128 kh 64 above. The grid's order changed after this sweep (the output
-block fastest; 10-29 % per call at the defaults, bitwise the same); the rule was not re-swept after that."""
+block fastest; 1.11-1.29x per call at the defaults, bitwise the same); the rule was not re-swept after that."""
 
 
 INVARIANT_GEMV_MAX_T = 64
