@@ -27,8 +27,9 @@ from dsv4 import quant
 from dsv4.testing import assert_close, assert_mostly_bitwise
 from kernels.gemm import GemvConfig, RowsConfig, act_quant, fp8_dequant, fp8_linear, fp8_linear_ref
 from kernels.gemm import act_quant as act_quant_kernel
-from kernels.moe import (GEMV_MAX_PAIRS, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig, StackedExperts, moe_config,
-                         moe_experts, moe_grouped_ref, moe_route, moe_up_gemv, moe_up_tiles)
+from kernels.moe import (GEMV_MAX_PAIRS, INVARIANT_TILES, TILES_LARGE, TILES_SMALL_MAX_PAIRS, MoeConfig,
+                         StackedExperts, moe_config, moe_experts, moe_grouped_ref, moe_route, moe_up_gemv,
+                         moe_up_tiles)
 from kernels.quant import halves
 
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -538,15 +539,20 @@ def test_moe_nan_activation_stays_nan(seed, path, limit):
     close_bf16(y[ok], ref[ok], "finite tokens")
 
 
-# every launch `moe_config` picks above GEMV_MAX_PAIRS: the 16 x 64 tiles and each of TILES_LARGE
+# every launch `moe_config` picks above GEMV_MAX_PAIRS: the 16 x 64 tiles and each of TILES_LARGE; then the
+# batch-invariant mode's tiles (INVARIANT_TILES, 32 x 128) and the largest class's shape before the eighth session
+# of 2026-12-06 (128 x 128 with 32-byte K steps; still a valid forced `config`) - both kept under their ids
 DEFAULT_TILES = [moe_config(GEMV_MAX_PAIRS + 1, 256)] + [cfg for _, cfg in TILES_LARGE]
+DEFAULT_TILES += [c for c in (INVARIANT_TILES, MoeConfig("tiles", 128, 128, 32, 8, 3))
+                  if c not in DEFAULT_TILES]
 
 
 @needs_triton
 @pytest.mark.parametrize("cfg", DEFAULT_TILES, ids=[f"bm{c.block_m}-bn{c.block_n}-kh{c.block_kh}" for c in DEFAULT_TILES])
 def test_moe_default_tile_configs_match_reference(seed, cfg):
     """The launches `moe_config` picks above GEMV_MAX_PAIRS (16 x 64 tiles, then `TILES_LARGE` by pairs per
-    expert) are forced at a small T: the same kernels and constants as a long prefill, against the reference."""
+    expert), the batch-invariant mode's tiles and the previous large shape are forced at a small T: the same
+    kernels and constants as a long prefill, against the reference."""
     ex = make_experts()
     g, idx = routing(5, 3, IDX5)
     x = (torch.randn(5, D) * 0.5).to(torch.bfloat16).to(DEV)
