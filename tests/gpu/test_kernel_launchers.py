@@ -240,6 +240,21 @@ def test_rope_tail_on_cuda(seed, shape, inverse):
     assert_mostly_bitwise(got, want, "rope bf16")
 
 
+@pytest.mark.parametrize("n", [4096, 7168])
+def test_act_quant_sim_halves_store_on_cuda(seed, n):
+    """The halves store of `act_quant_sim(.., halves=True)` (the MoE tile kernels' input, `kernels.quant.halves`)
+    on the GPU at Flash / Pro width: bitwise the natural-layout launch's values (tested against dsv4.quant above)
+    permuted by the torch form, rows not a multiple of the kernel's row block. Negative control: the natural
+    layout differs from it."""
+    from kernels import quant as kq
+    x = (torch.randn(37, n, device="cuda") * torch.logspace(-3, 3, n, device="cuda")).to(torch.bfloat16)
+    natural = kq.act_quant_sim(x, 128)
+    got = kq.act_quant_sim(x, 128, halves=True)
+    assert torch.equal(got.view(torch.int16), kq.halves(natural).view(torch.int16)), \
+        f"{int((got != kq.halves(natural)).sum())} elements differ"
+    assert not torch.equal(got, natural)
+
+
 @pytest.mark.parametrize("fmt,block,n", [("e4m3", 64, 448), ("e2m1", 32, 128), ("e4m3", 128, 4096)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_quant_sims_bitwise_on_cuda(seed, fmt, block, n, dtype):
