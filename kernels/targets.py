@@ -64,6 +64,9 @@ def _specs():
     from kernels import compressor, fp32_linear, gemm, moe, norm, quant, rope  # triton is an optional dependency
     from kernels import invariant, router  # triton is an optional dependency
     u8, f8 = "*u8", "*fp8e4nv"
+    tile_up = dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
+                   s3_ptr=u8, h_ptr=bf)  # the MoE tile kernels' pointers (every tile shape below)
+    tile_down = dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf)
     specs += [
         ("fp32_linear._bf16w_gemv_kernel", fp32_linear._bf16w_gemv_kernel,
          dict(x_ptr=f32, w_ptr=bf, y_ptr=f32, part_ptr=f32, sem_ptr=i32), [],
@@ -137,35 +140,26 @@ def _specs():
          dict(hq_ptr=bf, sh_ptr=f32, order_ptr=i32, ids_ptr=i64, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
          dict(BN=16, BKH=256, SORTED=True)),
         ("moe._moe_up_tile_kernel", moe._moe_up_tile_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1)),
+         tile_up, ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=1)),
         ("moe._moe_up_tile_kernel[mma2]", moe._moe_up_tile_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=2)),
+         tile_up, ["limit"], dict(HAS_LIMIT=True, BM=32, BN=128, BKH=64, MMA=2)),
         ("moe._moe_down_tile_kernel", moe._moe_down_tile_kernel,
-         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=32, BN=128, BKH=64, MMA=1)),
+         tile_down, [], dict(BM=32, BN=128, BKH=64, MMA=1)),
         # the packed PTX decode (mma="bf16x2", `moe._e2m1_bf16x2`): inline PTX assembles for sm_90 and sm_100
         ("moe._moe_down_tile_kernel[mma2]", moe._moe_down_tile_kernel,
-         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=32, BN=128, BKH=64, MMA=2)),
+         tile_down, [], dict(BM=32, BN=128, BKH=64, MMA=2)),
         # the large tiles of moe.TILES_LARGE (64 x 128 with 32-byte K steps, 128 x 128 with 64-byte steps and the
         # packed decode)
         ("moe._moe_up_tile_kernel[bm64]", moe._moe_up_tile_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=64, BN=128, BKH=32, MMA=1)),
+         tile_up, ["limit"], dict(HAS_LIMIT=True, BM=64, BN=128, BKH=32, MMA=1)),
         ("moe._moe_up_tile_kernel[bm128]", moe._moe_up_tile_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=128, BN=128, BKH=64, MMA=2)),
+         tile_up, ["limit"], dict(HAS_LIMIT=True, BM=128, BN=128, BKH=64, MMA=2)),
         ("moe._moe_down_tile_kernel[bm128]", moe._moe_down_tile_kernel,
-         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=128, BN=128, BKH=64, MMA=2)),
+         tile_down, [], dict(BM=128, BN=128, BKH=64, MMA=2)),
         ("moe._moe_up_tile_kernel[bm32 bn64]", moe._moe_up_tile_kernel,
-         dict(xq_ptr=bf, g_ptr=f32, row_pair_ptr=i32, tile_e_ptr=i32, w1_ptr="*i8", s1_ptr=u8, w3_ptr="*i8",
-              s3_ptr=u8, h_ptr=bf), ["limit"], dict(HAS_LIMIT=True, BM=32, BN=64, BKH=64, MMA=2)),
+         tile_up, ["limit"], dict(HAS_LIMIT=True, BM=32, BN=64, BKH=64, MMA=2)),
         ("moe._moe_down_tile_kernel[bm32 bn64]", moe._moe_down_tile_kernel,
-         dict(hq_ptr=bf, row_pair_ptr=i32, tile_e_ptr=i32, w2_ptr="*i8", s2_ptr=u8, y_ptr=bf), [],
-         dict(BM=32, BN=64, BKH=64, MMA=2)),
+         tile_down, [], dict(BM=32, BN=64, BKH=64, MMA=2)),
         ("norm._head_rms_kernel", norm._head_rms_kernel, dict(x_ptr=bf, y_ptr=bf), ["eps"],
          dict(BD=512, BF16=True, ROPE=False, PER_ROW=False, BR=16)),
         ("invariant._hadamard_kernel", invariant._hadamard_kernel, dict(x_ptr=f32, y_ptr=f32), [],
