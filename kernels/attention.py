@@ -441,10 +441,14 @@ def decode_min_split_tiles(block_h: int, dv: int, hd: int, block_n: int, kv_byte
 
 
 def default_path(b: int, s: int, h: int, hd: int) -> str:
-    """The kernel `sparse_attn` runs when `path` is None: "heads" (`_sparse_decode_kernel`) for decode (s == 1)
-    with at least DECODE_BLOCK_H heads, else "blocks" (`_sparse_attn_kernel`). Chosen by measurement, see the
-    module's RESULTS.md pointer in `sparse_attn`."""
-    return "heads" if s == 1 and h >= DECODE_BLOCK_H else "blocks"
+    """The kernel `sparse_attn` runs when `path` is None: "heads" (`_sparse_decode_kernel`) with at least
+    DECODE_BLOCK_H heads, at every s (decode, verify steps, appends and prefill), else "blocks"
+    (`_sparse_attn_kernel`). Chosen by measurement (benchmarks/RESULTS.md): decode since "Sparse decode attention,
+    all heads per program"; prefill since the ninth session of 2026-12-06 (`benchmarks/attn_prefill_probe.py`: a
+    program of 64 heads gathers a query's KV rows once, where the head-block kernel gathered them once per 16
+    heads, and both dots run with M = 64). b and hd are part of the signature for launch choices that follow
+    them; this one does not."""
+    return "heads" if h >= DECODE_BLOCK_H else "blocks"
 
 
 INVARIANT_SPLIT_SIZE = 128
@@ -479,8 +483,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     merges the partials and adds the sink in the same launch. Always ONE launch; the partials live in the
     stream's cached workspace (`kernels.launch.workspace`); no host-device sync unless check_idx=True.
 
-    Two kernels (`path`): "blocks" = `_sparse_attn_kernel`, a program per (query, 16-head block): prefill and
-    the default for few heads; "heads" = `_sparse_decode_kernel`, a program per (query, 64 heads = all of
+    Two kernels (`path`): "blocks" = `_sparse_attn_kernel`, a program per (query, 16-head block): the default
+    for fewer than DECODE_BLOCK_H heads; "heads" = `_sparse_decode_kernel`, a program per (query, 64 heads = all of
     Flash, half of Pro, optionally a slice of the output columns `dv`): each gathered KV row is read once per
     64 heads and both dots run with M = 64 (wgmma on Hopper). Default (path=None): `default_path(b, s, h, hd)`,
     chosen by measurement on the H200 (benchmarks/RESULTS.md, "Sparse decode attention, all heads per program").

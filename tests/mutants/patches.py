@@ -1142,6 +1142,16 @@ def sparse_decode_min_split_ignored(mp: MP) -> None:
                    "n_tiles // 1")  # MUTANT
 
 
+def sparse_heads_queries_share_indices(mp: MP) -> None:
+    """The all-heads sparse attention kernel (`_sparse_decode_kernel`, the default for >= 64 heads at every s)
+    reads every query of a row through the first query's index row (the query offset dropped from the index base):
+    invisible at s = 1 (decode), wrong for every later query of a prefill or append."""
+    from kernels import attention
+
+    _jit_source_mutant(mp, attention, "_sparse_decode_kernel", "ibase = IDX + b * sib + t * sis",
+                       "ibase = IDX + b * sib  # MUTANT: t dropped")
+
+
 def fp8_decode_tiles_ignored(mp: MP) -> None:
     """`fp8_linear`'s decode path never takes the 64-row tiles (DECODE_TILES_MIN_M silently not applied: the GEMV at
     every decode row count - the same values within the summation order, slower from batch 16 up)."""

@@ -241,11 +241,13 @@ def test_all_heads_kernel_bad_index_is_nan(seed, kw):
 
 @needs_triton
 def test_default_path_and_heads_path_arguments():
-    """Decode with >= 64 heads runs the all-heads kernel, prefill and few heads the head-block kernel; bad
-    path / dv values are refused with their value."""
+    """>= 64 heads run the all-heads kernel at every s (decode and prefill), fewer heads the head-block kernel;
+    bad path / dv values are refused with their value."""
     from kernels.attention import default_path, sparse_attn
     assert default_path(16, 1, 64, 512) == "heads" and default_path(16, 1, 128, 512) == "heads"
-    assert default_path(1, 5, 64, 512) == "blocks" and default_path(4, 1, 16, 512) == "blocks"
+    # prefill / appends too since the ninth session of 2026-12-06 (benchmarks/attn_prefill_probe.py)
+    assert default_path(1, 5, 64, 512) == "heads" and default_path(1, 4096, 128, 512) == "heads"
+    assert default_path(4, 1, 16, 512) == "blocks" and default_path(1, 4096, 32, 512) == "blocks"
     dev = "cuda" if not INTERPRET else "cpu"
     q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 2, 64, 8, 4, torch.float32))
     for kw, match in ((dict(path="rows"), "path must be"), (dict(path="heads", dv=48), "dv must be"),
@@ -415,6 +417,37 @@ def test_step_index_names_bad_input(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         step_index_ref(**args)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["pos-s", "pos-bs"])
+def test_prefill_default_runs_all_heads_kernel_per_query(seed, dtype, per_row):
+    """A prefill-shaped call (b 2, s 5, 64 heads: the default path is the all-heads kernel at every s) with the
+    output's RoPE de-rotated in the epilogue: each query (b, t) reads its own index row, query and position (a
+    kernel that confused queries of one row is invisible at s = 1). hd 64, n 100, k 40 with ~30 % empty slots,
+    one all-empty query, positions per token [s] or per row [b, s] with distinct values; sinks large enough to
+    matter. Against `sparse_attn_rope_ref` within the dtype's tolerance; bitwise the explicit path="heads"."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.attention import default_path, sparse_attn
+    from kernels.rope import sparse_attn_rope_ref
+    dev = "cuda" if not INTERPRET else "cpu"
+    b, s, h, rd = 2, 5, 64, 16
+    assert default_path(b, s, h, 64) == "heads"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(b, s, h, 64, 100, 40, dtype))
+    sink = sink * 1.5
+    idx[1, 3] = -1
+    f = rope_inv_freq(tiny_args(rope_head_dim=rd), 0, rd).to(dev)
+    pos = (torch.tensor([[3, 9, 40, 41, 700], [5, 6, 300, 1029, 4095]], device=dev) if per_row
+           else torch.tensor([11, 12, 13, 514, 2000], device=dev))
+    want = sparse_attn_rope_ref(q, kv, sink, idx, 0.25, pos, f, rd)
+    no_sink = sparse_attn_rope_ref(q, kv, torch.full_like(sink, -1e30), idx, 0.25, pos, f, rd)
+    assert float((want.float() - no_sink.float()).abs().max()) > 0.1, "the sink must matter"
+    got = sparse_attn(q, kv, sink, idx, 0.25, block_n=16, rope=(pos, f, rd), out=torch.full_like(q, float("nan")))
+    assert_close(got, want, "sparse_attn prefill default (heads)", dtype=dtype)
+    assert torch.equal(got[1, 3], torch.zeros_like(got[1, 3])), "all-empty query: exact zeros"
+    assert torch.equal(got, sparse_attn(q, kv, sink, idx, 0.25, block_n=16, rope=(pos, f, rd), path="heads"))
 
 
 _ROPE_CASES = [("blocks", 1, dict()), ("blocks", 3, dict(num_splits=2)), ("heads", 1, dict()),
