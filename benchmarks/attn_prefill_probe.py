@@ -1,9 +1,9 @@
 """Probe (issue 27, prefill): the sparse attention of one prefill (batch 1, Flash 64 / Pro 128 heads, hd 512,
-official plumbing: `bench_attention.prefill_case`) with the output RoPE de-rotation (rd 64, as the model calls it),
-µs per call in a CUDA graph, for the head-block kernel (`path="blocks"`, 16 heads a program, the default for s > 1)
-and the all-heads kernel (`path="heads"`, 64 heads a program: the KV rows gathered once per query instead of once
-per 16 heads), with its stage / warp / prefetch variants (prefetch on by default). Each variant's output against the fp32-accumulated
-reference (`sparse_attn_ref`; max |diff| / max |ref|). Run on a GPU: `python benchmarks/attn_prefill_probe.py`.
+official plumbing: `bench_attention.prefill_case`) with the output RoPE de-rotation (rd 64, as the model calls
+it), µs per call in a CUDA graph: the default, the head-block kernel (`path="blocks"`, 16 heads a program) and the
+all-heads kernel (`path="heads"`, 64 heads a program: the KV rows gathered once per query instead of once per 16
+heads) with stage / prefetch variants. Each output against the head-block kernel's (max |diff| / max |blocks|).
+Run on a GPU: `python benchmarks/attn_prefill_probe.py [--seqlens 1024,4096]`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ from bench_attention import prefill_case  # noqa: E402
 from bench_gemm import gpu_time  # noqa: E402
 from kernels.attention import sparse_attn  # noqa: E402
 
-VARIANTS = [("default", {}), ("blocks", dict(path="blocks")), ("heads", dict(path="heads")),
-            ("heads no prefetch", dict(path="heads", prefetch=False)),
-            ("heads st2", dict(path="heads", num_stages=2)), ("heads st4 prefetch", dict(path="heads", num_stages=4,
-                                                                                       prefetch=True)),
-            ("heads w4", dict(path="heads", num_warps=4)), ("blocks bh32 w8", dict(path="blocks", block_h=32,
-                                                                                  num_warps=8))]
+VARIANTS = [("default", {}), ("blocks", dict(path="blocks")), ("heads no prefetch", dict(path="heads", prefetch=False)),
+            ("heads st4", dict(path="heads", num_stages=4)), ("blocks bh32 w8", dict(path="blocks", block_h=32,
+                                                                                    num_warps=8))]
 
 
 def main() -> int:
