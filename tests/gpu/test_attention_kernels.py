@@ -106,6 +106,22 @@ def test_prefill_matches_ref(seed, kind, topk, seqlen):
     assert_close(got, sparse_attn_ref(q, kv, sink, idx, SCALE), f"sparse_attn prefill {kind} S={seqlen}")
 
 
+@pytest.mark.parametrize("path", [None, "blocks"], ids=["default", "blocks"])
+def test_prefill_pro_heads_with_rope_matches_ref(seed, path):
+    """Pro's 128 heads at prefill (CSA, 300 tokens): the default (the all-heads kernel, two head blocks) and the
+    head-block kernel, with the output's RoPE de-rotated in the epilogue (rd 64, per-token positions), against
+    `sparse_attn_rope_ref`."""
+    from benchmarks.bench_attention import prefill_case
+    from kernels.attention import sparse_attn
+    from kernels.rope import sparse_attn_rope_ref
+    q, kv, sink, idx = prefill_case(300, 128, "csa", 16, generator=_gen(seed))
+    rd = 64
+    f = (1.0 / 10000 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)).cuda()
+    pos = torch.arange(300, dtype=torch.int64, device="cuda") + 17
+    got = sparse_attn(q, kv, sink, idx, SCALE, out=torch.full_like(q, float("nan")), path=path, rope=(pos, f, rd))
+    assert_close(got, sparse_attn_rope_ref(q, kv, sink, idx, SCALE, pos, f, rd), f"sparse_attn prefill {path}")
+
+
 def test_fp32_and_all_invalid(seed):
     """fp32 path (exact 'ieee' dots, rtol 1e-5) and a query with every slot -1 (exact zeros)."""
     from benchmarks.bench_attention import decode_case
