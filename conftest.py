@@ -38,10 +38,48 @@ def pytest_runtest_setup(item):
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
     if not _interpreter_patch and "triton.runtime.interpreter" in sys.modules:
-        _interpreter_patch.append(_skip_nested_lang_patch(sys.modules["triton.runtime.interpreter"]))
+        ti = sys.modules["triton.runtime.interpreter"]
+        _interpreter_patch.append(_skip_nested_lang_patch(ti))
+        _interpreter_patch.append(_memo_np_dtype(ti))
 
 
-_interpreter_patch: list[bool] = []  # one entry once `_skip_nested_lang_patch` has run in this process
+_interpreter_patch: list[bool] = []  # once the patches below have run in this process: whether each applied
+
+
+def _memo_np_dtype(ti) -> bool:
+    """Test speed only, semantics unchanged: under TRITON_INTERPRET=1, the interpreter's `_get_np_dtype(tt_dtype)`
+    (the numpy dtype a Triton dtype is held in, called by every cast, splat, load and binary op) rebuilds its table
+    of 19 Triton dtypes -> numpy dtypes at every call (~6 us: ~10 % of a model-level interpreter test, 184,000
+    calls in a 6-token prefill + one decode step of test_batch_invariant_model). Here the same function answers
+    from a table filled by the original: a pointer type (or a block of pointers) -> uint64 as before, a block
+    type -> its element type's entry (what the original looks up), a scalar type -> the original's answer for it,
+    computed once (an unknown type still raises the original's KeyError, uncached). The module's callers look the
+    name up at call time, so replacing the module attribute reaches all of them. Applied only where the
+    interpreter has this function; otherwise nothing changes and the interpreter is merely slower. Returns whether
+    applied."""
+    original = getattr(ti, "_get_np_dtype", None)
+    tl = getattr(ti, "tl", None)
+    if original is None or tl is None or getattr(original, "_dsv4_memo", False):
+        return False
+    pointer_type, block_type, u64 = tl.pointer_type, tl.block_type, original(tl.pointer_type(tl.int8))
+    table: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, pointer_type):
+            return u64
+        if isinstance(tt_dtype, block_type):
+            if isinstance(tt_dtype.element_ty, pointer_type):
+                return u64
+            tt_dtype = tt_dtype.element_ty
+        try:
+            return table[tt_dtype]
+        except KeyError:
+            table[tt_dtype] = out = original(tt_dtype)
+            return out
+
+    get_np_dtype._dsv4_memo, get_np_dtype._dsv4_original = True, original
+    ti._get_np_dtype = get_np_dtype
+    return True
 
 
 def _skip_nested_lang_patch(ti) -> bool:
@@ -56,7 +94,6 @@ def _skip_nested_lang_patch(ti) -> bool:
     once per launch: ~1,500 walks of a model decode step at dim 128 before, 10 % of its time). Applied
     only where the interpreter has exactly these internals (triton 3.x: `_patch_lang`, `_LangPatchScope`,
     `GridExecutor`); otherwise nothing changes and the interpreter is merely slower. Returns whether applied."""
-    import inspect
     names = ("_patch_lang", "_LangPatchScope", "GridExecutor", "tl")
     if not all(hasattr(ti, n) for n in names) or getattr(ti._patch_lang, "_dsv4_skip_nested", False):
         return False
@@ -64,7 +101,7 @@ def _skip_nested_lang_patch(ti) -> bool:
     patched: list = []  # the language modules the running launch patched (None until its own _patch_lang ran)
 
     def langs(fn) -> set:
-        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and (v is tl or v is tl.core)}
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}  # both modules
 
     def patch_lang(fn):
         if patched and patched[-1] is not None and langs(fn) <= patched[-1]:

@@ -57,7 +57,22 @@ def test_nested_helpers_compute_and_the_language_is_restored():
     import conftest
     assert conftest._interpreter_patch, "the root conftest did not try its interpreter patch"
     ti = sys.modules["triton.runtime.interpreter"]
-    assert conftest._interpreter_patch == [getattr(ti._patch_lang, "_dsv4_skip_nested", False)]
+    assert conftest._interpreter_patch == [getattr(ti._patch_lang, "_dsv4_skip_nested", False),
+                                           getattr(ti._get_np_dtype, "_dsv4_memo", False)]
+    if conftest._interpreter_patch[1]:  # the memoized dtype table answers what the original function does
+        original = ti._get_np_dtype._dsv4_original
+        scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+                   tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e5b16, tl.float8e4nv,
+                   tl.float8e4b8, tl.float8e4b15]
+        kinds = scalars + [tl.pointer_type(t) for t in scalars] + [tl.block_type(t, [2, 4]) for t in scalars] + [
+            tl.block_type(tl.pointer_type(tl.float32), [8])]
+        for _ in range(2):  # filling the table, then from it
+            for t in kinds:
+                assert ti._get_np_dtype(t) == original(t), t
+        for bad in (tl.void, tl.block_type(tl.void, [2])):  # not in the original's table: its KeyError, each time
+            for _ in range(2):
+                with pytest.raises(KeyError):
+                    ti._get_np_dtype(bad)
     assert _builtins_unpatched()
     x = torch.randn(37)
     y = torch.empty_like(x)
