@@ -351,7 +351,8 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            ("tests/unit/test_gemm_moe_kernels.py::test_fp8_linear_decode_launch_choice",)),
     Mutant("sparse_heads_queries_share_indices", "the all-heads sparse attention reads a row's first index row "
            "for every query", patches.sparse_heads_queries_share_indices,
-           ("tests/unit/test_attention_kernels.py::test_prefill_default_runs_all_heads_kernel_per_query[pos-s-fp32]",)),
+           ("tests/unit/test_attention_kernels.py::test_prefill_default_runs_all_heads_kernel_per_query[pos-s-fp32]",
+            "tests/unit/test_graph_decode.py::test_triton_decode_with_64_heads_runs_the_all_heads_kernel")),
 ]}
 
 
