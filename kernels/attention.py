@@ -444,10 +444,11 @@ def default_path(b: int, s: int, h: int, hd: int) -> str:
     """The kernel `sparse_attn` runs when `path` is None: "heads" (`_sparse_decode_kernel`) with at least
     DECODE_BLOCK_H heads, at every s (decode, verify steps, appends and prefill), else "blocks"
     (`_sparse_attn_kernel`). Chosen by measurement (benchmarks/RESULTS.md): decode since "Sparse decode attention,
-    all heads per program"; prefill since the ninth session of 2026-12-06 (`benchmarks/attn_prefill_probe.py`: a
-    program of 64 heads gathers a query's KV rows once, where the head-block kernel gathered them once per 16
-    heads, and both dots run with M = 64). b and hd are part of the signature for launch choices that follow
-    them; this one does not."""
+    all heads per program"; prefill since the ninth session of 2026-12-06 (`benchmarks/attn_prefill_probe.py`, one
+    H100, 4096 tokens, µs per call with the RoPE epilogue, head-block -> all-heads: Flash CSA 3627 -> 2380, HCA
+    1230 -> 995, SWA 1053 -> 891; Pro 6958 -> 4512, 2400 -> 1928, 2089 -> 1755: a program of 64 heads gathers a
+    query's KV rows once, where the head-block kernel gathered them once per 16 heads, and both dots run with
+    M = 64). b and hd are part of the signature for launch choices that follow them; this one does not."""
     return "heads" if h >= DECODE_BLOCK_H else "blocks"
 
 
