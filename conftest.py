@@ -49,7 +49,7 @@ _interpreter_patch: list[bool] = []  # once the patches below have run in this p
 def _memo_np_dtype(ti) -> bool:
     """Test speed only, semantics unchanged: under TRITON_INTERPRET=1, the interpreter's `_get_np_dtype(tt_dtype)`
     (the numpy dtype a Triton dtype is held in, called by every cast, splat, load and binary op) rebuilds its table
-    of 19 Triton dtypes -> numpy dtypes at every call (~6 us: ~10 % of a model-level interpreter test, 184,000
+    of 18 Triton dtypes -> numpy dtypes at every call (~6 us: ~10 % of a model-level interpreter test, 184,000
     calls in a 6-token prefill + one decode step of test_batch_invariant_model). Here the same function answers
     from a table filled by the original: a pointer type (or a block of pointers) -> uint64 as before, a block
     type -> its element type's entry (what the original looks up), a scalar type -> the original's answer for it,

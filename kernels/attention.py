@@ -253,7 +253,8 @@ if triton is not None:
                               HD: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                               SPLIT: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr, ROPE: tl.constexpr,
                               PER_ROW: tl.constexpr, BR: tl.constexpr):
-        """Decode: one program = one query (b, t), BLOCK_H heads (all 64 of Flash; 64 of Pro's 128: a
+        """Decode and prefill (the default for >= 64 heads at every s): one program = one query (b, t), BLOCK_H
+        heads (all 64 of Flash; 64 of Pro's 128: a
         [128, 512] fp32 accumulator does not fit one SM's registers), output columns [dv*DV, (dv+1)*DV) and
         index slots [sp*CHUNK, (sp+1)*CHUNK). Every gathered KV row is loaded once for all BLOCK_H heads and
         both dots have M = BLOCK_H = 64, so Hopper runs them as wgmma.
@@ -461,9 +462,10 @@ def invariant_sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Te
                           softmax_scale: float) -> torch.Tensor:
     """`sparse_attn` in the batch-invariant mode (the triton backend's `sparse_attn` entry when built with
     batch_invariant=True): the kernel fixed by the head count alone ("heads" when h >= DECODE_BLOCK_H, else
-    "blocks", for every s: the default switches at s = 1), all output columns per program (dv = hd: the default
-    splits them by b*s) and splits of INVARIANT_SPLIT_SIZE slots (the default derives the split count from b*s, the
-    SM count and k: `decode_min_split_tiles`). Same arguments, result and errors as `sparse_attn`."""
+    "blocks", for every s, as the default does since the ninth session of 2026-12-06), all output columns per
+    program (dv = hd: the default splits them by b*s) and splits of INVARIANT_SPLIT_SIZE slots (the default
+    derives the split count from b*s, the SM count and k: `decode_min_split_tiles`). Same arguments, result and
+    errors as `sparse_attn`."""
     h, hd = q.shape[2], q.shape[3]
     path = "heads" if h >= DECODE_BLOCK_H else "blocks"
     return sparse_attn(q, kv, attn_sink, idx, softmax_scale, path=path, dv=hd if path == "heads" else None,
@@ -488,7 +490,8 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
     for fewer than DECODE_BLOCK_H heads; "heads" = `_sparse_decode_kernel`, a program per (query, 64 heads = all of
     Flash, half of Pro, optionally a slice of the output columns `dv`): each gathered KV row is read once per
     64 heads and both dots run with M = 64 (wgmma on Hopper). Default (path=None): `default_path(b, s, h, hd)`,
-    chosen by measurement on the H200 (benchmarks/RESULTS.md, "Sparse decode attention, all heads per program").
+    chosen by measurement: decode on the H200 (benchmarks/RESULTS.md, "Sparse decode attention, all heads per
+    program"), prefill on an H100 (RESULTS.md, "Ninth session of 2026-12-06").
 
     Args: as `sparse_attn_ref`; hd must be a power of two >= 16. Keyword-only tuning/plumbing:
         out: optional [b, s, h, hd] q.dtype contiguous tensor to write (tests poison it with NaN).

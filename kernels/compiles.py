@@ -21,7 +21,8 @@ The bounded set of builds per kernel (issue 29; what is left after `do_not_speci
 fixed set and model constants only, and the threshold choices `dsv4.warmup` probes:
   attention      `_sparse_decode_kernel` (>= 64 heads, every s) DV / warps by b*s (<= 16 query-head-block
                  programs: column split) x SPLIT (k-split while the programs fill less than a wave) x dtype;
-                 `_sparse_attn_kernel` (fewer heads) SPLIT (k-split below 66 queries on an H200) x dtype;
+                 `_sparse_attn_kernel` (fewer heads) SPLIT (k-split while the (query, head block) programs
+                 fill less than two waves) x dtype;
   indexer        `_indexer_topk_kernel` BLOCK in TOPK_BLOCKS (or 4096 chunked) x KP in TOPK_SORT_WIDTHS x S == 1;
                  `_indexer_scores_kernel` / `_indexer_select_kernel` one per model width;
   mhc            `_hc_mix_kernel` per tile set (T < / >= 1024) and site kind; `_hc_finish_kernel`, `_hc_fused_kernel`

@@ -41,9 +41,9 @@ What the mode fixes (the audit; README "Batch-invariant mode" has the table):
     path and tiles by pair count);
   * mHC pre / head: 16-row tiles and a split count fixed per K (default: split count from T); the fused
     post + pre boundary is off (the default's too, since the fifth session of 2026-12-06);
-  * sparse attention: one kernel per head count, all columns per program, splits of 128 slots (default: "heads"
-    only at s = 1, column split and split count from b*s, the SMs and k); the s = 1 step lists the window's slots in
-    position order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
+  * sparse attention: one kernel per head count, all columns per program, splits of 128 slots (default: the same
+    kernel by head count, but column split and split count from b*s, the SMs and k); the s = 1 step lists the
+    window's slots in position order as the s > 1 step does (default: ring-slot order: another order of the softmax sums);
   * torch reductions: the per-head q RMS (`head_rms`) and the indexer / compressor Hadamard (`hadamard`) as
     per-row kernels, the compressor's prefill pooling (`pool_windows`) as a tree of elementwise adds.
 Already invariant in the default mode: RMSNorm (one program per row), the router after its logits

@@ -422,16 +422,25 @@ def test_step_index_names_bad_input(kw, match):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("per_row", [False, True], ids=["pos-s", "pos-bs"])
-def test_prefill_default_runs_all_heads_kernel_per_query(seed, dtype, per_row):
+def test_prefill_default_runs_all_heads_kernel_per_query(seed, dtype, per_row, monkeypatch):
     """A prefill-shaped call (b 2, s 5, 64 heads: the default path is the all-heads kernel at every s) with the
     output's RoPE de-rotated in the epilogue: each query (b, t) reads its own index row, query and position (a
     kernel that confused queries of one row is invisible at s = 1). hd 64, n 100, k 40 with ~30 % empty slots,
     one all-empty query, positions per token [s] or per row [b, s] with distinct values; sinks large enough to
-    matter. Against `sparse_attn_rope_ref` within the dtype's tolerance; bitwise the explicit path="heads"."""
+    matter. Against `sparse_attn_rope_ref` within the dtype's tolerance; bitwise the explicit path="heads". The
+    head-block kernel is replaced by one that raises, so the default cannot reach it (the two kernels give bitwise
+    the same result at these sizes under the interpreter, so the values alone would not tell them apart)."""
     from dsv4.model import rope_inv_freq
     from dsv4.tiny import tiny_args
+    from kernels import attention
     from kernels.attention import default_path, sparse_attn
     from kernels.rope import sparse_attn_rope_ref
+
+    class NoBlocks:
+        def __getitem__(self, grid):
+            raise AssertionError("the head-block kernel ran for a 64-head prefill")
+
+    monkeypatch.setattr(attention, "_sparse_attn_kernel", NoBlocks())
     dev = "cuda" if not INTERPRET else "cpu"
     b, s, h, rd = 2, 5, 64, 16
     assert default_path(b, s, h, 64) == "heads"
@@ -448,6 +457,28 @@ def test_prefill_default_runs_all_heads_kernel_per_query(seed, dtype, per_row):
     assert_close(got, want, "sparse_attn prefill default (heads)", dtype=dtype)
     assert torch.equal(got[1, 3], torch.zeros_like(got[1, 3])), "all-empty query: exact zeros"
     assert torch.equal(got, sparse_attn(q, kv, sink, idx, 0.25, block_n=16, rope=(pos, f, rd), path="heads"))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_all_heads_splits_and_column_slices_match_ref(seed, dtype):
+    """The all-heads kernel at s > 1 with a 3-way key split (the last program of each query merges, `_merge_splits`)
+    and 2 column slices (dv 32 of hd 64; only the last slice's program de-rotates, `_rope_out`), per-token
+    positions: what a short prefill, a chunk or a verify step runs at Flash width (few queries). b 2, s 4, 64
+    heads, k 40 with ~30 % empty slots; against `sparse_attn_rope_ref` within the dtype's tolerance."""
+    from dsv4.model import rope_inv_freq
+    from dsv4.tiny import tiny_args
+    from kernels.attention import sparse_attn
+    from kernels.rope import sparse_attn_rope_ref
+    dev = "cuda" if not INTERPRET else "cpu"
+    rd = 16
+    q, kv, sink, idx = (t.to(dev) for t in make_case(2, 4, 64, 64, 100, 40, dtype))
+    f = rope_inv_freq(tiny_args(rope_head_dim=rd), 0, rd).to(dev)
+    pos = torch.tensor([7, 130, 131, 3000], device=dev)
+    want = sparse_attn_rope_ref(q, kv, sink, idx, 0.25, pos, f, rd)
+    got = sparse_attn(q, kv, sink, idx, 0.25, path="heads", block_n=16, num_splits=3, dv=32, rope=(pos, f, rd),
+                      out=torch.full_like(q, float("nan")))
+    assert_close(got, want, "sparse_attn heads s>1 split3 dv32", dtype=dtype)
 
 
 _ROPE_CASES = [("blocks", 1, dict()), ("blocks", 3, dict(num_splits=2)), ("heads", 1, dict()),
