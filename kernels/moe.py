@@ -881,8 +881,9 @@ wherever the column sits and whatever the padding."""
 def moe_config(n_pairs: int, n_experts: int) -> MoeConfig:
     """Default launch for P = n_pairs pairs over E = n_experts experts, the fastest measured (RESULTS.md; one
     H200, `TILES_LARGE` re-measured on one H100): the decode path (`MoeConfig("gemv", 1, 16, 256, 4, 1)`; the
-    default launch then takes the per-kernel shapes of `gemv_shapes`) while P <= GEMV_MAX_PAIRS; else the swapped tiles, 16 x 64 while P <= TILES_SMALL_MAX_PAIRS, then `TILES_LARGE` by the
-    average pairs per expert P / E. Raises ValueError for n_experts < 1."""
+    default launch then takes the per-kernel shapes of `gemv_shapes`) while P <= GEMV_MAX_PAIRS; else the
+    swapped tiles, 16 x 64 while P <= TILES_SMALL_MAX_PAIRS, then `TILES_LARGE` by the average pairs per expert
+    P / E. Raises ValueError for n_experts < 1."""
     if not isinstance(n_experts, int) or isinstance(n_experts, bool) or n_experts < 1:
         _fail("moe_config", "n_experts", repr(n_experts), "an int >= 1 (routed experts of the layer)")
     if n_pairs <= GEMV_MAX_PAIRS:
