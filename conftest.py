@@ -41,6 +41,7 @@ def pytest_runtest_setup(item):
         ti = sys.modules["triton.runtime.interpreter"]
         _interpreter_patch.append(_skip_nested_lang_patch(ti))
         _interpreter_patch.append(_memo_np_dtype(ti))
+        _interpreter_patch.append(_rowwise_dot(ti))
 
 
 _interpreter_patch: list[bool] = []  # once the patches below have run in this process: whether each applied
@@ -79,6 +80,39 @@ def _memo_np_dtype(ti) -> bool:
 
     get_np_dtype._dsv4_memo, get_np_dtype._dsv4_original = True, original
     ti._get_np_dtype = get_np_dtype
+    return True
+
+
+def _rowwise_dot(ti) -> bool:
+    """Faithfulness, not speed: under TRITON_INTERPRET=1, `tl.dot` is `np.matmul` of the two tiles
+    (`InterpreterBuilder.create_dot`), and numpy's BLAS may compute a row of the product differently depending on
+    the row's place in the tile. Measured with numpy 2.4's OpenBLAS 0.3.31 (DYNAMIC_ARCH) on an AVX-512 AMD EPYC,
+    single-threaded: in a [16, 64] x [64, 64] fp32 product the rows 0-5 and 6-15 of sixteen copies of one row
+    differ in the last bits (two micro-kernels). A tensor core's dot computes each output row from its own row
+    alone, so such an interpreter makes a batch-invariant kernel look variant (tests/unit/test_batch_invariant.py
+    failed on that machine and passed on CI's). Here the product is computed one row at a time (a stacked
+    [..., M, 1, K] x [..., 1, K, N] matmul: every row through the same 1-row routine, whatever its place and its
+    neighbours), with the original's operand handling (fp8 tiles widened to fp16 first) and accumulator dtype.
+    Applied only where the interpreter has this method and helper; otherwise nothing changes. Returns whether
+    applied."""
+    builder = getattr(ti, "InterpreterBuilder", None)
+    original = getattr(builder, "create_dot", None)
+    convert, tl, np_ = getattr(ti, "_convert_float", None), getattr(ti, "tl", None), getattr(ti, "np", None)
+    if original is None or convert is None or tl is None or np_ is None or getattr(original, "_dsv4_rowwise", False):
+        return False
+    TensorHandle = ti.TensorHandle
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = convert(a_data, a.dtype, tl.float16, None).view(np_.float16)
+            b_data = convert(b_data, b.dtype, tl.float16, None).view(np_.float16)
+        rows = np_.matmul(a_data[..., :, None, :], b_data[..., None, :, :], dtype=d.data.dtype)[..., 0, :]
+        return TensorHandle(rows + d.data, d.dtype.scalar)
+
+    create_dot._dsv4_rowwise, create_dot._dsv4_original = True, original
+    builder.create_dot = create_dot
     return True
 
 

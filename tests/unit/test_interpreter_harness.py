@@ -58,7 +58,8 @@ def test_nested_helpers_compute_and_the_language_is_restored():
     assert conftest._interpreter_patch, "the root conftest did not try its interpreter patch"
     ti = sys.modules["triton.runtime.interpreter"]
     assert conftest._interpreter_patch == [getattr(ti._patch_lang, "_dsv4_skip_nested", False),
-                                           getattr(ti._get_np_dtype, "_dsv4_memo", False)]
+                                           getattr(ti._get_np_dtype, "_dsv4_memo", False),
+                                           getattr(ti.InterpreterBuilder.create_dot, "_dsv4_rowwise", False)]
     if conftest._interpreter_patch[1]:  # the memoized dtype table answers what the original function does
         original = ti._get_np_dtype._dsv4_original
         scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
@@ -97,3 +98,36 @@ def test_standard_library_helpers_compute_in_every_launch():
         acc = 3 * (2 * x - x.max(dim=1, keepdim=True).values)
         torch.testing.assert_close(y, acc.sum(1) + acc.max(1).values, rtol=1e-6, atol=1e-5)
     assert _builtins_unpatched()
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    a = tl.load(a_ptr + tl.arange(0, M)[:, None] * K + tl.arange(0, K)[None, :])
+    b = tl.load(b_ptr + tl.arange(0, K)[:, None] * N + tl.arange(0, N)[None, :])
+    tl.store(c_ptr + tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_interpreter_dot_row_depends_on_its_own_row_only(dtype):
+    """`conftest._rowwise_dot`: in the interpreter's tl.dot, a row of the product is the same bits wherever it sits
+    in the tile (16 copies of one row give 16 equal rows; numpy's BLAS on an AVX-512 machine gave two different
+    ones), and the product is the product: within fp32 rounding of the fp64 one (K = 64 terms at scales 2^-8..2^8,
+    relative to the row's largest |term| sum), for fp32 tiles and for fp8 tiles (widened to fp16 by the original's
+    rule)."""
+    import conftest
+    ti = sys.modules["triton.runtime.interpreter"]
+    if not conftest._interpreter_patch[2]:
+        pytest.skip("this interpreter has no create_dot / _convert_float to patch")
+    assert ti.InterpreterBuilder.create_dot._dsv4_rowwise
+    M, K, N = 16, 64, 32
+    row = torch.randn(1, K) * 2.0 ** torch.randint(-8, 9, (1, K))
+    b = torch.randn(K, N)
+    if dtype is not torch.float32:
+        row, b = row.clamp(-400, 400).to(dtype), b.to(dtype)
+    a = row.repeat(M, 1)
+    c = torch.empty(M, N)
+    _dot_kernel[(1,)](a, b, c, M=M, K=K, N=N)
+    assert torch.equal(c, c[:1].expand(M, N)), "a row of the interpreter's dot depends on its place in the tile"
+    ref = a.double() @ b.double()
+    scale = (a.double().abs() @ b.double().abs())
+    assert ((c.double() - ref).abs() <= 2.0 ** -20 * scale).all(), "the interpreter's dot is not the product"
