@@ -176,8 +176,14 @@ def _check_text(messages: list, name: str) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
+        if "wo_eos" in m and not isinstance(m["wo_eos"], bool):
+            raise ValueError(f"{name}[{i}].wo_eos: expected a bool, got {m['wo_eos']!r}")
         for field in ("content", "reasoning_content"):
             v = m.get(field)
+            if isinstance(v, (bytes, bytearray, memoryview)):  # the template would render "<bytes>", not the text
+                raise ValueError(f"{name}[{i}].{field}: expected a string, got {type(v).__name__} (decode it first)")
+            if field == "reasoning_content" and v is not None and not isinstance(v, str):  # 0 / [] read as empty
+                raise ValueError(f"{name}[{i}].reasoning_content: expected a string, got {type(v).__name__}")
             if isinstance(v, str):
                 try:
                     v.encode("utf-8")
@@ -202,7 +208,7 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
             raise ValueError(f"{where}.content: a developer message needs non-empty content")
         if role != "tool":
             _content(m, where)
-        if not isinstance(m.get("reasoning_content") or "", str):
+        if m.get("reasoning_content") is not None and not isinstance(m["reasoning_content"], str):
             raise ValueError(f"{where}.reasoning_content: expected a string, got "
                              f"{type(m['reasoning_content']).__name__}")
         if role == "tool":
@@ -407,6 +413,7 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
     """
     if thinking_mode not in MODES:
         raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
+    check_flags({"drop_thinking": drop_thinking, "add_default_bos_token": add_default_bos_token})
     if isinstance(messages, (list, tuple)) and not messages:
         raise EmptyConversationError()
     if reasoning_effort not in EFFORTS:
@@ -654,6 +661,18 @@ def special_strings_in_messages(messages: list[dict]) -> list[tuple[int, str, st
 PROMPT_KWARGS = ("reasoning_effort", "drop_thinking", "context", "add_default_bos_token", "tools",
                  "add_generation_prompt", "sanitize_control_tokens")
 
+BOOL_KWARGS = ("thinking", "drop_thinking", "add_default_bos_token", "add_generation_prompt",
+               "sanitize_control_tokens")
+"""The prompt's switches: each must be a real bool where given (a string "no" or a 0 would be read by its truth)."""
+
+
+def check_flags(kw: dict) -> None:
+    """Raise ValueError naming the first of `BOOL_KWARGS` in kw whose value is not a bool (None included: the
+    template reads None as False, `thinking=None` as thinking mode)."""
+    for k in BOOL_KWARGS:
+        if k in kw and not isinstance(kw[k], bool):
+            raise ValueError(f"{k}: expected a bool (True or False), got {kw[k]!r}")
+
 
 def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> list[int]:
     """Token ids of the DeepSeek-V4 prompt for `messages` — the only way dsv4 builds model input.
@@ -695,6 +714,7 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
                          "dsv4_template_source missing); load it with dsv4.tokenizer.load_tokenizer")
     if not isinstance(thinking, bool):
         raise ValueError(f"thinking: expected a bool, got {thinking!r}")
+    check_flags(kw)
     revision = getattr(tokenizer.dsv4_template_source, "revision", None)
     if revision is not None:
         raise UnsupportedRevisionError(*revision)

@@ -34,7 +34,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerFast
 
 from dsv4.config import UnsupportedRevisionError, detect_revision
-from dsv4.encoding import EmptyConversationError
+from dsv4.encoding import PROMPT_KWARGS, EmptyConversationError, _check_text, check_flags
 
 __all__ = ["load_tokenizer", "chat_template_text", "TemplateSource", "TEMPLATE_NAME", "packaged_tokenizer_dir"]
 
@@ -69,8 +69,13 @@ class TemplateSource:
 @functools.lru_cache(maxsize=None)
 def _make_tokenizer_class():
     """`PreTrainedTokenizerFast` whose `apply_chat_template` refuses, before transformers or the template run,
-    (1) a tokenizer whose checkpoint names a later revision and (2) an empty conversation: the same
-    `EmptyConversationError` as `encode_messages([])` and `prompt_ids(tok, [])`."""
+    (1) a tokenizer whose checkpoint names a later revision, (2) an empty conversation: the same
+    `EmptyConversationError` as `encode_messages([])` and `prompt_ids(tok, [])`, (3) a keyword that is neither
+    transformers' nor the template's (`PROMPT_KWARGS`, `thinking`: transformers hands unknown keywords to the
+    template, which ignores them, so `reasoning_efort="max"` would silently give the default prompt), (4) a
+    switch that is not a bool (`encoding.check_flags`: `thinking=None` would select thinking mode) and (5) a
+    message that `prompt_ids` refuses (`encoding._check_text`: not a dict, bytes content, undecodable text) - the
+    same ValueErrors as `prompt_ids`."""
 
     class DSV4TokenizerFast(PreTrainedTokenizerFast):
         """The real DeepSeek-V4 tokenizer with the dsv4 template and its two refusals (see `load_tokenizer`)."""
@@ -83,9 +88,27 @@ def _make_tokenizer_class():
                 isinstance(conversation[0], (list, tuple))
             if isinstance(conversation, (list, tuple)) and (not conversation or batch and not all(conversation)):
                 raise EmptyConversationError()
+            known = _hf_chat_kwargs(PreTrainedTokenizerFast.apply_chat_template) | {"thinking", *PROMPT_KWARGS}
+            unknown = sorted(set(kwargs) - known - {"enable_thinking"})  # the template's own message for Qwen's
+            if unknown:
+                raise ValueError(f"apply_chat_template: unknown keyword argument(s) {', '.join(map(repr, unknown))} "
+                                 f"(the dsv4 template reads thinking, {', '.join(PROMPT_KWARGS)})")
+            check_flags(kwargs)
+            if isinstance(conversation, (list, tuple)):
+                for j, conv in enumerate(conversation if batch else [conversation]):
+                    _check_text(list(conv), f"conversation[{j}]" if batch else "conversation")
             return super().apply_chat_template(conversation, *args, **kwargs)
 
     return DSV4TokenizerFast
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_chat_kwargs(fn) -> frozenset:
+    """The named keyword parameters of transformers' `apply_chat_template` (fn), without `**kwargs`."""
+    import inspect
+
+    return frozenset(n for n, p in inspect.signature(fn).parameters.items()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "conversation"))
 
 
 def _revision_beside(folder: Path) -> tuple | None:

@@ -187,3 +187,60 @@ def test_message_tools_shape_same_error_in_template_and_encoder(tok, tools):
         tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert str(enc.value) == str(tmpl.value) and str(enc.value).startswith("messages[0].tools")
 
+
+
+U = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("content", [b"hi", bytearray(b"hi")])
+def test_bytes_content_is_refused_on_every_path(tok, content):
+    """Bytes content used to reach the template, which rendered the literal text "<bytes>" in place of the user's
+    words (no error). Every prompt path refuses it naming the message and field."""
+    msgs = [{"role": "user", "content": content}]
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: expected a string, got (bytes|bytearray)"):
+        prompt_ids(tok, msgs)
+    with pytest.raises(ValueError, match=r"^conversation\[0\]\.content: expected a string, got (bytes|bytearray)"):
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.content: expected a string"):
+        encode_messages(msgs, "thinking")
+    assert tok.decode(prompt_ids(tok, U)).endswith("hi<｜Assistant｜><think>")  # control: a str goes through
+
+
+def test_apply_chat_template_refuses_a_misspelled_keyword(tok):
+    """transformers hands unknown keywords to the template, which ignored them: `reasoning_efort="max"` gave the
+    default prompt without the maximum-effort preamble. Now an error naming the keyword; the right spelling
+    still adds the preamble (control)."""
+    with pytest.raises(ValueError, match=r"unknown keyword argument\(s\) 'reasoning_efort'"):
+        tok.apply_chat_template(U, reasoning_efort="max", add_generation_prompt=True, tokenize=False)
+    good = tok.apply_chat_template(U, reasoning_effort="max", add_generation_prompt=True, tokenize=False)
+    plain = tok.apply_chat_template(U, add_generation_prompt=True, tokenize=False)
+    assert good != plain and len(good) > len(plain)
+
+
+@pytest.mark.parametrize("call", ["prompt_ids", "apply_chat_template", "encode_messages"])
+@pytest.mark.parametrize("flag,value", [("drop_thinking", "no"), ("add_default_bos_token", 0),
+                                        ("add_generation_prompt", "no"), ("thinking", None)])
+def test_prompt_switches_must_be_bools(tok, call, flag, value):
+    """A switch given as "no", 0 or None was read by its truth ("no" -> True, thinking=None -> thinking mode):
+    each is refused naming the switch; True / False go through."""
+    if call == "encode_messages" and flag not in ("drop_thinking", "add_default_bos_token"):
+        pytest.skip("encode_messages has no such argument")
+    run = {"prompt_ids": lambda **kw: prompt_ids(tok, U, **kw),
+           "apply_chat_template": lambda **kw: tok.apply_chat_template(U, tokenize=False,
+                                                                       **{"add_generation_prompt": True, **kw}),
+           "encode_messages": lambda **kw: encode_messages(U, "thinking", **kw)}[call]
+    with pytest.raises(ValueError, match=rf"^{flag}: expected a bool"):
+        run(**{flag: value})
+    assert run(**{flag: False}) != run(**{flag: True}) or flag == "drop_thinking"  # control
+
+
+@pytest.mark.parametrize("field,value", [("wo_eos", "no"), ("reasoning_content", 0), ("reasoning_content", [])])
+def test_message_fields_of_the_wrong_type_are_refused(tok, field, value):
+    """`wo_eos: "no"` dropped the EOS and `reasoning_content: 0` / `[]` passed as empty text: each is refused
+    naming the message index and field, on the template path and the official encoder's."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", field: value},
+            {"role": "user", "content": "c"}]
+    with pytest.raises(ValueError, match=rf"^messages\[1\]\.{field}: expected a"):
+        prompt_ids(tok, msgs)
+    with pytest.raises(ValueError, match=rf"^messages\[1\]\.{field}: expected a"):
+        encode_messages(msgs, "thinking")
