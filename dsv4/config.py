@@ -277,11 +277,11 @@ class ModelArgs:
             raise bad("expert_dtype", "'fp4', 'fp8' or 'bf16'")
         if self.dtype == "fp8" and self.scale_fmt != "ue8m0":
             raise bad("scale_fmt", "'ue8m0' for an fp8 checkpoint")
-        for name in ("rope_theta", "compress_rope_theta", "rope_factor", "route_scale"):
+        for name in ("rope_theta", "compress_rope_theta", "rope_factor", "route_scale", "norm_eps"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise bad(name, "a finite positive number")
-        for name in ("hc_eps", "norm_eps", "swiglu_limit"):
+        for name in ("hc_eps", "swiglu_limit"):  # norm_eps above: every RMSNorm needs eps > 0 (x / sqrt(ms + eps))
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise bad(name, "a finite non-negative number")

@@ -424,11 +424,15 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def resolve_ckpt(ckpt: Path | None) -> Path | None:
-    """--ckpt, else $DSV4_CKPT, else None. Raises FileNotFoundError naming the source and the path when it is not a
+    """--ckpt, else $DSV4_CKPT, else None. Raises ValueError when $DSV4_CKPT is set but empty (a script's unset
+    variable: never read as "no checkpoint", which diagnose would run on random weights); FileNotFoundError naming the source and the path when it is not a
     directory, saying why (missing, a broken link, a file); `SymlinkLoopError` (a FileNotFoundError) when it is a
     symbolic link loop.
     A synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]` (`dsv4.synth.parse_source`) is returned as given after
     parsing: ValueError naming the option and the bad field."""
+    if ckpt is None and os.environ.get(CKPT_ENV) == "":  # `DSV4_CKPT=$UNSET dsv4 diagnose`: not "no checkpoint"
+        raise ValueError(f"${CKPT_ENV} is set but empty; expected a checkpoint directory (unset it to run without "
+                         "one: diagnose then builds a tiny random checkpoint)")
     if ckpt is None and os.environ.get(CKPT_ENV):
         ckpt, src = Path(os.environ[CKPT_ENV]), f"${CKPT_ENV}"
     else:

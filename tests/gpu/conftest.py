@@ -20,6 +20,9 @@ def real_ckpt(tmp_path_factory):
     checkpoint of $DSV4_REAL_LAYERS (default 4) layers built on the GPU once per session and deleted at its end (~20 GB; pytest would otherwise keep it among its last three temporary
     directories); skips with the reason when there is no GPU or not enough disk."""
     env = os.environ.get("DSV4_CKPT")
+    if env == "":  # `DSV4_CKPT=$UNSET pytest ...` must not quietly test a synthetic checkpoint instead
+        raise ValueError("DSV4_CKPT is set but empty; expected a checkpoint directory or synth:GEOMETRY (unset it "
+                         "to test a synthetic Flash-geometry checkpoint)")
     if env:
         from dsv4.synth import is_synth_source, parse_source
 

@@ -133,6 +133,23 @@ def test_test_layers_with_a_space_is_refused_like_any_non_canonical_integer(tiny
     assert "dsv4 diagnose: error: TEST_LAYERS=' 2': expected an integer in 1..4" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["diagnose", "generate"])
+def test_empty_dsv4_ckpt_is_an_error_not_the_tiny_checkpoint(tiny_ckpt, capsys, monkeypatch, command):
+    """`DSV4_CKPT=$UNSET dsv4 diagnose` used to build the tiny random checkpoint and report PASS, as if no
+    checkpoint had been named: an empty value is now an error (exit 2) naming the variable. Controls: --ckpt
+    still wins over it, and an unset variable still means the tiny checkpoint (diagnose)."""
+    monkeypatch.setenv("DSV4_CKPT", "")
+    extra = ["--prompt", "hi", "--max-tokens", "1"] if command == "generate" else []
+    assert main([command, *extra]) == 2
+    assert f"dsv4 {command}: error: $DSV4_CKPT is set but empty; expected a checkpoint directory" in \
+        capsys.readouterr().err
+    assert main([command, "--ckpt", str(tiny_ckpt), *extra]) == 0
+    if command == "diagnose":
+        monkeypatch.delenv("DSV4_CKPT")
+        monkeypatch.delenv("TEST_LAYERS", raising=False)
+        assert main([command, "--decode-steps", "1"]) == 0
+
+
 @pytest.mark.parametrize("argv", [["make-checkpoint", "{tmp}/ck", "--geometry", "tiny", "--dry-run"],
                                   ["make-tiny", "{tmp}/tiny"]], ids=["make-checkpoint", "make-tiny"])
 def test_stdout_closed_by_its_reader_ends_quietly(tmp_path, argv):

@@ -141,13 +141,15 @@ def test_model_args_errors_name_the_config_file(tmp_path, edit, message):
 
 @pytest.mark.parametrize("edit,message", [
     (lambda c: c.update(rms_norm_eps=float("nan")),
-     r"ModelArgs.norm_eps=nan: expected a finite non-negative number \(config.json key 'rms_norm_eps'\)$"),
+     r"ModelArgs.norm_eps=nan: expected a finite positive number \(config.json key 'rms_norm_eps'\)$"),
+    (lambda c: c.update(rms_norm_eps=0.0),  # passed as "non-negative", then the first RMSNorm refused it mid-run
+     r"ModelArgs.norm_eps=0.0: expected a finite positive number \(config.json key 'rms_norm_eps'\)$"),
     (lambda c: c.update(num_attention_heads=-4),
      r"ModelArgs.n_heads=-4: expected a positive integer \(config.json key 'num_attention_heads'\)$"),
     (lambda c: c["rope_scaling"].update(factor=float("inf")),
      r"ModelArgs.rope_factor=inf: expected a finite positive number \(config.json key 'rope_scaling.factor'\)$"),
     (lambda c: c.update(o_groups=7), r"ModelArgs.o_groups=7: expected a divisor of n_heads \(64\)$"),  # same name
-], ids=["nan", "negative", "nested", "same_name"])
+], ids=["nan", "zero_norm_eps", "negative", "nested", "same_name"])
 def test_model_args_errors_name_the_config_key(tmp_path, edit, message):
     """A ModelArgs field named differently in config.json (norm_eps / rms_norm_eps) is followed by its key."""
     p = _edited_flash(tmp_path, edit)
