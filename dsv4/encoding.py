@@ -215,6 +215,8 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
             _content(m, where, allow_list=True)
         if m.get("tools"):
             _check_tools(m["tools"], f"{where}.tools")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], (list, tuple)):
+            raise ValueError(f"{where}.tool_calls: expected a list of tool calls, got {type(m['tool_calls']).__name__}")
         for j, tc in enumerate(m.get("tool_calls") or []):
             fn = tc.get("function") if isinstance(tc, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:

@@ -107,6 +107,9 @@ def reuse_plan(model: Transformer, chat: ChatState | None, new_ids: list[int]) -
     state and the whole prompt); note says which and why ("fresh", "reused N tokens, appended M", "rebuilt: ...")."""
     if chat is None:
         return 0, "fresh"
+    if not isinstance(chat, ChatState):
+        raise ValueError(f"chat: expected a ChatState (a previous turn's GenerationResult.chat) or None, got "
+                         f"{type(chat).__name__}")
     owner = chat.state.owner() if chat.state.owner is not None else None
     if owner is not model:
         return 0, "rebuilt: the chat state belongs to another model instance"

@@ -244,3 +244,13 @@ def test_message_fields_of_the_wrong_type_are_refused(tok, field, value):
         prompt_ids(tok, msgs)
     with pytest.raises(ValueError, match=rf"^messages\[1\]\.{field}: expected a"):
         encode_messages(msgs, "thinking")
+
+
+@pytest.mark.parametrize("calls", [{"function": {"name": "f", "arguments": "{}"}}, "f"])
+def test_tool_calls_that_are_not_a_list_are_named_as_such(calls):
+    """A single tool call given as a dict (or a string) was iterated by keys / characters, so the error blamed
+    `tool_calls[0]` = 'function' / 'f'; it now says that a list was expected."""
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    with pytest.raises(ValueError, match=rf"^messages\[1\]\.tool_calls: expected a list of tool calls, got "
+                                         rf"{type(calls).__name__}$"):
+        encode_messages(msgs, "chat")

@@ -148,3 +148,6 @@ def test_multi_turn_refuses_a_state_it_cannot_continue(model_tok, tiny_ckpt):
     V = model.args.vocab_size
     with pytest.raises(ValueError, match=rf"ChatState.ids\[0\] is {V}; expected a token id in 0..{V - 1}"):
         reuse_plan(model, ChatState(st, [V] + ids[1:]), ids + [9])
+    for bad in ("x", st, {"state": st}):  # not a ChatState: an AttributeError deep inside before
+        with pytest.raises(ValueError, match=rf"^chat: expected a ChatState .* got {type(bad).__name__}$"):
+            reuse_plan(model, bad, ids)
