@@ -270,6 +270,18 @@ def test_new_state_batch_must_be_positive_int(small_models, batch):
         small_models[0].new_state(batch)
 
 
+def test_new_state_max_len_past_the_context_is_refused(small_models):
+    """new_state(1, 1 << 20) on a model whose context is far shorter allocated buffers no position could reach
+    (every step past the context is refused anyway): now a ValueError naming the context. Control: a max_len of
+    the context rounded up to 128 is taken."""
+    m = small_models[0]
+    ctx = m.args.max_context
+    top = -(-ctx // 128) * 128
+    with pytest.raises(ValueError, match=rf"max_len={top + 128}: over the model's context of {ctx} tokens per row"):
+        m.new_state(1, top + 128)
+    assert m.new_state(1, top).max_len == top
+
+
 @pytest.fixture(scope="module")
 def tok():
     from dsv4.tokenizer import load_tokenizer
