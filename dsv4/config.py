@@ -443,6 +443,11 @@ class ModelArgs:
             if src == "<dict>" and not hint:
                 raise
             raise ValueError(f"{'' if src == '<dict>' else src + ': '}{e}{hint}") from None
+        mpe = cfg.get("max_position_embeddings", ...)  # read nowhere else: it must say the context the model has
+        if mpe is not ... and (not _json_kind_ok(mpe, _INTEGRAL) or int(mpe) != args.max_context):
+            raise ValueError(f"{src}: key 'max_position_embeddings'={_json_value(mpe)}, expected {args.max_context}: "
+                             f"the context is rope_scaling.original_max_position_embeddings ({args.original_seq_len}) "
+                             f"x rope_scaling.factor ({args.rope_factor:g}) (YaRN, spec §5.2)")
         want_n = args.n_layers + args.n_mtp_layers
         if len(args.compress_ratios) != want_n:  # one ratio per main layer, then one per MTP block
             released = "" if args.n_mtp_layers == 1 else \
@@ -460,6 +465,8 @@ class ModelArgs:
             if not k.written or k.fp8_only and self.dtype != "fp8":
                 continue
             v = k.value if k.field is None else getattr(self, k.field)
+            if k.key == "max_position_embeddings":  # the context this config describes (the released: 1048576)
+                v = self.max_context
             node = cfg
             *parents, last = k.key.split(".")
             for part in parents:

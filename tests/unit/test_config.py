@@ -343,3 +343,22 @@ def test_symlink_loops_are_named_as_loops(tmp_path):
     (d / "config.json").symlink_to(d / "config.json")
     with pytest.raises(SymlinkLoopError, match=rf"^{re.escape(str(d / 'config.json'))}: symbolic link loop"):
         ModelArgs.from_hf_config(d)
+
+
+@pytest.mark.parametrize("value", [10, 1048577, 1048576.5, "1048576"])
+def test_max_position_embeddings_must_be_the_context(tmp_path, value):
+    """`max_position_embeddings` was accepted with any value and read nowhere (the context is original_seq_len x
+    rope_factor): a config saying 10 loaded as a 1M-token model. Now it must equal that context, or be absent.
+    Controls: the published value 1048576 (= 65536 x 16) loads, and `to_hf_config` writes each model's own
+    context (the tiny one's too, which used to say 1048576)."""
+    p = _edited_flash(tmp_path, lambda c: c.update(max_position_embeddings=value))
+    with pytest.raises(ValueError, match=rf"key 'max_position_embeddings'=.*expected 1048576: the context is "
+                                         r"rope_scaling.original_max_position_embeddings \(65536\) x "
+                                         r"rope_scaling.factor \(16\)"):
+        ModelArgs.from_hf_config(p)
+    flash = ModelArgs.from_hf_config(_edited_flash(tmp_path, lambda c: None))
+    assert flash.max_context == 1048576 == flash.to_hf_config()["max_position_embeddings"]
+    from dsv4.tiny import tiny_args
+    tiny = tiny_args()
+    assert tiny.to_hf_config()["max_position_embeddings"] == tiny.max_context < 1048576
+    assert ModelArgs.from_hf_config(tiny.to_hf_config()) == tiny
