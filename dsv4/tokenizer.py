@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import json
 import logging
 from dataclasses import dataclass
@@ -105,8 +106,6 @@ def _make_tokenizer_class():
 @functools.lru_cache(maxsize=None)
 def _hf_chat_kwargs(fn) -> frozenset:
     """The named keyword parameters of transformers' `apply_chat_template` (fn), without `**kwargs`."""
-    import inspect
-
     return frozenset(n for n, p in inspect.signature(fn).parameters.items()
                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "conversation"))
 
