@@ -670,10 +670,14 @@ BOOL_KWARGS = ("thinking", "drop_thinking", "add_default_bos_token", "add_genera
 
 def check_flags(kw: dict) -> None:
     """Raise ValueError naming the first of `BOOL_KWARGS` in kw whose value is not a bool (None included: the
-    template reads None as False, `thinking=None` as thinking mode)."""
+    template reads None as False, `thinking=None` as thinking mode), or a `tools` that is not a list."""
     for k in BOOL_KWARGS:
         if k in kw and not isinstance(kw[k], bool):
             raise ValueError(f"{k}: expected a bool (True or False), got {kw[k]!r}")
+    tools = kw.get("tools")
+    if tools is not None and not isinstance(tools, (list, tuple)):  # transformers' message names no argument
+        raise ValueError(f"tools: expected a list of OpenAI tool dicts ({{'type': 'function', 'function': ...}}), "
+                         f"got {type(tools).__name__}")
 
 
 def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> list[int]:

@@ -254,3 +254,12 @@ def test_tool_calls_that_are_not_a_list_are_named_as_such(calls):
     with pytest.raises(ValueError, match=rf"^messages\[1\]\.tool_calls: expected a list of tool calls, got "
                                          rf"{type(calls).__name__}$"):
         encode_messages(msgs, "chat")
+
+
+@pytest.mark.parametrize("tools", ["get_weather", {"type": "function", "function": {"name": "f"}}])
+def test_tools_that_are_not_a_list_are_refused_naming_tools(tok, tools):
+    """A tools string or single dict reached transformers, whose error named no argument."""
+    with pytest.raises(ValueError, match=rf"^tools: expected a list of OpenAI tool dicts .* got {type(tools).__name__}$"):
+        prompt_ids(tok, U, tools=tools)
+    with pytest.raises(ValueError, match=r"^tools: expected a list"):
+        tok.apply_chat_template(U, tools=tools, add_generation_prompt=True, tokenize=False)
