@@ -93,7 +93,11 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
     b, s, h, hd = q.shape
     valid = idx >= 0                                                           # [b, s, k]
     safe = idx.clamp(min=0).long()
-    rows = torch.gather(kv, 1, safe.reshape(b, -1, 1).expand(-1, -1, hd)).reshape(b, s, -1, hd).float()
+    k = idx.shape[2]
+    if kv.shape[1] == 0:  # no rows at all (every index is -1, checked above): nothing to gather
+        rows = kv.new_zeros(b, s, k, hd, dtype=torch.float32)
+    else:  # the shapes spelled out: s = 0 or k = 0 leave reshape's -1 ambiguous
+        rows = torch.gather(kv, 1, safe.reshape(b, s * k, 1).expand(-1, -1, hd)).reshape(b, s, k, hd).float()
     logits = torch.einsum("bshd,bskd->bshk", q.float(), rows) * softmax_scale  # [b, s, h, k]
     logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
     sink = attn_sink.float().view(1, 1, h, 1)

@@ -111,7 +111,7 @@ def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def _mixes_ref(H: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """`m = (fn @ X) · rsqrt(mean(X²) + norm_eps)`, X = H flattened stream-major in fp32 → `[T, n_mix]` fp32."""
-    X = H.reshape(H.shape[0], -1).float()
+    X = H.flatten(1).float()  # also for T = 0 (reshape(0, -1) is ambiguous)
     return (X @ fn.t()) * torch.rsqrt(X.square().mean(-1, keepdim=True) + norm_eps)
 
 

@@ -82,6 +82,17 @@ def test_zero_slots_give_zero():
     assert torch.equal(out, torch.zeros_like(out))
 
 
+def test_reference_takes_the_empty_shapes_the_kernel_takes():
+    """No query (s = 0) or no KV row at all (n = 0, every slot -1): the reference crashed inside torch (an
+    ambiguous reshape, a gather from an empty dim) where `sparse_attn` returns empty / zero output. Now the same
+    shapes, and zeros for n = 0 (only the sink: the value vector is zero)."""
+    q, kv, sink, idx = make_case(1, 3, 2, 64, 5, 4, torch.float32)
+    out = sparse_attn_ref(q[:, :0], kv, sink, idx[:, :0], 0.125)
+    assert out.shape == (1, 0, 2, 64)
+    out = sparse_attn_ref(q, kv[:, :0], sink, torch.full_like(idx, -1), 0.125)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(q=torch.randn(1, 2, 64)), "q must be"),
     (dict(kv=torch.randn(1, 5, 32)), "kv must be"),

@@ -90,6 +90,14 @@ def check_sinkhorn(comb: torch.Tensor, logits: torch.Tensor, iters: int) -> None
     assert_close(comb, hand, "comb vs fp64 hand Sinkhorn", dtype=torch.float32)
 
 
+def test_pre_ref_takes_zero_tokens():
+    """T = 0: the reference crashed in an ambiguous reshape where the kernels return empty outputs; now
+    x [0, D], post [0, hc], comb [0, hc, hc]."""
+    H, fn, base, scale = make_pre(3, 8, dtype=torch.float32)
+    x, post, comb = hc_pre_ref(H[:0], fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
+    assert (x.shape, post.shape, comb.shape) == ((0, 8), (0, HC), (0, HC, HC))
+
+
 def test_pre_ref_matches_fp64_hand(seed):
     H, fn, base, scale = make_pre(3, 8, dtype=torch.float32)
     x, post, comb = hc_pre_ref(H, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS)
