@@ -208,6 +208,13 @@ def fp4_quant(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, to
 
 # --------------------------------------------------------------------------------------------- activations
 def _groups(x: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    """x [..., n] -> fp32 [..., n / block, block]. Raises ValueError for a non-float tensor (an integer x would be
+    quantized as if it were activations), a block that is not an int >= 1, or n not a multiple of block."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"{what}: x must be a floating-point tensor [..., n], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"{what}: block={block!r}, expected an int >= 1 (channels per scale)")
     if x.shape[-1] % block:
         raise ValueError(f"{what}: last dim {x.shape[-1]} is not a multiple of the block size {block}")
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)

@@ -211,3 +211,16 @@ def test_fp8_block_dequant_of_a_part_is_the_narrow_of_the_whole():
         quant.fp8_block_dequant(q[100:160], s[0:1], origin=(100, 0))  # rows 100..159 span blocks 0 and 1
     with pytest.raises(ValueError, match="origin"):
         quant.fp8_block_dequant(q, s, origin=(128, 0))
+
+
+@pytest.mark.parametrize("x,block,match", [
+    (torch.randn(2, 128), 0, r"act_quant: block=0, expected an int >= 1"),  # was a ZeroDivisionError
+    (torch.randn(2, 128), True, r"act_quant: block=True, expected an int >= 1"),
+    (torch.ones(2, 128, dtype=torch.int32), 128, r"act_quant: x must be a floating-point tensor"),  # was quantized
+])
+def test_reference_act_quant_refuses_a_bad_block_or_integer_input(x, block, match):
+    from kernels.numerics import act_quant
+    with pytest.raises(ValueError, match=match):
+        act_quant(x, block)
+    q, s = act_quant(torch.randn(2, 256), 128)  # control
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
