@@ -16,6 +16,8 @@ mode's `kernels.invariant.head_rms` is this kernel: its sum of squares has one o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 try:
@@ -36,8 +38,18 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
     Args: x [..., d] any float dtype, any layout; weight [d] fp32 (`RMSNorm.weight`); eps > 0 (norm_eps).
     Returns: `weight * x * rsqrt(mean(x^2) + eps)` computed in fp32, [..., d] in x.dtype.
-    Raises: RuntimeError (torch) when weight does not broadcast against x's last dimension.
+    Raises: ValueError naming the argument: x not a floating-point tensor, weight not [d] (a weight of another
+    shape would broadcast: [3, d] made [3, d] outputs from one row, [1] scaled every channel alike), eps not a
+    finite number > 0 (0 or less gives inf / NaN for a zero row).
     """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"rms_norm_ref: x must be a floating-point tensor [..., d], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (x.shape[-1],):
+        raise ValueError(f"rms_norm_ref: weight must be [d] = [{x.shape[-1]}], got "
+                         f"{tuple(getattr(weight, 'shape', ())) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"rms_norm_ref: eps={eps!r}, expected a finite number > 0 (norm_eps)")
     xf = x.float()
     return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -224,3 +224,22 @@ def test_reference_act_quant_refuses_a_bad_block_or_integer_input(x, block, matc
         act_quant(x, block)
     q, s = act_quant(torch.randn(2, 256), 128)  # control
     assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(weight=torch.rand(3, 64)), r"weight must be \[d\] = \[64\], got \(3, 64\)"),  # broadcast to 3 rows
+    (dict(weight=torch.rand(1)), r"weight must be \[d\] = \[64\], got \(1,\)"),
+    (dict(eps=-1.0), r"eps=-1.0, expected a finite number > 0"),
+    (dict(eps=0.0), r"eps=0.0, expected a finite number > 0"),
+    (dict(x=torch.ones(1, 64, dtype=torch.int32)), r"x must be a floating-point tensor"),
+])
+def test_reference_rms_norm_refuses_what_would_broadcast_or_divide_by_zero(kw, match):
+    """`rms_norm_ref` broadcast a [3, d] or [1] weight and took eps <= 0 or an integer x (the Triton `rms_norm`
+    refused each); now the same refusals, naming the argument."""
+    from kernels.norm import rms_norm_ref
+    args = dict(x=torch.randn(1, 64), weight=torch.rand(64), eps=1e-6)
+    with pytest.raises(ValueError, match=match):
+        rms_norm_ref(**{**args, **kw})
+    y = rms_norm_ref(**args)  # control: the formula
+    x, w = args["x"], args["weight"]
+    assert torch.allclose(y, w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=1e-6, atol=0)
