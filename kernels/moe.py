@@ -189,9 +189,17 @@ def swiglu(u: torch.Tensor, v: torch.Tensor, limit: float, weight: torch.Tensor 
     (swiglu_limit; 0 = none). weight: [N, 1] fp32 routing weights of a routed expert, applied here, before w2 and
     its activation quantization (spec §8.5; docs/differences.md difference 4), or None (the shared expert).
     The one definition: `dsv4.model.Expert.forward`, `moe_routed_ref` and `moe_grouped_ref` call it (the kernels'
-    `_swiglu` is its Triton form). Raises ValueError for a limit that is not a number >= 0."""
+    `_swiglu` is its Triton form). Raises ValueError for a limit that is not a number >= 0, u and v of different
+    shapes (they would broadcast), or a weight that is not one value per row ([N, 1])."""
     if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
         _fail("swiglu", "limit", repr(limit), "a number >= 0 (swiglu_limit; 0 = no clamp)")
+    if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)) or u.shape != v.shape:
+        _fail("swiglu", "u, v", f"shapes {tuple(getattr(u, 'shape', ()))}, {tuple(getattr(v, 'shape', ()))}",
+              "two tensors of one shape [N, I] (w1 x and w3 x)")
+    if weight is not None and (not isinstance(weight, torch.Tensor) or u.dim() < 1 or
+                               tuple(weight.shape) != (*u.shape[:-1], 1)):
+        _fail("swiglu", "weight", f"shape {tuple(getattr(weight, 'shape', ()))}",
+              f"one routing weight per row: {(*u.shape[:-1], 1)} (u's shape with a last dim of 1)")
     if limit > 0:
         v = v.clamp(-limit, limit)
         u = u.clamp(max=limit)
@@ -1260,7 +1268,13 @@ def sum_slots(y: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tens
 
 def moe_combine_ref(y: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """The MoE layer's output (spec §8; `dsv4.model.MoE.forward`): routed sum y [..., D] fp32 plus the shared
-    expert's output shared [..., D] (activation dtype), in fp32, rounded to shared.dtype."""
+    expert's output shared [..., D] (activation dtype), in fp32, rounded to shared.dtype. Raises ValueError when
+    the shapes differ (they would broadcast) or y is not fp32."""
+    if not isinstance(y, torch.Tensor) or not isinstance(shared, torch.Tensor) or y.shape != shared.shape or \
+            y.dtype != torch.float32 or not shared.is_floating_point():
+        _fail("moe_combine_ref", "y, shared", f"{getattr(y, 'dtype', type(y))} {tuple(getattr(y, 'shape', ()))}, "
+              f"{getattr(shared, 'dtype', type(shared))} {tuple(getattr(shared, 'shape', ()))}",
+              "y fp32 and shared floating point, of one shape [..., D]")
     return (y + shared.float()).to(shared.dtype)
 
 

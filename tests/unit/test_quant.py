@@ -243,3 +243,23 @@ def test_reference_rms_norm_refuses_what_would_broadcast_or_divide_by_zero(kw, m
     y = rms_norm_ref(**args)  # control: the formula
     x, w = args["x"], args["weight"]
     assert torch.allclose(y, w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_reference_swiglu_and_moe_combine_refuse_shapes_that_would_broadcast():
+    """`swiglu(u [2, 8], v [1, 8])` and `moe_combine_ref(y [2, 8], shared [1, 8])` broadcast one row over two; a
+    routing weight [N] (not [N, 1]) would scale the columns. Each is now a ValueError; controls compute."""
+    from kernels.moe import moe_combine_ref, swiglu
+    u, v = torch.randn(2, 8), torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"swiglu: u, v"):
+        swiglu(u, v[:1], 10.0)
+    with pytest.raises(ValueError, match=r"swiglu: weight"):
+        swiglu(u, v, 10.0, torch.rand(2))
+    g = torch.rand(2, 1)
+    want = torch.nn.functional.silu(u.clamp(max=10.0)) * v.clamp(-10.0, 10.0) * g
+    assert torch.equal(swiglu(u, v, 10.0, g), want)
+    y, sh = torch.randn(2, 8), torch.randn(2, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"moe_combine_ref: y, shared"):
+        moe_combine_ref(y, sh[:1])
+    with pytest.raises(ValueError, match=r"moe_combine_ref: y, shared"):
+        moe_combine_ref(y.bfloat16(), sh)
+    assert torch.equal(moe_combine_ref(y, sh), (y + sh.float()).bfloat16())
