@@ -119,7 +119,7 @@ HF_CONFIG: tuple[HFKey, ...] = (
     HFKey("rope_scaling.original_max_position_embeddings", "original_seq_len", _INTEGRAL),
     HFKey("rope_scaling.beta_fast", "beta_fast", _INTEGRAL),
     HFKey("rope_scaling.beta_slow", "beta_slow", _INTEGRAL),
-    HFKey("max_position_embeddings", value=1048576),
+    HFKey("max_position_embeddings", value=1048576),  # written as the model's context (`to_hf_config`)
     HFKey("index_n_heads", "index_n_heads"),
     HFKey("index_head_dim", "index_head_dim"),
     HFKey("index_topk", "index_topk"),
@@ -443,8 +443,10 @@ class ModelArgs:
             if src == "<dict>" and not hint:
                 raise
             raise ValueError(f"{'' if src == '<dict>' else src + ': '}{e}{hint}") from None
-        mpe = cfg.get("max_position_embeddings", ...)  # read nowhere else: it must say the context the model has
-        if mpe is not ... and (not _json_kind_ok(mpe, _INTEGRAL) or int(mpe) != args.max_context):
+        # read nowhere else: it must say the context the model has, or be the released configs' 1048576, which
+        # dsv4 before c9d97ad wrote into every config.json (tiny ones included): those checkpoints still load
+        mpe = cfg.get("max_position_embeddings", ...)
+        if mpe is not ... and not (_json_kind_ok(mpe, _INTEGRAL) and int(mpe) in (args.max_context, LEGACY_MPE)):
             raise ValueError(f"{src}: key 'max_position_embeddings'={_json_value(mpe)}, expected {args.max_context}: "
                              f"the context is rope_scaling.original_max_position_embeddings ({args.original_seq_len}) "
                              f"x rope_scaling.factor ({args.rope_factor:g}) (YaRN, spec §5.2)")
@@ -568,6 +570,7 @@ def detect_revision(cfg: dict[str, Any]) -> tuple[str, list[str], str] | None:
 # would silently change the model (routing weights, activation, tied head, biases, the tokenizer's BOS/EOS ids,
 # which `dsv4.tokenizer` checks to be 0 and 1), so it is refused by name instead of being ignored.
 FIXED_CONFIG_VALUES: dict[str, Any] = {k.key: k.value for k in HF_CONFIG if k.fixed}  # from `HF_CONFIG`
+LEGACY_MPE = 1048576  # `max_position_embeddings` of the released configs; dsv4 wrote it for every model before c9d97ad
 _CONSTANTS: dict[str, Any] = {k.key: k.value for k in HF_CONFIG if k.field is None}
 _FIELD_KEYS: tuple[HFKey, ...] = tuple(k for k in HF_CONFIG if k.field is not None)
 

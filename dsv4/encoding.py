@@ -169,15 +169,23 @@ def _check_tools(tools: Any, where: str) -> None:
                              f'"description": str, "parameters": JSON schema}}}} (the OpenAI tool shape), got {got}')
 
 
-def _check_text(messages: list, name: str) -> None:
-    """Every message is a dict and its `content` / `reasoning_content` strings are encodable text: a lone
+def _check_text(messages: list, name: str, dicts_only: bool = False) -> None:
+    """Every message is a dict (dicts_only: other messages are skipped, for transformers to normalise - its
+    dataclass / pydantic messages) and its `content` / `reasoning_content` strings are encodable text: a lone
     surrogate (e.g. undecodable bytes smuggled in through `surrogateescape`) cannot be tokenised, and the
-    tokenizer's own error names neither the message nor the field."""
+    tokenizer's own error names neither the message nor the field. Also refused, because the template would read
+    them silently: bytes content ("<bytes>" in place of the text), a non-string reasoning_content (0 / [] read as
+    empty), a wo_eos that is not a bool or None ("no" dropped the EOS), a tool_calls that is not a list."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
+            if dicts_only:
+                continue
             raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
-        if "wo_eos" in m and not isinstance(m["wo_eos"], bool):
+        if m.get("wo_eos") is not None and not isinstance(m["wo_eos"], bool):
             raise ValueError(f"{name}[{i}].wo_eos: expected a bool, got {m['wo_eos']!r}")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], (list, tuple)):
+            raise ValueError(f"{name}[{i}].tool_calls: expected a list of tool calls, got "
+                             f"{type(m['tool_calls']).__name__}")
         for field in ("content", "reasoning_content"):
             v = m.get(field)
             if isinstance(v, (bytes, bytearray, memoryview)):  # the template would render "<bytes>", not the text
@@ -215,8 +223,6 @@ def _validate(messages: list, name: str, check_arguments: bool) -> None:
             _content(m, where, allow_list=True)
         if m.get("tools"):
             _check_tools(m["tools"], f"{where}.tools")
-        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], (list, tuple)):
-            raise ValueError(f"{where}.tool_calls: expected a list of tool calls, got {type(m['tool_calls']).__name__}")
         for j, tc in enumerate(m.get("tool_calls") or []):
             fn = tc.get("function") if isinstance(tc, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or "arguments" not in fn:
@@ -411,7 +417,8 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
     Raises:
         EmptyConversationError (a ValueError): `messages` is empty (the official encoder returns a bare BOS).
         ValueError: naming `messages[i].field` / `context[i].field` (see the module docstring), or the bad
-            `thinking_mode` / `reasoning_effort` value.
+            `thinking_mode` / `reasoning_effort` value, or a `drop_thinking` / `add_default_bos_token` that is
+            not a bool.
     """
     if thinking_mode not in MODES:
         raise ValueError(f"thinking_mode: {thinking_mode!r} is not one of {MODES}")
@@ -702,9 +709,12 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
         EmptyConversationError (a ValueError): `messages` is empty (as `encode_messages([])`).
         UnsupportedRevisionError (a ValueError, `dsv4.config`): the tokenizer's checkpoint names a later
             revision (its config.json beside the tokenizer files): the April texts would be wrong for it.
-        ValueError: an unknown keyword argument (names it and lists the accepted ones); the tokenizer does
-            not carry the dsv4 template; `messages` is not a list (or tuple) of dicts, or a text field holds a
-            lone surrogate; the messages are invalid (the template's error, naming the message index and field).
+        ValueError: an unknown keyword argument (names it and lists the accepted ones); a switch (`thinking`,
+            `drop_thinking`, `add_default_bos_token`, `add_generation_prompt`, `sanitize_control_tokens`) that is
+            not a bool, or a `tools` that is not a list (`check_flags`); the tokenizer does not carry the dsv4
+            template; `messages` is not a list (or tuple) of dicts, a text field holds a lone surrogate or bytes,
+            or a field has the wrong type (`_check_text`: reasoning_content, wo_eos, tool_calls); the messages
+            are invalid (the template's error, naming the message index and field).
     """
     unknown = sorted(set(kw) - set(PROMPT_KWARGS))
     if unknown:

@@ -104,7 +104,8 @@ class ChatState:
 def reuse_plan(model: Transformer, chat: ChatState | None, new_ids: list[int]) -> tuple[int, str]:
     """How much of `chat` a prompt `new_ids` can keep: (n, note). n = len(chat.ids) when `chat.ids` is a proper
     prefix of new_ids and the state is this model's with batch 1 (append new_ids[n:]), else 0 (rebuild: a fresh
-    state and the whole prompt); note says which and why ("fresh", "reused N tokens, appended M", "rebuilt: ...")."""
+    state and the whole prompt); note says which and why ("fresh", "reused N tokens, appended M", "rebuilt: ...").
+    Raises ValueError when `chat` is neither None nor a `ChatState`, or its ids are not token ids of this model."""
     if chat is None:
         return 0, "fresh"
     if not isinstance(chat, ChatState):

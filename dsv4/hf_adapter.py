@@ -86,7 +86,7 @@ def hf_config(args: ModelArgs):
     for k in ("architectures", "model_type", "torch_dtype", "topk_method", "expert_dtype"):
         cfg.pop(k, None)
     cfg["rope_parameters"] = dict(cfg.pop("rope_scaling"), rope_type="yarn")
-    cfg["max_position_embeddings"] = args.original_seq_len * int(args.rope_factor)
+    cfg["max_position_embeddings"] = args.max_context  # original_seq_len x rope_factor (a non-integer factor too)
     return DeepseekV4Config(**cfg)
 
 

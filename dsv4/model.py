@@ -1177,22 +1177,23 @@ class Transformer(nn.Module):
         for `max_len` tokens (a positive multiple of `STATE_GRAIN` = 128); None: growable, reallocated to the
         next multiple of 128 at least twice its size when a call needs more (`_reserve`). After
         `use_decode_graphs(max_len)`: a `dsv4.graph.GraphDecodeState` of that max_len (decode steps replay a
-        CUDA graph; max_len here must be None or equal). Raises ValueError for a bad batch / max_len (also one over
-        the model's context rounded up to 128: memory no token could use)."""
+        CUDA graph; max_len here must be None or equal). Raises ValueError for a bad batch / max_len (also, for an
+        eager state, one over the model's context rounded up to 128: memory no token could use; the graphs'
+        max_len is `use_decode_graphs`' choice)."""
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"batch={batch!r}: expected an int >= 1")
         if max_len is not None and not (isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0
                                         and max_len % STATE_GRAIN == 0):
             raise ValueError(f"max_len={max_len!r}: expected None or a positive multiple of {STATE_GRAIN}")
-        ctx = -(-self.args.max_context // STATE_GRAIN) * STATE_GRAIN  # the context, rounded up to the grain
-        if max_len is not None and max_len > ctx:  # buffers no position could ever reach (`_reserve` refuses them)
-            raise ValueError(f"max_len={max_len}: over the model's context of {self.args.max_context} tokens per "
-                             f"row; expected at most {ctx}")
         if self.decode_graph_max_len is not None:
             if max_len not in (None, self.decode_graph_max_len):
                 raise ValueError(f"max_len={max_len}: this model decodes through CUDA graphs of max_len="
                                  f"{self.decode_graph_max_len} (use_decode_graphs)")
             return GraphDecodeState(self, batch, self.decode_graph_max_len)
+        ctx = -(-self.args.max_context // STATE_GRAIN) * STATE_GRAIN  # the context, rounded up to the grain
+        if max_len is not None and max_len > ctx:  # buffers no position could ever reach (`_reserve` refuses them)
+            raise ValueError(f"max_len={max_len}: over the model's context of {self.args.max_context} tokens per "
+                             f"row; expected at most {ctx}")
         n = max_len or 0
         return DecodeState(self.layer_states(batch, n), max_len=n, growable=max_len is None, owner=weakref.ref(self))
 

@@ -75,11 +75,12 @@ def _make_tokenizer_class():
     transformers' nor the template's (`PROMPT_KWARGS`, `thinking`: transformers hands unknown keywords to the
     template, which ignores them, so `reasoning_efort="max"` would silently give the default prompt), (4) a
     switch that is not a bool (`encoding.check_flags`: `thinking=None` would select thinking mode) and (5) a
-    message that `prompt_ids` refuses (`encoding._check_text`: not a dict, bytes content, undecodable text) - the
-    same ValueErrors as `prompt_ids`."""
+    dict message with a field that `prompt_ids` refuses (`encoding._check_text`: bytes content, undecodable text,
+    wrongly typed reasoning_content / wo_eos / tool_calls; messages of other types are left to transformers to
+    normalise) - `prompt_ids`' ValueErrors, naming `conversation[i]` (or `conversation[j][i]`) for `messages[i]`."""
 
     class DSV4TokenizerFast(PreTrainedTokenizerFast):
-        """The real DeepSeek-V4 tokenizer with the dsv4 template and its two refusals (see `load_tokenizer`)."""
+        """The real DeepSeek-V4 tokenizer with the dsv4 template and the refusals of `_make_tokenizer_class`."""
 
         def apply_chat_template(self, conversation, *args, **kwargs):
             src = getattr(self, "dsv4_template_source", None)
@@ -97,7 +98,7 @@ def _make_tokenizer_class():
             check_flags(kwargs)
             if isinstance(conversation, (list, tuple)):
                 for j, conv in enumerate(conversation if batch else [conversation]):
-                    _check_text(list(conv), f"conversation[{j}]" if batch else "conversation")
+                    _check_text(list(conv), f"conversation[{j}]" if batch else "conversation", dicts_only=True)
             return super().apply_chat_template(conversation, *args, **kwargs)
 
     return DSV4TokenizerFast

@@ -225,13 +225,16 @@ def test_prompt_switches_must_be_bools(tok, call, flag, value):
     each is refused naming the switch; True / False go through."""
     if call == "encode_messages" and flag not in ("drop_thinking", "add_default_bos_token"):
         pytest.skip("encode_messages has no such argument")
-    run = {"prompt_ids": lambda **kw: prompt_ids(tok, U, **kw),
-           "apply_chat_template": lambda **kw: tok.apply_chat_template(U, tokenize=False,
+    # two turns with reasoning, so that drop_thinking changes the prompt too
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "r"},
+            {"role": "user", "content": "c"}]
+    run = {"prompt_ids": lambda **kw: prompt_ids(tok, conv, **kw),
+           "apply_chat_template": lambda **kw: tok.apply_chat_template(conv, tokenize=False,
                                                                        **{"add_generation_prompt": True, **kw}),
-           "encode_messages": lambda **kw: encode_messages(U, "thinking", **kw)}[call]
+           "encode_messages": lambda **kw: encode_messages(conv, "thinking", **kw)}[call]
     with pytest.raises(ValueError, match=rf"^{flag}: expected a bool"):
         run(**{flag: value})
-    assert run(**{flag: False}) != run(**{flag: True}) or flag == "drop_thinking"  # control
+    assert run(**{flag: False}) != run(**{flag: True})  # control: the switch matters here
 
 
 @pytest.mark.parametrize("field,value", [("wo_eos", "no"), ("reasoning_content", 0), ("reasoning_content", [])])
@@ -247,13 +250,32 @@ def test_message_fields_of_the_wrong_type_are_refused(tok, field, value):
 
 
 @pytest.mark.parametrize("calls", [{"function": {"name": "f", "arguments": "{}"}}, "f"])
-def test_tool_calls_that_are_not_a_list_are_named_as_such(calls):
+def test_tool_calls_that_are_not_a_list_are_named_as_such(tok, calls):
     """A single tool call given as a dict (or a string) was iterated by keys / characters, so the error blamed
-    `tool_calls[0]` = 'function' / 'f'; it now says that a list was expected."""
+    `tool_calls[0]` = 'function' / 'f'; it now says that a list was expected, on every prompt path."""
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-    with pytest.raises(ValueError, match=rf"^messages\[1\]\.tool_calls: expected a list of tool calls, got "
-                                         rf"{type(calls).__name__}$"):
+    want = rf"messages\[1\]\.tool_calls: expected a list of tool calls, got {type(calls).__name__}$"
+    with pytest.raises(ValueError, match="^" + want):
         encode_messages(msgs, "chat")
+    with pytest.raises(ValueError, match="^" + want):
+        prompt_ids(tok, msgs)
+    with pytest.raises(ValueError, match="^conversation" + want[len("messages"):]):
+        tok.apply_chat_template(msgs, tokenize=False)
+
+
+def test_apply_chat_template_leaves_non_dict_messages_to_transformers(tok):
+    """The field checks apply to dict messages only: transformers normalises its other message forms (a dataclass
+    here) itself, and a wo_eos of None (a key transformers drops) is not an error."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Msg:
+        role: str
+        content: str
+
+    want = tok.apply_chat_template(U, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template([Msg("user", "hi")], add_generation_prompt=True, tokenize=False) == want
+    assert prompt_ids(tok, [{"role": "user", "content": "hi", "wo_eos": None}]) == prompt_ids(tok, U)
 
 
 @pytest.mark.parametrize("tools", ["get_weather", {"type": "function", "function": {"name": "f"}}])

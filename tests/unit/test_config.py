@@ -350,7 +350,7 @@ def test_max_position_embeddings_must_be_the_context(tmp_path, value):
     """`max_position_embeddings` was accepted with any value and read nowhere (the context is original_seq_len x
     rope_factor): a config saying 10 loaded as a 1M-token model. Now it must equal that context, or be absent.
     Controls: the published value 1048576 (= 65536 x 16) loads, and `to_hf_config` writes each model's own
-    context (the tiny one's too, which used to say 1048576)."""
+    context (the tiny one's too, which used to say 1048576; a config with that old value still loads)."""
     p = _edited_flash(tmp_path, lambda c: c.update(max_position_embeddings=value))
     with pytest.raises(ValueError, match=rf"key 'max_position_embeddings'=.*expected 1048576: the context is "
                                          r"rope_scaling.original_max_position_embeddings \(65536\) x "
@@ -362,3 +362,7 @@ def test_max_position_embeddings_must_be_the_context(tmp_path, value):
     tiny = tiny_args()
     assert tiny.to_hf_config()["max_position_embeddings"] == tiny.max_context < 1048576
     assert ModelArgs.from_hf_config(tiny.to_hf_config()) == tiny
+    old = dict(tiny.to_hf_config(), max_position_embeddings=1048576)  # what dsv4 wrote before: still loads
+    assert ModelArgs.from_hf_config(old) == tiny
+    with pytest.raises(ValueError, match=rf"max_position_embeddings'=10, expected {tiny.max_context}"):
+        ModelArgs.from_hf_config(dict(old, max_position_embeddings=10))
