@@ -93,14 +93,16 @@ def sinkhorn_ref(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     logits `[T, hc, hc]` fp32 (row j = source stream, column k = output stream). `C = softmax(logits, -1) + eps`,
     column-normalise `C[j,k] /= Σ_j C[j,k] + eps`, then `iters-1` × (row-normalise, column-normalise): the last
     step is a column step, so columns sum to ≈1. Returns `[T, hc, hc]` fp32. Raises ValueError on a non-fp32 or
-    non-3-D input or iters < 1.
+    non-3-D input, iters not an int >= 1 (a bool included) or eps not a finite number >= 0.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[1] != logits.shape[2]:
         _fail("sinkhorn_ref", "logits", f"shape {tuple(getattr(logits, 'shape', ()))}", "[T, hc, hc]")
     if logits.dtype != torch.float32:
         _fail("sinkhorn_ref", "logits", f"dtype {logits.dtype}", "torch.float32")
-    if not isinstance(iters, int) or iters < 1:
+    if not isinstance(iters, int) or isinstance(iters, bool) or iters < 1:
         _fail("sinkhorn_ref", "iters", repr(iters), "an int >= 1")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        _fail("sinkhorn_ref", "eps", repr(eps), "a finite number >= 0 (hc_eps)")  # NaN made comb NaN
     c = logits.softmax(-1) + eps
     c = c / (c.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):

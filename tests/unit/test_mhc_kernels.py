@@ -373,3 +373,14 @@ def test_hc_post_pre_check_catches_untransposed_comb(seed):
     wrong = hc_post_pre(a, H, post, comb.transpose(1, 2).contiguous(), fn, base, scale, **kw)
     with pytest.raises(AssertionError):
         assert_close(wrong[0], hc_post_ref(a, H, post, comb), "H_new")
+
+
+@pytest.mark.parametrize("iters,eps,match", [(True, EPS, "iters"), (ITERS, float("nan"), "eps"),
+                                             (ITERS, -0.5, "eps"), (ITERS, float("inf"), "eps")])
+def test_sinkhorn_ref_refuses_a_bool_iters_and_a_bad_eps(iters, eps, match):
+    """iters=True ran one iteration and eps NaN / -0.5 gave a NaN or sign-flipped comb: each is now refused."""
+    logits = torch.randn(2, HC, HC)
+    with pytest.raises(ValueError, match=rf"sinkhorn_ref: {match}"):
+        sinkhorn_ref(logits, iters, eps)
+    c = sinkhorn_ref(logits, ITERS, EPS)  # control: columns sum to ~1
+    assert torch.allclose(c.sum(1), torch.ones(2, HC), atol=1e-3)
