@@ -271,6 +271,7 @@ def test_diagnose_runs_at_the_context_limit_and_refuses_one_more(tiny_ckpt, copy
     d = copy_ckpt(tiny_ckpt)
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_scaling"]["factor"] = 2.0
+    cfg["max_position_embeddings"] = 128  # the config must say the context it describes (dsv4.config)
     (d / "config.json").write_text(json.dumps(cfg))
     args = checkpoint_args(d)
     assert max_context(args) == 128
