@@ -217,14 +217,15 @@ def test_apply_chat_template_refuses_a_misspelled_keyword(tok):
     assert good != plain and len(good) > len(plain)
 
 
-@pytest.mark.parametrize("call", ["prompt_ids", "apply_chat_template", "encode_messages"])
-@pytest.mark.parametrize("flag,value", [("drop_thinking", "no"), ("add_default_bos_token", 0),
-                                        ("add_generation_prompt", "no"), ("thinking", None)])
+SWITCHES = [("drop_thinking", "no"), ("add_default_bos_token", 0), ("add_generation_prompt", "no"), ("thinking", None)]
+
+
+@pytest.mark.parametrize("call,flag,value", [(c, f, v) for c in ("prompt_ids", "apply_chat_template", "encode_messages")
+                                             for f, v in SWITCHES if c != "encode_messages" or f in
+                                             ("drop_thinking", "add_default_bos_token")])  # encode_messages' two
 def test_prompt_switches_must_be_bools(tok, call, flag, value):
     """A switch given as "no", 0 or None was read by its truth ("no" -> True, thinking=None -> thinking mode):
     each is refused naming the switch; True / False go through."""
-    if call == "encode_messages" and flag not in ("drop_thinking", "add_default_bos_token"):
-        pytest.skip("encode_messages has no such argument")
     # two turns with reasoning, so that drop_thinking changes the prompt too
     conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "r"},
             {"role": "user", "content": "c"}]
