@@ -338,7 +338,8 @@ class ModelArgs:
                 differs (`detect_revision`).
             ValueError: the file is not valid JSON or its top level is not an object (e.g. a list); a required
                 key is missing, has the wrong type, or a value is unsupported (the message names the file and
-                key); `model_type` missing or not 'deepseek_v4'; `num_key_value_heads != 1`; `rope_scaling` not
+                key); `model_type` missing or not 'deepseek_v4'; `architectures` present without
+                'DeepseekV4ForCausalLM'; `num_key_value_heads != 1`; `rope_scaling` not
                 YaRN; `compress_ratios` without exactly one entry for each main layer and MTP block; a value `ModelArgs` rejects (its message, prefixed
                 with the config file when read from one, followed by the config.json key when it is named
                 differently: `HF_CONFIG_KEYS`; out-of-range values: `CONFIG_RANGES`).
@@ -379,6 +380,11 @@ class ModelArgs:
         mt = cfg["model_type"]
         if mt != "deepseek_v4":
             raise ValueError(f"{src}: model_type={mt!r}, expected 'deepseek_v4'")
+        arch = cfg.get("architectures")  # optional; when present it must name this model (transformers reads it)
+        if arch is not None and (not isinstance(arch, list) or "DeepseekV4ForCausalLM" not in arch):
+            raise ValueError(f"{src}: key 'architectures'={_json_value(arch)} ({_json_kind(arch)}), expected a "
+                             "list naming 'DeepseekV4ForCausalLM' (as in every released DeepSeek-V4 config.json; "
+                             "another architecture with model_type 'deepseek_v4' is a different model)")
         kv = cfg.get("num_key_value_heads", 1)
         if not isinstance(kv, int) or isinstance(kv, bool):
             raise ValueError(f"{src}: key 'num_key_value_heads'={kv!r} has type {type(kv).__name__}, expected "

@@ -77,7 +77,8 @@ def _make_tokenizer_class():
     switch that is not a bool (`encoding.check_flags`: `thinking=None` would select thinking mode) and (5) a
     dict message with a field that `prompt_ids` refuses (`encoding._check_text`: bytes content, undecodable text,
     wrongly typed reasoning_content / wo_eos / tool_calls; messages of other types are left to transformers to
-    normalise) - `prompt_ids`' ValueErrors, naming `conversation[i]` (or `conversation[j][i]`) for `messages[i]`."""
+    normalise) - `prompt_ids`' ValueErrors, naming `conversation[i]` (or `conversation[j][i]`) for `messages[i]`,
+    and (6) `documents=` (transformers' RAG slot, which the template has no place for and would drop)."""
 
     class DSV4TokenizerFast(PreTrainedTokenizerFast):
         """The real DeepSeek-V4 tokenizer with the dsv4 template and the refusals of `_make_tokenizer_class`."""
@@ -95,6 +96,9 @@ def _make_tokenizer_class():
             if unknown:
                 raise ValueError(f"apply_chat_template: unknown keyword argument(s) {', '.join(map(repr, unknown))} "
                                  f"(the dsv4 template reads thinking, {', '.join(PROMPT_KWARGS)})")
+            if kwargs.get("documents") is not None:  # transformers' RAG slot: the dsv4 template has none
+                raise ValueError("apply_chat_template: documents= is not part of the DeepSeek-V4 prompt format "
+                                 "(the template would ignore it); put the documents in a message's content")
             check_flags(kwargs)
             if isinstance(conversation, (list, tuple)):
                 for j, conv in enumerate(conversation if batch else [conversation]):

@@ -92,7 +92,18 @@ def invariant_blocks(N: int) -> tuple[int, int]:
 
 def fp32_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """The official fp32 linear (spec §2, §9): x [..., K] any float dtype, weight [N, K] bf16 or fp32 ->
-    `x.float() @ weight.float().T` [..., N] fp32 (the bf16 weight upcast exactly, an [N, K] fp32 temporary)."""
+    `x.float() @ weight.float().T` [..., N] fp32 (the bf16 weight upcast exactly, an [N, K] fp32 temporary).
+    Raises ValueError naming the argument: x not a float tensor [..., K], weight not a bf16 / fp32 [N, K] on x's
+    device."""
+    op = "fp32_linear_ref"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in (torch.bfloat16,
+                                                                                          torch.float32):
+        _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} shape {tuple(getattr(weight, 'shape', ()))}",
+              "a bf16 / float32 tensor [N, K]")
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1 or \
+            x.shape[-1] != weight.shape[1] or x.device != weight.device:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))} on "
+              f"{getattr(x, 'device', '?')}", f"a float tensor [..., {weight.shape[1]}] on {weight.device}")
     return x.float() @ weight.float().T
 
 

@@ -127,8 +127,21 @@ def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torc
     (`numerics.fp8_block_dequant`); int8 [out, in/2] packed e2m1 with scale float8_e8m0fnu [out, in/32]
     (`numerics.fp4_dequant`); any float [out, in] with scale None (returned as it is, not cast).
     Returns: [out, in] in `dtype` (exact: every FP8 / FP4 value times its power-of-two scale is exact in bf16
-    and fp32), or the float weight itself. Raises ValueError (from the dequantizers) on a wrong scale shape.
+    and fp32), or the float weight itself. Raises ValueError naming the argument: a weight that is not a 2-D
+    float8_e4m3fn / int8 / float tensor, a missing scale for FP8 / FP4 codes, a scale given with a float weight
+    (it would be ignored), and (from the dequantizers) a wrong scale shape or dtype.
     """
+    op = "dequantize_ref"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not (
+            weight.dtype in (torch.float8_e4m3fn, torch.int8) or weight.dtype.is_floating_point):
+        _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} shape {tuple(getattr(weight, 'shape', ()))}",
+              "a 2-D float8_e4m3fn (FP8 codes), int8 (packed FP4) or float tensor [out, in]")
+    quantized = weight.dtype in (torch.float8_e4m3fn, torch.int8)
+    if quantized and scale is None:
+        _fail(op, "scale", "None", f"the float8_e8m0fnu scales of the {weight.dtype} weight {tuple(weight.shape)}")
+    if not quantized and scale is not None:
+        _fail(op, "scale", f"given ({getattr(scale, 'dtype', type(scale))}) with a {weight.dtype} weight",
+              "None: a float weight has no scale")
     if weight.dtype == torch.float8_e4m3fn:
         return numerics.fp8_block_dequant(weight, scale, out_dtype=dtype)
     if weight.dtype == torch.int8:
@@ -150,11 +163,24 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
             the weight fp32 or bf16 as on disk (upcast exactly), fp32 out; scale and act_block unused.
     Returns: [..., out] fp32 when `fp32`, else `x.float() @ W.float()^T` (fp32 products and sum) in x.dtype,
         W dequantized to x.dtype (the linear's compute dtype).
-    Raises: ValueError (from `numerics`) on a width that is no multiple of act_block, or a wrong scale shape.
+    Raises: ValueError naming the argument: x not a float tensor, x's width not the weight's in-features,
+        act_block not an int >= 0, fp32 not a bool, and (`dequantize_ref`, `numerics`) a missing / wrong scale or
+        a width that is no multiple of act_block.
     """
+    op = "linear_ref"
+    if not isinstance(fp32, bool):
+        _fail(op, "fp32", repr(fp32), "a bool")
+    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
+        _fail(op, "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
     if fp32:
         return fp32_linear_ref(x, weight)
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              "a float tensor [..., in]")
     w = dequantize_ref(weight, scale, x.dtype)
+    if x.shape[-1] != w.shape[1]:
+        _fail(op, "x", f"width {x.shape[-1]} (shape {tuple(x.shape)})",
+              f"the weight's in-features {w.shape[1]} (weight {tuple(weight.shape)} {weight.dtype})")
     if act_block:
         x = numerics.act_quant_sim(x, act_block)
     return (x.float() @ w.float().T).to(x.dtype)

@@ -1301,7 +1301,14 @@ def moe_combine(y: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
 def swiglu_joint_ref(uv: torch.Tensor, limit: float) -> torch.Tensor:
     """The shared expert's SwiGLU on its joint projection uv [..., 2I] = [w1 x | w3 x] (the two GEMMs as one,
     `dsv4.model.Expert.w13`; activation dtype): `swiglu(u.float(), v.float(), limit)` (spec §8.5) rounded to
-    uv.dtype, [..., I]."""
+    uv.dtype, [..., I]. Raises ValueError naming the argument: uv not a float tensor with an even last dim,
+    limit not a number >= 0."""
+    op = "swiglu_joint_ref"
+    if not isinstance(uv, torch.Tensor) or not uv.dtype.is_floating_point or uv.dim() < 1 or uv.shape[-1] % 2:
+        _fail(op, "uv", f"{getattr(uv, 'dtype', type(uv))} {tuple(getattr(uv, 'shape', ()))}",
+              "a float tensor [..., 2I] (an even last dim)")
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+        _fail(op, "limit", repr(limit), "a number >= 0 (swiglu_limit; 0 = no clamp)")
     u, v = uv.chunk(2, -1)
     return swiglu(u.float(), v.float(), limit).to(uv.dtype)
 

@@ -30,10 +30,36 @@ from kernels.launch import check_layout
 from kernels.launch import fail as _fail
 
 
+def check_rope_tail(op: str, x, pos, inv_freq, rd, inverse, torch_float: bool = False) -> None:
+    """The argument checks of `rope_tail_` (x bf16 / fp32) and `rope_tail_ref` (torch_float: x any float dtype).
+    Raises ValueError (`kernels.launch.fail`) naming the first wrong argument."""
+    if not isinstance(inverse, bool):
+        _fail(op, "inverse", repr(inverse), "a bool")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or (
+            not x.dtype.is_floating_point if torch_float else x.dtype not in (torch.bfloat16, torch.float32)):
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              f"{'a float' if torch_float else 'bf16 / float32'} tensor [b, s, D] or [b, s, h, D]")
+    D, S = x.shape[-1], x.shape[1]
+    if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
+        _fail(op, "rd", repr(rd), f"an even int in 2..{D}")
+    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or \
+            tuple(pos.shape) not in ((S,), (x.shape[0], S)):
+        _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
+              f"int64 [{S}] or [{x.shape[0]}, {S}]")
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or \
+            tuple(inv_freq.shape) != (rd // 2,):
+        _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))} shape "
+              f"{tuple(getattr(inv_freq, 'shape', ()))}", f"float64 [{rd // 2}]")
+
+
 def rope_tail_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: int,
                   inverse: bool = False) -> torch.Tensor:
     """The model's maths (the `rope_tail` entry of the reference backend): `torch.cat((x[..., :-rd],
-    apply_rope(x[..., -rd:], pos, inv_freq, inverse)), -1)`, a new tensor (x untouched). Shapes as `rope_tail_`."""
+    apply_rope(x[..., -rd:], pos, inv_freq, inverse)), -1)`, a new tensor (x untouched). Shapes as `rope_tail_`
+    (x any float dtype, any layout; every tensor on x's device). Raises ValueError naming the wrong argument."""
+    check_rope_tail("rope_tail_ref", x, pos, inv_freq, rd, inverse, torch_float=True)
+    if x.device != pos.device or x.device != inv_freq.device:
+        _fail("rope_tail_ref", "pos / inv_freq", f"on {pos.device} / {inv_freq.device}", f"on x's device {x.device}")
     return torch.cat((x[..., :-rd], numerics.apply_rope(x[..., -rd:], pos, inv_freq, inverse=inverse)), -1)
 
 
@@ -175,22 +201,8 @@ def rope_tail_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, rd: i
     Raises: ValueError naming the wrong argument (shape, dtype, layout, device, rd).
     """
     op = "rope_tail_"
-    if not isinstance(inverse, bool):
-        _fail(op, "inverse", repr(inverse), "a bool")
-    if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4) or x.dtype not in (torch.bfloat16, torch.float32):
-        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
-              "bf16 / float32 [b, s, D] or [b, s, h, D]")
+    check_rope_tail(op, x, pos, inv_freq, rd, inverse)
     D, S = x.shape[-1], x.shape[1]
-    if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
-        _fail(op, "rd", repr(rd), f"an even int in 2..{D}")
-    if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or \
-            tuple(pos.shape) not in ((S,), (x.shape[0], S)):
-        _fail(op, "pos", f"{getattr(pos, 'dtype', type(pos))} shape {tuple(getattr(pos, 'shape', ()))}",
-              f"int64 [{S}] or [{x.shape[0]}, {S}]")
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or \
-            tuple(inv_freq.shape) != (rd // 2,):
-        _fail(op, "inv_freq", f"{getattr(inv_freq, 'dtype', type(inv_freq))} shape "
-              f"{tuple(getattr(inv_freq, 'shape', ()))}", f"float64 [{rd // 2}]")
     check_layout(op, {"x": x, "pos": pos, "inv_freq": inv_freq})
     H = x.shape[2] if x.dim() == 4 else 1
     rows = x.numel() // D

@@ -122,9 +122,14 @@ def route_ref(logits: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.T
         biased score first), hash layers return `hash_ids` itself.
     Raises:
         ValueError naming the wrong argument (dtype, shape, device, range, both or neither of bias / hash_ids);
-        torch's error for a hash id outside [0, E) (the gather).
+        a hash id outside [0, E) is a ValueError too (checked on the host, except while a CUDA graph is being
+        captured, where the gather's own device-side error remains).
     """
     _check("route_ref", logits, bias, hash_ids, topk, score_func, route_scale)
+    if hash_ids is not None and hash_ids.numel() and not (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = int(hash_ids.min()), int(hash_ids.max())
+        if lo < 0 or hi >= logits.shape[1]:
+            _fail("route_ref", "hash_ids", f"ids in [{lo}, {hi}]", f"ids in [0, {logits.shape[1]})")
     s = _scores(logits, score_func)
     ids = hash_ids if hash_ids is not None else indexer_topk_ref((s + bias)[None], topk)[0]
     w = s.gather(1, ids)

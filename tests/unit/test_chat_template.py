@@ -217,6 +217,17 @@ def test_apply_chat_template_refuses_a_misspelled_keyword(tok):
     assert good != plain and len(good) > len(plain)
 
 
+def test_apply_chat_template_refuses_documents(tok):
+    """`documents=` (transformers' RAG slot) reached the template, which has no place for it and dropped the
+    documents without a word: the prompt was the one without them. Now an error; `documents=None` (transformers'
+    default) goes through (control)."""
+    docs = [{"title": "t", "text": "the answer is 42"}]
+    with pytest.raises(ValueError, match=r"documents= is not part of the DeepSeek-V4 prompt format"):
+        tok.apply_chat_template(U, documents=docs, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(U, documents=None, add_generation_prompt=True, tokenize=False) == \
+        tok.apply_chat_template(U, add_generation_prompt=True, tokenize=False)
+
+
 SWITCHES = [("drop_thinking", "no"), ("add_default_bos_token", 0), ("add_generation_prompt", "no"), ("thinking", None)]
 
 

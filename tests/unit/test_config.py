@@ -103,7 +103,10 @@ def _edited_flash(tmp_path, edit) -> Path:
     (lambda c: c.update(model_type="deepseek_v3"), "model_type='deepseek_v3', expected 'deepseek_v4'"),
     (lambda c: c["quantization_config"].update(weight_block_size=[64, 64]),
      r"weight_block_size'=\[64, 64\] \(list\), expected \[128, 128\]"),
-], ids=["missing", "kv_heads", "rope", "type", "model_type", "block"])
+    (lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]),
+     r"'architectures'=\[\"DeepseekV3ForCausalLM\"\] \(list\), expected a list naming 'DeepseekV4ForCausalLM'"),
+    (lambda c: c.update(architectures="DeepseekV4ForCausalLM"), r"'architectures'=.*\(string\), expected a list"),
+], ids=["missing", "kv_heads", "rope", "type", "model_type", "block", "architectures", "architectures_str"])
 def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
     p = _edited_flash(tmp_path, edit)
     with pytest.raises(ValueError, match=f"{p}: .*{message}"):

@@ -263,3 +263,75 @@ def test_reference_swiglu_and_moe_combine_refuse_shapes_that_would_broadcast():
     with pytest.raises(ValueError, match=r"moe_combine_ref: y, shared"):
         moe_combine_ref(y.bfloat16(), sh)
     assert torch.equal(moe_combine_ref(y, sh), (y + sh.float()).bfloat16())
+
+
+def test_reference_rope_tail_refuses_what_the_launcher_refuses():
+    """`rope_tail_ref` took an odd / too-large rd, fractional (float) positions, an fp32 inv_freq of any length and
+    tensors on two devices without a word (torch broadcast or failed deep inside); now the launcher's checks
+    (`kernels.rope.check_rope_tail`), for any float x."""
+    from kernels.numerics import apply_rope
+    from kernels.rope import rope_tail_ref
+    x, pos, f = torch.randn(2, 3, 64), torch.arange(3) * 1000, torch.rand(16, dtype=torch.float64)
+    for kw, match in [(dict(rd=33), "rd is 33"), (dict(rd=True), "rd is True"), (dict(rd=66), "rd is 66"),
+                      (dict(pos=pos.double() + 0.5), "pos is torch.float64"), (dict(pos=pos[:2]), r"shape \(2,\)"),
+                      (dict(inv_freq=f.float()), "inv_freq is torch.float32"), (dict(inv_freq=f[:8]), r"\(8,\)"),
+                      (dict(x=x.long()), "x is torch.int64"), (dict(inverse=1), "inverse is 1")]:
+        args = dict(x=x, pos=pos, inv_freq=f, rd=32, inverse=False)
+        with pytest.raises(ValueError, match=match):
+            rope_tail_ref(**{**args, **kw})
+    got = rope_tail_ref(x.half(), pos, f, 32, inverse=True)  # control: any float dtype, the formula
+    assert torch.equal(got[..., :32], x.half()[..., :32])
+    assert torch.equal(got[..., 32:], apply_rope(x.half()[..., 32:], pos, f, inverse=True))
+
+
+def test_reference_linears_refuse_a_missing_scale_and_a_wrong_width():
+    """`linear_ref` / `dequantize_ref` with FP8 codes and no scale raised AttributeError deep in the dequantizer,
+    a scale beside a bf16 weight was ignored, x of the wrong width failed in the matmul; `fp32_linear_ref`
+    likewise; each is now a ValueError naming the argument. Controls compute the formula."""
+    from kernels.fp32_linear import fp32_linear_ref
+    from kernels.gemm import dequantize_ref, linear_ref
+    from kernels.numerics import fp8_block_quant
+    w = torch.randn(256, 256)
+    q, s = fp8_block_quant(w)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dequantize_ref: scale is None"):
+        linear_ref(x, q, None)
+    with pytest.raises(ValueError, match=r"dequantize_ref: scale is given"):
+        dequantize_ref(w.bfloat16(), s, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dequantize_ref: weight is torch.int32"):
+        dequantize_ref(w.int(), None, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"linear_ref: x is width 128"):
+        linear_ref(x[:, :128], q, s)
+    with pytest.raises(ValueError, match=r"linear_ref: act_block is -1"):
+        linear_ref(x, q, s, act_block=-1)
+    with pytest.raises(ValueError, match=r"linear_ref: fp32 is 1"):
+        linear_ref(x, w, fp32=1)
+    with pytest.raises(ValueError, match=r"fp32_linear_ref: x is torch.bfloat16 shape \(3, 128\)"):
+        fp32_linear_ref(x[:, :128], w)
+    with pytest.raises(ValueError, match=r"fp32_linear_ref: weight is torch.float16"):
+        fp32_linear_ref(x, w.half())
+    wd = dequantize_ref(q, s, torch.float32)
+    assert torch.equal(linear_ref(x, q, s), (x.float() @ wd.bfloat16().float().T).bfloat16())
+    assert torch.equal(fp32_linear_ref(x, w.bfloat16()), x.float() @ w.bfloat16().float().T)
+
+
+def test_reference_swiglu_joint_and_route_refuse_bad_arguments():
+    """`swiglu_joint_ref` split an odd width unevenly and took a negative limit; `route_ref` raised torch's
+    IndexError (or read past the row on CUDA) for a hash id outside [0, E). Now ValueErrors; controls compute."""
+    from kernels.moe import swiglu, swiglu_joint_ref
+    from kernels.router import route_ref
+    uv = torch.randn(2, 16)
+    with pytest.raises(ValueError, match=r"swiglu_joint_ref: uv"):
+        swiglu_joint_ref(uv[:, :15], 10.0)
+    with pytest.raises(ValueError, match=r"swiglu_joint_ref: limit is -1.0"):
+        swiglu_joint_ref(uv, -1.0)
+    assert torch.equal(swiglu_joint_ref(uv, 10.0), swiglu(uv[:, :8], uv[:, 8:], 10.0))
+    logits = torch.randn(3, 8)
+    for bad in (8, -1):
+        ids = torch.tensor([[0, 1], [2, 3], [4, bad]])
+        with pytest.raises(ValueError, match=rf"route_ref: hash_ids is ids in \[{min(bad, 0)}, {max(bad, 4)}\]"):
+            route_ref(logits, None, ids, 2, "sqrtsoftplus", 1.5)
+    ids = torch.tensor([[0, 7], [2, 3], [4, 5]])
+    w, got = route_ref(logits, None, ids, 2, "sqrtsoftplus", 1.5)
+    sc = torch.nn.functional.softplus(logits).sqrt().gather(1, ids)
+    assert got is ids and torch.allclose(w, sc / sc.sum(1, keepdim=True) * 1.5, rtol=2 ** -21, atol=0)
