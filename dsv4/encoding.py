@@ -10,6 +10,10 @@ in chat mode, with no newline after `<｜User｜>`.
 Where the official encoder crashes (AttributeError/KeyError/TypeError) or silently emits garbage, this
 module raises `ValueError` naming `messages[i].field` (or `context[i].field`) instead:
   * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
+  * a message key outside `MESSAGE_KEYS` (a misspelled `contents` / `reasoning_contnet`: the official encoder
+    drops it silently), naming the key and listing the accepted ones;
+  * a message without `content` (absent or None) unless it is an assistant message with tool_calls (the official
+    encoder renders an empty turn; `""` stays accepted, as officially);
   * content or reasoning_content that is not a string (tool content may also be a list of parts);
   * a tool call without `function.name`/`function.arguments`, or with `arguments` that is a number, list or
     bool (the official encoder renders those as one `arguments` parameter; no convention produces them);
@@ -17,7 +21,8 @@ module raises `ValueError` naming `messages[i].field` (or `context[i].field`) in
     `{"name": ...}` would render as `null`/crash; the message names `messages[i].tools[j]`);
   * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
 Deliberate extensions, identical in `dsv4/chat_template.jinja`:
-  * `content: None` is treated as absent (transformers drops None-valued keys before the template);
+  * `content: None` is treated as absent (transformers drops None-valued keys before the template): accepted
+    where content may be omitted (an assistant message with tool_calls), an error elsewhere;
   * tool-call `arguments` given as a dict (the HuggingFace convention) render exactly as the same
     dict given as its JSON string, one parameter per key (the official encoder does not crash on a dict: its
     json.loads fails and it renders ONE parameter `arguments` holding the dict's JSON); arguments that are a
@@ -72,7 +77,7 @@ from jinja2.exceptions import TemplateError
 
 from dsv4.config import UnsupportedRevisionError
 
-__all__ = ["encode_messages", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
+__all__ = ["encode_messages", "MESSAGE_KEYS", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
            "EmptyConversationError", "TruncatedCompletion", "parse_truncated_completion",
            "PROMPT_KWARGS", "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
            "TASK_TOKENS", "SPECIAL_STRINGS"]
@@ -169,18 +174,49 @@ def _check_tools(tools: Any, where: str) -> None:
                              f'"description": str, "parameters": JSON schema}}}} (the OpenAI tool shape), got {got}')
 
 
+MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name", "tools",
+                "response_format", "task", "wo_eos", "mask")
+"""The keys a message may carry: those the official encoder reads (`name`, OpenAI's optional participant / tool
+name, is accepted and, as officially, not rendered). Any other key is an error (`_check_text`): a misspelling
+(`contents`, `reasoning_contnet`) would otherwise be dropped silently. transformers' aliases `thinking` /
+`reasoning` for `reasoning_content` are refused too (encode_messages never read them): use `reasoning_content`."""
+
+_REASONING_ALIASES = ("thinking", "reasoning")
+
+
+def _content_optional(m: dict) -> bool:
+    """Whether message m may omit `content` (or give None): only an assistant message with tool calls (the OpenAI
+    shape `{"role": "assistant", "content": null, "tool_calls": [...]}`); every other turn of the format has text."""
+    return m.get("role") == "assistant" and bool(m.get("tool_calls"))
+
+
 def _check_text(messages: list, name: str, dicts_only: bool = False) -> None:
     """Every message is a dict (dicts_only: other messages are skipped, for transformers to normalise - its
     dataclass / pydantic messages) and its `content` / `reasoning_content` strings are encodable text: a lone
     surrogate (e.g. undecodable bytes smuggled in through `surrogateescape`) cannot be tokenised, and the
     tokenizer's own error names neither the message nor the field. Also refused, because the template would read
-    them silently: bytes content ("<bytes>" in place of the text), a non-string reasoning_content (0 / [] read as
-    empty), a wo_eos that is not a bool or None ("no" dropped the EOS), a tool_calls that is not a list."""
+    them silently: a key outside `MESSAGE_KEYS` (a misspelled `contents` rendered an empty turn), a message of a
+    known role without `content` (or with `content: None`) other than an assistant message with tool_calls (an
+    empty turn; `""` is accepted, as by the official encoder), bytes content ("<bytes>" in place of the text), a
+    non-string reasoning_content (0 / [] read as empty), a wo_eos that is not a bool or None ("no" dropped the
+    EOS), a tool_calls that is not a list."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             if dicts_only:
                 continue
             raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
+        unknown = [k for k in m if k not in MESSAGE_KEYS]
+        if unknown:
+            k = unknown[0]
+            close = (["reasoning_content"] if k in _REASONING_ALIASES else
+                     difflib.get_close_matches(str(k), MESSAGE_KEYS, 1))
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{name}[{i}]: unknown key {k!r}{hint}; a message accepts only the keys "
+                             f"{', '.join(MESSAGE_KEYS)}")
+        if m.get("role") in ROLES and m.get("content") is None and not _content_optional(m):
+            got = "content is None" if "content" in m else "no 'content' key"
+            raise ValueError(f"{name}[{i}].content: missing ({got}); expected the {m['role']} message's text "
+                             "(\"\" for an empty one); only an assistant message with tool_calls may omit it")
         if m.get("wo_eos") is not None and not isinstance(m["wo_eos"], bool):
             raise ValueError(f"{name}[{i}].wo_eos: expected a bool, got {m['wo_eos']!r}")
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], (list, tuple)):
@@ -416,7 +452,8 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
         The prompt string; tokenise it with `add_special_tokens=False`.
     Raises:
         EmptyConversationError (a ValueError): `messages` is empty (the official encoder returns a bare BOS).
-        ValueError: naming `messages[i].field` / `context[i].field` (see the module docstring), or the bad
+        ValueError: naming `messages[i].field` / `context[i].field` (see the module docstring: an unknown
+            message key, a missing or None content outside an assistant message with tool_calls, ...), or the bad
             `thinking_mode` / `reasoning_effort` value, or a `drop_thinking` / `add_default_bos_token` that is
             not a bool.
     """
@@ -713,7 +750,9 @@ def prompt_ids(tokenizer, messages: list[dict], thinking: bool = True, **kw) -> 
             `drop_thinking`, `add_default_bos_token`, `add_generation_prompt`, `sanitize_control_tokens`) that is
             not a bool, or a `tools` that is not a list (`check_flags`); the tokenizer does not carry the dsv4
             template; `messages` is not a list (or tuple) of dicts, a text field holds a lone surrogate or bytes,
-            or a field has the wrong type (`_check_text`: reasoning_content, wo_eos, tool_calls); the messages
+            a key outside `MESSAGE_KEYS` is given (named, with the accepted keys), `content` is missing or None
+            where the format needs text (every message but an assistant one with tool_calls), or a field has the
+            wrong type (`_check_text`: reasoning_content, wo_eos, tool_calls); the messages
             are invalid (the template's error, naming the message index and field).
     """
     unknown = sorted(set(kw) - set(PROMPT_KWARGS))

@@ -6,7 +6,8 @@
 tokenizer has no chat template, so `apply_chat_template` would raise; ours (`dsv4/chat_template.jinja`)
 is attached, and it is always ours: a `chat_template` in the checkpoint's `tokenizer_config.json` or a
 `chat_template.jinja` beside it is ignored, and that is said both in a log line and in the attribute
-`tok.dsv4_template_source` (see `TemplateSource`).
+`tok.dsv4_template_source` (see `TemplateSource`); `apply_chat_template(chat_template=...)` raises ValueError, and
+so does `truncation=True` (a cut prompt loses `<｜Assistant｜><think>`: shorten the messages instead).
 
     tok.apply_chat_template(messages, tools=None, add_generation_prompt=True, thinking=True,
                             reasoning_effort=None, drop_thinking=True, tokenize=...)
@@ -16,9 +17,9 @@ default, as in DeepSeek's API and servers). `tools=` (HF style) attaches the too
 is a system message without tools, else to a new empty system message put first; `add_generation_prompt=False`
 leaves out the transition after the final message (`<｜Assistant｜><think>`/`</think>`/task token);
 `context=` and `add_default_bos_token=` are accepted as template variables; `enable_thinking=` (another
-family's switch, which would be ignored) and tools not of the OpenAI shape raise. Note that transformers copies a
-message's `thinking`/`reasoning` key into `reasoning_content` before rendering (encode_messages reads only
-`reasoning_content`).
+family's switch, which would be ignored) and tools not of the OpenAI shape raise. A message key outside
+`dsv4.encoding.MESSAGE_KEYS` raises (transformers' `thinking` / `reasoning` aliases included: encode_messages reads
+only `reasoning_content`, so the tokenizer refuses them rather than render what encode_messages would drop).
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def _make_tokenizer_class():
     dict message with a field that `prompt_ids` refuses (`encoding._check_text`: bytes content, undecodable text,
     wrongly typed reasoning_content / wo_eos / tool_calls; messages of other types are left to transformers to
     normalise) - `prompt_ids`' ValueErrors, naming `conversation[i]` (or `conversation[j][i]`) for `messages[i]`,
-    and (6) `documents=` (transformers' RAG slot, which the template has no place for and would drop)."""
+    and (6) `documents=` (transformers' RAG slot, which the template has no place for and would drop), (7) a
+    `chat_template=` other than None (the dsv4 template is always the one rendered) and (8) truncation (`truncation=`
+    other than False / None / "do_not_truncate", also inside `tokenizer_kwargs`): a truncated prompt loses the
+    format's tail (`<｜Assistant｜><think>`), so the messages must be shortened instead. transformers' other
+    arguments (tokenize, return_dict, padding, max_length without truncation, return_tensors, ...) work as
+    there."""
 
     class DSV4TokenizerFast(PreTrainedTokenizerFast):
         """The real DeepSeek-V4 tokenizer with the dsv4 template and the refusals of `_make_tokenizer_class`."""
@@ -96,6 +102,16 @@ def _make_tokenizer_class():
             if unknown:
                 raise ValueError(f"apply_chat_template: unknown keyword argument(s) {', '.join(map(repr, unknown))} "
                                  f"(the dsv4 template reads thinking, {', '.join(PROMPT_KWARGS)})")
+            if kwargs.get("chat_template") is not None:  # "always ours": another template would be a wrong prompt
+                raise ValueError(f"apply_chat_template: chat_template={_short(kwargs['chat_template'])} is refused: "
+                                 f"this tokenizer always renders the dsv4 template ({TEMPLATE_NAME}, the official "
+                                 "DeepSeek-V4 format); leave chat_template out (None)")
+            for where, kw in (("", kwargs), ("tokenizer_kwargs.", kwargs.get("tokenizer_kwargs") or {})):
+                trunc = kw.get("truncation") if isinstance(kw, dict) else None
+                if trunc not in (None, False, "do_not_truncate"):  # TruncationStrategy.DO_NOT_TRUNCATE == its str
+                    raise ValueError(f"apply_chat_template: {where}truncation={trunc!r} is refused: a truncated "
+                                     "prompt is a wrong prompt (it would cut the format's tail, e.g. "
+                                     "<｜Assistant｜><think>); shorten the messages instead")
             if kwargs.get("documents") is not None:  # transformers' RAG slot: the dsv4 template has none
                 raise ValueError("apply_chat_template: documents= is not part of the DeepSeek-V4 prompt format "
                                  "(the template would ignore it); put the documents in a message's content")
@@ -106,6 +122,12 @@ def _make_tokenizer_class():
             return super().apply_chat_template(conversation, *args, **kwargs)
 
     return DSV4TokenizerFast
+
+
+def _short(value, n: int = 60) -> str:
+    """repr of value, cut to n characters (a refused template string can be long)."""
+    r = repr(value)
+    return r if len(r) <= n else r[:n] + "...'"
 
 
 @functools.lru_cache(maxsize=None)

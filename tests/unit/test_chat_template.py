@@ -8,6 +8,8 @@ and the missing <think>/</think>), and a template mutated to hand-roll that newl
 
 from __future__ import annotations
 
+import copy
+
 import json
 from pathlib import Path
 
@@ -139,8 +141,11 @@ def test_mutated_template_fails_gold(tok):
     needle = "USER ~ (parts.l|join('\\n\\n')"
     assert tmpl.count(needle) == 1
     g = SEED["thinking"]
-    bad = tok.apply_chat_template(g["messages"], chat_template=tmpl.replace(needle, "USER ~ '\\n\\n' ~ (parts.l|join('\\n\\n')"),
-                                  add_generation_prompt=True, tokenize=True, return_dict=False, thinking=True)
+    mutated = copy.copy(tok)  # apply_chat_template(chat_template=...) is refused: the template attribute is swapped
+    mutated.chat_template = tmpl.replace(needle, "USER ~ '\\n\\n' ~ (parts.l|join('\\n\\n')")
+    bad = mutated.apply_chat_template(g["messages"], add_generation_prompt=True, tokenize=True, return_dict=False,
+                                      thinking=True)
+    assert tok.chat_template == tmpl
     assert list(bad) != g["ids"] and list(bad)[:3] == [0, 128803, 271]
 
 

@@ -125,8 +125,14 @@ def test_special_strings_are_not_escaped_and_are_reported():
 
 
 def test_empty_and_none_contents():
-    assert encode_messages([{"role": "system", "content": None}, {"role": "user"}], "chat") == \
+    # "" is an empty turn, as the official encoder renders it; None / a missing content only where the format
+    # allows no text (an assistant message with tool_calls): elsewhere an error (test_message_keys_and_content)
+    assert encode_messages([{"role": "system", "content": ""}, {"role": "user", "content": ""}], "chat") == \
         f"{BOS}{USER}{ASSISTANT}</think>"
+    calls = {"role": "assistant", "content": None, "tool_calls": [_call("a", "{}")]}
+    assert encode_messages([U, calls], "chat") == encode_messages([U, {**calls, "content": ""}], "chat")
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content: missing \(content is None\)"):
+        encode_messages([{"role": "system", "content": None}, {"role": "user"}], "chat")
     # encode_messages([]) raises EmptyConversationError (the official encoder returns BOS): see
     # tests/unit/test_truncated_completion.py::test_empty_conversation_same_error_everywhere
 
@@ -156,6 +162,37 @@ def test_empty_and_none_contents():
 def test_invalid_input_raises_value_error(msgs, kw, match):
     with pytest.raises(ValueError, match=match):
         encode_messages(msgs, "chat", **kw)
+
+
+@pytest.mark.parametrize("msg,match", [
+    ({"role": "user", "contents": "What is 2+2?"},
+     r"messages\[1\]: unknown key 'contents' \(did you mean 'content'\?\); a message accepts only the keys role, "
+     r"content, reasoning_content, tool_calls, tool_call_id, name, tools, response_format, task, wo_eos, mask"),
+    ({"role": "assistant", "content": "a", "reasoning_contnet": "r"},
+     r"messages\[1\]: unknown key 'reasoning_contnet' \(did you mean 'reasoning_content'\?\)"),
+    ({"role": "assistant", "content": "a", "thinking": "r"}, r"messages\[1\]: unknown key 'thinking' \(did you mean "
+     r"'reasoning_content'\?\)"),
+    ({"role": "user"}, r"messages\[1\]\.content: missing \(no 'content' key\); expected the user message's text"),
+    ({"role": "user", "content": None}, r"messages\[1\]\.content: missing \(content is None\)"),
+    ({"role": "assistant", "reasoning_content": "r"}, r"messages\[1\]\.content: missing"),
+    ({"role": "tool", "tool_call_id": "a"}, r"messages\[1\]\.content: missing"),
+])
+def test_message_keys_and_content(msg, match):
+    """A misspelled key (the official encoder drops it: `contents` gave an empty user turn) and a missing content
+    are errors naming messages[i]; every key of MESSAGE_KEYS, "" content and an assistant message with tool calls
+    and no content still render."""
+    with pytest.raises(ValueError, match=match):
+        encode_messages([U, msg], "chat")
+    with pytest.raises(ValueError, match=match.replace("messages", "context")):
+        encode_messages([U], "chat", context=[U, msg])
+    full = [{"role": "system", "content": "s", "tools": [TOOL], "response_format": {"type": "json_object"}},
+            {"role": "user", "content": "", "name": "ann", "mask": 0},
+            {"role": "assistant", "tool_calls": [_call("a", '{"x": 1}')], "reasoning_content": "r"},
+            {"role": "tool", "tool_call_id": "a", "name": "f", "content": "ok"},
+            {"role": "assistant", "content": "done", "wo_eos": False},
+            {"role": "user", "content": "q", "task": "query"}]
+    text = encode_messages(full, "thinking")
+    assert text.startswith(f"{BOS}s") and "<tool_result>ok</tool_result>" in text and text.endswith("q<｜query｜>")
 
 
 def test_invalid_mode_raises():

@@ -173,6 +173,51 @@ def test_template_errors_name_index_and_field(tok, msgs, kw, match):
         prompt_ids(tok, msgs, **kw)
 
 
+@pytest.mark.parametrize("msgs,match", [
+    ([{"role": "user", "contents": "What is 2+2?"}], r"\[0\]: unknown key 'contents' \(did you mean 'content'\?\); "
+     r"a message accepts only the keys role, content, "),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_contnet": "z"}],
+     r"\[1\]: unknown key 'reasoning_contnet'"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning": "z"}],
+     r"\[1\]: unknown key 'reasoning' \(did you mean 'reasoning_content'\?\)"),
+    ([{"role": "user"}], r"\[0\]\.content: missing \(no 'content' key\)"),
+])
+def test_message_keys_and_content_refused_alike(tok, msgs, match):
+    """encode_messages, prompt_ids and apply_chat_template refuse a misspelled message key and a missing content
+    alike (the template would render an empty turn); an assistant message with tool calls may omit content."""
+    with pytest.raises(ValueError, match="messages" + match):
+        encode_messages(msgs, "thinking")
+    with pytest.raises(ValueError, match="messages" + match):
+        prompt_ids(tok, msgs)
+    with pytest.raises(ValueError, match="conversation" + match):
+        tok.apply_chat_template(msgs, tokenize=False)
+    ok = [{"role": "user", "content": ""}, {"role": "assistant", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "name": "get", "content": "r"}]
+    enc, tmpl = both(tok, ok)
+    assert enc == tmpl and "<tool_result>r</tool_result>" in enc
+
+
+def test_apply_chat_template_refuses_another_template_and_truncation(tok):
+    """Our template is always the one rendered, and a truncated prompt (which loses <｜Assistant｜><think>) is refused;
+    transformers' other arguments keep working."""
+    msgs = [{"role": "user", "content": "hello there"}]
+    with pytest.raises(ValueError, match=r"apply_chat_template: chat_template=\"\{\{ 'X' \}\}\" is refused: this "
+                       r"tokenizer always renders the dsv4 template \(dsv4/chat_template\.jinja"):
+        tok.apply_chat_template(msgs, chat_template="{{ 'X' }}", tokenize=False)
+    for kw in ({"truncation": True, "max_length": 3}, {"truncation": "longest_first", "max_length": 3},
+               {"tokenizer_kwargs": {"truncation": True, "max_length": 3}}):
+        with pytest.raises(ValueError, match=r"truncation=('longest_first'|True) is refused: a truncated prompt is a "
+                           r"wrong prompt .*shorten the messages instead"):
+            tok.apply_chat_template(msgs, add_generation_prompt=True, **kw)
+    full = prompt_ids(tok, msgs)
+    assert full[-2:] == [128804, 128821] and len(full) > 3
+    for kw in ({}, {"truncation": False}, {"max_length": 3}, {"chat_template": None}, {"padding": "max_length",
+                                                                                      "max_length": len(full)}):
+        enc = tok.apply_chat_template(msgs, add_generation_prompt=True, **kw)
+        assert enc["input_ids"] == full, kw
+
+
 def _random_conversation(rng: random.Random) -> list[dict]:
     msgs = []
     for _ in range(rng.randint(1, 8)):
