@@ -70,6 +70,9 @@ def _speculative(text: str) -> int:
     return v
 
 
+TEMPERATURE_MIN = 1e-5  # = dsv4.generate.TEMPERATURE_MIN (not imported: it would import torch)
+
+
 def _temperature(text: str) -> float:
     try:
         v = float(text)
@@ -77,6 +80,9 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not (v >= 0 and v != float("inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    if 0 < v < TEMPERATURE_MIN:
+        raise argparse.ArgumentTypeError(f"{text!r} is below {TEMPERATURE_MIN} (the smallest sampling temperature; "
+                                         "the official code clamps it silently): use 0 for greedy")
     return v
 
 

@@ -33,7 +33,7 @@ from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
 from dsv4.speculative import MTPDrafter, plan_rows, speculative_greedy, speculative_sample
 from dsv4.state import check_device
-from dsv4.synth import checkpoint_args, is_synth_source, parse_source, tokenizer_folder
+from dsv4.synth import check_seed, checkpoint_args, is_synth_source, parse_source, tokenizer_folder
 from dsv4.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -155,14 +155,20 @@ class GenerationResult:
     reuse: str = "fresh"           # `reuse_plan`'s note: fresh, reused N tokens, or rebuilt and why
 
 
+TEMPERATURE_MIN = 1e-5
+"""The smallest sampling temperature > 0 (the official generate.py clamps to it: below, logits / T overflow to inf
+and softmax gives NaN). 0 < T < TEMPERATURE_MIN is refused, never clamped: use temperature=0 for greedy."""
+
+
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [b, V] fp32 -> token ids [b]. T == 0: argmax; T > 0: argmax(softmax(logits/T) / Exp(1)) (spec §12).
-    Raises ValueError for a negative or non-finite temperature."""
-    if not (temperature >= 0 and temperature != float("inf")):
-        raise ValueError(f"temperature={temperature}: expected a finite number >= 0")
+    """logits [b, V] fp32 -> token ids [b]. T == 0: argmax; T >= TEMPERATURE_MIN (1e-5): argmax(softmax(logits/T) /
+    Exp(1)) (spec §12).
+    Raises ValueError for a negative or non-finite temperature, or one in (0, TEMPERATURE_MIN) (the official code
+    clamps it to 1e-5 silently; dsv4 says to use temperature=0 for greedy)."""
+    _check_temperature(temperature)
     if temperature == 0:
         return logits.argmax(-1)
-    probs = (logits / max(temperature, 1e-5)).softmax(-1)
+    probs = (logits / temperature).softmax(-1)
     noise = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / noise).argmax(-1)
 
@@ -178,13 +184,25 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
     `max_tokens` (`GenerationResult.truncated`), or why the text is malformed (`parse_error`), and the state it
     ended with (`chat`). `chat`: a previous turn's `GenerationResult.chat` of the same conversation; it is
     continued when the new prompt's ids extend its ids (`reuse_plan`; the result's `reuse` says what happened;
-    the given ChatState is consumed: its state advances). Raises ValueError if max_tokens < 1 or the prompt is
-    empty; prompt errors come from `dsv4.encoding`.
+    the given ChatState is consumed: its state advances).
+
+    Raises (all before any model work):
+        ValueError: max_tokens not an int >= 1; temperature negative, not finite, or in (0, 1e-5)
+            (`TEMPERATURE_MIN`: use 0 for greedy); seed outside 0..2**64-1 (as the CLI's --seed); `on_token`
+            neither None nor callable, `trace` neither None nor a ResidualTrace; an empty prompt: the conversation ends in a user message whose content
+            is "" or blank (an earlier empty turn is allowed, as in `encode_messages`); `chat` not a ChatState;
+            prompt errors from `dsv4.encoding.prompt_ids` (an empty conversation, an unknown message key, a missing
+            content, ...).
+        LimitError: the prompt + max_tokens exceed the model's context.
     """
 
     _check_max_tokens(max_tokens)
     _check_sampling(temperature, seed)
+    _check_callable(on_token, "on_token")
+    if trace is not None and not isinstance(trace, ResidualTrace):  # it is called per layer and bound to the model
+        raise ValueError(f"trace={trace!r}: expected None or a ResidualTrace, got {type(trace).__name__}")
     ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
+    _check_not_blank(messages)
     ctx = max_context(model.args)
     if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.speculative.plan_rows)
         raise LimitError(f"the prompt ({len(ids)} tokens) + max_tokens {max_tokens} exceed the model's context of "
@@ -218,13 +236,38 @@ def _check_max_tokens(m, name: str = "max_tokens") -> None:
         raise ValueError(f"{name}={m!r}: expected an int >= 1")
 
 
-def _check_sampling(temperature, seed) -> None:
-    """ValueError naming a temperature that is not a finite number >= 0, or a seed that is not an int."""
+def _check_temperature(temperature) -> None:
+    """ValueError naming a temperature that is not a finite number >= 0, or one in (0, TEMPERATURE_MIN)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
             0 <= temperature < float("inf")):
         raise ValueError(f"temperature={temperature!r}: expected a finite number >= 0")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed={seed!r}: expected an int")
+    if 0 < temperature < TEMPERATURE_MIN:
+        raise ValueError(f"temperature={temperature!r}: expected 0 (greedy) or a number >= {TEMPERATURE_MIN} (below "
+                         "it logits / T overflow; the official code clamps it silently); use temperature=0 for greedy")
+
+
+def _check_sampling(temperature, seed) -> None:
+    """ValueError naming a bad temperature (`_check_temperature`) or a seed outside 0..2**64-1 (the CLI's --seed
+    rule, `dsv4.synth.check_seed`: a negative seed, or one torch cannot take)."""
+    _check_temperature(temperature)
+    check_seed(seed)
+
+
+def _check_callable(value, name: str) -> None:
+    """ValueError naming a callback argument that is neither None nor callable (checked before any model work)."""
+    if value is not None and not callable(value):
+        raise ValueError(f"{name}={value!r}: expected None or a callable, got {type(value).__name__}")
+
+
+def _check_not_blank(messages, name: str = "messages") -> None:
+    """ValueError when the conversation ends in a user message whose content is empty or blank: nothing to answer
+    (the CLI refuses a blank --prompt alike). `encode_messages` / `prompt_ids` accept it, as the official encoder."""
+    last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
+    if isinstance(last, dict) and last.get("role") == "user" and isinstance(last.get("content"), str) \
+            and not last["content"].strip():
+        raise ValueError(f"{name}[{len(messages) - 1}].content: {last['content']!r} is an empty prompt (the "
+                         "conversation ends in a blank user message, nothing to answer; an unset variable?); expected "
+                         "the user's text")
 
 
 def _result(tokenizer, ids: list[int], out: list[int], stop: str, thinking: bool, max_tokens: int,
@@ -279,8 +322,10 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     `dsv4.memory_plan.check_serving`): LimitError for a batch over MAX_BATCH, a row over the model's context (the
     conversation's index and its real total, prompt + max_tokens, never the state's rounded size), a decode state
     larger than the device has available.
-    Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index);
-    prompt errors come from `dsv4.encoding` with the conversation's index added."""
+    Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index), a
+    temperature or seed `generate` refuses (0 < T < 1e-5; a seed outside 0..2**64-1), a conversation ending in an
+    empty or blank user message (as `generate`); prompt errors come from `dsv4.encoding` with the conversation's
+    index added."""
     if not isinstance(conversations, (list, tuple)) or not conversations:
         raise ValueError("conversations: expected a non-empty list of message lists")
     n = len(conversations)
@@ -296,6 +341,7 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     for i, conv in enumerate(conversations):
         try:
             prompts.append(dsv4.encoding.prompt_ids(tokenizer, conv, thinking=thinking))
+            _check_not_blank(conv)
         except ValueError as e:  # the same exception (type and fields), its message naming the conversation
             e.args = (f"conversations[{i}]: {e}",) + e.args[1:]
             raise
@@ -369,12 +415,28 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
                     chat=chat_out[i], reuse=plans[i][1]) for i in range(n)]
 
 
+MODEL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The model dtypes, by the CLI's --dtype names: bf16 = the official numerics, fp32 = the exact mode."""
+
+
+def model_dtype(dtype) -> torch.dtype:
+    """torch.bfloat16 / torch.float32 as given, or the CLI's name "bf16" / "fp32" mapped to it. ValueError naming
+    dtype and the accepted values otherwise (torch.float16 included: not a dsv4 model dtype)."""
+    if isinstance(dtype, str) and dtype in MODEL_DTYPES:
+        return MODEL_DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in MODEL_DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype={dtype!r}: expected torch.bfloat16 or torch.float32 (or the CLI's names 'bf16' / "
+                     "'fp32')")
+
+
 def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                backend: str = "reference", progress: bool = True, weights: str = "dequantized",
                mtp: bool = False, batch_invariant: bool = False) -> tuple[Transformer, int]:
     """Load the checkpoint directory `ckpt` (or a synthetic source `synth:GEOMETRY[:LAYERS[:SEED]]`, generated on
     load: `dsv4.synth.SynthCheckpoint`) honouring TEST_LAYERS; returns (model, effective layer count).
 
+    `dtype`: torch.bfloat16 or torch.float32, or "bf16" / "fp32" as the CLI's --dtype (`model_dtype`).
     `mtp`: also load the MTP block `mtp.0` (spec §10; the drafter of `dsv4.speculative.MTPDrafter`; world size 1
     only: ValueError under torchrun). `weights`: "dequantized" (FP8/FP4 weights dequantized to `dtype` at load) or
     "quantized" (kept FP8/FP4 +
@@ -386,6 +448,7 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     fit. Raises what `dsv4.checkpoint.load_checkpoint`, `layers_from_env` and `dsv4.parallel.comm_from_env`
     raise; CheckpointError for weights="quantized" on a bf16 checkpoint; ValueError naming a `device` that is not
     'cpu', 'cuda' or 'cuda:N' or a CUDA device not visible here (`dsv4.state.check_device`, as the CLI's --device),
+    a `dtype` that is not torch.bfloat16 / torch.float32 or the CLI's names "bf16" / "fp32" (`model_dtype`),
     and `dsv4.config.NoMTPBlockError` (a ValueError) for mtp=True on a checkpoint without an MTP block
     (num_nextn_predict_layers 0: speculative decoding with the MTP drafter needs it). `batch_invariant`: the
     batch-invariant mode (`Transformer(batch_invariant=True)`, `kernels.invariant`; world size 1 only: ValueError
@@ -394,6 +457,7 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
 
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
+    dtype = model_dtype(dtype)
     check_device(device)  # before torch's own parse: its error names neither the argument nor dsv4's devices
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -476,7 +540,7 @@ def run_generate(*, ckpt: Path | None, prompt: str, max_tokens: int, temperature
         if path is None:
             raise FileNotFoundError(f"no checkpoint: pass --ckpt DIR or set {CKPT_ENV} "
                                     "(`dsv4 make-tiny DIR` writes a tiny random one)")
-        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        torch_dtype = model_dtype(dtype)
         model, n = load_model(path, device=device, dtype=torch_dtype, backend=backend, weights=weights,
                               mtp=speculative > 0, batch_invariant=batch_invariant)
 

@@ -31,6 +31,7 @@ import torch
 from dsv4.config import check_has_mtp
 from dsv4.memory_plan import LimitError, check_serving, max_context
 from dsv4.model import MAX_STEP_TOKENS, STATE_GRAIN, Transformer
+from dsv4.synth import check_seed
 
 __all__ = ["Drafter", "ContinuationDrafter", "AdversaryDrafter", "RandomDrafter", "MTPDrafter", "SpeculativeResult",
            "speculative_greedy", "speculative_greedy_batch", "accept_or_resample", "speculative_sample",
@@ -427,13 +428,15 @@ def speculative_sample_batch(model: Transformer, prompts: list[list[int]], draft
     row's tokens do not depend on its neighbours: row i equals `speculative_sample` of prompts[i] with its seed
     alone (up to a draw that falls within fp32 rounding of a probability boundary). Raises ValueError as
     `speculative_greedy_batch`, for a temperature that is not a finite number > 0, and for seeds that are not an
-    int or a list of b ints."""
+    int or a list of b ints, or a seed outside 0..2**64-1 (`dsv4.synth.check_seed`, the CLI's --seed rule)."""
     _check_temperature(temperature)
     n = len(prompts) if isinstance(prompts, (list, tuple)) else 0
     seeds = [seed] * n if isinstance(seed, int) and not isinstance(seed, bool) else seed
     if not isinstance(seeds, (list, tuple)) or len(seeds) != n or any(
             isinstance(s, bool) or not isinstance(s, int) for s in seeds):
         raise ValueError(f"seed={seed!r}: expected an int or a list of {n} ints (one per prompt)")
+    for i, s in enumerate(seeds):  # the CLI's rule (--seed): a 64-bit seed, not torch's overflow error
+        check_seed(s, "seed" if isinstance(seed, int) else f"seed[{i}]")
     eos_id = _check_eos(model, eos)
     gens = [torch.Generator(device=model.device).manual_seed(s) for s in seeds]
 

@@ -611,11 +611,13 @@ SEED_MAX = 2**64 - 1  # seeds are 64-bit, as `dsv4 make-checkpoint --seed` takes
 
 
 def check_seed(seed, what: str = "seed") -> int:
-    """`seed` if it is an integer in 0..SEED_MAX (a 64-bit seed, what `dsv4 make-checkpoint --seed` accepts, so a
-    report's rebuild command for it runs); ValueError naming `what` otherwise."""
+    """`seed` if it is an integer in 0..SEED_MAX (a 64-bit seed, what every `--seed` of the CLI accepts - `dsv4
+    make-checkpoint --seed`, so a report's rebuild command for it runs, and `dsv4 generate --seed`); ValueError naming
+    `what` otherwise. The one seed rule of the API (`dsv4.generate.generate`, `generate_batch`,
+    `dsv4.speculative.speculative_sample*`) and the CLI."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"{what}={seed!r}: expected an integer in 0..{SEED_MAX} (a 64-bit seed, as "
-                         "`dsv4 make-checkpoint --seed` takes it)")
+                         "`dsv4 make-checkpoint --seed` and `dsv4 generate --seed` take it)")
     return seed
 
 

@@ -151,3 +151,71 @@ def test_multi_turn_refuses_a_state_it_cannot_continue(model_tok, tiny_ckpt):
     for bad in ("x", st, {"state": st}):  # not a ChatState: an AttributeError deep inside before
         with pytest.raises(ValueError, match=rf"^chat: expected a ChatState .* got {type(bad).__name__}$"):
             reuse_plan(model, bad, ids)
+
+
+def test_sample_refuses_a_temperature_below_the_minimum():
+    """0 < T < 1e-5 was clamped to 1e-5 silently (T=1e-30 ran at 1e-5): now refused, saying to use 0 for greedy;
+    T = 1e-5 itself and T = 0 still sample."""
+    from dsv4.cli import TEMPERATURE_MIN as CLI_MIN, parse_args
+    from dsv4.generate import TEMPERATURE_MIN
+    logits = torch.tensor([[0.0, 1.0, 3.0, 2.0]])
+    for t in (1e-30, 5e-6, 9.999e-6):
+        with pytest.raises(ValueError, match=rf"temperature={t!r}: expected 0 \(greedy\) or a number >= 1e-05.*use "
+                                             r"temperature=0 for greedy"):
+            sample(logits, t)
+    assert TEMPERATURE_MIN == CLI_MIN == 1e-5
+    assert sample(logits, 1e-5, torch.Generator().manual_seed(0)).tolist() == [2]  # as sharp as greedy
+    assert sample(logits, 0.0).tolist() == [2]
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "--prompt", "x", "--temperature", "1e-30"])
+    assert parse_args(["generate", "--prompt", "x", "--temperature", "1e-5"]).temperature == 1e-5
+
+
+def test_generate_checks_its_arguments_before_any_model_step(model_tok, monkeypatch):
+    """An empty final user message (the docstring's "prompt is empty"), a seed the CLI refuses (negative, or over
+    64 bits: torch's "Overflow when unpacking long long"), a non-callable on_token and a trace that is not a
+    ResidualTrace are ValueErrors naming the argument, raised before the model runs."""
+    model, tok = model_tok
+    calls = []
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: calls.append(1))
+    msg = [{"role": "user", "content": "What is 2+2?"}]
+    bad = [
+        (dict(messages=[{"role": "user", "content": ""}]), r"messages\[0\]\.content: '' is an empty prompt"),
+        (dict(messages=msg + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "  \n"}]),
+         r"messages\[2\]\.content: '  \\n' is an empty prompt"),
+        (dict(temperature=1.0, seed=2**70), r"seed=1180591620717411303424: expected an integer in "
+                                            r"0\.\.18446744073709551615 \(a 64-bit seed"),
+        (dict(temperature=1.0, seed=-1), r"seed=-1: expected an integer in 0\.\.18446744073709551615"),
+        (dict(on_token=5), r"on_token=5: expected None or a callable, got int"),
+        (dict(trace=print), r"trace=<built-in function print>: expected None or a ResidualTrace"),
+        (dict(temperature=1e-30), r"temperature=1e-30: expected 0 \(greedy\)"),
+    ]
+    for kw, match in bad:
+        kw = {"messages": msg, **kw}
+        with pytest.raises(ValueError, match=match):
+            generate(model, tok, kw.pop("messages"), max_tokens=2, **kw)
+    assert calls == []
+    from dsv4.generate import generate_batch
+    with pytest.raises(ValueError, match=r"conversations\[1\]: messages\[0\]\.content: '' is an empty prompt"):
+        generate_batch(model, tok, [msg, [{"role": "user", "content": ""}]], max_tokens=1, progress=False)
+    with pytest.raises(ValueError, match=r"seed=-1: expected an integer"):
+        generate_batch(model, tok, [msg], max_tokens=1, temperature=0.5, seed=-1, progress=False)
+    monkeypatch.undo()
+    # positive control: the largest 64-bit seed samples; an earlier empty turn is history, allowed
+    seen = []
+    res = generate(model, tok, [{"role": "user", "content": ""}, {"role": "assistant", "content": "?"}] + msg,
+                   max_tokens=2, temperature=1.0, seed=2**64 - 1, on_token=lambda i, s: seen.append(i))
+    assert seen == res.ids and len(res.ids) >= 1
+
+
+def test_load_model_dtype_is_checked_and_names_accepted(tiny_ckpt):
+    """dtype="bf16" was torch's TypeError from deep inside ("empty(): argument 'dtype' must be torch.dtype"):
+    the CLI's names map to their torch dtype; anything else is a ValueError naming dtype and the accepted values."""
+    from dsv4.generate import model_dtype
+    for bad in ("bfloat16", torch.float16, None, 32):
+        with pytest.raises(ValueError, match=rf"dtype={bad!r}: expected torch\.bfloat16 or torch\.float32 \(or the "
+                                             r"CLI's names 'bf16' / 'fp32'\)"):
+            load_model(tiny_ckpt, dtype=bad, progress=False)
+    assert model_dtype("bf16") is torch.bfloat16 and model_dtype(torch.float32) is torch.float32
+    model, _ = load_model(tiny_ckpt, dtype="bf16", progress=False)
+    assert model.embed.weight.dtype == torch.bfloat16
