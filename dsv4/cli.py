@@ -1,7 +1,8 @@
 """The `dsv4` command line: `diagnose` (the main job), `generate`, `make-tiny`, `make-checkpoint`, `gate`.
 
-Arguments are parsed strictly: unknown arguments, abbreviations and stray positionals are errors, never
-swallowed; a stray `NAME=value` argument (such as `TEST_LAYERS=10` typed after the command) is named as an
+Arguments are parsed strictly: unknown arguments, abbreviations, stray positionals and an option given twice
+(`--prompt a --prompt b`: argparse would keep the last silently; also `--thinking --no-thinking`) are errors,
+never swallowed; a stray `NAME=value` argument (such as `TEST_LAYERS=10` typed after the command) is named as an
 environment variable with the right spelling (`TEST_LAYERS=10 dsv4 diagnose`). `TEST_LAYERS` and `DSV4_CKPT`
 are read from the environment only. Arguments are checked before torch is imported (an argument error comes
 back at once), and the runtime checks that need no weights (`--device cuda` without a GPU, `--backend triton`
@@ -293,8 +294,36 @@ def build_parser() -> argparse.ArgumentParser:
         for action in parser._actions:
             if action.help is None:
                 action.help = _OPTION_HELP.get((name, action.dest))
+            _once(action)
     p.dsv4_subparsers = dict(sub.choices)
     return p
+
+
+_SEEN = "_dsv4_options_given"  # namespace attribute: {dest: the option string that set it}, removed by parse_args
+_REPEATABLE = (argparse._AppendAction, argparse._AppendConstAction, argparse._CountAction, argparse._HelpAction,
+               argparse._VersionAction)
+
+
+def _once(action: argparse.Action) -> None:
+    """Make the option `action` an error when given twice (argparse keeps the last value silently: `--prompt a
+    --prompt b` ran on b). Options sharing a destination (`--thinking` / `--no-thinking`) count as one option.
+    Options meant to repeat (append / count actions) and positionals are left as they are."""
+    if not action.option_strings or isinstance(action, _REPEATABLE):
+        return
+    base = type(action)
+
+    class _Once(base):
+        def __call__(self, parser, namespace, values, option_string=None):
+            seen = namespace.__dict__.setdefault(_SEEN, {})
+            if self.dest in seen:
+                first = seen[self.dest]
+                again = "given twice" if first == option_string else f"given after {first} (the same setting)"
+                parser.error(f"argument {option_string}: {again}; give it once (the last value would win silently)")
+            seen[self.dest] = option_string
+            super().__call__(parser, namespace, values, option_string)
+
+    _Once.__name__ = f"Once{base.__name__}"
+    action.__class__ = _Once
 
 
 def _env_hint(arg: str, command: str | None) -> str:
@@ -311,6 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         command = next((a for a in argv if a in parser.dsv4_subparsers), None)
         (parser.dsv4_subparsers[command] if command else parser).error(_env_hint(argv[0], command))
     args, extra = parser.parse_known_args(argv)
+    vars(args).pop(_SEEN, None)  # the repeated-option bookkeeping of `_once`
     if extra:
         sub = parser.dsv4_subparsers[args.command]
         env = [a for a in extra if _ENV_ARG.match(a)]

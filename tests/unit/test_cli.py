@@ -42,6 +42,50 @@ def test_other_unknown_arguments_stay_unrecognized(capsys):
     assert code == 2 and "dsv4 diagnose: error: unrecognized arguments: extra --decode-step 2" in cap.err
 
 
+_SAMPLE = {"ckpt": "ckpt", "prompt": "Hi", "json": "d.json", "decode_steps": "1", "continue_tokens": "1",
+           "expect": "Paris", "device": "cpu", "max_tokens": "1", "temperature": "0.5", "seed": "7",
+           "speculative": "1", "layers": "1", "shard_gb": "1.5", "base": "main", "report": "r.json"}
+_REQUIRED = {"generate": ["--prompt", "Hi"], "make-tiny": ["out"], "make-checkpoint": ["out"], "gate": ["--base", "m"]}
+
+
+def _single_valued_options():
+    for name, sub in build_parser().dsv4_subparsers.items():
+        for a in sub._actions:
+            if a.option_strings and a.dest != "help":
+                for opt in a.option_strings:
+                    val = [] if a.nargs == 0 else [a.choices[-1] if a.choices else _SAMPLE[a.dest]]
+                    yield pytest.param(name, opt, a.dest, val, id=f"{name} {opt}")
+
+
+@pytest.mark.parametrize("command,opt,dest,val", list(_single_valued_options()))
+def test_an_option_given_twice_is_refused(command, opt, dest, val, capsys, tmp_path, monkeypatch):
+    """Every single-valued option of every command, given twice, is exit status 2 naming the option (argparse
+    keeps the last value silently: `--prompt first --prompt second` ran on "second"); given once it parses."""
+    from dsv4.cli import parse_args
+    monkeypatch.chdir(tmp_path)
+    base = [] if opt in _REQUIRED.get(command, []) else _REQUIRED.get(command, [])
+    with pytest.raises(SystemExit) as e:
+        parse_args([command, *base, opt, *val, opt, *val])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err == (f"dsv4 {command}: error: argument {opt}: given twice; give it once (the last "
+                                         "value would win silently)")
+    args = parse_args([command, *base, opt, *val])  # positive control: once is fine, and no bookkeeping is left
+    assert "_dsv4_options_given" not in vars(args)
+    if val and dest not in ("json", "ckpt", "report"):
+        assert str(getattr(args, dest)) == val[0]
+
+
+def test_repeated_option_examples_of_the_review(capsys, tmp_path):
+    for argv, opt in ((["generate", "--prompt", "first", "--prompt", "second"], "--prompt"),
+                      (["generate", "--prompt", "x", "--ckpt", "A", "--ckpt", "B"], "--ckpt"),
+                      (["diagnose", "--json", str(tmp_path / "d.json"), "--json", str(tmp_path / "e.json")], "--json"),
+                      (["generate", "--prompt", "x", "--no-thinking", "--no-thinking"], "--no-thinking")):
+        code, cap = _exit(argv, capsys)
+        assert code == 2 and f"dsv4 {argv[0]}: error: argument {opt}: given twice" in cap.err, argv
+    code, cap = _exit(["generate", "--prompt", "x", "--thinking", "--no-thinking"], capsys)  # one setting, twice
+    assert code == 2 and "--no-thinking" in cap.err and "--thinking" in cap.err
+
+
 _PROBE = """
 import sys
 from dsv4.cli import main
