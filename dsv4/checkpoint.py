@@ -122,6 +122,9 @@ def _shard_name_ok(shard: object) -> bool:
             and "\0" not in shard and Path(shard).name == shard and not Path(shard).is_absolute())
 
 
+INDEX_KEYS = ("metadata", "weight_map")  # the top-level keys of model.safetensors.index.json
+
+
 def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     """Parse and check `model.safetensors.index.json`: (weight_map {tensor name: shard file name}, total_size).
 
@@ -130,8 +133,8 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
 
     Raises:
         CheckpointError (naming the index file): not UTF-8 JSON; a key twice in one object (a tensor mapped
-            twice: JSON would keep the last shard silently); the top level is not an object; no
-            `weight_map` object; a tensor name or shard that is not a string; a shard that is not a plain file
+            twice: JSON would keep the last shard silently); the top level is not an object, or has a key other
+            than `metadata` / `weight_map` (a misspelled `weight_mapp` would be ignored); no `weight_map` object; a tensor name or shard that is not a string; a shard that is not a plain file
             name inside the checkpoint directory (`../x.safetensors`, `/abs/x.safetensors`, `sub/x`: the path
             escape is refused, naming the tensor); `metadata` not an object; `total_size` not a
             non-negative integer.
@@ -145,6 +148,10 @@ def read_index(index: str | Path) -> tuple[dict[str, str], int | None]:
     if not isinstance(doc, dict):
         raise CheckpointError(f"{index}: top level is a JSON {type(doc).__name__}, expected an object with a "
                               "'weight_map' object")
+    unknown = [k for k in doc if k not in INDEX_KEYS]
+    if unknown:  # a misspelled `weight_mapp` / `metdata` would be ignored silently
+        raise CheckpointError(f"{index}: unknown top-level key(s) {', '.join(map(repr, unknown))}; expected only "
+                              f"{' and '.join(map(repr, INDEX_KEYS))}")
     weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict):
         got = "no 'weight_map' key" if weight_map is None else f"'weight_map' is a {type(weight_map).__name__}"
@@ -438,11 +445,15 @@ class Checkpoint(Source):
             FileNotFoundError) naming a symbolic link loop (the directory, config.json, the index or a shard).
         CheckpointError: a malformed index (see `read_index`; a shard name that is not a plain file name in
             the directory is refused, never read); the index names a shard that does not exist (checked for
-            every shard before any header is read); the index and a shard disagree about a tensor (missing
+            every shard before any header is read); both the index and `model.safetensors` are present (which
+            one is the checkpoint is ambiguous); a `*.safetensors` file the index does not name (or, without an
+            index, besides `model.safetensors`): only `*.safetensors` files count, config.json / tokenizer files /
+            README and the like are not looked at; the index and a shard disagree about a tensor (missing
             from its shard, or a shard holding a tensor the index does not list); a truncated or malformed
             shard, or one whose tensors' byte ranges overlap or leave gaps; `total_size` different from the
-            sum of the tensors' bytes (when a tensor has the wrong shape or dtype, or is not in the official
-            inventory, the error names that tensor instead, as `validate` does).
+            sum of the tensors' bytes (when a tensor has the wrong shape or dtype, is not in the official
+            inventory, or a tensor of the main inventory - or of an MTP block partly present - is missing from
+            both the index and the shards, the error names that tensor instead, as `validate` does).
         PlaceholderCheckpointError (a CheckpointError): placeholder data, not weights (`dsv4 make-checkpoint
             --dry-run` output: `placeholder_evidence`), unless `allow_placeholder=True`.
     """
@@ -465,9 +476,24 @@ class Checkpoint(Source):
         index = self.path / INDEX_FILE
         check_not_loop(index, INDEX_FILE)
         check_not_loop(self.path / SINGLE_FILE, SINGLE_FILE)
+        if index.is_file() and (self.path / SINGLE_FILE).exists():  # which one holds the weights? never guess
+            raise CheckpointError(f"{self.path}: holds both {INDEX_FILE} and {SINGLE_FILE}; expected one layout "
+                                  f"(an index + its shards, or the single file): remove the one that is not the "
+                                  "checkpoint (the other would be ignored silently)")
+        others = sorted(f.name for f in self.path.glob("*.safetensors") if f.name != SINGLE_FILE)
         if index.is_file():
             self._open_index(index)
+            stray = sorted(set(others) - {f.name for f in self.shards})
+            if stray:
+                raise CheckpointError(f"{self.path}: {len(stray)} .safetensors file(s) not named in {INDEX_FILE}: "
+                                      f"{', '.join(stray)}; expected every shard in the directory to be in the "
+                                      "index's weight_map (a stray shard would be ignored silently: remove it or "
+                                      "fix the index)")
         elif (self.path / SINGLE_FILE).is_file():
+            if others:
+                raise CheckpointError(f"{self.path}: holds {SINGLE_FILE} and other .safetensors file(s) "
+                                      f"({', '.join(others)}) without {INDEX_FILE}; expected the single file alone, "
+                                      "or an index naming the shards (they would be ignored silently)")
             f = self.path / SINGLE_FILE
             self.shards = [f]
             for name, (dt, shape) in _read_header(f).items():
@@ -513,12 +539,17 @@ class Checkpoint(Source):
 
     def _name_wrong_tensor(self) -> None:
         """Raise `validate`'s CheckpointError (naming the tensor, its file, the expected shape / dtype) if a present
-        tensor is not in the official inventory or has the wrong shape or dtype; return otherwise."""
+        tensor is not in the official inventory or has the wrong shape or dtype, or a tensor is missing: one of the
+        main inventory (globals and main layers), or of an MTP block of which some tensor is present (a checkpoint
+        may leave a whole MTP block out, `open_for_load` names that when the block is needed); return otherwise."""
         try:
             full = expected_tensors(self.args, include_mtp=True)
+            required = set(expected_tensors(self.args))
         except ValueError:  # no inventory for this config: the caller's own message stands
             return
-        self.validate(full, required=set())
+        blocks = {n.split(".")[1] for n in self._meta if n.startswith("mtp.")}
+        required |= {n for n in full if n.startswith("mtp.") and n.split(".")[1] in blocks}
+        self.validate(full, required=required)
 
     # ------------------------------------------------------------------ data
     def _handle(self, f: Path):

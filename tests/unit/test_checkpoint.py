@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 from collections import Counter
 from pathlib import Path
@@ -256,6 +257,54 @@ def test_total_size_and_missing_files(tiny_ckpt, copy_ckpt):
         Checkpoint(d)
 
 
+def test_missing_tensor_named_before_a_stale_total_size(tiny_ckpt, copy_ckpt):
+    """A tensor deleted from its shard and the weight_map, metadata.total_size left as it was: the error names
+    the missing tensor (not only the byte count); a deleted whole MTP block is not required there, and a stale
+    total_size with every tensor present is still the byte-count error."""
+    d = copy_ckpt(tiny_ckpt)
+    stale = json.loads((d / INDEX_FILE).read_text())["metadata"]["total_size"]
+    _edit(d, "layers.1.attn.wq_a.scale", None)
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["metadata"]["total_size"] = stale
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d))}: missing tensor layers\.1\.attn\.wq_a\.scale "
+                                              r"\(expected shape \[1, 1\] F8_E8M0; 1 missing in all\)$"):
+        Checkpoint(d)
+    _edit(d, "layers.1.attn.wq_a.scale", torch.ones(1, 1).to(torch.float8_e8m0fnu),
+          shard=index["weight_map"]["layers.1.attn.wq_a.weight"])
+    index = json.loads((d / INDEX_FILE).read_text())
+    assert Checkpoint(d).info("layers.1.attn.wq_a.scale")[0] == (1, 1)  # positive control: restored, it opens
+    index["metadata"]["total_size"] += 2  # every tensor present: the byte count is the error
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"metadata.total_size=\d+, but the shards' tensors hold \d+ bytes"):
+        Checkpoint(d)
+
+
+def test_ambiguous_layout_is_refused(tiny_ckpt, copy_ckpt):
+    """An index beside model.safetensors, a .safetensors file the index does not name, and (without an index)
+    shards beside model.safetensors: each an error naming the file(s), where one of them was ignored silently.
+    Files that are not .safetensors (README, *.py, tokenizer files) do not matter."""
+    d = copy_ckpt(tiny_ckpt)
+    (d / "README.md").write_text("hi")
+    (d / "modeling_deepseek.py").write_text("")
+    (d / "model-00005-of-00005.safetensors.tmp").write_text("")
+    assert len(Checkpoint(d).shards) == 4  # positive control: other files are not looked at
+    stray = d / "model-00005-of-00005.safetensors"
+    shutil.copy(d / "model-00001-of-00004.safetensors", stray)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d))}: 1 \.safetensors file\(s\) not named in "
+                                              r"model\.safetensors\.index\.json: model-00005-of-00005\.safetensors; "):
+        Checkpoint(d)
+    stray.rename(d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(d))}: holds both model\.safetensors\.index\.json "
+                                              r"and model\.safetensors; expected one layout"):
+        Checkpoint(d)
+    (d / INDEX_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"holds model\.safetensors and other \.safetensors file\(s\) "
+                                              r"\(model-00001-of-00004\.safetensors, .*model-00004-of-00004"
+                                              r"\.safetensors\) without model\.safetensors\.index\.json"):
+        Checkpoint(d)
+
+
 # ------------------------------------------------------------------------------------------- hostile input
 def _write_index(d: Path, doc) -> Path:
     (d / INDEX_FILE).write_text(doc if isinstance(doc, str) else json.dumps(doc))
@@ -269,7 +318,9 @@ def _write_index(d: Path, doc) -> Path:
     ({"metadata": {}}, r"no 'weight_map' key"),
     ({"weight_map": {"embed.weight": 3}}, r"weight_map\['embed.weight'\]=3, expected a shard file name"),
     ({"weight_map": {}, "metadata": {"total_size": "12"}}, r"metadata.total_size='12', expected a non-negative"),
-], ids=["list", "broken_json", "map_list", "no_map", "shard_int", "total_str"])
+    ({"weight_map": {}, "weight_mapp": {"embed.weight": "x.safetensors"}},
+     r"unknown top-level key\(s\) 'weight_mapp'; expected only 'metadata' and 'weight_map'$"),
+], ids=["list", "broken_json", "map_list", "no_map", "shard_int", "total_str", "unknown_key"])
 def test_malformed_index_names_the_file(tiny_ckpt, copy_ckpt, doc, message):
     d = copy_ckpt(tiny_ckpt)
     index = _write_index(d, doc)
