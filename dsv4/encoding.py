@@ -179,9 +179,17 @@ MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call
 """The keys a message may carry: those the official encoder reads (`name`, OpenAI's optional participant / tool
 name, is accepted and, as officially, not rendered). Any other key is an error (`_check_text`): a misspelling
 (`contents`, `reasoning_contnet`) would otherwise be dropped silently. transformers' aliases `thinking` /
-`reasoning` for `reasoning_content` are refused too (encode_messages never read them): use `reasoning_content`."""
+`reasoning` for `reasoning_content` are refused too (encode_messages never read them): use `reasoning_content`.
+An unknown key whose value is None or empty ("", [], {}) carries nothing and is accepted (`_empty_value`)."""
 
 _REASONING_ALIASES = ("thinking", "reasoning")
+
+
+def _empty_value(v: Any) -> bool:
+    """An unknown message key whose value carries nothing (None, "", [], {}) is not refused: messages copied back
+    from an OpenAI-style response hold such keys (`refusal: None`, `annotations: []`, `function_call: None`), and
+    dropping them loses nothing. Any other value under an unknown key is an error (`_check_text`)."""
+    return v is None or (isinstance(v, (str, list, tuple, dict)) and len(v) == 0)
 
 
 def _content_optional(m: dict) -> bool:
@@ -205,7 +213,7 @@ def _check_text(messages: list, name: str, dicts_only: bool = False) -> None:
             if dicts_only:
                 continue
             raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
-        unknown = [k for k in m if k not in MESSAGE_KEYS]
+        unknown = [k for k in m if k not in MESSAGE_KEYS and not _empty_value(m[k])]
         if unknown:
             k = unknown[0]
             close = (["reasoning_content"] if k in _REASONING_ALIASES else

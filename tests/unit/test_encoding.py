@@ -180,7 +180,8 @@ def test_invalid_input_raises_value_error(msgs, kw, match):
 def test_message_keys_and_content(msg, match):
     """A misspelled key (the official encoder drops it: `contents` gave an empty user turn) and a missing content
     are errors naming messages[i]; every key of MESSAGE_KEYS, "" content and an assistant message with tool calls
-    and no content still render."""
+    and no content still render, as does an unknown key whose value is None or empty (an OpenAI response's
+    `refusal: None`, `annotations: []` copied back into the conversation: nothing is lost)."""
     with pytest.raises(ValueError, match=match):
         encode_messages([U, msg], "chat")
     with pytest.raises(ValueError, match=match.replace("messages", "context")):
@@ -189,7 +190,7 @@ def test_message_keys_and_content(msg, match):
             {"role": "user", "content": "", "name": "ann", "mask": 0},
             {"role": "assistant", "tool_calls": [_call("a", '{"x": 1}')], "reasoning_content": "r"},
             {"role": "tool", "tool_call_id": "a", "name": "f", "content": "ok"},
-            {"role": "assistant", "content": "done", "wo_eos": False},
+            {"role": "assistant", "content": "done", "wo_eos": False, "refusal": None, "annotations": []},
             {"role": "user", "content": "q", "task": "query"}]
     text = encode_messages(full, "thinking")
     assert text.startswith(f"{BOS}s") and "<tool_result>ok</tool_result>" in text and text.endswith("q<｜query｜>")
