@@ -53,7 +53,8 @@ def _check_inputs(q, kv, attn_sink, idx, softmax_scale, where: str) -> None:
         raise ValueError(f"{where}: attn_sink must be float32 [h={h}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
     if idx.dim() != 3 or idx.shape[:2] != (b, s) or idx.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{where}: idx must be int32/int64 [b={b}, s={s}, k], got {idx.dtype} {tuple(idx.shape)}")
-    if not isinstance(softmax_scale, (int, float)) or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):  # True was read as 1.0
         raise ValueError(f"{where}: softmax_scale must be a finite positive float, got {softmax_scale!r}")
     devices = {t.device for t in (q, kv, attn_sink, idx)}
     if len(devices) != 1:
@@ -86,7 +87,8 @@ def sparse_attn_ref(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, 
     Returns:
         o: [b, s, h, hd] in q.dtype. All-empty rows give exactly 0; duplicated indices count twice.
     Raises:
-        ValueError: wrong rank/shape/dtype/device, a non-positive scale, or an index outside {-1} ∪ [0, n).
+        ValueError: wrong rank/shape/dtype/device, a scale that is not a finite float > 0 (a bool included),
+            or an index outside {-1} ∪ [0, n).
     """
     _check_inputs(q, kv, attn_sink, idx, softmax_scale, "sparse_attn_ref")
     _check_index_range(idx, kv.shape[1], "sparse_attn_ref")
@@ -527,10 +529,19 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, attn_sink: torch.Tensor, idx:
             (`sparse_attn_rope`; pos int64 [s] or [b, s] contiguous, inv_freq [rd/2] fp64, rd even <= dv; the
             default dv never splits the columns below rd).
     Returns: o [b, s, h, hd] in q.dtype (fp32 accumulation; bf16 inputs multiply P in bf16, as official).
-    Raises: ValueError on any bad argument (named, with its value); RuntimeError without triton.
+    Raises: ValueError on any bad argument (named, with its value: softmax_scale not a finite float > 0 - a bool
+    included -, check_idx / prefetch not a bool, a tuning value not None or an int - a bool included -, shapes,
+    dtypes, devices, path, dv, block sizes, split, rope, out); RuntimeError without triton.
     """
     where = "kernels.attention.sparse_attn"
     _check_inputs(q, kv, attn_sink, idx, softmax_scale, where)
+    for name, v in (("check_idx", check_idx), ("prefetch", prefetch)):
+        if not isinstance(v, bool):
+            raise ValueError(f"{where}: {name} must be a bool, got {v!r}")
+    for name, v in (("num_splits", num_splits), ("split_size", split_size), ("block_h", block_h),
+                    ("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages), ("dv", dv)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"{where}: {name} must be None or an int, got {v!r}")
     _check_launch_device({"q": q, "kv": kv, "attn_sink": attn_sink, "idx": idx}, where)
     b, s, h, hd = q.shape
     n, k = kv.shape[1], idx.shape[2]

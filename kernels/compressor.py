@@ -41,7 +41,15 @@ from kernels.launch import fail as _fail
 
 
 def softmax_pool_ref(Z: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """The model's pooling: Z, A fp32 [b, n, d] -> [b, 1, d] fp32 = (Z.softmax(1) * A).sum(1, keepdim=True)."""
+    """The model's pooling: Z, A fp32 [b, n, d] -> [b, 1, d] fp32 = (Z.softmax(1) * A).sum(1, keepdim=True).
+    Raises ValueError (`kernels.launch.fail`) naming Z or A when either is not a 3-D float32 tensor or their
+    shapes differ (torch would broadcast a [b, n, 1] A over d, or pool in another dtype)."""
+    for name, t in (("Z", Z), ("A", A)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.dtype != torch.float32:
+            _fail("softmax_pool_ref", name, f"{getattr(t, 'dtype', type(t))} shape {tuple(getattr(t, 'shape', ()))}",
+                  "a float32 tensor [b, n, d]")
+    if A.shape != Z.shape:
+        _fail("softmax_pool_ref", "A", f"shape {tuple(A.shape)}", f"Z's shape {tuple(Z.shape)} (no broadcasting)")
     return (Z.softmax(1) * A).sum(1, keepdim=True)
 
 
@@ -103,15 +111,31 @@ def compress_pool_ref(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: 
 def compress_commit_ref(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
                         out: torch.Tensor, ratio: int, overlap: bool) -> None:
     """Step 3, per row (pos [1]: every row at that position; pos [b]: each row's own): where (pos + 1) % r == 0,
-    out[row, pos // r] = new[row] (new [b, 1, d], out's dtype; the index clamped to out's last entry), the row's
-    CSA window shifts and its current scores reset to -inf; elsewhere nothing changes. out [b, n_out, d] (may be
-    a strided view). Raises ValueError naming a wrong argument."""
-    b, d, _ = _check("compress_commit_ref", None, None, None, pos, kv, score, ratio, overlap)
+    out[row, pos // r] = new[row] (new [b, 1, d], out's dtype), the row's CSA window shifts and its current scores
+    reset to -inf; elsewhere nothing changes. out [b, n_out >= 1, d] float (may be a strided view); every position
+    must lie in 0 <= pos and pos // r < n_out (checked on the host: one read back of pos, a device sync on CUDA;
+    the launcher `compress_commit` reads no device value and so checks neither bound).
+    Raises: ValueError naming the wrong argument: `_check`'s (ratio, overlap, kv / score, pos dtype and shape),
+    out not a float [b, n_out >= 1, d] tensor, new not [b, 1, d] in out's dtype, a negative position (negative
+    indexing would overwrite the last entry) or one past out's last entry (it used to be clamped into it)."""
+    op = "compress_commit_ref"
+    b, d, _ = _check(op, None, None, None, pos, kv, score, ratio, overlap)
+    if not isinstance(out, torch.Tensor) or out.dim() != 3 or not out.dtype.is_floating_point \
+            or out.shape[0] != b or out.shape[2] != d or out.shape[1] < 1:
+        _fail(op, "out", f"{getattr(out, 'dtype', type(out))} shape {tuple(getattr(out, 'shape', ()))}",
+              f"a float tensor [{b}, n_out >= 1, {d}]")
+    if not isinstance(new, torch.Tensor) or tuple(new.shape) != (b, 1, d) or new.dtype != out.dtype:
+        _fail(op, "new", f"{getattr(new, 'dtype', type(new))} shape {tuple(getattr(new, 'shape', ()))}",
+              f"{out.dtype} [{b}, 1, {d}] (out's dtype)")
     r = ratio
+    lo, hi = (int(v) for v in torch.aminmax(pos))  # the reference's host check (one read back)
+    if lo < 0 or hi // r >= out.shape[1]:
+        _fail(op, "pos", f"min {lo} max {hi} (shape {tuple(pos.shape)})",
+              f"positions in 0..{out.shape[1] * r - 1} (entry pos // {r} < n_out = {out.shape[1]})")
     p = pos.expand(b)
     done = ((p + 1) % r == 0).view(b, 1, 1)
     rows = torch.arange(b, device=kv.device)
-    w = (p // r).clamp(max=out.shape[1] - 1)
+    w = p // r
     out[rows, w] = torch.where(done[:, 0], new[:, 0], out[rows, w])
     if overlap:
         kv[:, :r] = torch.where(done, kv[:, r:], kv[:, :r])
@@ -251,8 +275,16 @@ def compress_pool(a: torch.Tensor, z: torch.Tensor, ape: torch.Tensor, pos: torc
 def compress_commit(new: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, out: torch.Tensor,
                     ratio: int, overlap: bool) -> None:
     """`compress_commit_ref` in one launch: new [b, 1, d] contiguous in out's dtype; pos int64 [1] or [b] (per
-    row; a negative value commits nothing); kv, score as `compress_pool`; out [b, n_out >= 1, d] with a contiguous last dim (a
-    view into the static key buffer). Returns None (writes in place). Raises ValueError naming the wrong argument."""
+    row); kv, score as `compress_pool`; out [b, n_out >= 1, d] with a contiguous last dim (a view into the static
+    key buffer). Returns None (writes in place).
+    Positions are device values and are NOT checked here: the decode step calls this launcher at every step,
+    eagerly and inside CUDA-graph capture, and a host check would read pos back (a device sync per compressor per
+    step; illegal while capturing). `compress_commit_ref` refuses both cases below; here (the kernel, unchanged):
+    a negative position commits nothing (the state is left as it is); a position with pos // r >= n_out is
+    clamped into out's last entry (it overwrites that entry). The model never makes either (positions are
+    < max_len, out holds max_len // r entries).
+    Raises: ValueError naming the wrong argument (ratio, overlap, kv / score, pos dtype / shape, out, new, layout,
+    device)."""
     op = "compress_commit"
     b, d, W = _check(op, None, None, None, pos, kv, score, ratio, overlap)
     if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != b or out.shape[2] != d \

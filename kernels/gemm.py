@@ -82,7 +82,11 @@ MMA_DEFAULT = "fp8"    # dot flavour of the Triton kernels on the GPU (`mma_mode
 
 def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
     """Shapes/dtypes of (x [M, K] bf16, weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu).
-    Returns (M, N, K). Raises ValueError naming the argument, its value and what was expected."""
+    Returns (M, N, K). Raises ValueError naming the argument, its value and what was expected (scale None: the
+    FP8 codes' missing scales)."""
+    if scale is None:
+        _fail(op, "scale", "None", "the float8_e8m0fnu block scales of the float8_e4m3fn weight (FP8 codes need "
+              "their scales)")
     for name, t in (("x", x), ("weight", weight), ("scale", scale)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             _fail(op, name, f"shape {tuple(getattr(t, 'shape', ()))}", "a 2-D torch.Tensor")
@@ -102,6 +106,30 @@ def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
     if tuple(scale.shape) != want:
         _fail(op, "scale", f"shape {tuple(scale.shape)}", f"{want} (one per 128x128 block of weight {(N, K)})")
     return M, N, K
+
+
+def check_grouped_linear_args(op: str, o, weight) -> tuple[int, int, int, int, int]:
+    """The grouped wo_a's shapes (`grouped_linear_ref`, `grouped_linear`): o a float tensor [b, s, G, i] (G >= 1,
+    i >= 1) and the weight as held, whose dequantized shape (FP8 codes / a float weight: its own; packed FP4 int8
+    [rows, i/2]: [rows, i]) is [G*o_rank, i] with o_rank >= 1 - G groups of o_rank rows, each row i wide. Returns
+    (b, s, G, i, o_rank). Raises ValueError (`kernels.launch.fail`) naming o or the weight. The weight's dtype
+    and scale are `dequantize_ref`'s checks; the model's o_rank (o_lora_rank) is not known here, only that the
+    rows split into G equal groups."""
+    if not isinstance(o, torch.Tensor) or not o.dtype.is_floating_point or o.dim() != 4:
+        _fail(op, "o", f"{getattr(o, 'dtype', type(o))} shape {tuple(getattr(o, 'shape', ()))}",
+              "a float tensor [b, s, G, i] (the attention output in G groups)")
+    b, s, G, i = o.shape
+    if G < 1 or i < 1:
+        _fail(op, "o", f"shape {tuple(o.shape)}", "[b, s, G, i] with G >= 1 and i >= 1")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} shape "
+              f"{tuple(getattr(weight, 'shape', ()))}", f"a 2-D tensor [G*o_rank, i] = [{G}*o_rank, {i}]")
+    rows, width = weight.shape[0], weight.shape[1] * (2 if weight.dtype == torch.int8 else 1)
+    if width != i or rows == 0 or rows % G:
+        _fail(op, "weight", f"{weight.dtype} shape {tuple(weight.shape)} ({rows} rows of {width} inputs)",
+              f"[G*o_rank, i] = [{G}*o_rank, {i}] with o_rank >= 1 (G = {G} equal groups of rows as wide as o's "
+              f"last dim; o {tuple(o.shape)})")
+    return b, s, G, i, rows // G
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,12 +218,16 @@ def grouped_linear_ref(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     """The grouped `wo_a` (spec §5; the `grouped_linear` entry of the reference backend): group g of o times rows
     g*o..(g+1)*o-1 of the weight.
 
-    Args: o [b, s, G, i] in the activation dtype; weight, scale: wo_a as held (`dequantize_ref`), [G*o, i].
+    Args: o [b, s, G, i] float in the activation dtype; weight, scale: wo_a as held (`dequantize_ref`), [G*o, i]
+        once dequantized (o >= 1 rows per group).
     Returns: [b, s, G, o] in o.dtype; fp32 products and sum, no activation quantization (wo_a's input is used
         unquantized in bf16, as officially: pitfall 17).
-    Raises: RuntimeError (torch) when the weight's rows are not G groups of i-wide rows.
+    Raises: ValueError naming the argument (`check_grouped_linear_args`): o not a float 4-D tensor, a weight
+        whose dequantized shape is not [G*o, i] (its width not o's last dim, its rows not G equal groups), and
+        (`dequantize_ref`) a weight dtype or scale that is wrong.
     """
-    wa = dequantize_ref(weight, scale, o.dtype).view(o.shape[2], -1, o.shape[-1])
+    _, _, G, i, n = check_grouped_linear_args("grouped_linear_ref", o, weight)
+    wa = dequantize_ref(weight, scale, o.dtype).view(G, n, i)
     return torch.einsum("bsgi,goi->bsgo", o.float(), wa.float()).to(o.dtype)
 
 
@@ -902,25 +934,47 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     otherwise act quantization (the `act_quant` kernel at in % 128 == 0, `numerics.act_quant_sim` below) and a
     bf16 GEMM with fp32 accumulation on the exact bf16 weight (`_bf16_weight`). Above 64 rows both run at the
     bucketed row count of `kernels.launch.bucketed_gemm` (issue 29: a bounded set of cuBLAS shapes, all met by
-    `dsv4.warmup`). Raises ValueError from the kernels' argument checks."""
+    `dsv4.warmup`).
+    act_block: as `linear_ref` (an int >= 0; the model passes 128, the row width below 128, or 0). Every value is
+    honoured: 128 on a width that is a multiple of 128 runs the FP8 kernels above; any other block (the row
+    width below 128, or a block the model does not pass such as 64) runs `numerics.act_quant_sim(x, act_block)`
+    (the reference's quantizer) before the bf16 GEMM, so the result is `linear_ref`'s for every act_block.
+    Raises: ValueError naming the argument: fp32 not a bool, act_block not an int >= 0 (a bool included), x not
+    a float tensor or not as wide as the weight's in-features, scale None beside FP8 / FP4 codes, and the
+    kernels' / `linear_ref`'s / `numerics`' argument checks (a width that is no multiple of act_block)."""
+    op = "linear"
+    if not isinstance(fp32, bool):
+        _fail(op, "fp32", repr(fp32), "a bool (True: an official fp32-compute linear)")
+    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
+        _fail(op, "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
     if fp32:
         return fp32_linear_op(x, weight)
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))} shape {tuple(getattr(x, 'shape', ()))}",
+              "a float tensor [..., in]")
     if x.dtype != torch.bfloat16:
         return linear_ref(x, weight, scale, act_block)
+    if isinstance(weight, torch.Tensor) and weight.dtype in (torch.float8_e4m3fn, torch.int8) and scale is None:
+        _fail(op, "scale", "None", f"the float8_e8m0fnu scales of the {weight.dtype} weight "
+              f"{tuple(weight.shape)} (FP8 / FP4 codes need their scales)")
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        width = weight.shape[1] * (2 if weight.dtype == torch.int8 else 1)
+        if x.shape[-1] != width:
+            _fail(op, "x", f"width {x.shape[-1]} (shape {tuple(x.shape)})",
+                  f"the weight's in-features {width} (weight {tuple(weight.shape)} {weight.dtype})")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
-    if weight.dtype == torch.float8_e4m3fn and act_block and k % BLOCK == 0:
+    if weight.dtype == torch.float8_e4m3fn and act_block == BLOCK and k % BLOCK == 0:
         if x2.shape[0] < GEMM_MIN_ROWS:  # the decode GEMV (no cuBLAS, nothing to bucket)
             y = fp8_linear(x2, weight, scale)
         else:
             y = bucketed_gemm(lambda xp: fp8_linear(xp, weight, scale), x2, ("fp8_linear", tuple(weight.shape)))
     else:
-        if act_block:
-            if k % BLOCK == 0:
-                x2 = act_quant(x2, sim=True)[0]
-            else:
-                x2 = numerics.act_quant_sim(x2, act_block)
+        if act_block == BLOCK and k % BLOCK == 0:
+            x2 = act_quant(x2, sim=True)[0]
+        elif act_block:  # the row width below 128 (or any other block): the reference's quantizer
+            x2 = numerics.act_quant_sim(x2, act_block)
         w = _bf16_weight(weight, scale)
         y = bucketed_gemm(lambda xp: xp @ w.T, x2, ("bf16_mm", tuple(w.shape)))
     return y.view(*shape[:-1], y.shape[-1])
@@ -969,15 +1023,16 @@ def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     b*s <= GEMV_MAX_M and i, o multiples of 128 -> `fp8_grouped_gemv` (one launch, no act quant); other bf16 ->
     the exact bf16 weight (`_bf16_weight`) and a bf16 bmm with fp32 accumulation (at the bucketed row count of
     `kernels.launch.bucketed_gemm`); fp32 (the exact mode) ->
-    `grouped_linear_ref`. Raises ValueError from the kernels' argument checks."""
+    `grouped_linear_ref`.
+    Raises: ValueError naming the argument: o not a float [b, s, G, i] tensor, a weight whose dequantized shape is
+    not [G*o, i] (`check_grouped_linear_args`), and the kernels' / `dequantize_ref`'s argument checks."""
+    b, s, G, i, n = check_grouped_linear_args("grouped_linear", o, weight)
     if o.dtype != torch.bfloat16:
         return grouped_linear_ref(o, weight, scale)
-    b, s, G, i = o.shape
-    n = weight.shape[0] // G
     if weight.dtype == torch.float8_e4m3fn and b * s <= GEMV_MAX_M and i % BLOCK == 0 and n % BLOCK == 0:
         y = fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G)
         return y.view(b, s, G, n)
-    w = _bf16_weight(weight, scale).view(G, -1, i)                       # [G, o, i]
+    w = _bf16_weight(weight, scale).view(G, n, i)                        # [G, o, i]
 
     def gemm(o2: torch.Tensor) -> torch.Tensor:                          # [M, G, i] -> [M, G, o]
         return torch.bmm(o2.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)

@@ -63,6 +63,7 @@ from kernels import moe as kmoe
 from kernels import norm as knorm
 from kernels import numerics
 from kernels.gemm import dequantize_ref
+from kernels.launch import fail as _fail
 
 __all__ = ["linear", "fp32_linear", "grouped_linear", "moe_routed", "head_rms", "hadamard", "pool_windows"]
 
@@ -94,7 +95,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     bf16, the weight as held -> [..., out] (fp32 when `fp32`, else bf16). FP8 weights with 128-multiple widths:
     `fp8_linear(invariant=True)`; other weights (bf16 weights_proj, narrow FP8): act quant (if act_block) and the
     exact dequantized weight through `fp32_linear(invariant=True)` (fp32 products and sum, as `linear_ref`),
-    rounded once to bf16. Raises ValueError for fp32 activations (the exact mode runs cuBLAS)."""
+    rounded once to bf16. act_block as `kernels.gemm.linear` (every int >= 0 honoured: 128 on a 128-multiple
+    width runs the FP8 kernels, any other block `numerics.act_quant_sim`). Raises ValueError for fp32
+    activations (the exact mode runs cuBLAS), fp32 not a bool, act_block not an int >= 0 (a bool included)."""
+    if not isinstance(fp32, bool):
+        _fail("invariant.linear", "fp32", repr(fp32), "a bool (True: an official fp32-compute linear)")
+    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
+        _fail("invariant.linear", "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
     if fp32:
         return fp32_linear(x, weight)
     if x.dtype != torch.bfloat16:
@@ -102,11 +109,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     k = shape[-1]
-    if weight.dtype == torch.float8_e4m3fn and act_block and k % _BLOCK == 0:
+    if weight.dtype == torch.float8_e4m3fn and act_block == _BLOCK and k % _BLOCK == 0:
         y = kgemm.fp8_linear(x2, weight, scale, invariant=True)
     else:
-        if act_block:
-            x2 = kgemm.act_quant(x2, sim=True)[0] if k % _BLOCK == 0 else numerics.act_quant_sim(x2, act_block)
+        if act_block == _BLOCK and k % _BLOCK == 0:
+            x2 = kgemm.act_quant(x2, sim=True)[0]
+        elif act_block:  # the row width below 128 (or any other block): the reference's quantizer
+            x2 = numerics.act_quant_sim(x2, act_block)
         w = dequantize_ref(weight, scale, torch.bfloat16).contiguous()  # exact
         y = kfp32.fp32_linear(x2, w, invariant=True).to(torch.bfloat16)
     return y.view(*shape[:-1], y.shape[-1])
@@ -116,11 +125,12 @@ def grouped_linear(o: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | 
     """The grouped wo_a, `kernels.gemm.grouped_linear_ref` signature: o [b, s, G, i] bf16, wo_a as held [G*n, i]
     -> [b, s, G, n] bf16. FP8 with i, n multiples of 128: `fp8_grouped_gemv(invariant=True)` (any b*s); else
     per group the exact bf16 weight through `fp32_linear(invariant=True)`, rounded once (fp32 products and sum,
-    no activation quantization: `grouped_linear_ref`). Raises ValueError for fp32 activations."""
+    no activation quantization: `grouped_linear_ref`). Raises ValueError for fp32 activations and, naming the
+    argument, o not a float [b, s, G, i] tensor or a weight whose dequantized shape is not [G*n, i]
+    (`kernels.gemm.check_grouped_linear_args`)."""
+    b, s, G, i, n = kgemm.check_grouped_linear_args("invariant.grouped_linear", o, weight)
     if o.dtype != torch.bfloat16:
         _refuse("activations not bf16", f"o dtype {o.dtype}")
-    b, s, G, i = o.shape
-    n = weight.shape[0] // G
     if weight.dtype == torch.float8_e4m3fn and i % _BLOCK == 0 and n % _BLOCK == 0:
         y = kgemm.fp8_grouped_gemv(o.reshape(b * s, G * i).contiguous(), weight, scale, G, invariant=True)
         return y.view(b, s, G, n)

@@ -66,7 +66,8 @@ def _check_stack(op: str, H) -> tuple[int, int, int]:
 
 
 def _check_mix_args(op, H, fn, base, scale, head, strict, **eps) -> tuple[int, int, int]:
-    """Checks for pre (`head=False`: fn [(2+hc)·hc, hc·D], scale [3]) or head (fn [hc, hc·D], scale [1])."""
+    """Checks for pre (`head=False`: fn [(2+hc)·hc, hc·D], scale [3]) or head (fn [hc, hc·D], scale [1]); the
+    keyword values: sinkhorn_iters an int >= 1, norm_eps a finite number > 0, hc_eps a number >= 0 (bools refused)."""
     T, hc, D = _check_stack(op, H)
     n_mix, n_scale = (hc, 1) if head else ((2 + hc) * hc, 3)
     _check(op, "fn", fn, (n_mix, hc * D), torch.float32)
@@ -76,8 +77,11 @@ def _check_mix_args(op, H, fn, base, scale, head, strict, **eps) -> tuple[int, i
         if name == "sinkhorn_iters":
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 _fail(op, name, repr(v), "an int >= 1")
+        elif name == "norm_eps":  # the RMS scale rsqrt(mean(X^2) + norm_eps): 0 makes an all-zero H NaN
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < float("inf"):
+                _fail(op, name, repr(v), "a finite float > 0 (rms_norm_eps)")
         elif not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-            _fail(op, name, repr(v), "a float >= 0")
+            _fail(op, name, repr(v), "a float >= 0")  # hc_eps: 0 is legitimate (sinkhorn_ref's eps >= 0)
     if strict:
         _check_layout(op, {"H": H, "fn": fn, "base": base, "scale": scale})
     return T, hc, D
@@ -130,7 +134,8 @@ def hc_pre_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: tor
     norm: the site's RMSNorm or None - any callable x -> normed x with `.weight` [D] fp32 and `.eps` (the block's
     attn_norm / ffn_norm module, `dsv4.model.RMSNorm`): x leaves as norm(x) (spec §4: mHC pre -> norm -> sub-block;
     the triton backend fuses it at decode sizes, its other paths and this reference call the module).
-    Raises ValueError naming a bad argument.
+    Raises ValueError naming a bad argument: a shape / dtype of H, fn, base, scale; sinkhorn_iters not an int
+    >= 1; norm_eps not a finite number > 0 (0 made an all-zero H NaN); hc_eps not a number >= 0; a bad norm.
     """
     T, hc, D = _check_mix_args("hc_pre_ref", H, fn, base, scale, False, False,
                                sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
@@ -181,7 +186,8 @@ def hc_head_ref(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: to
     """Final stream collapse (spec §9): `y = Σ_j pre_j·H_j`, pre = sigmoid(m·scale + base) + hc_eps (no 2, no Sinkhorn).
 
     H `[T, hc, D]` bf16|fp32; fn `[hc, hc·D]` fp32; base `[hc]` fp32; scale `[1]` fp32. Returns y `[T, D]` H.dtype
-    (fp32 sum, one rounding). Raises ValueError naming a bad argument.
+    (fp32 sum, one rounding). Raises ValueError naming a bad argument (norm_eps not a finite number > 0, hc_eps
+    not >= 0, shapes / dtypes).
     """
     T, hc, D = _check_mix_args("hc_head_ref", H, fn, base, scale, True, False, hc_eps=hc_eps, norm_eps=norm_eps)
     pre = torch.sigmoid(_mixes_ref(H, fn, norm_eps) * scale[0] + base) + hc_eps
@@ -599,6 +605,11 @@ def _mix_sites(H, fn, base, scale, x, post, comb, iters, hc_eps, norm_eps, is_he
         num_warps=4, **consts)
 
 
+def _check_invariant(op: str, invariant) -> None:
+    if not isinstance(invariant, bool):
+        _fail(op, "invariant", repr(invariant), "a bool (the batch-invariant mode's launch)")
+
+
 def _one_launch(op: str, one_launch, T: int) -> bool:
     if one_launch is None:
         return T <= ONE_LAUNCH_MAX_T
@@ -622,10 +633,13 @@ def hc_pre(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     site), else (the two-launch path, or invariant: the norm's sum order must not follow T) norm(x) after it (the
     module: the model's backend `rms_norm`).
     Returns `(x [T, D] H.dtype, post [T, hc] fp32, comb [T, hc, hc] fp32)`.
-    Raises ValueError naming the argument and the bad value; never falls back to the reference.
+    Raises ValueError naming the argument and the bad value (as `hc_pre_ref`: norm_eps must be > 0; also
+    one_launch not None / a bool, invariant not a bool, hc not a power of two, a wrong `out`); never falls back
+    to the reference.
     """
     T, hc, D = _check_mix_args("hc_pre", H, fn, base, scale, False, True,
                                sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_invariant("hc_pre", invariant)
     _check_hc("hc_pre", hc)
     if out is not None and (not isinstance(out, (tuple, list)) or len(out) != 3):
         _fail("hc_pre", "out", type(out).__name__, "a tuple (x, post, comb)")
@@ -677,9 +691,10 @@ def hc_head(H: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     H `[T, hc, D]` bf16|fp32 contiguous CUDA (CPU under TRITON_INTERPRET=1); fn `[hc, hc·D]`, base `[hc]`,
     scale `[1]` fp32. `out` optionally supplies y `[T, D]` H.dtype. `one_launch` as in `hc_pre` (default: two
     launches at every T), `invariant` as in `hc_pre`. Returns y. Raises ValueError naming the argument and the bad
-    value.
+    value (norm_eps not a finite number > 0, hc_eps not >= 0, one_launch / invariant not a bool, shapes, out).
     """
     T, hc, D = _check_mix_args("hc_head", H, fn, base, scale, True, True, hc_eps=hc_eps, norm_eps=norm_eps)
+    _check_invariant("hc_head", invariant)
     _check_hc("hc_head", hc)
     y = _out("hc_head", "out", out, (T, D), H.dtype, H)
     fused = _one_launch("hc_head", one_launch, T)

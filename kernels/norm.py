@@ -170,10 +170,28 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return rms_norm(x if row_view(x) is not None else x.contiguous(), weight, eps)
 
 
+def check_head_rms(op: str, x, eps, max_dim: int | None = MAX_DIM) -> None:
+    """The argument checks of `head_rms` and `head_rms_ref`: x a bf16 or float32 tensor [..., d] with d >= 1
+    (and d <= max_dim; the reference passes None: no register limit), eps a finite float > 0 (norm_eps; a bool or
+    an int, a tensor, 0, a negative, inf or NaN refused). Raises ValueError (`kernels.launch.fail`)."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() < 1:
+        _fail(op, "x", f"{getattr(x, 'dtype', type(x))}", "a bf16 or float32 tensor [..., d]")
+    d = x.shape[-1]
+    if d < 1 or (max_dim is not None and d > max_dim):
+        _fail(op, "x", f"width {d}", f"1..{max_dim}" if max_dim is not None else ">= 1")
+    if not isinstance(eps, float) or not 0 < eps < float("inf"):
+        _fail(op, "eps", repr(eps), "a finite float > 0")
+
+
 def head_rms_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
     """The attention's unweighted per-head RMS norm of q (spec §5.3; official `q *= torch.rsqrt(q.square().mean(-1,
     keepdim=True) + eps)`, in the activation dtype: bf16 roundings after each op in bf16 mode): x [..., d] ->
-    [..., d], x.dtype. The reference backend's `head_rms` entry (what `dsv4.model.Attention` computes)."""
+    [..., d], x.dtype. The reference backend's `head_rms` entry (what `dsv4.model.Attention` computes).
+    Args: x [..., d] bf16 or float32, any layout, d >= 1; eps a finite float > 0 (norm_eps).
+    Raises: ValueError naming x (not a bf16 / float32 tensor - fp16 or an integer x included -, width 0) or eps
+    (not a finite float > 0: 0 or a negative gave NaN, a tensor or an int was taken) - `check_head_rms`, what the
+    launcher `head_rms` refuses except its register limit on d."""
+    check_head_rms("head_rms_ref", x, eps, max_dim=None)
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
@@ -188,14 +206,8 @@ def head_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     Returns: [..., d] in x.dtype.
     Raises: ValueError naming x (dtype, width outside 1..MAX_DIM) or eps.
     """
-    op = "head_rms"
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.bfloat16, torch.float32) or x.dim() < 1:
-        _fail(op, "x", f"{getattr(x, 'dtype', type(x))}", "a bf16 or float32 tensor [..., d]")
+    check_head_rms("head_rms", x, eps)
     d = x.shape[-1]
-    if not 0 < d <= MAX_DIM:
-        _fail(op, "x", f"width {d}", f"1..{MAX_DIM}")
-    if not isinstance(eps, float) or not 0 < eps < float("inf"):
-        _fail(op, "eps", repr(eps), "a finite float > 0")
     x = x.contiguous()
     y = torch.empty_like(x)
     rows = x.numel() // d

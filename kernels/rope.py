@@ -225,7 +225,16 @@ def kv_finish_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, pos: torch.
     nope_block (`numerics.act_quant_sim`; the official KV QAT, 0 = none: fp32 mode, the indexer's keys).
     ring [b, W, D] in dtype (s = 1 only; the decode step's window ring, `dsv4.state.LayerState.ring`): the row is
     also written to ring slot pos % W of its batch row (the token's KV, `dsv4.model.Attention.step`).
-    Returns: [b, s, D] in dtype, a new tensor."""
+    Any layout and device kind (CPU included); the values are the launcher's (`check_kv_finish_values`): x bf16 /
+    float32 [b, s, D], dtype bf16 / float32 no wider than x, weight float32 [D], eps a finite float > 0, pos int64
+    [s] or [b, s], inv_freq float64 [rd/2], rd even in 2..D, nope_block 0 or an int <= 1024 dividing D - rd,
+    window an int >= 1, ring dtype [b, W >= 1, D] on x's device with s = 1.
+    Returns: [b, s, D] in dtype, a new tensor.
+    Raises: ValueError naming the first wrong argument (`check_kv_finish_values`: window 0 used to raise
+    ZeroDivisionError, window -4 and dtype float16 were taken, a ring of the wrong shape / dtype / batch or with
+    s > 1 failed inside torch's scatter)."""
+    dtype = check_kv_finish_values(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring,
+                                   "kv_finish_ref")
     y = rms_norm_ref(x.to(dtype or x.dtype), weight, eps)
     p = pos if window == 1 else (pos // window) * window
     y = rope_tail_ref(y, p, inv_freq, rd)
@@ -279,10 +288,11 @@ def kv_finish_args(x, x2, weight, eps, pos, inv_freq, rd: int, nope_block: int, 
     return args, consts
 
 
-def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str = "kv_finish",
-                    names: tuple[str, str] = ("x", "eps")):
-    """`kv_finish`'s argument checks (ValueError naming the bad one; `names`: the caller's names of x and eps);
-    returns (x's rows at one stride, dtype)."""
+def check_kv_finish_values(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str,
+                           names: tuple[str, str] = ("x", "eps")):
+    """The argument checks `kv_finish` and `kv_finish_ref` share (types, dtypes, shapes, values; no layout or
+    device-kind check: the reference takes CPU tensors of any layout). ValueError (`kernels.launch.fail`) naming
+    the bad one (`names`: the caller's names of x and eps); returns dtype (x.dtype when None)."""
     xname, ename = names
     dtype = dtype or (x.dtype if isinstance(x, torch.Tensor) else None)
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32):
@@ -291,7 +301,7 @@ def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype
     if dtype not in (torch.bfloat16, torch.float32) or (x.dtype == torch.bfloat16 and dtype == torch.float32):
         _fail(op, "dtype", str(dtype), "bf16 or float32, no wider than x")
     b, S, D = x.shape
-    if not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
+    if isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2 or rd > D:
         _fail(op, "rd", repr(rd), f"an even int in 2..{D}")
     if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float32 or tuple(weight.shape) != (D,):
         _fail(op, "weight", f"{getattr(weight, 'dtype', type(weight))} {tuple(getattr(weight, 'shape', ()))}",
@@ -310,11 +320,23 @@ def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         _fail(op, "window", repr(window), "an int >= 1")
     if ring is not None and (not isinstance(ring, torch.Tensor) or ring.dtype != dtype or ring.dim() != 3
-                             or ring.shape[0] != b or ring.shape[2] != D or S != 1 or ring.stride(2) != 1
-                             or ring.stride(1) != D or ring.device != x.device):
-        _fail(op, "ring", f"{getattr(ring, 'dtype', type(ring))} {tuple(getattr(ring, 'shape', ()))} strides "
-              f"{getattr(ring, 'stride', lambda: ())()} with s={S}", f"{dtype} [{b}, W, {D}] with contiguous rows, "
-              "on x's device, s = 1")
+                             or ring.shape[0] != b or ring.shape[1] < 1 or ring.shape[2] != D or S != 1
+                             or ring.device != x.device):
+        _fail(op, "ring", f"{getattr(ring, 'dtype', type(ring))} {tuple(getattr(ring, 'shape', ()))} with s={S}",
+              f"{dtype} [{b}, W >= 1, {D}] on x's device, s = 1")
+    return dtype
+
+
+def check_kv_finish(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op: str = "kv_finish",
+                    names: tuple[str, str] = ("x", "eps")):
+    """`kv_finish`'s argument checks (ValueError naming the bad one; `names`: the caller's names of x and eps):
+    `check_kv_finish_values`, then the launch layout (ring rows contiguous, x's rows at one stride, contiguous
+    CUDA tensors on one device). Returns (x's rows at one stride, dtype)."""
+    xname = names[0]
+    dtype = check_kv_finish_values(x, weight, eps, pos, inv_freq, rd, nope_block, window, dtype, ring, op, names)
+    D = x.shape[-1]
+    if ring is not None and (ring.stride(2) != 1 or ring.stride(1) != D):
+        _fail(op, "ring", f"strides {ring.stride()}", f"contiguous rows of {D} values (any batch stride)")
     x2 = row_view(x)  # rows at one stride (a half of a joint projection) are read in place
     if x2 is None:
         _fail(op, xname, f"strides {x.stride()}", "rows of D contiguous values at one stride")

@@ -162,6 +162,41 @@ def test_triton_broadcast_idx_and_strided_q(seed):
     assert_close(got, sparse_attn_ref(q, kv, sink, idx, 0.125), "sparse_attn strided", dtype=torch.float32)
 
 
+
+@needs_triton
+def test_bool_softmax_scale_and_non_bool_flags_are_refused():
+    """`sparse_attn_ref` / `sparse_attn` / `sparse_attn_rope` took softmax_scale=True (read as 1.0); the launcher
+    took check_idx=1, prefetch="no" and a bool num_splits / split_size. Now ValueErrors naming the argument.
+    Control: the reference and the launcher at softmax_scale 1.0 (the value True stood for) agree with the hand
+    softmax."""
+    from kernels.attention import sparse_attn, sparse_attn_rope
+    dev = "cuda" if not INTERPRET else "cpu"
+    q, kv, sink, idx = (t.to(dev) for t in make_case(1, 1, 2, 64, 8, 4, torch.float32))
+    for fn in (sparse_attn_ref, sparse_attn):
+        with pytest.raises(ValueError, match=r"softmax_scale must be a finite positive float, got True"):
+            fn(q, kv, sink, idx, True)
+    pos, f = torch.zeros(1, dtype=torch.int64, device=dev), torch.ones(8, dtype=torch.float64, device=dev)
+    with pytest.raises(ValueError, match=r"softmax_scale must be a finite positive float, got True"):
+        sparse_attn_rope(q, kv, sink, idx, True, pos, f, 16)
+    for kw, match in ((dict(check_idx=1), "check_idx must be a bool, got 1"),
+                      (dict(prefetch="no"), "prefetch must be a bool, got 'no'"),
+                      (dict(num_splits=True), "num_splits must be None or an int, got True"),
+                      (dict(split_size=True), "split_size must be None or an int, got True"),
+                      (dict(block_n=32.0), "block_n must be None or an int, got 32.0")):
+        with pytest.raises(ValueError, match=match):
+            sparse_attn(q, kv, sink, idx, 0.125, **kw)
+    want = sparse_attn_ref(q, kv, sink, idx, 1.0)
+    qi, kvi = q[0, 0].double(), kv[0].double()
+    for h in range(2):  # the hand softmax with the sink (its value vector is zero)
+        rows = [int(i) for i in idx[0, 0] if i >= 0]
+        logits = torch.stack([qi[h] @ kvi[r] for r in rows])
+        m = torch.maximum(logits.max(), sink[h].double())
+        p = torch.exp(logits - m)
+        o = (p[:, None] * kvi[rows]).sum(0) / (p.sum() + torch.exp(sink[h].double() - m))
+        torch.testing.assert_close(want[0, 0, h].double(), o, rtol=1e-5, atol=1e-6)
+    assert_close(sparse_attn(q, kv, sink, idx, 1.0, check_idx=True), want, "sparse_attn scale 1.0",
+                 dtype=torch.float32)
+
 @needs_triton
 @pytest.mark.parametrize("kw, match", [
     (dict(out=torch.empty(1, 1, 2, 32)), "out must be"),

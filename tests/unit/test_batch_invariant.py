@@ -346,3 +346,36 @@ def test_modes_name_bad_input():
         get_backend("reference", torch.device("cpu"), batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant"):
         get_backend("triton", torch.device("cpu"), batch_invariant="yes")
+
+
+def test_invariant_linear_honours_act_block_and_grouped_linear_checks_the_weight():
+    """`kernels.invariant.linear` quantized every 128-multiple width in blocks of 128 whatever act_block said and
+    took act_block -1 / True / 128.0 or fp32="yes"; `invariant.grouped_linear` only checked the weight's element
+    count. Now as `kernels.gemm.linear` / `grouped_linear`: act_block honoured (the reference quantizer for other
+    blocks), bad values and a wrong weight shape are ValueErrors naming the argument. Controls: linear_ref's
+    values for act_block 64, the per-group product for a [G*3, i] weight."""
+    from kernels import invariant as kinv
+    from kernels.gemm import linear_ref
+    x = torch.randn(2, 256)
+    x[:, :64] *= 1e-5  # flushed to 0 in a 128 block, kept in their own 64 block
+    x = x.to(torch.bfloat16)
+    w = torch.randn(128, 256)
+    w[:, 64:] = 0
+    q, s = quant.fp8_block_quant(w)
+    y64 = kinv.linear(x.to(DEV), q.to(DEV), s.to(DEV), 64)
+    assert torch.equal(y64.cpu(), linear_ref(x, q, s, 64))
+    assert not torch.equal(y64, kinv.linear(x.to(DEV), q.to(DEV), s.to(DEV), 128))
+    for bad in (-1, True, 128.0):
+        with pytest.raises(ValueError, match=rf"invariant.linear: act_block is {bad!r}; expected an int >= 0"):
+            kinv.linear(x, q, s, bad)
+    with pytest.raises(ValueError, match=r"invariant.linear: fp32 is 'yes'; expected a bool"):
+        kinv.linear(x, q, s, 128, fp32="yes")
+    o = torch.randn(1, 2, 2, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"invariant.grouped_linear: weight is torch.bfloat16 shape \(8, 16\)"):
+        kinv.grouped_linear(o, torch.randn(8, 16).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"invariant.grouped_linear: o is torch.bfloat16 shape \(2, 2, 8\)"):
+        kinv.grouped_linear(o[0], torch.randn(6, 8).to(torch.bfloat16))
+    wg = torch.randn(6, 8).to(torch.bfloat16)
+    got = kinv.grouped_linear(o.to(DEV), wg.to(DEV)).cpu()
+    want = torch.stack([o[:, :, g].float() @ wg[3 * g:3 * g + 3].float().T for g in range(2)], 2).to(torch.bfloat16)
+    assert got.shape == (1, 2, 2, 3) and torch.equal(got, want)

@@ -174,3 +174,60 @@ def test_per_row_pos_shape_is_checked():
     for fn in (compress_pool, compress_pool_ref):
         with pytest.raises(ValueError, match=r"pos is torch.int64 shape \(3,\).*int64 \[1\] or \[2\]"):
             fn(a, a, ape, torch.tensor([0, 1, 2], device=DEV), kv, sc, 4, False)
+
+
+def test_compress_commit_ref_refuses_positions_outside_out_and_bad_new_or_out():
+    """`compress_commit_ref` took a negative position (negative indexing overwrote out's last entry, where the
+    kernel commits nothing) and clamped a position past the end into the last entry; a `new` of the wrong width
+    or an `out` of another dtype failed inside torch. Now ValueErrors naming pos / new / out (the launcher reads
+    no device value: its docstring says what it does instead). Controls: pos 3 commits entry 0, pos 11 (the last
+    position out holds) entry 2, with the CSA shift and the -inf reset."""
+    from kernels.compressor import compress_commit_ref
+    kv, sc = torch.randn(1, 8, 16), torch.randn(1, 8, 16)
+    out = torch.zeros(1, 3, 8)
+    new = torch.ones(1, 1, 8)
+    for pos in (-1, -4, 12, 99):
+        with pytest.raises(ValueError, match=rf"compress_commit_ref: pos is min {pos} max {pos} \(shape \(1,\)\); "
+                                             r"expected positions in 0\.\.11"):
+            compress_commit_ref(new, torch.tensor([pos]), kv, sc, out, 4, True)
+    with pytest.raises(ValueError, match=r"pos is min 3 max 12 \(shape \(2,\)\)"):
+        compress_commit_ref(torch.ones(2, 1, 8), torch.tensor([3, 12]), torch.zeros(2, 8, 16),
+                            torch.zeros(2, 8, 16), torch.zeros(2, 3, 8), 4, True)
+    with pytest.raises(ValueError, match=r"compress_commit_ref: new is torch.float32 shape \(1, 1, 6\)"):
+        compress_commit_ref(torch.ones(1, 1, 6), torch.tensor([3]), kv, sc, out, 4, True)
+    with pytest.raises(ValueError, match=r"compress_commit_ref: new is torch.float32 shape \(1, 1, 8\); "
+                                         r"expected torch.bfloat16"):
+        compress_commit_ref(new, torch.tensor([3]), kv, sc, out.bfloat16(), 4, True)
+    with pytest.raises(ValueError, match=r"compress_commit_ref: out is torch.float32 shape \(1, 0, 8\)"):
+        compress_commit_ref(new, torch.tensor([3]), kv, sc, out[:, :0], 4, True)
+    with pytest.raises(ValueError, match=r"compress_commit_ref: out is torch.int64 shape \(1, 3, 8\)"):
+        compress_commit_ref(new.long(), torch.tensor([3]), kv, sc, out.long(), 4, True)
+    kv0, sc0 = kv.clone(), sc.clone()
+    compress_commit_ref(new, torch.tensor([3]), kv, sc, out, 4, True)
+    assert torch.equal(out[0, 0], new[0, 0]) and bool((out[0, 1:] == 0).all())
+    assert torch.equal(kv[:, :4], kv0[:, 4:]) and torch.equal(sc[:, :4], sc0[:, 4:])
+    assert bool((sc[:, 4:] == -math.inf).all())
+    compress_commit_ref(2 * new, torch.tensor([11]), kv, sc, out, 4, True)
+    assert torch.equal(out[0, 2], 2 * new[0, 0]) and torch.equal(out[0, 0], new[0, 0])
+    out1 = out.clone()
+    compress_commit_ref(3 * new, torch.tensor([10]), kv, sc, out, 4, True)  # not a window end: nothing changes
+    assert torch.equal(out, out1)
+
+
+def test_softmax_pool_ref_refuses_shapes_that_would_broadcast_and_non_fp32():
+    """`softmax_pool_ref(Z [1, 4, 8], A [1, 4, 1])` broadcast A over d, and bf16 Z / A were pooled in bf16
+    (the docstring says fp32). Now ValueErrors naming Z / A; control: the formula on fp32 [b, n, d]."""
+    from kernels.compressor import softmax_pool_ref
+    Z, A = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"softmax_pool_ref: A is shape \(1, 4, 1\); expected Z's shape \(1, 4, 8\)"):
+        softmax_pool_ref(Z[:1], A[:1, :, :1])
+    with pytest.raises(ValueError, match=r"softmax_pool_ref: Z is torch.bfloat16 shape \(2, 4, 8\); expected a "
+                                         r"float32 tensor"):
+        softmax_pool_ref(Z.bfloat16(), A.bfloat16())
+    with pytest.raises(ValueError, match=r"softmax_pool_ref: A is torch.float64"):
+        softmax_pool_ref(Z, A.double())
+    with pytest.raises(ValueError, match=r"softmax_pool_ref: Z is torch.float32 shape \(4, 8\)"):
+        softmax_pool_ref(Z[0], A[0])
+    w = torch.exp(Z - Z.amax(1, keepdim=True))
+    want = (w * A).sum(1, keepdim=True) / w.sum(1, keepdim=True)
+    torch.testing.assert_close(softmax_pool_ref(Z, A), want, rtol=1e-6, atol=1e-6)

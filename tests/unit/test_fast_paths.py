@@ -150,3 +150,66 @@ def test_fp8_grouped_gemv_refuses_empty_and_strided_input():
         fp8_grouped_gemv(torch.randn(3, 256).to(torch.bfloat16), w[:0], s[:0], 2)
     with pytest.raises(ValueError, match="non-contiguous"):
         fp8_grouped_gemv(torch.randn(256, 3).to(torch.bfloat16).T, w, s, 2)
+
+
+def test_grouped_linear_refuses_a_weight_of_the_wrong_shape():
+    """`grouped_linear` only checked the weight's element count (`.view(G, -1, i)`): a [512, 64] weight beside o
+    [.., 2, 128] ran (garbage), a [256, 32] one beside o [.., 2, 64] changed the output width; a 3-D o failed in
+    torch and an int64 o was run. Now ValueErrors naming o / the weight (bf16 bmm and FP8 paths); control: the
+    per-group product."""
+    from dsv4 import quant
+    o = torch.randn(1, 1, 2, 128).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"grouped_linear: weight is torch.bfloat16 shape \(512, 64\)"):
+        kgemm.grouped_linear(o, torch.randn(512, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"grouped_linear: weight is torch.bfloat16 shape \(256, 32\)"):
+        kgemm.grouped_linear(o[..., :64], torch.randn(256, 32).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"grouped_linear: weight is torch.float32 shape \(15, 8\)"):
+        kgemm.grouped_linear(torch.randn(1, 2, 2, 8).to(torch.bfloat16), torch.randn(15, 8))
+    w, s = quant.fp8_block_quant(torch.randn(256, 256))  # 256 inputs beside o's 128: the FP8 GEMV's x check
+    with pytest.raises(ValueError, match=r"grouped_linear: weight is torch.float8_e4m3fn shape \(256, 256\)"):
+        kgemm.grouped_linear(o, w, s)
+    with pytest.raises(ValueError, match=r"grouped_linear: o is torch.bfloat16 shape \(1, 2, 128\)"):
+        kgemm.grouped_linear(o[0], torch.randn(256, 128).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"grouped_linear: o is torch.int64 shape"):
+        kgemm.grouped_linear(o.long(), torch.randn(256, 128).to(torch.bfloat16))
+    w = torch.randn(6, 8).to(torch.bfloat16)  # control: 3 rows per group
+    ob = torch.randn(1, 2, 2, 8).to(torch.bfloat16)
+    got = kgemm.grouped_linear(ob, w)
+    want = torch.stack([(ob[:, :, g].float() @ w[3 * g:3 * g + 3].float().T) for g in range(2)], 2).to(torch.bfloat16)
+    assert got.shape == (1, 2, 2, 3) and torch.equal(got, want)
+
+
+def test_linear_honours_act_block_and_refuses_what_linear_ref_refuses():
+    """The triton `linear` quantized every 128-multiple width in blocks of 128 whatever act_block said (64 gave
+    an error of 0.031 against `linear_ref`), and took act_block -1 / True / 128.0, fp32="yes" (misleading error
+    from fp32_linear_ref) and an FP8 weight without scale ("scale is shape ()"). Now act_block is honoured (the
+    reference's quantizer for blocks other than 128) and the bad values are ValueErrors naming the argument;
+    control: act_block 64 and 128 give linear_ref's values and differ from each other."""
+    from dsv4 import quant
+    from kernels.numerics import act_quant_sim
+    x = torch.randn(2, 256)
+    x[:, :64] *= 1e-5  # 2^-17 below the rest of a 128 block: e4m3 flushes them to 0 there, not in their own block
+    x = x.to(torch.bfloat16)
+    w = torch.randn(128, 256)
+    w[:, 64:] = 0  # the output is made of the first 64 channels only
+    q, s = quant.fp8_block_quant(w)
+    w = w.to(torch.bfloat16)
+    y64 = kgemm.linear(x, w, None, 64)
+    assert torch.equal(y64, (act_quant_sim(x, 64).float() @ w.float().T).to(torch.bfloat16))
+    assert torch.equal(y64, linear_ref(x, w, None, 64))
+    assert not torch.equal(y64, kgemm.linear(x, w, None, 128))
+    _close(kgemm.linear(x, q, s, 64), linear_ref(x, q, s, 64), ULP, "FP8 weight, act_block 64")
+    assert not torch.equal(kgemm.linear(x, q, s, 64), kgemm.linear(x, q, s, 128))
+    for bad in (-1, True, 128.0):
+        with pytest.raises(ValueError, match=rf"linear: act_block is {bad!r}; expected an int >= 0"):
+            kgemm.linear(x, w, None, bad)
+    with pytest.raises(ValueError, match=r"multiple of the block size 7"):
+        kgemm.linear(x, w, None, 7)
+    with pytest.raises(ValueError, match=r"linear: fp32 is 'yes'; expected a bool"):
+        kgemm.linear(x, w, fp32="yes")
+    with pytest.raises(ValueError, match=r"linear: scale is None; expected the float8_e8m0fnu scales"):
+        kgemm.linear(x, q, None, 128)
+    with pytest.raises(ValueError, match=r"fp8_linear: scale is None"):
+        kgemm.fp8_linear(x, q, None)
+    with pytest.raises(ValueError, match=r"linear: x is width 128"):
+        kgemm.linear(x[:, :128], w, None, 128)

@@ -384,3 +384,48 @@ def test_sinkhorn_ref_refuses_a_bool_iters_and_a_bad_eps(iters, eps, match):
         sinkhorn_ref(logits, iters, eps)
     c = sinkhorn_ref(logits, ITERS, EPS)  # control: columns sum to ~1
     assert torch.allclose(c.sum(1), torch.ones(2, HC), atol=1e-3)
+
+
+@needs_triton
+def test_norm_eps_zero_and_non_bool_invariant_are_refused():
+    """hc_pre_ref / hc_pre / hc_head(_ref) / hc_post_pre(_ref) took norm_eps = 0 (checked >= 0): an all-zero H
+    then gives rsqrt(0) * 0 = NaN in post and comb (the model's rms_norm_eps must be > 0, the config refuses 0);
+    hc_head / hc_pre took invariant=1. Now ValueErrors naming the argument; hc_eps = 0 stays legitimate. Controls:
+    the fp64 hand formula with hc_eps = 0, and an all-zero H with norm_eps > 0 gives post = 2 sigmoid(base)."""
+    from kernels.mhc import hc_head_ref, hc_post_pre, hc_post_pre_ref
+    dev = "cpu" if INTERP else "cuda"
+    H, fn, base, scale = make_pre(2, 16, dtype=torch.float32, device=dev)
+    Hh, fnh, baseh, scaleh = make_pre(2, 16, dtype=torch.float32, device=dev, head=True)
+    a, post0, comb0 = H[:, 0].contiguous(), torch.rand(2, HC, device=dev), torch.rand(2, HC, HC, device=dev)
+    for eps in (0.0, 0, -1e-6, float("inf"), float("nan"), True):
+        kw = dict(sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=eps)
+        for name, call in (("hc_pre_ref", lambda: hc_pre_ref(H, fn, base, scale, **kw)),
+                           ("hc_pre", lambda: hc_pre(H, fn, base, scale, **kw)),
+                           ("hc_post_pre_ref", lambda: hc_post_pre_ref(a, H, post0, comb0, fn, base, scale, **kw)),
+                           ("hc_post_pre", lambda: hc_post_pre(a, H, post0, comb0, fn, base, scale, **kw)),
+                           ("hc_head_ref", lambda: hc_head_ref(Hh, fnh, baseh, scaleh, hc_eps=EPS, norm_eps=eps)),
+                           ("hc_head", lambda: hc_head(Hh, fnh, baseh, scaleh, hc_eps=EPS, norm_eps=eps))):
+            op = "hc_pre_ref" if name == "hc_post_pre_ref" else name  # the reference composes hc_post_ref, hc_pre_ref
+            with pytest.raises(ValueError, match=rf"{op}: norm_eps is {eps!r}; expected a finite float > 0"):
+                call()
+    for inv in (1, 0, "yes", None):
+        with pytest.raises(ValueError, match=rf"hc_head: invariant is {inv!r}; expected a bool"):
+            hc_head(Hh, fnh, baseh, scaleh, hc_eps=EPS, norm_eps=EPS, invariant=inv)
+        with pytest.raises(ValueError, match=rf"hc_pre: invariant is {inv!r}; expected a bool"):
+            hc_pre(H, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=EPS, invariant=inv)
+    # controls: hc_eps = 0 is accepted and computes the formula; an all-zero H is finite with norm_eps > 0
+    x, post, comb = hc_pre_ref(H, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=0.0, norm_eps=1e-6)
+    hx, hpost, hcomb = pre_hand(H.cpu(), fn.cpu(), base.cpu(), scale.cpu(), ITERS, 0.0)
+    # (pre_hand uses one eps for both; at hc_eps 0 its norm eps is 0 too: 1e-6 vs 0 moves m by ~1e-6 relative)
+    assert_close(post.cpu().double(), hpost, "post, hc_eps 0", rtol=1e-5, atol=1e-5)
+    assert_close(comb.cpu().double(), hcomb, "comb, hc_eps 0", rtol=1e-4, atol=1e-5)
+    Z = torch.zeros_like(H)
+    for got in (hc_pre_ref(Z, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=1e-6),
+                hc_pre(Z, fn, base, scale, sinkhorn_iters=ITERS, hc_eps=EPS, norm_eps=1e-6)):
+        want = (2 * torch.sigmoid(base[HC:2 * HC])).expand(2, HC)
+        assert torch.equal(got[0], torch.zeros(2, 16, device=dev))
+        torch.testing.assert_close(got[1], want, rtol=1e-6, atol=1e-6)
+        assert bool(torch.isfinite(got[2]).all())
+    y = hc_head(Hh, fnh, baseh, scaleh, hc_eps=EPS, norm_eps=EPS, invariant=True)
+    assert_close(y, hc_head_ref(Hh, fnh, baseh, scaleh, hc_eps=EPS, norm_eps=EPS), "hc_head invariant=True",
+                 dtype=torch.float32)

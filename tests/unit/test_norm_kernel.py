@@ -148,6 +148,28 @@ def test_head_rms_names_bad_input():
 
 
 
+def test_head_rms_ref_refuses_what_the_launcher_refuses():
+    """`head_rms_ref` took eps -1.0 (NaN out), eps 0.0, an int / tensor eps and fp16 x, and an int64 x failed
+    inside torch's mean(); the launcher `head_rms` refuses them all. Now the same ValueErrors (`check_head_rms`)
+    from both; control: the formula for fp32 and bf16 x, and the launcher within its tolerance."""
+    from kernels.norm import head_rms, head_rms_ref
+    x = torch.randn(2, 3, 8)
+    for fn in (head_rms_ref, head_rms):
+        name = fn.__name__
+        for eps in (-1.0, 0.0, float("inf"), float("nan"), 1, True, torch.tensor(1e-6)):
+            with pytest.raises(ValueError, match=rf"{name}: eps is .*; expected a finite float > 0"):
+                fn(x.to(DEV), eps)
+        for bad in (x.half(), x.long(), x.double()):
+            with pytest.raises(ValueError, match=rf"{name}: x is {bad.dtype}; expected a bf16 or float32 tensor"):
+                fn(bad.to(DEV), 1e-6)
+        with pytest.raises(ValueError, match=rf"{name}: x is width 0"):
+            fn(x[..., :0].to(DEV), 1e-6)
+    for xx in (x, x.bfloat16(), x.transpose(0, 1)):  # any layout in the reference
+        want = xx * torch.rsqrt(xx.square().mean(-1, keepdim=True) + 1e-6)
+        assert torch.equal(head_rms_ref(xx, 1e-6), want)
+    torch.testing.assert_close(head_rms(x.to(DEV), 1e-6).cpu(), head_rms_ref(x, 1e-6), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("per_row", [False, True], ids=["shared-pos", "per-row-pos"])
 def test_head_rms_rope_is_the_two_kernels(seed, dtype, per_row):

@@ -315,6 +315,36 @@ def test_reference_linears_refuse_a_missing_scale_and_a_wrong_width():
     assert torch.equal(fp32_linear_ref(x, w.bfloat16()), x.float() @ w.bfloat16().float().T)
 
 
+def test_reference_grouped_linear_refuses_a_weight_of_the_wrong_shape():
+    """`grouped_linear_ref` reshaped the weight with `.view(G, -1, i)` (element count only): a [512, 64] weight
+    beside o [.., 2, 128] ran, a [256, 32] one changed the output width, a 3-D o failed inside einsum and an int64
+    o returned int64. Now ValueErrors naming o / the weight; controls: the per-group product, FP8 and FP4 codes."""
+    from kernels.gemm import dequantize_ref, grouped_linear_ref
+    from kernels.numerics import fp4_quant, fp8_block_quant
+    o = torch.randn(1, 1, 2, 128).bfloat16()
+    for w, match in ((torch.randn(512, 64).bfloat16(), r"weight is torch.bfloat16 shape \(512, 64\)"),
+                     (torch.randn(256, 32).bfloat16(), r"weight is torch.bfloat16 shape \(256, 32\)"),
+                     (torch.randn(255, 128).bfloat16(), r"weight is torch.bfloat16 shape \(255, 128\)"),
+                     (torch.randn(0, 128).bfloat16(), r"weight is torch.bfloat16 shape \(0, 128\)")):
+        with pytest.raises(ValueError, match=r"grouped_linear_ref: " + match + r".*\[G\*o_rank, i\] = \[2\*o_rank, 128\]"):
+            grouped_linear_ref(o, w)
+    with pytest.raises(ValueError, match=r"grouped_linear_ref: o is torch.float32 shape \(2, 2, 8\)"):
+        grouped_linear_ref(torch.randn(2, 2, 8), torch.randn(16, 8))
+    with pytest.raises(ValueError, match=r"grouped_linear_ref: o is torch.int64 shape \(1, 2, 2, 8\)"):
+        grouped_linear_ref(torch.randn(1, 2, 2, 8).long(), torch.randn(16, 8))
+    o = torch.randn(1, 2, 2, 8)
+    w = torch.randn(6, 8)  # control: 3 rows per group
+    want = torch.stack([o[:, :, g] @ w[3 * g:3 * g + 3].T for g in range(2)], 2)
+    torch.testing.assert_close(grouped_linear_ref(o, w), want, rtol=1e-6, atol=1e-6)
+    q, s = fp8_block_quant(torch.randn(256, 128))
+    ob = torch.randn(1, 1, 2, 128).bfloat16()
+    wd = dequantize_ref(q, s, torch.float32)
+    want = torch.stack([ob[:, :, g].float() @ wd[128 * g:128 * g + 128].T for g in range(2)], 2).bfloat16()
+    assert torch.equal(grouped_linear_ref(ob, q, s), want)
+    p, ps = fp4_quant(torch.randn(256, 128))  # packed FP4: [256, 64] int8 holds 128 inputs per row
+    assert grouped_linear_ref(ob, p, ps).shape == (1, 1, 2, 128)
+
+
 def test_reference_swiglu_joint_and_route_refuse_bad_arguments():
     """`swiglu_joint_ref` split an odd width unevenly and took a negative limit; `route_ref` raised torch's
     IndexError (or read past the row on CUDA) for a hash id outside [0, E). Now ValueErrors; controls compute."""

@@ -219,6 +219,47 @@ def test_kv_finish_names_bad_input():
         kv_finish(x, w[:64], 1e-6, pos, f, 64)
 
 
+def test_kv_finish_ref_refuses_what_the_launcher_refuses():
+    """`kv_finish_ref` raised ZeroDivisionError for window 0, took window -4 and dtype float16 (the launcher
+    refuses both), and a ring with s = 2, the wrong D, bf16 beside fp32 rows or another batch failed in torch's
+    scatter / expand. Now both run `check_kv_finish_values` and raise the same ValueErrors; the reference still
+    takes CPU tensors of any layout. Control: the reference's ring write and values equal the launcher's."""
+    from kernels.rope import kv_finish, kv_finish_ref
+    args = tiny_args(rope_head_dim=64, index_head_dim=64)
+    f = rope_inv_freq(args, 4, 64).to(DEV)
+    x, w = torch.randn(2, 1, 192, device=DEV), torch.randn(192, device=DEV)
+    pos = torch.tensor([[5], [9]], device=DEV)
+    ring = torch.zeros(2, 4, 192, device=DEV)
+    for fn in (kv_finish_ref, kv_finish):
+        op = fn.__name__
+        for kw, match in ((dict(window=0), r"window is 0; expected an int >= 1"),
+                          (dict(window=-4), r"window is -4; expected an int >= 1"),
+                          (dict(window=True), r"window is True"),
+                          (dict(dtype=torch.float16), r"dtype is torch.float16; expected bf16 or float32"),
+                          (dict(rd=True), r"rd is True"),
+                          (dict(eps=0.0), r"eps is 0.0"),
+                          (dict(nope_block=100), r"nope_block is 100"),
+                          (dict(x=x.half()), r"x is torch.float16"),
+                          (dict(x=torch.randn(2, 2, 192, device=DEV), pos=pos.expand(2, 2).contiguous()),
+                           r"ring is torch.float32 \(2, 4, 192\) with s=2"),
+                          (dict(ring=ring[..., :128].contiguous()), r"ring is torch.float32 \(2, 4, 128\)"),
+                          (dict(ring=ring.bfloat16()), r"ring is torch.bfloat16 \(2, 4, 192\)"),
+                          (dict(ring=ring[:1]), r"ring is torch.float32 \(1, 4, 192\)"),
+                          (dict(ring=ring[:, :0]), r"ring is torch.float32 \(2, 0, 192\)")):
+            a = dict(x=x, weight=w, eps=1e-6, pos=pos, inv_freq=f, rd=64, nope_block=64, window=1, ring=ring)
+            a.update(kw)
+            with pytest.raises(ValueError, match=rf"{op}: " + match):
+                fn(**a)
+    ring_k, ring_r = ring.clone(), ring.clone()
+    xs = torch.randn(192, 2, 1, device=DEV).permute(1, 2, 0)  # any layout in the reference
+    got = kv_finish(xs.contiguous(), w, 1e-6, pos, f, 64, 64, 4, ring=ring_k)
+    want = kv_finish_ref(xs, w, 1e-6, pos, f, 64, 64, 4, ring=ring_r)
+    assert_mostly_bitwise(got, want, "kv_finish vs kv_finish_ref (window 4)")
+    for i, p in enumerate((5, 9)):
+        assert torch.equal(ring_r[i, p % 4], want[i, 0]) and torch.equal(ring_k[i, p % 4], got[i, 0])
+        assert bool((ring_r[i, [j for j in range(4) if j != p % 4]] == 0).all())
+
+
 def test_kv_finish_writes_the_ring_slot(seed):
     """With `ring` (the decode step, one token per row): the kernel writes each row's result into its ring slot
     pos % W of a ring that is a view of the state's keys (batch stride W + n_e rows) and nothing else; the
