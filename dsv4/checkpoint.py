@@ -488,7 +488,8 @@ class Checkpoint(Source):
                 raise CheckpointError(f"{self.path}: {len(stray)} .safetensors file(s) not named in {INDEX_FILE}: "
                                       f"{', '.join(stray)}; expected every shard in the directory to be in the "
                                       "index's weight_map (a stray shard would be ignored silently: remove it or "
-                                      "fix the index)")
+                                      "fix the index; e.g. the model{i}-mp{n}.safetensors that DeepSeek's "
+                                      "convert.py writes belong in their own directory)")
         elif (self.path / SINGLE_FILE).is_file():
             if others:
                 raise CheckpointError(f"{self.path}: holds {SINGLE_FILE} and other .safetensors file(s) "

@@ -318,7 +318,9 @@ def _once(action: argparse.Action) -> None:
             if self.dest in seen:
                 first = seen[self.dest]
                 again = "given twice" if first == option_string else f"given after {first} (the same setting)"
-                parser.error(f"argument {option_string}: {again}; give it once (the last value would win silently)")
+                why = ("a flag: once is enough" if self.nargs == 0 else
+                       "argparse would keep the last value silently")
+                parser.error(f"argument {option_string}: {again}; give it once ({why})")
             seen[self.dest] = option_string
             super().__call__(parser, namespace, values, option_string)
 

@@ -12,8 +12,9 @@ module raises `ValueError` naming `messages[i].field` (or `context[i].field`) in
   * unknown role, thinking_mode, reasoning_effort or task; empty developer content;
   * a message key outside `MESSAGE_KEYS` (a misspelled `contents` / `reasoning_contnet`: the official encoder
     drops it silently), naming the key and listing the accepted ones;
-  * a message without `content` (absent or None) unless it is an assistant message with tool_calls (the official
-    encoder renders an empty turn; `""` stays accepted, as officially);
+  * a message without `content` (absent or None) unless it is an assistant message with tool_calls or a system
+    message with tools / response_format (the official encoder renders an empty turn; `""` stays accepted, as
+    officially);
   * content or reasoning_content that is not a string (tool content may also be a list of parts);
   * a tool call without `function.name`/`function.arguments`, or with `arguments` that is a number, list or
     bool (the official encoder renders those as one `arguments` parameter; no convention produces them);
@@ -22,7 +23,10 @@ module raises `ValueError` naming `messages[i].field` (or `context[i].field`) in
   * tool-call arguments holding a JSON object with a duplicate key (json would keep the last silently).
 Deliberate extensions, identical in `dsv4/chat_template.jinja`:
   * `content: None` is treated as absent (transformers drops None-valued keys before the template): accepted
-    where content may be omitted (an assistant message with tool_calls), an error elsewhere;
+    where content may be omitted (an assistant message with tool_calls, a system message with tools or
+    response_format), an error elsewhere;
+  * transformers' `thinking` / `reasoning` message keys are read as `reasoning_content`, as transformers reads
+    them (`REASONING_KEYS`: the first that is not None; two with different values are an error);
   * tool-call `arguments` given as a dict (the HuggingFace convention) render exactly as the same
     dict given as its JSON string, one parameter per key (the official encoder does not crash on a dict: its
     json.loads fails and it renders ONE parameter `arguments` holding the dict's JSON); arguments that are a
@@ -77,7 +81,7 @@ from jinja2.exceptions import TemplateError
 
 from dsv4.config import UnsupportedRevisionError
 
-__all__ = ["encode_messages", "MESSAGE_KEYS", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
+__all__ = ["encode_messages", "MESSAGE_KEYS", "REASONING_KEYS", "parse_message_from_completion_text", "prompt_ids", "special_strings_in_messages",
            "EmptyConversationError", "TruncatedCompletion", "parse_truncated_completion",
            "PROMPT_KWARGS", "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END", "DSML", "LATEST_REMINDER",
            "TASK_TOKENS", "SPECIAL_STRINGS"]
@@ -179,10 +183,29 @@ MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls", "tool_call
 """The keys a message may carry: those the official encoder reads (`name`, OpenAI's optional participant / tool
 name, is accepted and, as officially, not rendered). Any other key is an error (`_check_text`): a misspelling
 (`contents`, `reasoning_contnet`) would otherwise be dropped silently. transformers' aliases `thinking` /
-`reasoning` for `reasoning_content` are refused too (encode_messages never read them): use `reasoning_content`.
+`reasoning` of `reasoning_content` are accepted and read as transformers reads them (`REASONING_KEYS`).
 An unknown key whose value is None or empty ("", [], {}) carries nothing and is accepted (`_empty_value`)."""
 
-_REASONING_ALIASES = ("thinking", "reasoning")
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+"""The keys a message's reasoning may be given under, in transformers' order (`_alias_reasoning_fields`): the first
+that is not None is the reasoning. `encode_messages` reads them alike (`_alias_reasoning`); two of them given with
+different values is an error (transformers would take the first silently)."""
+_REASONING_ALIASES = REASONING_KEYS[1:]
+
+
+def _alias_reasoning(messages: Any) -> Any:
+    """messages with each dict's reasoning under `reasoning_content` (the first non-None of `REASONING_KEYS`;
+    shallow copies, the caller's dicts untouched); anything else returned as it is (for `_validate` to refuse)."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and m.get("reasoning_content") is None:
+            r = next((m[k] for k in _REASONING_ALIASES if m.get(k) is not None), None)
+            if r is not None:
+                m = {**m, "reasoning_content": r}
+        out.append(m)
+    return type(messages)(out) if isinstance(messages, list) else list(out)
 
 
 def _empty_value(v: Any) -> bool:
@@ -193,9 +216,13 @@ def _empty_value(v: Any) -> bool:
 
 
 def _content_optional(m: dict) -> bool:
-    """Whether message m may omit `content` (or give None): only an assistant message with tool calls (the OpenAI
-    shape `{"role": "assistant", "content": null, "tool_calls": [...]}`); every other turn of the format has text."""
-    return m.get("role") == "assistant" and bool(m.get("tool_calls"))
+    """Whether message m may omit `content` (or give None): an assistant message with tool calls (the OpenAI shape
+    `{"role": "assistant", "content": null, "tool_calls": [...]}`) and a system message carrying tools or a
+    response_format (a system turn has no wrapper: it renders exactly as with content ""); every other turn of
+    the format has text."""
+    role = m.get("role")
+    return (role == "assistant" and bool(m.get("tool_calls"))) or \
+        (role == "system" and bool(m.get("tools") or m.get("response_format")))
 
 
 def _check_text(messages: list, name: str, dicts_only: bool = False) -> None:
@@ -213,18 +240,25 @@ def _check_text(messages: list, name: str, dicts_only: bool = False) -> None:
             if dicts_only:
                 continue
             raise ValueError(f"{name}[{i}]: expected a dict, got {type(m).__name__}")
-        unknown = [k for k in m if k not in MESSAGE_KEYS and not _empty_value(m[k])]
+        unknown = [k for k in m if k not in MESSAGE_KEYS and k not in _REASONING_ALIASES and not _empty_value(m[k])]
+        given = [k for k in REASONING_KEYS if m.get(k) is not None]
+        if len({repr(m[k]) for k in given}) > 1:
+            raise ValueError(f"{name}[{i}]: the reasoning is given twice with different values, under "
+                             f"{' and '.join(map(repr, given))}; expected one of {', '.join(REASONING_KEYS)}")
+        for k in given:
+            if k != "reasoning_content" and not isinstance(m[k], str):  # reasoning_content: checked below
+                raise ValueError(f"{name}[{i}].{k}: expected a string (the reasoning), got {type(m[k]).__name__}")
         if unknown:
             k = unknown[0]
-            close = (["reasoning_content"] if k in _REASONING_ALIASES else
-                     difflib.get_close_matches(str(k), MESSAGE_KEYS, 1))
+            close = difflib.get_close_matches(str(k), MESSAGE_KEYS, 1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"{name}[{i}]: unknown key {k!r}{hint}; a message accepts only the keys "
                              f"{', '.join(MESSAGE_KEYS)}")
         if m.get("role") in ROLES and m.get("content") is None and not _content_optional(m):
             got = "content is None" if "content" in m else "no 'content' key"
             raise ValueError(f"{name}[{i}].content: missing ({got}); expected the {m['role']} message's text "
-                             "(\"\" for an empty one); only an assistant message with tool_calls may omit it")
+                             "(\"\" for an empty one); only an assistant message with tool_calls, or a system "
+                             "message with tools / response_format, may omit it")
         if m.get("wo_eos") is not None and not isinstance(m["wo_eos"], bool):
             raise ValueError(f"{name}[{i}].wo_eos: expected a bool, got {m['wo_eos']!r}")
         if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], (list, tuple)):
@@ -472,7 +506,11 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
         raise EmptyConversationError()
     if reasoning_effort not in EFFORTS:
         raise ValueError(f"reasoning_effort: {reasoning_effort!r} is not one of {EFFORTS}")
-    context = context or []
+    for name, ms in (("context", context), ("messages", messages)):  # as given, before the aliases are read
+        if isinstance(ms, list):
+            _check_text(ms, name)
+    context = _alias_reasoning(context or [])
+    messages = _alias_reasoning(messages)  # transformers' `thinking` / `reasoning` keys, read as it reads them
     _validate(context, "context", check_arguments=False)
     _validate(messages, "messages", check_arguments=True)
     msgs = _merge_tool_messages(messages)

@@ -443,8 +443,9 @@ class Compressor(nn.Module):
         one window at a time): writes the token's (wkv, wgate + ape[pos % r]) row into `st`; in each row where
         (pos + 1) % r == 0 the completed window's entry goes to out[row, pos // r] (out [b, n_e, d], the state's
         entry slots) and that row's window shifts (CSA) / resets. Branch-free: the entry is pooled at every step and committed under a device condition
-        (`backend.compress_pool` / `compress_commit`, `kernels.compressor`), so nothing is read back to the host
-        and the step can be captured in a CUDA graph. Same maths as `extend` for the same tokens (tested:
+        (`backend.compress_pool` / `compress_commit`, `kernels.compressor`), so the triton backend reads nothing
+        back to the host and the step can be captured in a CUDA graph (the reference backend's
+        `compress_commit_ref` reads the positions back once per call to check them: it is never captured). Same maths as `extend` for the same tokens (tested:
         prefill == decode)."""
         r = self.ratio
         if self.wkvgate is not None:  # [wkv x | wgate x] as one linear (`join_wkv_wgate`); halves read in place

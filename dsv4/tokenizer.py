@@ -18,8 +18,8 @@ is a system message without tools, else to a new empty system message put first;
 leaves out the transition after the final message (`<｜Assistant｜><think>`/`</think>`/task token);
 `context=` and `add_default_bos_token=` are accepted as template variables; `enable_thinking=` (another
 family's switch, which would be ignored) and tools not of the OpenAI shape raise. A message key outside
-`dsv4.encoding.MESSAGE_KEYS` raises (transformers' `thinking` / `reasoning` aliases included: encode_messages reads
-only `reasoning_content`, so the tokenizer refuses them rather than render what encode_messages would drop).
+`dsv4.encoding.MESSAGE_KEYS` raises; transformers' `thinking` / `reasoning` aliases of `reasoning_content` are
+read as transformers reads them, and `encode_messages` / `prompt_ids` read them alike (`encoding.REASONING_KEYS`).
 """
 
 from __future__ import annotations
@@ -102,17 +102,18 @@ def _make_tokenizer_class():
             if unknown:
                 raise ValueError(f"apply_chat_template: unknown keyword argument(s) {', '.join(map(repr, unknown))} "
                                  f"(the dsv4 template reads thinking, {', '.join(PROMPT_KWARGS)})")
-            if kwargs.get("chat_template") is not None:  # "always ours": another template would be a wrong prompt
+            ct = kwargs.get("chat_template")
+            if ct is not None and ct != self.chat_template:  # "always ours": another template is a wrong prompt
                 raise ValueError(f"apply_chat_template: chat_template={_short(kwargs['chat_template'])} is refused: "
                                  f"this tokenizer always renders the dsv4 template ({TEMPLATE_NAME}, the official "
-                                 "DeepSeek-V4 format); leave chat_template out (None)")
+                                 "DeepSeek-V4 format); leave chat_template out (None) or pass tok.chat_template itself")
             for where, kw in (("", kwargs), ("tokenizer_kwargs.", kwargs.get("tokenizer_kwargs") or {})):
                 trunc = kw.get("truncation") if isinstance(kw, dict) else None
                 if trunc not in (None, False, "do_not_truncate"):  # TruncationStrategy.DO_NOT_TRUNCATE == its str
                     raise ValueError(f"apply_chat_template: {where}truncation={trunc!r} is refused: a truncated "
                                      "prompt is a wrong prompt (it would cut the format's tail, e.g. "
                                      "<｜Assistant｜><think>); shorten the messages instead")
-            if kwargs.get("documents") is not None:  # transformers' RAG slot: the dsv4 template has none
+            if kwargs.get("documents"):  # transformers' RAG slot: the dsv4 template has none (None / [] carry nothing)
                 raise ValueError("apply_chat_template: documents= is not part of the DeepSeek-V4 prompt format "
                                  "(the template would ignore it); put the documents in a message's content")
             check_flags(kwargs)

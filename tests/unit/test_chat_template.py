@@ -229,8 +229,9 @@ def test_apply_chat_template_refuses_documents(tok):
     docs = [{"title": "t", "text": "the answer is 42"}]
     with pytest.raises(ValueError, match=r"documents= is not part of the DeepSeek-V4 prompt format"):
         tok.apply_chat_template(U, documents=docs, add_generation_prompt=True, tokenize=False)
-    assert tok.apply_chat_template(U, documents=None, add_generation_prompt=True, tokenize=False) == \
-        tok.apply_chat_template(U, add_generation_prompt=True, tokenize=False)
+    for empty in (None, []):  # carry nothing
+        assert tok.apply_chat_template(U, documents=empty, add_generation_prompt=True, tokenize=False) == \
+            tok.apply_chat_template(U, add_generation_prompt=True, tokenize=False)
 
 
 SWITCHES = [("drop_thinking", "no"), ("add_default_bos_token", 0), ("add_generation_prompt", "no"), ("thinking", None)]

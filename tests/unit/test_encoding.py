@@ -170,8 +170,8 @@ def test_invalid_input_raises_value_error(msgs, kw, match):
      r"content, reasoning_content, tool_calls, tool_call_id, name, tools, response_format, task, wo_eos, mask"),
     ({"role": "assistant", "content": "a", "reasoning_contnet": "r"},
      r"messages\[1\]: unknown key 'reasoning_contnet' \(did you mean 'reasoning_content'\?\)"),
-    ({"role": "assistant", "content": "a", "thinking": "r"}, r"messages\[1\]: unknown key 'thinking' \(did you mean "
-     r"'reasoning_content'\?\)"),
+    ({"role": "assistant", "content": "a", "thinking": "r", "reasoning": "s"}, r"messages\[1\]: the reasoning is "
+     r"given twice with different values, under 'thinking' and 'reasoning'"),
     ({"role": "user"}, r"messages\[1\]\.content: missing \(no 'content' key\); expected the user message's text"),
     ({"role": "user", "content": None}, r"messages\[1\]\.content: missing \(content is None\)"),
     ({"role": "assistant", "reasoning_content": "r"}, r"messages\[1\]\.content: missing"),

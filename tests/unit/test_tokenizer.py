@@ -178,8 +178,9 @@ def test_template_errors_name_index_and_field(tok, msgs, kw, match):
      r"a message accepts only the keys role, content, "),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_contnet": "z"}],
      r"\[1\]: unknown key 'reasoning_contnet'"),
-    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning": "z"}],
-     r"\[1\]: unknown key 'reasoning' \(did you mean 'reasoning_content'\?\)"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": "w",
+                                           "reasoning": "z"}],
+     r"\[1\]: the reasoning is given twice with different values, under 'reasoning_content' and 'reasoning'"),
     ([{"role": "user"}], r"\[0\]\.content: missing \(no 'content' key\)"),
 ])
 def test_message_keys_and_content_refused_alike(tok, msgs, match):
@@ -213,7 +214,8 @@ def test_apply_chat_template_refuses_another_template_and_truncation(tok):
     full = prompt_ids(tok, msgs)
     assert full[-2:] == [128804, 128821] and len(full) > 3
     for kw in ({}, {"truncation": False}, {"max_length": 3}, {"chat_template": None}, {"padding": "max_length",
-                                                                                      "max_length": len(full)}):
+                                                                                      "max_length": len(full)},
+               {"chat_template": tok.chat_template}):  # its own template, passed explicitly (lm-eval, vLLM do)
         enc = tok.apply_chat_template(msgs, add_generation_prompt=True, **kw)
         assert enc["input_ids"] == full, kw
 
@@ -300,3 +302,35 @@ def test_prompt_ids_rejects_unknown_keywords(tok, kw, match):
         prompt_ids(tok, msgs, **kw)
     assert prompt_ids(tok, msgs, reasoning_effort="max") != prompt_ids(tok, msgs)  # the spelled-out one acts
 
+
+
+def test_review_of_the_message_checks_legitimate_inputs_still_render(tok):
+    """Inputs a first version of the message checks refused wrongly, each rendered alike by encode_messages,
+    prompt_ids and apply_chat_template: a system message carrying only tools (no content key: a system turn has no
+    wrapper, so it is the prompt with content ""); transformers' `thinking` / `reasoning` keys, read as
+    `reasoning_content` (transformers' own reading: `_alias_reasoning_fields`); two different reasonings are an
+    error, the same one under two keys is not."""
+    sys_tools = [{"role": "system", "tools": TOOLS}, {"role": "user", "content": "hi"}]
+    enc, tmpl = both(tok, sys_tools)
+    assert enc == tmpl == both(tok, [{**sys_tools[0], "content": ""}, sys_tools[1]])[0] and "## Tools" in enc
+    assert prompt_ids(tok, sys_tools) == tok.encode(enc, add_special_tokens=False)
+    turn = [{"role": "user", "content": "a"}, None, {"role": "user", "content": "b"}]
+    want = encode_messages([turn[0], {"role": "assistant", "content": "x", "reasoning_content": "hmm"}, turn[2]],
+                           "thinking", drop_thinking=False)
+    assert "<think>hmm</think>x" in want
+    for key in ("thinking", "reasoning"):
+        msgs = [turn[0], {"role": "assistant", "content": "x", key: "hmm"}, turn[2]]
+        assert encode_messages(msgs, "thinking", drop_thinking=False) == want, key
+        assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, drop_thinking=False) == want
+        assert prompt_ids(tok, msgs, drop_thinking=False) == tok.encode(want, add_special_tokens=False)
+        assert msgs[1] == {"role": "assistant", "content": "x", key: "hmm"}  # the caller's dict untouched
+    same = [turn[0], {"role": "assistant", "content": "x", "reasoning_content": "hmm", "thinking": "hmm"}, turn[2]]
+    assert encode_messages(same, "thinking", drop_thinking=False) == want
+    bad = [turn[0], {"role": "assistant", "content": "x", "reasoning_content": "hmm", "thinking": "other"}, turn[2]]
+    with pytest.raises(ValueError, match=r"messages\[1\]: the reasoning is given twice with different values, "
+                                         r"under 'reasoning_content' and 'thinking'"):
+        encode_messages(bad, "thinking")
+    with pytest.raises(ValueError, match=r"conversation\[1\]: the reasoning is given twice"):
+        tok.apply_chat_template(bad, tokenize=False)
+    with pytest.raises(ValueError, match=r"messages\[1\]\.reasoning: expected a string"):
+        encode_messages([turn[0], {"role": "assistant", "content": "x", "reasoning": 5}], "thinking")
