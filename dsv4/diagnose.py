@@ -933,7 +933,7 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
         print(f"dsv4 diagnose: error: --expect {expect!r}: an empty expected answer is contained in every text "
               "(a check that cannot fail); give the answer's text or leave --expect out", file=sys.stderr)
         return EXIT_ERROR
-    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    torch_dtype = dsv4.generate.model_dtype(dtype)
     progress = Progress("diagnose")
     with tempfile.TemporaryDirectory(prefix="dsv4-tiny-") as tmp:
         try:

@@ -506,13 +506,11 @@ def encode_messages(messages: list[dict], thinking_mode: str, context: list[dict
         raise EmptyConversationError()
     if reasoning_effort not in EFFORTS:
         raise ValueError(f"reasoning_effort: {reasoning_effort!r} is not one of {EFFORTS}")
-    for name, ms in (("context", context), ("messages", messages)):  # as given, before the aliases are read
-        if isinstance(ms, list):
-            _check_text(ms, name)
-    context = _alias_reasoning(context or [])
-    messages = _alias_reasoning(messages)  # transformers' `thinking` / `reasoning` keys, read as it reads them
-    _validate(context, "context", check_arguments=False)
+    context = context or []
+    _validate(context, "context", check_arguments=False)  # the messages as given (`_check_text` reads the aliases)
     _validate(messages, "messages", check_arguments=True)
+    context = _alias_reasoning(context)  # transformers' `thinking` / `reasoning` keys, read as it reads them
+    messages = _alias_reasoning(messages)
     msgs = _merge_tool_messages(messages)
     ctx = _sort_tool_results(_merge_tool_messages(context))
     full = _sort_tool_results(ctx + msgs)

@@ -108,6 +108,15 @@ def check_fp8_linear_args(op: str, x, weight, scale) -> tuple[int, int, int]:
     return M, N, K
 
 
+def check_linear_flags(op: str, act_block, fp32) -> None:
+    """The two switches of `linear_ref`, `linear` and `kernels.invariant.linear`: fp32 a bool, act_block an int >= 0
+    (a bool refused). Raises ValueError (`kernels.launch.fail`) naming the argument."""
+    if not isinstance(fp32, bool):
+        _fail(op, "fp32", repr(fp32), "a bool (True: an official fp32-compute linear)")
+    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
+        _fail(op, "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
+
+
 def check_grouped_linear_args(op: str, o, weight) -> tuple[int, int, int, int, int]:
     """The grouped wo_a's shapes (`grouped_linear_ref`, `grouped_linear`): o a float tensor [b, s, G, i] (G >= 1,
     i >= 1) and the weight as held, whose dequantized shape (FP8 codes / a float weight: its own; packed FP4 int8
@@ -196,10 +205,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
         a width that is no multiple of act_block.
     """
     op = "linear_ref"
-    if not isinstance(fp32, bool):
-        _fail(op, "fp32", repr(fp32), "a bool")
-    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
-        _fail(op, "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
+    check_linear_flags(op, act_block, fp32)
     if fp32:
         return fp32_linear_ref(x, weight)
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
@@ -943,10 +949,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     a float tensor or not as wide as the weight's in-features, scale None beside FP8 / FP4 codes, and the
     kernels' / `linear_ref`'s / `numerics`' argument checks (a width that is no multiple of act_block)."""
     op = "linear"
-    if not isinstance(fp32, bool):
-        _fail(op, "fp32", repr(fp32), "a bool (True: an official fp32-compute linear)")
-    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
-        _fail(op, "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
+    check_linear_flags(op, act_block, fp32)
     if fp32:
         return fp32_linear_op(x, weight)
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:

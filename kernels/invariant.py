@@ -63,7 +63,6 @@ from kernels import moe as kmoe
 from kernels import norm as knorm
 from kernels import numerics
 from kernels.gemm import dequantize_ref
-from kernels.launch import fail as _fail
 
 __all__ = ["linear", "fp32_linear", "grouped_linear", "moe_routed", "head_rms", "hadamard", "pool_windows"]
 
@@ -98,10 +97,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     rounded once to bf16. act_block as `kernels.gemm.linear` (every int >= 0 honoured: 128 on a 128-multiple
     width runs the FP8 kernels, any other block `numerics.act_quant_sim`). Raises ValueError for fp32
     activations (the exact mode runs cuBLAS), fp32 not a bool, act_block not an int >= 0 (a bool included)."""
-    if not isinstance(fp32, bool):
-        _fail("invariant.linear", "fp32", repr(fp32), "a bool (True: an official fp32-compute linear)")
-    if isinstance(act_block, bool) or not isinstance(act_block, int) or act_block < 0:
-        _fail("invariant.linear", "act_block", repr(act_block), "an int >= 0 (0: no activation quantization)")
+    kgemm.check_linear_flags("invariant.linear", act_block, fp32)
     if fp32:
         return fp32_linear(x, weight)
     if x.dtype != torch.bfloat16:
