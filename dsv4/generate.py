@@ -190,7 +190,9 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
         ValueError: max_tokens not an int >= 1; temperature negative, not finite, or in (0, 1e-5)
             (`TEMPERATURE_MIN`: use 0 for greedy); seed outside 0..2**64-1 (as the CLI's --seed); `on_token`
             neither None nor callable, `trace` neither None nor a ResidualTrace; an empty prompt: the conversation ends in a user message whose content
-            is "" or blank (an earlier empty turn is allowed, as in `encode_messages`); `chat` not a ChatState;
+            is "" or blank (an earlier empty turn is allowed, as in `encode_messages`); a finished conversation:
+            it ends in an assistant reply without `wo_eos`, so the prompt ends in the end-of-sentence token
+            (`_check_open_end`); `chat` not a ChatState;
             prompt errors from `dsv4.encoding.prompt_ids` (an empty conversation, an unknown message key, a missing
             content, ...).
         LimitError: the prompt + max_tokens exceed the model's context.
@@ -203,6 +205,7 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
         raise ValueError(f"trace={trace!r}: expected None or a ResidualTrace, got {type(trace).__name__}")
     ids = dsv4.encoding.prompt_ids(tokenizer, messages, thinking=thinking)
     _check_not_blank(messages)
+    _check_open_end(messages, ids, model.args.eos_token_id)
     ctx = max_context(model.args)
     if len(ids) + max_tokens > ctx:  # the same limit as generate_batch (dsv4.speculative.plan_rows)
         raise LimitError(f"the prompt ({len(ids)} tokens) + max_tokens {max_tokens} exceed the model's context of "
@@ -270,6 +273,22 @@ def _check_not_blank(messages, name: str = "messages") -> None:
                          "the user's text")
 
 
+def _check_open_end(messages, ids: list[int], eos: int, name: str = "messages") -> None:
+    """ValueError when the prompt ends in the end-of-sentence token: the conversation ends in a finished assistant
+    reply (the format closes every assistant turn with `<｜end▁of▁sentence｜>` unless it sets `wo_eos`), so a
+    completion would continue past the end of the conversation (public report vllm#46256: silent empty or garbled
+    output). `encode_messages` / `prompt_ids` render it, as the official encoder (the text of a finished
+    conversation is a valid training example); only the generation entries refuse it. An assistant message with
+    `wo_eos: True` is the way to continue a reply (its prompt ends in the reply's text)."""
+    if ids and ids[-1] == eos:
+        i = len(messages) - 1
+        role = messages[i].get("role") if isinstance(messages[i], dict) else None
+        raise ValueError(f"{name}[{i}] (role {role!r}): the conversation ends in a finished reply (the prompt ends "
+                         f"in the end-of-sentence token, id {eos}): there is nothing to answer; expected a last "
+                         "message from the user or a tool, or an assistant message with wo_eos=True to continue "
+                         "that reply")
+
+
 def _result(tokenizer, ids: list[int], out: list[int], stop: str, thinking: bool, max_tokens: int,
             trace: ResidualTrace, **extra) -> GenerationResult:
     """The GenerationResult of a finished completion: the text, then the parsed message (stop "eos"), the partial
@@ -324,7 +343,8 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     larger than the device has available.
     Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index), a
     temperature or seed `generate` refuses (0 < T < 1e-5; a seed outside 0..2**64-1), a conversation ending in an
-    empty or blank user message (as `generate`); prompt errors come from `dsv4.encoding` with the conversation's
+    empty or blank user message or in a finished assistant reply (as `generate`); prompt errors come from
+    `dsv4.encoding` with the conversation's
     index added."""
     if not isinstance(conversations, (list, tuple)) or not conversations:
         raise ValueError("conversations: expected a non-empty list of message lists")
@@ -342,6 +362,7 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
         try:
             prompts.append(dsv4.encoding.prompt_ids(tokenizer, conv, thinking=thinking))
             _check_not_blank(conv)
+            _check_open_end(conv, prompts[-1], model.args.eos_token_id)
         except ValueError as e:  # the same exception (type and fields), its message naming the conversation
             e.args = (f"conversations[{i}]: {e}",) + e.args[1:]
             raise

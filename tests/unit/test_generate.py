@@ -208,6 +208,44 @@ def test_generate_checks_its_arguments_before_any_model_step(model_tok, monkeypa
     assert seen == res.ids and len(res.ids) >= 1
 
 
+def test_a_finished_conversation_is_refused_and_wo_eos_continues_the_reply(model_tok, monkeypatch):
+    """A conversation ending in an assistant reply renders with the end-of-sentence token last (the format closes
+    every assistant turn); generating after it continued past the end of the conversation (public report
+    vllm#46256: empty or garbled output). generate and generate_batch refuse it before any model step, naming the
+    message; positive controls: the same reply with wo_eos=True is continued (its prompt ends in the reply's text,
+    which the model is fed), and a conversation ending in a tool result is answered."""
+    from dsv4.encoding import prompt_ids
+    from dsv4.generate import generate_batch
+    model, tok = model_tok
+    eos = model.args.eos_token_id
+    user = {"role": "user", "content": "What is 2+2?"}
+    finished = [[user, {"role": "assistant", "content": "4"}],
+                [user, {"role": "assistant", "content": "4", "reasoning_content": "2+2=4"}]]
+    calls = []
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: calls.append(1))
+    for conv in finished:
+        for thinking in (True, False):
+            assert prompt_ids(tok, conv, thinking=thinking)[-1] == eos  # what the check reads
+            with pytest.raises(ValueError, match=r"messages\[1\] \(role 'assistant'\): the conversation ends in a "
+                                                 rf"finished reply \(.*id {eos}\).*wo_eos=True"):
+                generate(model, tok, conv, max_tokens=2, thinking=thinking)
+    with pytest.raises(ValueError, match=r"conversations\[1\]: messages\[1\] \(role 'assistant'\)"):
+        generate_batch(model, tok, [[user], finished[0]], max_tokens=1, progress=False)
+    assert calls == []
+    monkeypatch.undo()
+    fed = []
+    cont = [user, {"role": "assistant", "content": "The answer is", "wo_eos": True}]
+    ids = prompt_ids(tok, cont)
+    assert ids[-1] != eos and tok.decode(ids).endswith("The answer is")
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, x, *a, **k: (fed.append(x), forward(self, x, *a, **k))[1])
+    res = generate(model, tok, cont, max_tokens=2)
+    assert fed[0][0].tolist() == ids and len(res.ids) >= 1
+    tool = [user, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": "{}"}}]}, {"role": "tool", "content": "4"}]
+    assert len(generate(model, tok, tool, max_tokens=1).ids) == 1
+
+
 def test_load_model_dtype_is_checked_and_names_accepted(tiny_ckpt):
     """dtype="bf16" was torch's TypeError from deep inside ("empty(): argument 'dtype' must be torch.dtype"):
     the CLI's names map to their torch dtype; anything else is a ValueError naming dtype and the accepted values."""
