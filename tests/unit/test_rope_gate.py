@@ -97,3 +97,28 @@ def test_every_module_uses_its_layer_types_frequencies():
                 want = torch.stack((plain[0], plain[-1] / args.rope_factor))
                 assert_close(ends, want, f"layer {layer.layer_id} {name} YaRN ends", rtol=1e-12, atol=0)
         assert attn.scale == args.head_dim ** -0.5, f"layer {layer.layer_id}: softmax scale {attn.scale} (no mscale)"
+
+
+def test_angles_are_formed_in_fp64_not_the_official_fp32_table(seed):
+    """docs/differences.md M11. The official `precompute_freqs_cis` builds fp32 inverse frequencies and the angle
+    table as an fp32 `outer(positions, freqs)`; dsv4 forms both in fp64 and rounds only cos / sin to fp32. At the
+    Flash context's far end the fp32 table is off by up to ~|p f| 2^-24 rad (half an fp32 ulp of the angle, plus
+    the fp32 frequency's own rounding times p): measured 6.0e-4 / 1.7e-3 rad at p = 65535 and 2.6e-2 / 2.4e-2 rad
+    at p = 2^20 - 1 (the largest over the pairs, ratio-0 / ratio-4 layers; asserted > 3e-4 and > 1e-2). dsv4's
+    rotation at those positions equals the fp64 one within the
+    fp32 tolerance (rtol / atol 1e-5 on O(1) inputs); the official table's rotation is refused by it (control)."""
+    args = ModelArgs.from_hf_config(FLASH)
+    pos = torch.tensor([65535, 2**20 - 1, 777_777])
+    for ratio in (0, 4):
+        f64 = rope_inv_freq(args, ratio)
+        f32 = f64.float()                                                    # the official fp32 frequencies
+        official = torch.outer(pos.float(), f32).double()                     # the official fp32 angle table
+        err = (official - pos.double()[:, None] * f64).abs()
+        assert float(err[0].max()) > 3e-4 and float(err[1].max()) > 1e-2, err.max(-1).values
+        x = torch.randn(1, 3, 4, args.rope_head_dim)
+        want = rope64(x, pos, f64)
+        assert_close(apply_rope(x, pos, f64), want.float(), f"apply_rope ratio {ratio}", rtol=1e-5, atol=1e-5)
+        z = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+        fp32_rot = torch.view_as_real(z * torch.polar(torch.ones_like(official), official)[:, None, :]).flatten(-2)
+        with pytest.raises(AssertionError):
+            assert_close(fp32_rot.float(), want.float(), "control: the fp32 table", rtol=1e-5, atol=1e-5)
