@@ -8,7 +8,9 @@ difference with its token strings; for the seed prompt it reads: extra "\\n\\n" 
 <think> (id 128821, thinking mode) / </think> (id 128822, chat mode) missing at the end. Test 1's decision
 ("the prompt was the bug": after switching to the template the expected answer comes back and the loop is
 gone) is automated: `greedy_continuation` continues both prompts, `loop_measure` measures each for loops, and
-`continuation_verdict` states the verdict in one line (reported, not gated).
+`continuation_verdict` states the verdict in one line (reported, not gated); when the template's greedy continuation
+loops, `sampled_continuations` continues it again at the model card's temperature, so that greedy decoding's own
+repetition is not mistaken for an implementation bug.
 Test 2 (the final norm) lives in `dsv4.final_norm` and is re-exported here; `run_diagnose` runs both. The
 report also says what produced it (`environment`: versions, git commit, world size).
 """
@@ -60,7 +62,8 @@ from dsv4.tokenizer import load_tokenizer
 
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
            "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
-           "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "continuation_verdict",
+           "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "sampled_continuations",
+           "SAMPLED_TEMPERATURE", "SAMPLED_SEEDS", "continuation_verdict",
            "format_continuation_report", "speculative_check", "format_speculative_check", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
            "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS", "check_lengths", "SPECULATIVE_CHECK_K",
            "synthesis_note"]
@@ -385,10 +388,10 @@ def loop_measure(ids: list[int]) -> LoopMeasure:
 
 @dataclass(frozen=True)
 class Continuation:
-    """A greedy continuation of one prompt.
+    """A greedy (or sampled: `sampled_continuations`) continuation of one prompt.
 
     Attributes:
-        ids: generated ids (greedy, fresh decode state), at most the requested count, EOS included if reached.
+        ids: generated ids (fresh decode state), at most the requested count, EOS included if reached.
         text: their decoded text (special tokens kept).
         stop: "eos" or "max_tokens".
         loop: `loop_measure` of the ids without EOS.
@@ -405,22 +408,27 @@ class Continuation:
 
 
 def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expect: str | None = None,
-                        on_token=None) -> Continuation:
+                        on_token=None, *, temperature: float = 0.0, seed: int = 0) -> Continuation:
     """Greedy decode of `n_tokens` ids after `prompt` ([s] ids) from a fresh decode state, stopping at EOS.
 
     The first id equals the prompt's greedy top-1. `on_token(k)` (optional) is called after the k-th generated
-    id (progress). Raises ValueError if n_tokens < 1 or the prompt is empty.
+    id (progress). `temperature` > 0 samples instead (`dsv4.generate.sample`, a torch.Generator seeded with
+    `seed`: `sampled_continuations`). Raises ValueError if n_tokens < 1 or the prompt is empty, or for a
+    temperature / seed `dsv4.generate.generate` refuses.
     """
 
     if n_tokens < 1 or not prompt:
         raise ValueError(f"greedy_continuation: need n_tokens >= 1 (got {n_tokens}) and a non-empty prompt")
+    dsv4.generate._check_sampling(temperature, seed)
+    gen = torch.Generator(device=model.device).manual_seed(seed) if temperature > 0 else None
     eos = model.args.eos_token_id
     state = model.new_state(1)
     x = torch.tensor([prompt], dtype=torch.long, device=model.device)
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n_tokens):
-            tok = int(model(x, state).argmax(-1)[0])
+            logits = model(x, state)
+            tok = int(logits.argmax(-1)[0] if gen is None else dsv4.generate.sample(logits, temperature, gen)[0])
             out.append(tok)
             if on_token is not None:
                 on_token(len(out))
@@ -431,6 +439,37 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
     body = out[:-1] if out and out[-1] == eos else out
     found = None if expect is None else expect.casefold() in text.casefold()
     return Continuation(out, text, "eos" if out[-1] == eos else "max_tokens", loop_measure(body), found)
+
+
+SAMPLED_TEMPERATURE = 1.0  # the released models' recommended sampling (model card, spec §1.1: T 1.0, top_p 1.0)
+SAMPLED_SEEDS = (0, 1, 2)
+
+
+def sampled_continuations(model, tokenizer, prompt: list[int], n_tokens: int, expect: str | None = None,
+                          on_token=None, *, temperature: float = SAMPLED_TEMPERATURE,
+                          seeds: tuple[int, ...] = SAMPLED_SEEDS) -> list[Continuation]:
+    """Continuations of `prompt` sampled at `temperature` (plain sampling, top_p 1.0), one per seed: Test 1's
+    check that a loop of the greedy continuation is more than greedy decoding's own repetition.
+
+    Why: greedy decoding of the released V4 models can fall into repetition loops that sampling at the model
+    card's settings does not show (public reports: QwenLM/qwen-code#9765, antirez/ds4#1045). A greedy loop alone
+    would then read as "still degenerate" and send a team hunting an implementation bug that is not there.
+    `on_token(k)` counts the generated ids over all seeds. Raises ValueError as `greedy_continuation`, and for
+    an empty `seeds`."""
+    if not seeds:
+        raise ValueError("sampled_continuations: expected at least one seed")
+    done = 0
+
+    def tick(k):
+        if on_token is not None:
+            on_token(done + k)
+
+    out = []
+    for s in seeds:
+        out.append(greedy_continuation(model, tokenizer, prompt, n_tokens, expect, tick, temperature=temperature,
+                                       seed=s))
+        done += len(out[-1].ids)
+    return out
 
 
 SPECULATIVE_CHECK_K = 3  # drafts per verify step of the oracle drafter in `speculative_check` (the adversary: k - 1)
@@ -475,15 +514,22 @@ def format_speculative_check(c: dict) -> str:
 
 
 VERDICTS = ("prompt fixed", "still degenerate", "expected answer absent", "no degeneration with either prompt",
-            "inconclusive")
+            "inconclusive", "greedy loop only")
 LOOP_MIN_TOKENS = 8  # a continuation cut by max_tokens shorter than this cannot show a loop (see loop_measure)
 
 
-def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | None) -> tuple[str, str]:
+def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | None,
+                         sampled: list[Continuation] | None = None) -> tuple[str, str]:
     """Test 1's decision from the two continuations: (verdict, one-line explanation).
+
+    `sampled`: continuations of the template prompt sampled at the model card's temperature
+    (`sampled_continuations`; diagnose runs them only when the template's greedy continuation loops).
 
     Rule (the procedure's "the prompt was the bug" = after switching to the template the expected answer
     comes back and the loop is gone):
+        template continuation loops, `sampled` given and none of them loops
+                                                          -> "greedy loop only" (greedy decoding's repetition, not
+                                                             by itself evidence of an implementation bug)
         template continuation loops                       -> "still degenerate" (the prompt is not the only bug)
         else `expect` given and absent from the template  -> "expected answer absent"
         else a continuation stopped by max_tokens with fewer than LOOP_MIN_TOKENS ids (too short for the loop
@@ -505,6 +551,15 @@ def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | N
 
     detail = f"template: {what(tmpl)} | hand-rolled: {what(hand)}"
     if tmpl.loop.looping:
+        if sampled:
+            n_loop = sum(c.loop.looping for c in sampled)
+            detail += f" | sampled at T {SAMPLED_TEMPERATURE:g}: {n_loop} of {len(sampled)} loop"
+            if n_loop == 0:
+                return VERDICTS[5], (f"{VERDICTS[5]}: the greedy continuation loops with the official prompt, but "
+                                     f"none of {len(sampled)} continuations sampled at the model card's T "
+                                     f"{SAMPLED_TEMPERATURE:g} does: greedy decoding's own repetition, not by itself "
+                                     "evidence that the implementation is wrong (Test 2 and the parity tests decide "
+                                     f"that); decode with sampling ({detail})")
         return VERDICTS[1], (f"{VERDICTS[1]}: the continuation still loops with the official prompt, so the prompt "
                              f"is not (only) what breaks decode ({detail})")
     if expect is not None and not tmpl.contains_expected:
@@ -524,13 +579,19 @@ def continuation_verdict(hand: Continuation, tmpl: Continuation, expect: str | N
 
 
 def format_continuation_report(hand: Continuation, tmpl: Continuation, expect: str | None, n_tokens: int,
-                               verdict_line: str) -> str:
-    """The continuation block of Test 1 (plain text, ends with the verdict line)."""
+                               verdict_line: str, sampled: list[Continuation] | None = None) -> str:
+    """The continuation block of Test 1 (plain text, ends with the verdict line); `sampled`: the template's
+    sampled continuations, one line pair per seed (`SAMPLED_SEEDS`)."""
     lines = [f"greedy continuation ({n_tokens} tokens max, stops at EOS), loop measure (longest periodic "
              "stretch with >= 2 periods; LOOP = it covers >= half the tokens 3+ times over, or < 25% distinct ids):"]
-    for name, c in (("hand-rolled", hand), ("template", tmpl)):
+    rows = [("hand-rolled", hand), ("template", tmpl)]
+    rows += [(f"sampled {s}", c) for s, c in zip(SAMPLED_SEEDS, sampled or [])]
+    for name, c in rows:
         lines += [f"  {name + ':':<12} {_bounded_text(c.text)}",
                   f"  {'':<12} {len(c.ids)} tokens, stop {c.stop}; {c.loop.describe()}"]
+    if sampled:
+        lines.append(f"the template's greedy continuation loops: continued again with sampling (T "
+                     f"{SAMPLED_TEMPERATURE:g}, top_p 1.0, the model card's settings), seeds {list(SAMPLED_SEEDS)}")
     if expect is not None:
         lines.append(f"expected answer {json.dumps(expect, ensure_ascii=False)} (case-insensitive): hand-rolled "
                      f"{'yes' if hand.contains_expected else 'no'}, template {'yes' if tmpl.contains_expected else 'no'}")
@@ -993,15 +1054,22 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                            "tokens)") as pr:
             cont_tmpl = greedy_continuation(model, tok, fed, continue_tokens, expect,
                                             on_token=lambda k: pr.tick(k, continue_tokens))
+        sampled = None
+        if cont_tmpl.loop.looping:  # greedy decoding's own repetition, or a loop that sampling shows too?
+            total = continue_tokens * len(SAMPLED_SEEDS)
+            with progress.step(f"Test 1: the template continuation loops: sampled continuations (T "
+                               f"{SAMPLED_TEMPERATURE:g}, {len(SAMPLED_SEEDS)} seeds)") as pr:
+                sampled = sampled_continuations(model, tok, fed, continue_tokens, expect,
+                                                on_token=lambda k: pr.tick(k, total))
         with progress.step("speculative decoding check (the template continuation again, verify steps + "
                            "rollback)"):
             spec = speculative_check(model, fed, cont_tmpl)
-        verdict, verdict_line = continuation_verdict(cont_hand, cont_tmpl, expect)
+        verdict, verdict_line = continuation_verdict(cont_hand, cont_tmpl, expect, sampled)
         top_hand, top_tmpl = _token(tok, cont_hand.ids[0]), _token(tok, r.greedy_ids[0])
         print(format_template_report(diff))
         print(f"greedy top-1 with the hand-rolled prompt: {top_hand['id']} {json.dumps(top_hand['token'])}")
         print(f"greedy top-1 after switching to the template: {top_tmpl['id']} {json.dumps(top_tmpl['token'])}")
-        print(format_continuation_report(cont_hand, cont_tmpl, expect, continue_tokens, verdict_line))
+        print(format_continuation_report(cont_hand, cont_tmpl, expect, continue_tokens, verdict_line, sampled))
         print(format_speculative_check(spec))
         if cont_tmpl.ids[0] != r.greedy_ids[0]:  # same ids, same model, fresh state: a near-tie flipped
             print(f"note: the continuation's first token {cont_tmpl.ids[0]} differs from Test 2's greedy top-1 "
@@ -1031,6 +1099,10 @@ def _run_diagnose(ckpt: Path | None, prompt: str, decode_steps: int, json_path: 
                                          "continuation": {"tokens_requested": continue_tokens, "expect": expect,
                                                           "hand_rolled": cont_hand.to_json(),
                                                           "template": cont_tmpl.to_json(),
+                                                          "template_sampled": None if sampled is None else {
+                                                              "temperature": SAMPLED_TEMPERATURE,
+                                                              "seeds": list(SAMPLED_SEEDS),
+                                                              "continuations": [c.to_json() for c in sampled]},
                                                           "verdict": verdict, "verdict_line": verdict_line},
                                          "speculative": spec},
                       "test2_final_norm": r.to_dict(), "outcome": outcome, "passed": passed,

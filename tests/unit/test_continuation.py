@@ -101,6 +101,24 @@ def test_verdict_rule(hand, tmpl, expect, verdict):
     assert line.startswith(verdict + ":") and "\n" not in line
 
 
+@pytest.mark.parametrize("sampled,verdict,tail", [
+    ([_cont(FINE), _cont(list(range(600, 616))), _cont(FINE)], "greedy loop only", "0 of 3 loop"),
+    ([_cont(FINE), _cont(LOOP), _cont(FINE)], "still degenerate", "1 of 3 loop"),
+    ([_cont(LOOP)] * 3, "still degenerate", "3 of 3 loop"),
+    (None, "still degenerate", None),
+    ([], "still degenerate", None),
+])
+def test_a_greedy_loop_is_judged_with_the_sampled_continuations(sampled, verdict, tail):
+    """A template continuation that loops greedily is "still degenerate" unless continuations sampled at the
+    model card's T 1.0 do not loop: then "greedy loop only" (greedy decoding's own repetition, public reports
+    QwenLM/qwen-code#9765, antirez/ds4#1045), never a verdict that blames the implementation for it. Sampled
+    continuations change nothing when the greedy one does not loop (control)."""
+    got, line = continuation_verdict(_cont(LOOP, expected=False), _cont(LOOP, expected=True), "Paris", sampled)
+    assert got == verdict and got in VERDICTS and line.startswith(verdict + ":"), line
+    assert (tail in line) if tail else ("sampled" not in line)
+    assert continuation_verdict(_cont(LOOP), _cont(FINE), None, [_cont(LOOP)] * 3)[0] == "prompt fixed"
+
+
 SHORT = [500, 501, 502]  # cut by max_tokens after 3 tokens: too short for the loop measure to see a loop
 
 
@@ -223,3 +241,56 @@ def test_on_the_fly_checkpoint_says_how_to_rebuild_it(tiny_ckpt, tmp_path, capsy
     assert TINY_REBUILD == "dsv4 make-tiny DIR --variant fp8 --seed 0"
     for key, name in (("config_sha256", "config.json"), ("index_sha256", "model.safetensors.index.json")):
         assert ck[key] == hashlib.sha256((tiny_ckpt / name).read_bytes()).hexdigest()[:16]
+
+
+def test_sampled_continuations_sample_per_seed(tiny_ckpt):
+    """`sampled_continuations` really samples (seeds differ somewhere, each seed reproducible), and temperature 0
+    is the greedy continuation (control); no seeds, or a temperature generate refuses, is a ValueError."""
+    import torch
+    from dsv4.diagnose import SAMPLED_SEEDS, greedy_continuation, sampled_continuations
+    from dsv4.generate import load_model
+    from dsv4.tokenizer import load_tokenizer
+    model, _ = load_model(tiny_ckpt, dtype=torch.float32)
+    tok = load_tokenizer(tiny_ckpt)
+    prompt = tok.encode("Hello there", add_special_tokens=False)
+    runs = sampled_continuations(model, tok, prompt, 8, temperature=2.0)
+    assert len(runs) == len(SAMPLED_SEEDS) and len({tuple(c.ids) for c in runs}) > 1
+    assert [c.ids for c in sampled_continuations(model, tok, prompt, 8, temperature=2.0)] == [c.ids for c in runs]
+    assert greedy_continuation(model, tok, prompt, 8, temperature=0.0).ids == greedy_continuation(
+        model, tok, prompt, 8).ids
+    with pytest.raises(ValueError, match="at least one seed"):
+        sampled_continuations(model, tok, prompt, 8, seeds=())
+    with pytest.raises(ValueError, match="temperature=-1"):
+        sampled_continuations(model, tok, prompt, 8, temperature=-1)
+
+
+def test_diagnose_samples_only_when_the_template_loops(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """The report on the tiny checkpoint with the template's greedy continuation forced into a loop: three
+    continuations sampled at T 1.0 are run, printed and written to the JSON, and the verdict is
+    `continuation_verdict` with them; without a greedy loop none is run (control: the JSON field is null)."""
+    import dsv4.diagnose as dg
+    original = dg.greedy_continuation
+    calls = []
+
+    def looping(model, tokenizer, prompt, n, expect=None, on_token=None, *, temperature=0.0, seed=0):
+        calls.append(temperature)
+        if temperature == 0.0:
+            return Continuation([5] * n, "x" * n, "max_tokens", loop_measure([5] * n), None)
+        return original(model, tokenizer, prompt, n, expect, on_token, temperature=temperature, seed=seed)
+
+    monkeypatch.setattr(dg, "greedy_continuation", looping)
+    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8",
+                            "--decode-steps", "1")
+    c = rep["test1_template"]["continuation"]
+    s = c["template_sampled"]
+    assert s["temperature"] == dg.SAMPLED_TEMPERATURE == 1.0 and s["seeds"] == list(dg.SAMPLED_SEEDS)
+    assert len(s["continuations"]) == 3 and calls.count(1.0) == 3
+    sampled = [Continuation(**{**k, "loop": LoopMeasure(**k["loop"])}) for k in s["continuations"]]
+    hand, tmpl = (Continuation(**{**c[n], "loop": LoopMeasure(**c[n]["loop"])}) for n in ("hand_rolled", "template"))
+    assert (c["verdict"], c["verdict_line"]) == continuation_verdict(hand, tmpl, None, sampled)
+    assert c["verdict"] in ("greedy loop only", "still degenerate") and "sampled 0:" in out
+    monkeypatch.undo()
+    _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8",
+                            "--decode-steps", "1")
+    assert not rep["test1_template"]["continuation"]["template"]["loop"]["looping"]
+    assert rep["test1_template"]["continuation"]["template_sampled"] is None and "sampled 0:" not in out
