@@ -78,10 +78,19 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, 
     return out
 
 
-def hf_config(args: ModelArgs):
-    """transformers `DeepseekV4Config` for `args` (unquantized: weights are given dequantized)."""
+def hf_config(args: ModelArgs, num_hidden_layers: int | None = None):
+    """transformers `DeepseekV4Config` for `args` (unquantized: weights are given dequantized).
+
+    `num_hidden_layers`: None = `args.n_layers`; `args.n_layers + 1` gives the MTP block's layer (spec §10: layer_id
+    n_layers, ratio `compress_ratios[n_layers]`) a transformers decoder layer of its own, the oracle of
+    tests/unit/test_mtp_oracle.py. Raises ValueError outside n_layers .. len(compress_ratios)."""
 
     cfg = args.to_hf_config()
+    if num_hidden_layers is not None:
+        if not args.n_layers <= num_hidden_layers <= len(args.compress_ratios):
+            raise ValueError(f"hf_config: num_hidden_layers={num_hidden_layers}, expected {args.n_layers} .. "
+                             f"{len(args.compress_ratios)} (the main layers, plus MTP layers that have a ratio)")
+        cfg["num_hidden_layers"] = num_hidden_layers
     cfg.pop("quantization_config", None)
     for k in ("architectures", "model_type", "torch_dtype", "topk_method", "expert_dtype"):
         cfg.pop(k, None)
