@@ -353,6 +353,10 @@ MUTANTS: dict[str, Mutant] = {m.name: m for m in [
            "for every query", patches.sparse_heads_queries_share_indices,
            ("tests/unit/test_attention_kernels.py::test_prefill_default_runs_all_heads_kernel_per_query[pos-s-fp32]",
             "tests/unit/test_graph_decode.py::test_triton_decode_with_64_heads_runs_the_all_heads_kernel")),
+    Mutant("mtp_rope_compressed", "the MTP block's attention takes the compressed layers' RoPE (compress theta + "
+           "YaRN; public report vllm#48304)", patches.mtp_rope_compressed,
+           ("tests/unit/test_mtp_oracle.py::test_mtp_block_matches_the_transformers_layer_and_spec[5]",
+            "tests/unit/test_mtp_oracle.py::test_mtp_block_matches_the_transformers_layer_and_spec[140]")),
 ]}
 
 

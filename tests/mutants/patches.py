@@ -149,6 +149,21 @@ def rope_theta_per_layer_type_ignored(mp: MP) -> None:
     mp.setattr(model, "rope_inv_freq", lambda args, ratio, dim=None: orig(args, 0, dim))  # MUTANT: ratio -> 0
 
 
+def mtp_rope_compressed(mp: MP) -> None:
+    """vllm#48304's class: the MTP block (layer_id n_layers, ratio 0: rope_theta, no YaRN) gets the compressed
+    layers' frequencies (compress_rope_theta with the YaRN ramp) on its attention."""
+    from dsv4 import model
+
+    orig = model.MTPBlock.__init__
+
+    def __init__(self, args, layer_id, sim, dtype):
+        orig(self, args, layer_id, sim, dtype)
+        f = self.attn.inv_freq
+        f.copy_(model.rope_inv_freq(args, 4, f.numel() * 2).to(f.dtype))  # MUTANT: the compressed layers' RoPE
+
+    mp.setattr(model.MTPBlock, "__init__", __init__)
+
+
 # ------------------------------------------------------------------------------------------------ attention
 def window_off_by_one(mp: MP) -> None:
     """Sliding window of window_size + 1 tokens (129 instead of 128; 9 instead of 8 in the tiny config)."""
