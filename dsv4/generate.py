@@ -192,7 +192,7 @@ def generate(model: Transformer, tokenizer, messages: list[dict], *, max_tokens:
             neither None nor callable, `trace` neither None nor a ResidualTrace; an empty prompt: the conversation ends in a user message whose content
             is "" or blank (an earlier empty turn is allowed, as in `encode_messages`); a finished conversation:
             it ends in an assistant reply without `wo_eos`, so the prompt ends in the end-of-sentence token
-            (`_check_open_end`); `chat` not a ChatState;
+            (`_check_open_end`), or in a system message (no assistant turn follows it); `chat` not a ChatState;
             prompt errors from `dsv4.encoding.prompt_ids` (an empty conversation, an unknown message key, a missing
             content, ...).
         LimitError: the prompt + max_tokens exceed the model's context.
@@ -279,7 +279,15 @@ def _check_open_end(messages, ids: list[int], eos: int, name: str = "messages") 
     completion would continue past the end of the conversation (public report vllm#46256: silent empty or garbled
     output). `encode_messages` / `prompt_ids` render it, as the official encoder (the text of a finished
     conversation is a valid training example); only the generation entries refuse it. An assistant message with
-    `wo_eos: True` is the way to continue a reply (its prompt ends in the reply's text)."""
+    `wo_eos: True` is the way to continue a reply (its prompt ends in the reply's text). Likewise a conversation
+    ending in a system message without a `task`: the format opens an assistant turn only after a user, developer
+    or tool message (or a task token), so the completion would continue the system text."""
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if last.get("role") == "system" and last.get("task") is None:
+        raise ValueError(f"{name}[{len(messages) - 1}] (role 'system'): the conversation ends in a system message, "
+                         "after which the format opens no assistant turn (only a user, developer or tool message, "
+                         "or a task, does): the completion would continue the system text; expected a last message "
+                         "from the user or a tool")
     if ids and ids[-1] == eos:
         i = len(messages) - 1
         role = messages[i].get("role") if isinstance(messages[i], dict) else None

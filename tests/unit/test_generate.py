@@ -213,7 +213,8 @@ def test_a_finished_conversation_is_refused_and_wo_eos_continues_the_reply(model
     every assistant turn); generating after it continued past the end of the conversation (public report
     vllm#46256: empty or garbled output). generate and generate_batch refuse it before any model step, naming the
     message; positive controls: the same reply with wo_eos=True is continued (its prompt ends in the reply's text,
-    which the model is fed), and a conversation ending in a tool result is answered."""
+    which the model is fed), and a conversation ending in a tool result is answered. A conversation ending in a
+    system message (no assistant turn opened after it) is refused likewise."""
     from dsv4.encoding import prompt_ids
     from dsv4.generate import generate_batch
     model, tok = model_tok
@@ -231,6 +232,12 @@ def test_a_finished_conversation_is_refused_and_wo_eos_continues_the_reply(model
                 generate(model, tok, conv, max_tokens=2, thinking=thinking)
     with pytest.raises(ValueError, match=r"conversations\[1\]: messages\[1\] \(role 'assistant'\)"):
         generate_batch(model, tok, [[user], finished[0]], max_tokens=1, progress=False)
+    for conv in ([{"role": "system", "content": "Be brief."}], [user, {"role": "system", "content": "Be brief."}]):
+        ids = prompt_ids(tok, conv)
+        assert tok.decode(ids).endswith("Be brief.")  # no assistant turn opened: the text would be continued
+        with pytest.raises(ValueError, match=rf"messages\[{len(conv) - 1}\] \(role 'system'\): the conversation "
+                                             "ends in a system message"):
+            generate(model, tok, conv, max_tokens=2)
     assert calls == []
     monkeypatch.undo()
     fed = []
