@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -63,7 +64,7 @@ from dsv4.tokenizer import load_tokenizer
 __all__ = ["TemplateDiff", "DiffOp", "template_diff", "format_template_report", "hand_rolled_ids", "run_diagnose",
            "final_norm_check", "format_final_norm_report", "EXIT_PASS", "EXIT_ERROR", "EXIT_HARD_STOP", "EXIT_INCONCLUSIVE",
            "LoopMeasure", "loop_measure", "Continuation", "greedy_continuation", "sampled_continuations",
-           "SAMPLED_TEMPERATURE", "SAMPLED_SEEDS", "continuation_verdict",
+           "answer_text", "contains_answer", "SAMPLED_TEMPERATURE", "SAMPLED_SEEDS", "continuation_verdict",
            "format_continuation_report", "speculative_check", "format_speculative_check", "environment", "DEFAULT_CONTINUE_TOKENS", "OFFICIAL_SPECIAL_IDS",
            "special_id_problems", "LOOP_MIN_TOKENS", "VERDICTS", "check_lengths", "SPECULATIVE_CHECK_K",
            "synthesis_note"]
@@ -395,7 +396,9 @@ class Continuation:
         text: their decoded text (special tokens kept).
         stop: "eos" or "max_tokens".
         loop: `loop_measure` of the ids without EOS.
-        contains_expected: None without `--expect`, else whether `text` contains it (case-insensitive).
+        contains_expected: None without `--expect`, else whether the text without special tokens contains it
+            (`answer_text`, `contains_answer`: case-insensitive, as a whole word where it begins / ends with a
+            letter or digit).
     """
     ids: list[int]
     text: str
@@ -405,6 +408,31 @@ class Continuation:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def answer_text(tokenizer, ids: list[int]) -> str:
+    """The text of generated `ids` that `--expect` is looked for in: every added token of the tokenizer left out
+    (the format's markup: `<think>`, `</think>`, EOS, the DSML tool-call tokens ...; they are not words of the
+    answer, and `--expect think` must not be found in `<think>`)."""
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return tokenizer.decode([i for i in ids if i not in added], skip_special_tokens=True)
+
+
+def contains_answer(text: str, expect: str) -> bool:
+    """Whether `text` contains the expected answer `expect`, case-insensitively (str.casefold), and not as a piece
+    of a longer word or number: where `expect` begins (ends) with a letter or digit, the character before (after)
+    the match must not be one. "Paris" is in "The capital is Paris." but not in "comparison"; "4" is in "2+2 = 4"
+    but not in "14" or "2024". An answer in a script written without spaces (Chinese, Japanese) is a plain
+    substring match wherever its edge characters are such letters too, e.g. "巴黎" in "首都是巴黎。": only an
+    edge that is an ASCII letter or digit is held to a word boundary. Raises ValueError for an empty or blank
+    `expect` (every text contains it: a check that cannot fail)."""
+    if not expect.strip():
+        raise ValueError(f"expect={expect!r}: an empty expected answer is contained in every text; give the "
+                         "answer's text or leave it out")
+    word = r"[0-9A-Za-z]"
+    lead = rf"(?<!{word})" if re.match(word, expect[0]) else ""
+    tail = rf"(?!{word})" if re.match(word, expect[-1]) else ""
+    return re.search(lead + re.escape(expect.casefold()) + tail, text.casefold()) is not None
 
 
 def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expect: str | None = None,
@@ -437,7 +465,7 @@ def greedy_continuation(model, tokenizer, prompt: list[int], n_tokens: int, expe
             x = torch.tensor([[tok]], dtype=torch.long, device=model.device)
     text = tokenizer.decode(out, skip_special_tokens=False)
     body = out[:-1] if out and out[-1] == eos else out
-    found = None if expect is None else expect.casefold() in text.casefold()
+    found = None if expect is None else contains_answer(answer_text(tokenizer, out), expect)
     return Continuation(out, text, "eos" if out[-1] == eos else "max_tokens", loop_measure(body), found)
 
 

@@ -119,6 +119,45 @@ def test_a_greedy_loop_is_judged_with_the_sampled_continuations(sampled, verdict
     assert continuation_verdict(_cont(LOOP), _cont(FINE), None, [_cont(LOOP)] * 3)[0] == "prompt fixed"
 
 
+@pytest.mark.parametrize("text,expect,found", [
+    ("The capital of France is Paris.", "Paris", True),
+    ("the capital is PARIS", "paris", True),
+    ("a comparison of cities", "Paris", False),       # a piece of a longer word: not the answer
+    ("2+2 = 4", "4", True),
+    ("it was 14", "4", False), ("in 2024", "4", False), ("4th", "4", False),
+    ("(4)", "4", True), ("answer:4.", "4", True),
+    ("New York City", "New York", True), ("New Yorker", "New York", False),
+    ("首都是巴黎。", "巴黎", True),                    # no spaces in the script: a substring
+    ("x = -1", "-1", True), ("x = -10", "-1", False),  # an edge digit keeps its boundary
+])
+def test_contains_answer_matches_whole_words(text, expect, found):
+    """`--expect` was a plain substring test: "Paris" was found in "comparison" and "4" in "2024", so a
+    continuation without the answer could read "prompt fixed". Now a letter / digit edge of the answer must be a
+    word boundary in the text (case-insensitive)."""
+    from dsv4.diagnose import contains_answer
+    assert contains_answer(text, expect) is found
+
+
+def test_an_answer_inside_another_word_does_not_fix_the_prompt(tiny_ckpt):
+    """The verdict with the old substring rule would have been "prompt fixed" for a template continuation that says
+    "comparison" when "Paris" is expected; with whole words the answer is absent. Special tokens are not text:
+    `--expect think` is not found in "<think>...</think>"."""
+    from dsv4.diagnose import contains_answer
+    found = contains_answer("a comparison of the two", "Paris")
+    verdict, _ = continuation_verdict(_cont(LOOP, expected=False), _cont(FINE, expected=found), "Paris")
+    assert verdict == "expected answer absent"
+    assert continuation_verdict(_cont(LOOP, expected=False), _cont(FINE, expected=True), "Paris")[0] == \
+        "prompt fixed"  # control: the answer as a word
+    from dsv4.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_ckpt)
+    ids = [128821] + tok.encode("ok", add_special_tokens=False) + [128822]
+    from dsv4.diagnose import answer_text
+    assert "think" in tok.decode(ids) and answer_text(tok, ids).strip() == "ok"
+    assert not contains_answer(answer_text(tok, ids), "think") and contains_answer(answer_text(tok, ids), "OK")
+    with pytest.raises(ValueError, match="empty expected answer"):
+        contains_answer("text", " ")
+
+
 SHORT = [500, 501, 502]  # cut by max_tokens after 3 tokens: too short for the loop measure to see a loop
 
 
@@ -192,10 +231,13 @@ def test_expect_found_in_the_template_continuation(tiny_ckpt, tmp_path, capsys):
     # 8 tokens = LOOP_MIN_TOKENS: fewer make the loop half of the decision vacuous ("inconclusive", tested below)
     _, _, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8", "--dtype", "fp32",
                           "--decode-steps", "1")
-    text = rep["test1_template"]["continuation"]["template"]["text"]
-    word = text.strip()[:3] or text[:3]  # a piece of what the tiny model really says, in other case
-    if word.swapcase().casefold() == word.casefold():
-        word = word.swapcase()
+    from dsv4.tokenizer import load_tokenizer
+    ids = rep["test1_template"]["continuation"]["template"]["ids"]
+    from dsv4.diagnose import answer_text
+    text = answer_text(load_tokenizer(tiny_ckpt), ids)
+    words = re.findall(r"[0-9A-Za-z]+", text)
+    word = words[0] if words else text.strip()[:3]  # a whole word of what the tiny model really says
+    word = word.swapcase() if word.swapcase() != word else word  # in other case
     _, out, rep = _diagnose(capsys, tmp_path, "--ckpt", str(tiny_ckpt), "--continue-tokens", "8", "--dtype", "fp32",
                             "--decode-steps", "1", "--expect", word)
     c = rep["test1_template"]["continuation"]
