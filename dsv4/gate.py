@@ -439,6 +439,20 @@ def _unit_test_files(repo: Path) -> list[tuple[str, int]]:
             for p in sorted((repo / "tests" / "unit").glob("test_*.py"))]
 
 
+def gate_jobs() -> int:
+    """The hard-stop run's process count: $DSV4_GATE_JOBS when set (an integer >= 1, ASCII digits), else
+    min(2, CPU count). Raises GateError naming the variable and its value otherwise (a typo must not silently run
+    the whole gate in one process, nor end in a traceback)."""
+    raw = os.environ.get("DSV4_GATE_JOBS")
+    if raw is None or raw == "":
+        return min(2, os.cpu_count() or 1)
+    s = raw.strip()
+    if not (s.isascii() and s.isdigit()) or int(s) < 1:
+        raise GateError(f"DSV4_GATE_JOBS={raw!r}: expected an integer >= 1 (pytest processes for the hard-stop run), "
+                        "or unset for min(2, CPUs)")
+    return int(s)
+
+
 def run_hardstop_tests(repo: Path, report_file: Path, jobs: int | None = None) -> int:
     """Run the hard-stop unit tests in `repo` (output streams to the terminal), writing a JSON report to
     `report_file`; returns pytest's exit status (the worst over the runs). jobs (default: $DSV4_GATE_JOBS, else
@@ -447,7 +461,7 @@ def run_hardstop_tests(repo: Path, report_file: Path, jobs: int | None = None) -
     `pytest -m hardstop tests/unit`."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     if jobs is None:
-        jobs = int(os.environ.get("DSV4_GATE_JOBS") or min(2, os.cpu_count() or 1))
+        jobs = gate_jobs()
     if jobs <= 1:
         cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, "--json-report", f"--json-report-file={report_file}"]
         _console().print(f"dsv4 gate: running TRITON_INTERPRET=1 python {' '.join(cmd[1:])}", markup=False,
@@ -490,6 +504,8 @@ def evaluate(base: str, report: Path | None = None, repo: Path | None = None,
     path changed. Raises GateError on usage or git errors.
     """
     repo = repo_root(repo)
+    if runner is run_hardstop_tests and report is None:
+        gate_jobs()  # a bad $DSV4_GATE_JOBS is a usage error before any git or pytest work
     changed = changed_files(base, repo)
     patterns = protected_patterns(repo, base)
     protected = match_protected(changed, patterns)

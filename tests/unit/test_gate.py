@@ -78,6 +78,26 @@ def test_unknown_base_ref_is_a_usage_error(repo: Path, monkeypatch, capsys):
     assert "'no-such-branch' names no commit" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "٣", " "])
+def test_a_bad_gate_jobs_value_is_a_usage_error_before_any_work(repo: Path, monkeypatch, capsys, value):
+    """$DSV4_GATE_JOBS was int()'d deep in the run: "abc" ended in a traceback (exit 1) after the git work, and 0
+    or a negative value silently ran the whole hard-stop suite in one process. Now any value but an integer >= 1
+    (or unset / empty: the default) is exit 2 naming the variable, before the git diff (control: the same run
+    with a good value reaches the diff and reports the unknown base ref instead)."""
+    commit(repo, {"kernels/add.py": "X = 2\n"})
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("DSV4_GATE_JOBS", value)
+    assert run_gate("no-such-branch", None) == gate.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"DSV4_GATE_JOBS={value!r}: expected an integer >= 1" in err and "no-such-branch" not in err
+    monkeypatch.setenv("DSV4_GATE_JOBS", "3")
+    assert gate.gate_jobs() == 3
+    assert run_gate("no-such-branch", None) == gate.EXIT_USAGE
+    assert "'no-such-branch' names no commit" in capsys.readouterr().err
+    monkeypatch.setenv("DSV4_GATE_JOBS", "")
+    assert gate.gate_jobs() == min(2, __import__("os").cpu_count() or 1)
+
+
 def test_unprotected_change_allowed_without_a_report(repo: Path, monkeypatch, capsys):
     commit(repo, {"docs/notes.md": "more notes\n", "dsv4/cli.py": "C = 1\n"})
     d = evaluate("base", None, repo, runner=never_run, collector=no_base_tests)
