@@ -145,6 +145,11 @@ class _DuplicateKey(Exception):
     pass
 
 
+def _not_json_constant(name: str):
+    """`json.loads(parse_constant=)`: NaN, Infinity and -Infinity are not JSON (RFC 8259); refused."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN / Infinity)")
+
+
 class EmptyConversationError(ValueError):
     """`messages` is empty: there is no turn to render. Raised alike by `encode_messages([])`,
     `prompt_ids(tok, [])` and `tok.apply_chat_template([])` (tokenizer from `dsv4.tokenizer.load_tokenizer`).
@@ -564,8 +569,8 @@ def _parse_tool_calls(text: str, i: int) -> tuple[int, list[dict]]:
             if key in args:
                 raise ValueError(f"completion.tool_calls[{len(calls)}].parameter: duplicate name {key!r}")
             if flag == "false":  # inserted as JSON text: it must be JSON, or `arguments` is not (difference P3)
-                try:
-                    json.loads(value, object_pairs_hook=_no_duplicate_keys)
+                try:  # strict JSON: Python's json reads NaN / Infinity, which other JSON readers refuse
+                    json.loads(value, object_pairs_hook=_no_duplicate_keys, parse_constant=_not_json_constant)
                 except (ValueError, _DuplicateKey) as e:
                     raise ValueError(f"completion.tool_calls[{len(calls)}].parameter {key!r}: string=\"false\" "
                                      f"value {value!r} is not JSON ({e}); the arguments would not parse") from None

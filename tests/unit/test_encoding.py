@@ -293,6 +293,11 @@ _CALL = f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="f">\n<{DSML}parameter name
      "chat", r"parameter 'a': string=\"false\" value '\{\"p\": 1' is not JSON"),
     (_CALL.replace('string="true">1', 'string="false">{"p": 1, "p": 2}') +
      f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat", r"parameter 'a': string=\"false\" value .* is not JSON"),
+    # NaN / Infinity: Python's json reads them, strict JSON readers (a client's) do not
+    (_CALL.replace('string="true">1', 'string="false">NaN') + f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}",
+     "chat", r"parameter 'a': string=\"false\" value 'NaN' is not JSON \(NaN is not a JSON value"),
+    (_CALL.replace('string="true">1', 'string="false">{"p": -Infinity}') +
+     f"</{DSML}invoke>\n</{DSML}tool_calls>{EOS}", "chat", r"value '\{\"p\": -Infinity\}' is not JSON"),
 ])
 def test_parse_malformed_raises(text, mode, match):
     with pytest.raises(ValueError, match=match):
