@@ -105,12 +105,17 @@ def reuse_plan(model: Transformer, chat: ChatState | None, new_ids: list[int]) -
     """How much of `chat` a prompt `new_ids` can keep: (n, note). n = len(chat.ids) when `chat.ids` is a proper
     prefix of new_ids and the state is this model's with batch 1 (append new_ids[n:]), else 0 (rebuild: a fresh
     state and the whole prompt); note says which and why ("fresh", "reused N tokens, appended M", "rebuilt: ...").
-    Raises ValueError when `chat` is neither None nor a `ChatState`, or its ids are not token ids of this model."""
+    Raises ValueError when `chat` is neither None nor a `ChatState`, its ids are not token ids of this model, or
+    it was already used by a turn (its state advanced past its ids: the given ChatState is consumed by the call)."""
     if chat is None:
         return 0, "fresh"
     if not isinstance(chat, ChatState):
         raise ValueError(f"chat: expected a ChatState (a previous turn's GenerationResult.chat) or None, got "
                          f"{type(chat).__name__}")
+    if chat.state.pos != len(chat.ids):  # the state advanced under this ChatState: it was consumed by a turn
+        raise ValueError(f"chat: this ChatState was already used by a generate call (its state advanced to position "
+                         f"{chat.state.pos}, past its {len(chat.ids)} ids): a ChatState serves one next turn; pass "
+                         "the newer GenerationResult.chat, or chat=None to start from a fresh state")
     owner = chat.state.owner() if chat.state.owner is not None else None
     if owner is not model:
         return 0, "rebuilt: the chat state belongs to another model instance"

@@ -121,6 +121,33 @@ def test_multi_turn_continues_the_state_only_when_the_prompt_extends_it(model_to
     assert int(full.argmax()) == r2.ids[0]
 
 
+def test_a_chat_state_serves_one_next_turn(model_tok, monkeypatch):
+    """A ChatState is consumed by the turn that continues it (its DecodeState advances). Giving the same one to a
+    second call appended the new prompt at the wrong position, generated, and only then failed inside
+    `ChatState` ("the state is at position 46 but holds 30 ids"). Now the second call is refused before any model
+    step, saying to pass the newer result's chat (control: that one continues)."""
+    model, tok = model_tok
+    eos = model.args.eos_token_id
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    with monkeypatch.context() as mp:
+        _scripted(mp, tok.encode("Paris.", add_special_tokens=False) + [eos])
+        r1 = generate(model, tok, msgs, max_tokens=8, thinking=False)
+    msgs2 = msgs + [{"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Spain?"}]
+    with monkeypatch.context() as mp:
+        _scripted(mp, tok.encode("Madrid.", add_special_tokens=False) + [eos])
+        r2 = generate(model, tok, msgs2, max_tokens=8, thinking=False, chat=r1.chat)
+    assert r2.reuse.startswith("reused"), r2.reuse
+    calls = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda *a, **k: (calls.append(1), forward(*a, **k))[1])
+    with pytest.raises(ValueError, match=r"chat: this ChatState was already used by a generate call \(its state "
+                                         r"advanced to position \d+, past its \d+ ids\).*newer GenerationResult.chat"):
+        generate(model, tok, msgs2, max_tokens=3, thinking=False, chat=r1.chat)
+    assert calls == []
+    msgs3 = msgs2 + [{"role": "assistant", "content": "Madrid."}, {"role": "user", "content": "Italy?"}]
+    assert generate(model, tok, msgs3, max_tokens=2, thinking=False, chat=r2.chat).reuse.startswith("reused")
+
+
 def test_multi_turn_refuses_a_state_it_cannot_continue(model_tok, tiny_ckpt):
     """A chat state of another model instance, or one whose ids the new prompt does not extend, is never
     continued: the turn rebuilds and says why."""
