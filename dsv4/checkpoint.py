@@ -89,7 +89,8 @@ def _read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             raise CheckpointError(f"{path}: tensor {name}: malformed header entry {info!r} (shape and "
                                   "data_offsets must be non-negative integers)")
         if dt not in DTYPE_BYTES:
-            raise CheckpointError(f"{path}: tensor {name}: unknown safetensors dtype {dt!r}")
+            raise CheckpointError(f"{path}: tensor {name}: unknown safetensors dtype {dt!r}; expected one of "
+                                  f"{', '.join(sorted(DTYPE_BYTES))} (the formats of the official checkpoint)")
         shape = tuple(shape)
         if end - begin != math.prod(shape) * DTYPE_BYTES[dt]:
             raise CheckpointError(f"{path}: tensor {name}: data_offsets {begin}..{end} do not hold shape "
@@ -518,7 +519,8 @@ class Checkpoint(Source):
                                       "a file")
             if not f.is_file():
                 raise CheckpointError(f"{index}: weight_map maps {len(names)} tensors (e.g. {names[0]}) to shard "
-                                      f"{shard}, but {f} does not exist")
+                                      f"{shard}, but {f} " + ("is a directory, not a file" if f.is_dir() else
+                                                               "does not exist"))
         self.shards = []
         for shard, names in sorted(by_shard.items()):
             f = self.path / shard

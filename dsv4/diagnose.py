@@ -252,7 +252,7 @@ def _bounded_ids(ids: list[int]) -> str:
     if len(ids) <= 2 * TEXT_IDS_EDGE:
         return str(list(ids))
     head, tail = ", ".join(map(str, ids[:TEXT_IDS_EDGE])), ", ".join(map(str, ids[-TEXT_IDS_EDGE:]))
-    return f"[{head}, ... {len(ids) - 2 * TEXT_IDS_EDGE} ids not shown (all in the --json report) ..., {tail}]"
+    return f"[{head}, ... {len(ids) - 2 * TEXT_IDS_EDGE} ids not shown (a --json report holds them all) ..., {tail}]"
 
 
 def _bounded_text(text: str) -> str:
@@ -261,7 +261,7 @@ def _bounded_text(text: str) -> str:
         return json.dumps(text, ensure_ascii=False)
     head, tail = json.dumps(text[:TEXT_CHARS_EDGE], ensure_ascii=False), json.dumps(text[-TEXT_CHARS_EDGE:],
                                                                                   ensure_ascii=False)
-    return (f"{head} ... {len(text) - 2 * TEXT_CHARS_EDGE} characters not shown (all in the --json report) ... "
+    return (f"{head} ... {len(text) - 2 * TEXT_CHARS_EDGE} characters not shown (a --json report holds them all) ... "
             f"{tail}")
 
 
@@ -294,14 +294,14 @@ def format_template_report(diff: TemplateDiff) -> str:
     prev = -1
     for k in shown:
         if k > prev + 1:
-            lines.append(f"  ... {k - prev - 1} equal row(s) not shown (the full alignment is in the --json report)")
+            lines.append(f"  ... {k - prev - 1} equal row(s) not shown (a --json report holds the full alignment)")
         hp, ht, tp, tt, op = diff.alignment[k]
         mark = "" if op == "equal" else f"   <-- {op}"
         lines.append(f"  {cell(hp, ht):<34} | {cell(tp, tt):<34}{mark}")
         prev = k
     if prev < len(diff.alignment) - 1:
-        lines.append(f"  ... {len(diff.alignment) - 1 - prev} more row(s) not shown (the full alignment is in the "
-                     "--json report)")
+        lines.append(f"  ... {len(diff.alignment) - 1 - prev} more row(s) not shown (a --json report holds the "
+                     "full alignment)")
     lines.append("differences:" if diff.ops else "differences: none")
     lines += [f"  - {op.description}" for op in diff.ops]
     if diff.special_in_prompt:

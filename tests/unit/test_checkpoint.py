@@ -522,3 +522,31 @@ def test_symlink_loops_are_named_as_loops(tiny_ckpt, copy_ckpt, tmp_path):
     (d / INDEX_FILE).symlink_to(d / INDEX_FILE)
     with pytest.raises(SymlinkLoopError, match=rf"{INDEX_FILE}: symbolic link loop"):
         Checkpoint(d)
+
+
+def test_unknown_dtype_and_a_directory_shard_say_what_was_expected(tiny_ckpt, copy_ckpt):
+    """A tensor stored as F8_E5M2 (not a format of the official checkpoint) named its dtype but not what was
+    expected; a shard path that is a directory was "does not exist". Both now say what they are and expect."""
+    d = copy_ckpt(tiny_ckpt)
+    f = d / "model-00001-of-00004.safetensors"
+    names = []
+
+    def edit(h):
+        name = next(k for k in h if k != "__metadata__")  # the dtype is checked before the sizes
+        h[name]["dtype"] = "F8_E5M2"
+        names.append(name)
+
+    _rewrite_header(f, edit)
+    with pytest.raises(CheckpointError, match=rf"{f}: tensor {names[0]}: unknown safetensors dtype 'F8_E5M2'; "
+                                              r"expected one of .*BF16.*F8_E4M3.*F8_E8M0"):
+        Checkpoint(d)
+    f.unlink()  # the copy's other shards are intact: make it whole again from the original
+    shutil.copyfile(tiny_ckpt / f.name, f)
+    Checkpoint(d)  # control: the repaired copy loads
+    d2 = d
+    shard = d2 / "model-00003-of-00004.safetensors"
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(CheckpointError, match=r"to shard model-00003-of-00004.safetensors, but .* is a directory, "
+                                              "not a file"):
+        Checkpoint(d2)
