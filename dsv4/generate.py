@@ -28,7 +28,7 @@ from dsv4.config import SymlinkLoopError, check_has_mtp, layers_from_env, symlin
 import dsv4.encoding  # prompt_ids / parse_* looked up per call (a seam the tests replace)
 from dsv4.launch import LaunchEnvError, launch_from_env
 from dsv4.memory_plan import LimitError, MAX_BATCH, check_fits, max_context
-from dsv4.model import DecodeState, Transformer
+from dsv4.model import DecodeState, Transformer, check_batch_invariant
 from dsv4.parallel import comm_from_env, load_distributed_model
 from dsv4.resident import WEIGHTS
 from dsv4.speculative import MTPDrafter, plan_rows, speculative_greedy, speculative_sample
@@ -512,6 +512,8 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     full = checkpoint_args(ckpt)  # config.json, or the geometry of a `synth:` source
     if mtp:
         check_has_mtp(full, f"{ckpt}: this checkpoint")
+    if batch_invariant:  # what the model refuses from the config alone, before any weight is read
+        check_batch_invariant(full, dtype, weights)
     n = layers_from_env(full.n_layers)
     # the memory plan before any weight is read or generated: a named error with the numbers, not an allocator
     # error minutes later (dsv4.memory_plan.check_fits)

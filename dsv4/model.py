@@ -63,7 +63,7 @@ REFERENCE = get_backend("reference", torch.device("cpu"))
 STATE_GRAIN = 128  # decode-state max_len granularity: a multiple of every compress ratio (4, 128)
 MAX_STEP_TOKENS = 8  # tokens per row one decode step takes (1, or a verify step of up to 8; graph-captured per s)
 
-__all__ = ["STATE_GRAIN", "LOADABLE_DTYPES", "MAX_STEP_TOKENS", "window_slots", "VerifyRecord", "MTPBlock", "Transformer", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
+__all__ = ["STATE_GRAIN", "LOADABLE_DTYPES", "MAX_STEP_TOKENS", "window_slots", "VerifyRecord", "MTPBlock", "Transformer", "check_batch_invariant", "DecodeState", "LayerState", "ResidualObserver", "rope_inv_freq", "apply_rope",
            "check_loaded_values", "check_dequantized_range", "check_bf16_exact", "held_bf16_names",
            "fp32_linear_ref", "hadamard_matrix"]
 
@@ -300,6 +300,21 @@ def join_bf16(a: Linear, b: Linear) -> Linear:
     joint.codes.copy_(torch.cat((a.codes, b.codes)))
     a._buffers["weight"], b._buffers["weight"] = joint.codes[:n], joint.codes[n:]
     return joint
+
+
+def check_batch_invariant(args: ModelArgs, dtype: torch.dtype, weights: str) -> None:
+    """What `Transformer(batch_invariant=True)` needs, from the config alone (`load_model` checks it before any
+    weight is read): bf16 with weights="quantized" (the fp32 / dequantized linears are cuBLAS GEMMs) and routed
+    experts the grouped FP4 kernel takes (expert_dtype "fp4", dim and moe_inter_dim multiples of 128; the
+    per-expert loop is not batch invariant). Raises ValueError naming the values (kernels.invariant)."""
+    if dtype != torch.bfloat16 or weights != "quantized":
+        raise ValueError(f"batch_invariant=True needs dtype=torch.bfloat16 and weights='quantized' (got {dtype}, "
+                         f"{weights!r}): the fp32 / dequantized linears are cuBLAS GEMMs (kernels.invariant)")
+    if args.expert_dtype != "fp4" or args.dim % 128 or args.moe_inter_dim % 128:
+        raise ValueError(f"batch_invariant=True: the routed experts cannot take the grouped FP4 kernel, which "
+                         f"needs expert_dtype 'fp4' and dim / moe_inter_dim multiples of 128; this config has "
+                         f"expert_dtype {args.expert_dtype!r}, dim {args.dim}, moe_inter_dim {args.moe_inter_dim} "
+                         "(kernels.invariant)")
 
 
 # ----------------------------------------------------------------------------------------------- RoPE
@@ -1043,9 +1058,8 @@ class Transformer(nn.Module):
             raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
         check_device(device, allow_meta=True)
         check_weights_mode(weights, args)
-        if batch_invariant is True and (dtype != torch.bfloat16 or weights != "quantized"):
-            raise ValueError(f"batch_invariant=True needs dtype=torch.bfloat16 and weights='quantized' (got {dtype}, "
-                             f"{weights!r}): the fp32 / dequantized linears are cuBLAS GEMMs (kernels.invariant)")
+        if batch_invariant is True:
+            check_batch_invariant(args, dtype, weights)
         self.args, self.dtype, self.weights = args, dtype, weights
         self.backend = get_backend(backend, torch.device(device), batch_invariant=batch_invariant)
         sim = _Sim(dtype == torch.bfloat16, self.backend)  # every module takes its backend entries from it

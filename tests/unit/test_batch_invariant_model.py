@@ -82,3 +82,20 @@ def test_batch_invariant_refuses_what_it_does_not_cover():
                     batch_invariant=True)
     with pytest.raises(ValueError, match="grouped FP4 kernel"):  # dim 64: the experts are too narrow to stack
         Transformer(tiny_args(), dtype=torch.bfloat16, backend="triton", weights="quantized", batch_invariant=True)
+
+
+def test_load_model_refuses_a_batch_invariant_geometry_before_reading_weights(tiny_ckpt, monkeypatch):
+    """`load_model(batch_invariant=True)` on a checkpoint whose experts the grouped FP4 kernel cannot take read
+    every tensor, then refused without the widths; now it refuses from config.json alone, naming expert_dtype,
+    dim and moe_inter_dim (control: the config's values are in the message)."""
+    import dsv4.checkpoint
+    from dsv4.synth import checkpoint_args
+    from dsv4.generate import load_model
+    args = checkpoint_args(tiny_ckpt)
+    monkeypatch.setattr(dsv4.checkpoint, "load_checkpoint", lambda *a, **k: pytest.fail("weights were read"))
+    with pytest.raises(ValueError, match=rf"grouped FP4 kernel, which needs expert_dtype 'fp4' and dim / "
+                                         rf"moe_inter_dim multiples of 128; this config has expert_dtype "
+                                         rf"'{args.expert_dtype}', dim {args.dim}, moe_inter_dim {args.moe_inter_dim}"):
+        load_model(tiny_ckpt, dtype=torch.bfloat16, backend="triton", weights="quantized", batch_invariant=True)
+    with pytest.raises(ValueError, match="needs dtype=torch.bfloat16 and weights='quantized'"):
+        load_model(tiny_ckpt, dtype=torch.float32, backend="triton", weights="quantized", batch_invariant=True)
