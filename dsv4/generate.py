@@ -486,9 +486,13 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
     and `dsv4.config.NoMTPBlockError` (a ValueError) for mtp=True on a checkpoint without an MTP block
     (num_nextn_predict_layers 0: speculative decoding with the MTP drafter needs it). `batch_invariant`: the
     batch-invariant mode (`Transformer(batch_invariant=True)`, `kernels.invariant`; world size 1 only: ValueError
-    under torchrun, where the all-reduce order is outside its guarantee).
+    under torchrun, where the all-reduce order is outside its guarantee); ValueError for a `ckpt` that is not a
+    str / path (None included) or is empty.
     """
 
+    if not isinstance(ckpt, (str, os.PathLike)) or not str(ckpt):
+        raise ValueError(f"load_model: ckpt={ckpt!r}: expected a checkpoint directory (str or Path) or a synthetic "
+                         "source 'synth:GEOMETRY[:LAYERS[:SEED]]' (resolve_ckpt reads --ckpt / $DSV4_CKPT)")
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     dtype = model_dtype(dtype)

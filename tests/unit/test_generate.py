@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -278,6 +280,15 @@ def test_a_finished_conversation_is_refused_and_wo_eos_continues_the_reply(model
     tool = [user, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": "{}"}}]}, {"role": "tool", "content": "4"}]
     assert len(generate(model, tok, tool, max_tokens=1).ids) == 1
+
+
+@pytest.mark.parametrize("bad", [None, "", 3, ["ckpt"]])
+def test_load_model_names_a_ckpt_that_is_not_a_path(bad):
+    """load_model(None) was pathlib's bare TypeError ("expected str, bytes or os.PathLike object, not NoneType"):
+    now a ValueError naming ckpt and what it takes."""
+    with pytest.raises(ValueError, match=rf"load_model: ckpt={re.escape(repr(bad))}: expected a checkpoint "
+                                         r"directory \(str or Path\) or a synthetic source"):
+        load_model(bad)
 
 
 def test_load_model_dtype_is_checked_and_names_accepted(tiny_ckpt):
