@@ -497,6 +497,8 @@ def load_model(ckpt: Path, *, device: str = "cpu", dtype: torch.dtype = torch.fl
         raise ValueError(f"weights={weights!r}: expected one of {WEIGHTS}")
     dtype = model_dtype(dtype)
     check_device(device)  # before torch's own parse: its error names neither the argument nor dsv4's devices
+    if not is_synth_source(ckpt):  # placeholder data (a dry run) and a broken index / header are named before the
+        dsv4.checkpoint.Checkpoint(ckpt)  # memory plan, whose advice (TEST_LAYERS, ...) would not help them
 
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     if launch_from_env().distributed:

@@ -446,6 +446,19 @@ def test_dry_run_output_is_refused_as_weights(tmp_path):
     assert ck.placeholder == e.value.evidence
 
 
+def test_load_model_names_a_placeholder_before_the_memory_plan(tmp_path, monkeypatch):
+    """A dry-run checkpoint given to `load_model` first met the memory plan (whose advice, TEST_LAYERS or
+    weights="quantized", cannot help), and only a second try said it holds no weights. The placeholder is named
+    first now (control: the memory plan is never consulted)."""
+    import dsv4.generate as g
+    from dsv4.checkpoint import PlaceholderCheckpointError
+
+    d = _dry(tmp_path)
+    monkeypatch.setattr(g, "check_fits", lambda *a, **k: pytest.fail("the memory plan ran first"))
+    with pytest.raises(PlaceholderCheckpointError, match="placeholder checkpoint, not weights"):
+        g.load_model(d)
+
+
 @pytest.mark.parametrize("keep", ["index_marker", "provenance", "holes"])
 def test_each_placeholder_sign_alone_is_enough(tmp_path, keep):
     """Any one of the three signs is enough: the index marker (markers survive a dense copy), dsv4_synth.json's
