@@ -303,14 +303,19 @@ class Source:
             f = self._meta[stray[0]][0]
             raise CheckpointError(f"{f}: unexpected tensor {stray[0]} (not in the official inventory for this "
                                   f"config.json; {len(stray)} unexpected in all)")
+        args = getattr(self, "args", None)
         for name, (f, dt, shape) in self._meta.items():
             want_shape, want_dt = full[name]
+            # a routed expert's format follows config.json's expert_dtype: say so, it is the likelier culprit
+            cfg = (f"; routed experts as config.json's expert_dtype {args.expert_dtype!r} says"
+                   if args is not None and ".ffn.experts." in name else "")
             if dt != want_dt:
                 hint = " (ue8m0 exponent bytes; reading them as numbers corrupts every weight)" \
                     if name.endswith(".scale") else ""
-                raise CheckpointError(f"{f}: tensor {name} has dtype {dt}, expected {want_dt}{hint}")
+                raise CheckpointError(f"{f}: tensor {name} has dtype {dt}, expected {want_dt}{hint}{cfg}")
             if shape != want_shape:
-                raise CheckpointError(f"{f}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}")
+                raise CheckpointError(f"{f}: tensor {name} has shape {list(shape)}, expected {list(want_shape)}"
+                                      f"{cfg}")
         missing = sorted((set(full) if required is None else required) - set(self._meta))
         if missing:
             raise CheckpointError(f"{self.path}: missing tensor {missing[0]} (expected shape "

@@ -563,3 +563,21 @@ def test_unknown_dtype_and_a_directory_shard_say_what_was_expected(tiny_ckpt, co
     with pytest.raises(CheckpointError, match=r"to shard model-00003-of-00004.safetensors, but .* is a directory, "
                                               "not a file"):
         Checkpoint(d2)
+
+
+def test_an_expert_tensor_mismatch_points_at_expert_dtype(tiny_ckpt, copy_ckpt):
+    """config.json's expert_dtype "fp8" over FP4 experts failed on a scale's shape with nothing pointing at the
+    config key; a routed expert's mismatch now names expert_dtype (control: a non-expert mismatch does not)."""
+    d = copy_ckpt(tiny_ckpt)
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg.get("expert_dtype", "fp4") == "fp4"
+    cfg["expert_dtype"] = "fp8"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"tensor layers\.\d+\.ffn\.experts\.\d+\.w\d\.\w+ has (shape|dtype) .*"
+                                              r"; routed experts as config\.json's expert_dtype 'fp8' says$"):
+        load_checkpoint(d, progress=False)
+    cfg["expert_dtype"] = "fp4"
+    (d / "config.json").write_text(json.dumps(cfg))
+    _edit(d, "layers.0.attn_norm.weight", torch.randn(64))
+    with pytest.raises(CheckpointError, match=r"has dtype F32, expected BF16$"):
+        load_checkpoint(d, progress=False)
