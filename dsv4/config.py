@@ -404,6 +404,10 @@ class ModelArgs:
                 raise ValueError(f"{src}: key 'rope_parameters.compress'={rs!r} has type {type(rs).__name__}, "
                                  "expected a JSON object (YaRN parameters)")
         rtype = rs.get("type", rs.get("rope_type"))
+        if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:  # readers differ on which wins
+            raise ValueError(f"{src}: rope_scaling.type={rs['type']!r} and rope_scaling.rope_type="
+                             f"{rs['rope_type']!r} disagree (dsv4 reads type, transformers rope_type first); "
+                             "expected both 'yarn', or one of them")
         if rtype != "yarn":
             raise ValueError(f"{src}: rope_scaling.type={rtype!r}, expected 'yarn'")
         q = cfg.get("quantization_config")

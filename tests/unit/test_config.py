@@ -106,7 +106,11 @@ def _edited_flash(tmp_path, edit) -> Path:
     (lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]),
      r"'architectures'=\[\"DeepseekV3ForCausalLM\"\] \(list\), expected a list naming 'DeepseekV4ForCausalLM'"),
     (lambda c: c.update(architectures="DeepseekV4ForCausalLM"), r"'architectures'=.*\(string\), expected a list"),
-], ids=["missing", "kv_heads", "rope", "type", "model_type", "block", "architectures", "architectures_str"])
+    (lambda c: c["rope_scaling"].update(type="yarn", rope_type="linear"),
+     r"rope_scaling.type='yarn' and rope_scaling.rope_type='linear' disagree \(dsv4 reads type, transformers "
+     r"rope_type first\)"),
+], ids=["missing", "kv_heads", "rope", "type", "model_type", "block", "architectures", "architectures_str",
+        "rope_type_conflict"])
 def test_hf_config_errors_name_file_and_key(tmp_path, edit, message):
     p = _edited_flash(tmp_path, edit)
     with pytest.raises(ValueError, match=f"{p}: .*{message}"):
@@ -369,3 +373,14 @@ def test_max_position_embeddings_must_be_the_context(tmp_path, value):
     assert ModelArgs.from_hf_config(old) == tiny
     with pytest.raises(ValueError, match=rf"max_position_embeddings'=10, expected {tiny.max_context}"):
         ModelArgs.from_hf_config(dict(old, max_position_embeddings=10))
+
+
+@pytest.mark.parametrize("keys", [{"type": "yarn", "rope_type": "yarn"}, {"rope_type": "yarn"}],
+                         ids=["both_agree", "rope_type_only"])
+def test_rope_scaling_type_keys_that_agree_load(tmp_path, keys):
+    """Control of `rope_type_conflict`: the two spellings agreeing, or transformers' rope_type alone, load."""
+    def edit(c):
+        c["rope_scaling"].pop("type")
+        c["rope_scaling"].update(keys)
+    _edited_flash(tmp_path, edit)
+    assert ModelArgs.from_hf_config(tmp_path).rope_factor == 16
