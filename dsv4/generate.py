@@ -356,8 +356,8 @@ def generate_batch(model: Transformer, tokenizer, conversations: list[list[dict]
     larger than the device has available.
     Raises ValueError for an empty list, a bad max_tokens or max_batch (named, with the conversation's index), a
     temperature or seed `generate` refuses (0 < T < 1e-5; a seed outside 0..2**64-1), a conversation ending in an
-    empty or blank user message or in a finished assistant reply (as `generate`); prompt errors come from
-    `dsv4.encoding` with the conversation's
+    empty or blank user message, in a finished assistant reply or in a system message (as `generate`); prompt
+    errors come from `dsv4.encoding` with the conversation's
     index added."""
     if not isinstance(conversations, (list, tuple)) or not conversations:
         raise ValueError("conversations: expected a non-empty list of message lists")
